@@ -1,0 +1,59 @@
+"""slapo_fn — a functional schedule language for training large PyTorch models.
+
+A model is written once, plainly; how it trains fast is a *schedule*: a chain of pure
+rewrites of its module tree, each returning a new :class:`Schedule`.
+
+>>> import torch, torch.nn as nn, slapo_fn as sf
+>>> model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+>>> sch = sf.create_schedule(model)
+>>> sch = sf.checkpoint(sch, "0")
+>>> sch = sf.annotate(sch, "2.weight", "lr_scale", 0.5)
+>>> report = sf.verify(sch, torch.randn(2, 8))
+>>> built = sf.build(sch)
+"""
+
+from .build import build
+from .combinators import Primitive, Rewrite, chain, foreach, primitive, scope, when
+from .errors import LayoutError, Problem, ScheduleError, ScheduleTypeError, SelectorError, VerificationError
+from .explain import Explanation, explain
+from .rewrites import annotate, checkpoint, compile, hook, replace  # noqa: A004
+from .schedule import Annotations, Schedule, View, create_schedule
+from .select import Selection, of_type, select, where_fn
+from .verify import VerifyReport, verified, verify
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Annotations",
+    "Explanation",
+    "LayoutError",
+    "Primitive",
+    "Problem",
+    "Rewrite",
+    "Schedule",
+    "ScheduleError",
+    "ScheduleTypeError",
+    "Selection",
+    "SelectorError",
+    "VerificationError",
+    "VerifyReport",
+    "View",
+    "annotate",
+    "build",
+    "chain",
+    "checkpoint",
+    "compile",
+    "create_schedule",
+    "explain",
+    "foreach",
+    "hook",
+    "of_type",
+    "primitive",
+    "replace",
+    "scope",
+    "select",
+    "verified",
+    "verify",
+    "when",
+    "where_fn",
+]

@@ -1,0 +1,220 @@
+"""``build``: materialise a schedule as an ``nn.Module``, in one canonical order.
+
+Whatever order the rewrites were written in, ``build`` applies them as:
+
+1. structural rewrites (already in the tree: ``replace``, graph rewrites);
+2. materialisation of meta-device tensors (``init``) and placement (``device``);
+3. tags and hooks;
+4. activation checkpointing;
+5. compilation.
+
+Tensor parallelism comes after 2 and data parallelism after 5 once those layers exist.
+Everything happens on a private structural copy of the schedule's tree, so PyTorch APIs
+that act in place (composable ``checkpoint``, ``Module.compile``) never touch a module
+a schedule owns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+import torch
+from torch import nn
+
+from .errors import Problem, ScheduleError, ScheduleTypeError
+from .rewrites.annotate import apply_tags
+from .rewrites.checkpoint import apply_checkpoints
+from .rewrites.compile import apply_compile
+from .rewrites.hook import apply_hooks
+from .schedule import Schedule
+from .tree import private_copy, walk
+
+__all__ = ["BuildOptions", "Init", "build", "materialise"]
+
+Init: TypeAlias = "Literal['reset', 'full'] | Callable[[nn.Module, str], None] | None"
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Options every build phase sees."""
+
+    init: Init = None
+    device: torch.device | None = None
+    strict: bool = False
+    seed: int = 0
+
+
+Phase: TypeAlias = Callable[[nn.Module, Schedule, BuildOptions], None]
+
+
+def _tags(model: nn.Module, sch: Schedule, _: BuildOptions) -> None:
+    apply_tags(model, sch)
+
+
+def _hooks(model: nn.Module, sch: Schedule, _: BuildOptions) -> None:
+    apply_hooks(model, sch)
+
+
+def _checkpoint(model: nn.Module, sch: Schedule, _: BuildOptions) -> None:
+    apply_checkpoints(model, sch)
+
+
+def _compile(model: nn.Module, sch: Schedule, _: BuildOptions) -> None:
+    apply_compile(model, sch)
+
+
+#: The canonical order of build phases after materialisation.
+PHASES: tuple[tuple[str, Phase], ...] = (
+    ("tags", _tags),
+    ("hooks", _hooks),
+    ("checkpoint", _checkpoint),
+    ("compile", _compile),
+)
+
+
+def build(
+    sch: Schedule,
+    *,
+    init: Init = None,
+    device: torch.device | str | None = None,
+    strict: bool = False,
+    copy: bool = True,
+    seed: int = 0,
+) -> nn.Module:
+    """Materialise ``sch`` as a new ``nn.Module`` with the original's FQNs.
+
+    * ``copy=True`` (default): the built model owns its parameter data, so training it
+      never changes the model given to :func:`create_schedule`. ``copy=False`` makes its
+      parameters new ``Parameter`` objects that view the original storage (no memory; an
+      optimizer step then changes values the original sees too).
+    * Meta-device tensors are materialised on ``device`` (default CPU) and initialised by
+      ``init``: ``"reset"`` (each module's own initialisation: Hugging Face
+      ``_init_weights`` or ``reset_parameters``), ``"full"`` (the same, seeded with
+      ``seed`` on full-size tensors, so the weights equal the single-device model's
+      whatever the layout) or ``fn(module, path)``.
+    * ``strict=True`` refuses layouts that need resharding the user did not ask for.
+
+    Example:
+        >>> import torch, torch.nn as nn, slapo_fn as sf
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+        >>> built = sf.build(sf.checkpoint(sf.create_schedule(model), "0"))
+        >>> list(built.state_dict()) == list(model.state_dict())
+        True
+    """
+    if not isinstance(sch, Schedule):
+        raise ScheduleTypeError(
+            "build",
+            [Problem("", f"expected a Schedule, got {type(sch).__name__}", "sf.build(sf.create_schedule(model))")],
+        )
+    options = BuildOptions(init=init, device=None if device is None else torch.device(device), strict=strict, seed=seed)
+    model = private_copy(sch.module, copy_data=copy)
+    materialise(model, options)
+    for _, phase in PHASES:
+        phase(model, sch, options)
+    return model
+
+
+def _has_meta(module: nn.Module) -> bool:
+    return any(t is not None and t.is_meta for t in (*module._parameters.values(), *module._buffers.values()))
+
+
+def _hf_owner(owners: dict[str, nn.Module], path: str) -> nn.Module | None:
+    """The nearest Hugging Face ``PreTrainedModel`` at or above ``path``."""
+    tokens = path.split(".") if path else []
+    for i in range(len(tokens), -1, -1):
+        owner = owners.get(".".join(tokens[:i]))
+        if owner is not None:
+            return owner
+    return None
+
+
+def _reset(module: nn.Module, owner: nn.Module | None) -> bool:
+    init_weights = getattr(owner, "_init_weights", None)
+    if callable(init_weights):
+        init_weights(module)
+        return True
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+        return True
+    return False
+
+
+def materialise(model: nn.Module, options: BuildOptions) -> None:
+    """Give meta-device tensors of ``model`` real storage and initialise them (in place:
+    ``model`` is build's private copy)."""
+    pending = [(path, m) for path, m in walk(model) if _has_meta(m)]
+    if not pending:
+        if options.device is not None:
+            model.to(options.device)
+        return
+    init = options.init if options.init is not None else "reset"
+    if init not in ("reset", "full") and not callable(init):
+        raise ScheduleError(
+            "build", [Problem("", f"unknown init {init!r}", "use init='reset', init='full' or init=fn(module, path)")]
+        )
+    _to_empty(model, options.device or torch.device("cpu"))
+    owners = {path: m for path, m in walk(model) if _is_hf_model(m)}
+    for _, m in pending:
+        m.__dict__.pop("_is_hf_initialized", None)
+        for t in (*m._parameters.values(), *m._buffers.values()):
+            if t is not None:
+                t.__dict__.pop("_is_hf_initialized", None)
+    if options.device is not None:
+        model.to(options.device)
+    uninitialised: list[str] = []
+    with torch.random.fork_rng(devices=[]):
+        if init == "full":
+            torch.manual_seed(options.seed)
+        with torch.no_grad():
+            for path, m in pending:
+                if callable(init):
+                    init(m, path)
+                elif not _reset(m, _hf_owner(owners, path)):
+                    uninitialised.append(path)
+    if uninitialised:
+        raise ScheduleError(
+            "build",
+            [
+                Problem(
+                    p,
+                    "has meta-device tensors and no way to initialise them (no reset_parameters, no Hugging "
+                    "Face owner)",
+                    "pass init=fn(module, path) or give the module real weights",
+                )
+                for p in uninitialised
+            ],
+        )
+
+
+def _to_empty(model: nn.Module, device: torch.device) -> None:
+    """Like ``Module.to_empty`` but keeps tensors shared between modules shared (tied
+    weights), which ``to_empty`` does not."""
+    memo: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            data = torch.empty_like(t, device=device)
+            if isinstance(t, nn.Parameter):
+                new: torch.Tensor = nn.Parameter(data, requires_grad=t.requires_grad)
+                new.__dict__.update(t.__dict__)
+            else:
+                new = data
+            memo[id(t)] = new
+        return memo[id(t)]
+
+    for _, m in walk(model):
+        for name, p in m._parameters.items():
+            if p is not None and p.is_meta:
+                m._parameters[name] = empty(p)  # type: ignore[assignment]
+        for name, b in m._buffers.items():
+            if b is not None and b.is_meta:
+                m._buffers[name] = empty(b)
+
+
+def _is_hf_model(module: nn.Module) -> bool:
+    return any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in type(module).__mro__
+    )

@@ -1,0 +1,33 @@
+"""Checks shared by the annotation primitives."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ..errors import Problem, ScheduleError
+
+
+def contains(outer: str, inner: str) -> bool:
+    """Whether module path ``inner`` lies strictly inside ``outer``."""
+    return inner != outer and (outer == "" or inner.startswith(outer + "."))
+
+
+def reject_nested(what: str, paths: Iterable[str], annotated: Iterable[str]) -> None:
+    """Refuse regions of ``what`` that would nest in each other (all offenders at once)."""
+    paths = tuple(paths)
+    everything = sorted(set(annotated) | set(paths))
+    problems = []
+    for path in paths:
+        for other in everything:
+            if contains(other, path) or contains(path, other):
+                outer, inner = (other, path) if contains(other, path) else (path, other)
+                problems.append(
+                    Problem(
+                        path,
+                        f"{what} regions cannot nest: {inner!r} is inside {outer!r}",
+                        f"apply {what} to either {outer!r} or to the modules inside it",
+                    )
+                )
+                break
+    if problems:
+        raise ScheduleError(what, problems)

@@ -1,0 +1,123 @@
+"""``checkpoint``: activation checkpointing, full or selective, without renaming FQNs."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint as composable_checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from ..combinators import primitive
+from ..errors import Problem, ScheduleTypeError
+from ..schedule import Schedule
+from ..select import Selection
+from ..tree import get_module
+from ._common import reject_nested
+
+__all__ = ["CheckpointSpec", "apply_checkpoints", "checkpoint"]
+
+KIND = "checkpoint"
+PolicyFn = Callable[..., CheckpointPolicy]
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """How a module is checkpointed: ``save`` ops (selective), a policy function, or
+    neither (full recomputation)."""
+
+    save: frozenset[torch._ops.OpOverload] | None = None
+    policy_fn: PolicyFn | None = None
+
+    def __str__(self) -> str:
+        if self.policy_fn is not None:
+            return f"checkpoint(policy={getattr(self.policy_fn, '__name__', 'fn')})"
+        if self.save is not None:
+            return f"checkpoint(save={sorted(str(op) for op in self.save)})"
+        return "checkpoint"
+
+    def policy(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if self.policy_fn is not None:
+            return self.policy_fn(ctx, op, *args, **kwargs)
+        assert self.save is not None
+        return CheckpointPolicy.MUST_SAVE if op in self.save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def context_fn(self) -> Callable[[], Any] | None:
+        if self.save is None and self.policy_fn is None:
+            return None
+        return functools.partial(create_selective_checkpoint_contexts, self.policy)
+
+
+def _spec(policy: object, paths: tuple[str, ...]) -> CheckpointSpec:
+    if policy is None:
+        return CheckpointSpec()
+    if isinstance(policy, torch._ops.OpOverloadPacket | torch._ops.OpOverload):
+        policy = [policy]
+    if isinstance(policy, Sequence) and not isinstance(policy, str):
+        ops: set[torch._ops.OpOverload] = set()
+        bad = []
+        for op in policy:
+            if isinstance(op, torch._ops.OpOverloadPacket):
+                ops.update(getattr(op, name) for name in op.overloads())
+            elif isinstance(op, torch._ops.OpOverload):
+                ops.add(op)
+            else:
+                bad.append(op)
+        if not bad:
+            return CheckpointSpec(save=frozenset(ops))
+    elif callable(policy):
+        return CheckpointSpec(policy_fn=policy)  # type: ignore[arg-type]
+    raise ScheduleTypeError(
+        "checkpoint",
+        [
+            Problem(
+                p,
+                f"policy must be None, a list of aten ops to save, or fn(ctx, op, *args, **kwargs) -> "
+                f"CheckpointPolicy; got {policy!r}",
+                "checkpoint(sch, where, policy=[torch.ops.aten.mm, torch.ops.aten.addmm])",
+            )
+            for p in paths
+        ],
+    )
+
+
+@primitive
+def checkpoint(sch: Schedule, where: Selection, *, policy: object = None) -> Schedule:
+    """Recompute the selected modules' activations in backward instead of keeping them.
+
+    ``policy=None`` recomputes everything; a list of aten ops (``torch.ops.aten.mm``)
+    keeps those ops' outputs and recomputes the rest (selective checkpointing); a
+    ``torch.utils.checkpoint`` policy function decides per op. Built with PyTorch's
+    composable checkpoint: parameter names (FQNs) are unchanged. Regions cannot nest.
+    Returns a new schedule; the input is unchanged.
+
+    Example:
+        >>> import torch, torch.nn as nn, slapo_fn as sf
+        >>> sch = sf.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+        >>> sch = sf.checkpoint(sch, "0")
+        >>> sch = sf.checkpoint(sch, "1", policy=[torch.ops.aten.addmm])
+        >>> print(sch["1"].annotations["checkpoint"])
+        checkpoint(save=['aten.addmm.default', 'aten.addmm.dtype', 'aten.addmm.dtype_out', 'aten.addmm.out'])
+    """
+    paths = where.modules(sch.module)
+    spec = _spec(policy, paths)
+    existing = [p for p in sch.annotations.of_kind(KIND) if p not in paths]
+    reject_nested("checkpoint", paths, existing)
+    for path in paths:
+        sch = sch.annotate_path(path, KIND, spec)
+    return sch
+
+
+def apply_checkpoints(model: nn.Module, sch: Schedule) -> None:
+    """Install the schedule's checkpoint regions on ``model`` (build's private copy)."""
+    for path, spec in sch.annotations.of_kind(KIND).items():
+        module = get_module(model, path)
+        context_fn = spec.context_fn()
+        if context_fn is None:
+            composable_checkpoint(module)
+        else:
+            composable_checkpoint(module, context_fn=context_fn)

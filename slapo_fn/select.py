@@ -1,0 +1,301 @@
+"""Selectors: which modules (or parameters) a rewrite acts on.
+
+Every form lowers to one value, :class:`Selection`:
+
+* a dotted path with per-token globs — ``"model.layers.0.mlp"``, ``"layers.*.mlp"``,
+  ``"layers.[0-3].mlp"``, ``"layers.[0,2,5]"``, ``"h.*.attn.c_*"``, and ``**`` for any
+  number of levels (``"**.q_proj"``); a path may end in a parameter name
+  (``"h.0.attn.c_attn.weight"``) where the primitive acts on parameters;
+* :func:`of_type` — modules that are instances of some classes;
+* :func:`where_fn` — modules for which ``pred(path, module)`` is true;
+* a list (or tuple) of any of these — the union, in tree order of first appearance.
+
+A selection that matches nothing raises :class:`~slapo_fn.errors.SelectorError` naming
+the key, the longest prefix that matched, the failing token and close matches.
+
+Example:
+    >>> import torch.nn as nn
+    >>> from slapo_fn.select import select
+    >>> m = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    >>> select("[0-1]").modules(m)
+    ('0', '1')
+    >>> select(of_type(nn.Linear)).modules(m)
+    ('0', '2')
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import TypeAlias
+
+from torch import nn
+
+from .errors import SelectorError
+from .tree import get_module, join, split, walk
+
+__all__ = ["Kind", "Selection", "Where", "of_type", "select", "where_fn"]
+
+
+class Kind(Enum):
+    """What a primitive acts on."""
+
+    MODULE = "module"
+    PARAMETER = "parameter"
+    ANY = "any"
+
+
+_RANGE = re.compile(r"^\[(\d+)-(\d+)\]$")
+_LIST = re.compile(r"^\[(\d+(?:,\s*\d+)*)\]$")
+
+
+def _token_matches(token: str, name: str) -> bool:
+    if token == name or token == "*":
+        return True
+    if m := _RANGE.match(token):
+        return name.isdigit() and int(m.group(1)) <= int(name) <= int(m.group(2))
+    if m := _LIST.match(token):
+        return name.isdigit() and int(name) in {int(x) for x in m.group(1).split(",")}
+    if any(c in token for c in "*?["):
+        return fnmatch.fnmatchcase(name, token)
+    return False
+
+
+@dataclass(frozen=True)
+class _Path:
+    pattern: str
+
+    def describe(self) -> str:
+        return repr(self.pattern)
+
+
+@dataclass(frozen=True)
+class _Type:
+    classes: tuple[type, ...]
+
+    def describe(self) -> str:
+        return f"of_type({', '.join(c.__name__ for c in self.classes)})"
+
+
+@dataclass(frozen=True)
+class _Pred:
+    fn: Callable[[str, nn.Module], bool]
+
+    def describe(self) -> str:
+        return f"where_fn({getattr(self.fn, '__name__', repr(self.fn))})"
+
+
+_Atom: TypeAlias = _Path | _Type | _Pred
+
+
+@dataclass(frozen=True)
+class Selection:
+    """A value naming a set of paths in a module tree, relative to ``base``.
+
+    Build one with :func:`select` (or pass any selector form where a ``where`` is
+    expected). ``modules(root)``/``parameters(root)``/``paths(root)`` resolve it.
+    """
+
+    atoms: tuple[_Atom, ...]
+    base: str = ""
+
+    def under(self, base: str) -> Selection:
+        """The same selection, its paths read relative to the module at ``base``."""
+        return Selection(self.atoms, join(base, self.base))
+
+    def __str__(self) -> str:
+        text = " | ".join(a.describe() for a in self.atoms)
+        return f"{text} under {self.base!r}" if self.base else text
+
+    # -- resolution -------------------------------------------------------------
+    def modules(self, root: nn.Module) -> tuple[str, ...]:
+        """Absolute paths of the selected modules (error if none / if a parameter is named)."""
+        return self.resolve(root, Kind.MODULE)
+
+    def parameters(self, root: nn.Module) -> tuple[str, ...]:
+        """Absolute paths of selected parameters; a selected module stands for its own
+        (non-recursive) parameters."""
+        return self.resolve(root, Kind.PARAMETER)
+
+    def paths(self, root: nn.Module) -> tuple[str, ...]:
+        """Absolute paths of selected modules and parameters."""
+        return self.resolve(root, Kind.ANY)
+
+    def resolve(self, root: nn.Module, kind: Kind) -> tuple[str, ...]:
+        try:
+            scope = get_module(root, self.base)
+        except KeyError:
+            raise _path_error(root, self.base, self.base) from None
+        found: dict[str, None] = {}
+        for atom in self.atoms:
+            for path in _resolve_atom(atom, scope, self.base, kind):
+                found.setdefault(join(self.base, path) if path or self.base else "", None)
+        return tuple(found)
+
+
+Where: TypeAlias = "str | Selection | _Atom | Sequence[str | Selection | _Atom]"
+
+
+def of_type(*classes: type) -> Selection:
+    """Select every module that is an instance of one of ``classes``.
+
+    >>> import torch.nn as nn
+    >>> of_type(nn.Linear).modules(nn.Sequential(nn.Linear(1, 1)))
+    ('0',)
+    """
+    if not classes or not all(isinstance(c, type) for c in classes):
+        raise TypeError(f"of_type takes classes, e.g. of_type(nn.Linear); got {classes!r}")
+    return Selection((_Type(tuple(classes)),))
+
+
+def where_fn(pred: Callable[[str, nn.Module], bool]) -> Selection:
+    """Select every module for which ``pred(path, module)`` is true.
+
+    >>> import torch.nn as nn
+    >>> where_fn(lambda path, m: path.endswith("1")).modules(nn.Sequential(nn.ReLU(), nn.ReLU()))
+    ('1',)
+    """
+    if not callable(pred):
+        raise TypeError(f"where_fn takes a callable pred(path, module) -> bool; got {pred!r}")
+    return Selection((_Pred(pred),))
+
+
+def select(where: object) -> Selection:
+    """Lower any selector form to a :class:`Selection`."""
+    if isinstance(where, Selection):
+        return where
+    if isinstance(where, str):
+        return Selection((_Path(where.strip()),))
+    if isinstance(where, _Path | _Type | _Pred):
+        return Selection((where,))
+    if isinstance(where, list | tuple) and where:
+        parts = [select(w) for w in where]
+        atoms: list[_Atom] = []
+        for part in parts:
+            if part.base:
+                raise TypeError("a list of selectors cannot mix relative (scoped) selections")
+            atoms.extend(part.atoms)
+        return Selection(tuple(atoms))
+    raise TypeError(
+        f"a selector is a path string, of_type(...), where_fn(...), or a non-empty list of them; "
+        f"got {type(where).__name__}: {where!r}"
+    )
+
+
+# -- resolution helpers ---------------------------------------------------------------
+def _resolve_atom(atom: _Atom, scope: nn.Module, base: str, kind: Kind) -> list[str]:
+    if isinstance(atom, _Path):
+        return _resolve_pattern(atom.pattern, scope, base, kind)
+    hits = [
+        path
+        for path, module in walk(scope)
+        if (isinstance(module, atom.classes) if isinstance(atom, _Type) else atom.fn(join(base, path), module))
+    ]
+    if not hits:
+        raise SelectorError(
+            atom.describe(),
+            reason=f"matches no module{f' under {base!r}' if base else ''}",
+            fix="check the class / predicate, or print(sch) to see the tree",
+        )
+    if kind is Kind.PARAMETER:
+        return _own_parameters(scope, hits, atom.describe())
+    return hits
+
+
+def _own_parameters(scope: nn.Module, module_paths: Iterable[str], key: str) -> list[str]:
+    out = []
+    for path in module_paths:
+        module = get_module(scope, path)
+        out += [join(path, n) for n, p in module._parameters.items() if p is not None]
+    if not out:
+        raise SelectorError(
+            key,
+            reason="the selected modules have no parameters of their own",
+            fix="select a module with parameters (e.g. a Linear) or a parameter path",
+        )
+    return out
+
+
+def _resolve_pattern(pattern: str, scope: nn.Module, base: str, kind: Kind) -> list[str]:
+    tokens = split(pattern)
+    frontier: list[tuple[str, nn.Module]] = [("", scope)]
+    params: list[str] = []
+    for i, token in enumerate(tokens):
+        last = i == len(tokens) - 1
+        nxt: list[tuple[str, nn.Module]] = []
+        if token == "**":
+            for path, module in frontier:
+                nxt.extend(walk(module, path))
+            frontier = _dedup(nxt)
+            continue
+        for path, module in frontier:
+            for name, child in module._modules.items():
+                if child is not None and _token_matches(token, name):
+                    nxt.append((join(path, name), child))
+            if last and kind is not Kind.MODULE:
+                params += [
+                    join(path, n) for n, p in module._parameters.items() if p is not None and _token_matches(token, n)
+                ]
+        if not nxt and not params:
+            if last and kind is Kind.MODULE and _names_parameter(frontier, token):
+                raise SelectorError(
+                    join(base, pattern),
+                    reason=f"{token!r} is a parameter, and this primitive acts on modules",
+                    prefix=join(base, *tokens[:i]),
+                    token=token,
+                    fix=f"select the module that owns it: {join(base, *tokens[:i])!r}",
+                )
+            raise _token_error(frontier, base, tokens, i)
+        frontier = _dedup(nxt)
+    if kind is Kind.PARAMETER:
+        modules = [p for p, _ in frontier]
+        return params + (_own_parameters(scope, modules, join(base, pattern)) if modules else [])
+    return [p for p, _ in frontier] + params
+
+
+def _dedup(items: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    seen: dict[str, nn.Module] = {}
+    for path, module in items:
+        seen.setdefault(path, module)
+    return list(seen.items())
+
+
+def _names_parameter(frontier: list[tuple[str, nn.Module]], token: str) -> bool:
+    return any(_token_matches(token, n) for _, m in frontier for n in m._parameters)
+
+
+def _token_error(frontier: list[tuple[str, nn.Module]], base: str, tokens: list[str], i: int) -> SelectorError:
+    token = tokens[i]
+    names: list[str] = []
+    for _, module in frontier:
+        for name in list(module._modules) + list(module._parameters):
+            if name not in names:
+                names.append(name)
+    prefix = join(base, *tokens[:i])
+    close = difflib.get_close_matches(token, names, n=3, cutoff=0.5)
+    shown = ", ".join(names[:8]) + (", …" if len(names) > 8 else "")
+    where = f"{prefix!r}" if prefix else "the root"
+    count = f" ({len(frontier)} modules)" if len(frontier) > 1 else ""
+    return SelectorError(
+        join(base, *tokens),
+        reason=f"{where}{count} matched, but nothing under it matches {token!r} (children: {shown or 'none'})",
+        prefix=prefix,
+        token=token,
+        candidates=close,
+        fix=f"use one of the children's names, e.g. {join(prefix, close[0] if close else (names or ['?'])[0])!r}",
+    )
+
+
+def _path_error(root: nn.Module, path: str, key: str) -> SelectorError:
+    tokens = split(path)
+    module = root
+    for i, token in enumerate(tokens):
+        child = module._modules.get(token)
+        if child is None:
+            return _token_error([("", module)], "", tokens, i)
+        module = child
+    return SelectorError(key, reason="no such path")
