@@ -139,7 +139,7 @@ class Scope(Rewrite):
                 "scope",
                 [
                     Problem(
-                        _fmt(self.where),
+                        self.where if isinstance(self.where, str) else _fmt(self.where),
                         f"matches {len(paths)} modules ({', '.join(paths[:4])}…); scope needs one",
                         "use foreach(where, rewrite) to apply the rewrite under every match",
                     )
@@ -240,6 +240,8 @@ class Primitive(Generic[P]):
     def __init__(self, impl: Callable[Concatenate[Schedule, Selection, P], Schedule]) -> None:
         self._impl = impl
         self._signature = inspect.signature(impl)
+        plain = [p.replace(annotation=p.empty) for p in self._signature.parameters.values()]
+        self._shown = str(self._signature.replace(parameters=plain, return_annotation=inspect.Signature.empty))
         functools.update_wrapper(self, impl)
         self.__name__: str = impl.__name__
 
@@ -276,11 +278,11 @@ class Primitive(Generic[P]):
         except TypeError as e:
             raise ScheduleTypeError(
                 self.__name__,
-                [Problem(str(where), f"bad arguments: {e}", f"signature: {self.__name__}{self._signature}")],
+                [Problem(str(where), f"bad arguments: {e}", f"call it as {self.__name__}{self._shown}")],
             ) from None
 
     def __repr__(self) -> str:
-        return f"<primitive slapo_fn.{self.__name__}{self._signature}>"
+        return f"<primitive slapo_fn.{self.__name__}{self._shown}>"
 
 
 def primitive(impl: Callable[Concatenate[Schedule, Selection, P], Schedule]) -> Primitive[P]:
