@@ -12,6 +12,7 @@ rewrites of its module tree, each returning a new :class:`Schedule`.
 >>> built = sf.build(sch)
 """
 
+from . import kernels
 from .build import build
 from .combinators import Primitive, Rewrite, chain, foreach, primitive, scope, when
 from .errors import LayoutError, Problem, ScheduleError, ScheduleTypeError, SelectorError, VerificationError
@@ -47,6 +48,7 @@ __all__ = [
     "explain",
     "foreach",
     "hook",
+    "kernels",
     "of_type",
     "primitive",
     "replace",

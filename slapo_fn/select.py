@@ -3,7 +3,8 @@
 Every form lowers to one value, :class:`Selection`:
 
 * a dotted path with per-token globs — ``"model.layers.0.mlp"``, ``"layers.*.mlp"``,
-  ``"layers.[0-3].mlp"``, ``"layers.[0,2,5]"``, ``"h.*.attn.c_*"``, and ``**`` for any
+  ``"layers.[0-3].mlp"``, ``"layers.[0,2,5]"``, ``"h.*.attn.c_*"``,
+  ``"mlp.{gate,up}_proj"``, and ``**`` for any
   number of levels (``"**.q_proj"``); a path may end in a parameter name
   (``"h.0.attn.c_attn.weight"``) where the primitive acts on parameters;
 * :func:`of_type` — modules that are instances of some classes;
@@ -53,9 +54,22 @@ _RANGE = re.compile(r"^\[(\d+)-(\d+)\]$")
 _LIST = re.compile(r"^\[(\d+(?:,\s*\d+)*)\]$")
 
 
+_BRACES = re.compile(r"\{([^{}]*)\}")
+
+
+def _expand(token: str) -> list[str]:
+    """``"{input,post_attention}_layernorm"`` → both names (shell-style alternation)."""
+    m = _BRACES.search(token)
+    if m is None:
+        return [token]
+    return [x for alt in m.group(1).split(",") for x in _expand(token[: m.start()] + alt.strip() + token[m.end():])]
+
+
 def _token_matches(token: str, name: str) -> bool:
     if token == name or token == "*":
         return True
+    if "{" in token:
+        return any(_token_matches(alt, name) for alt in _expand(token))
     if m := _RANGE.match(token):
         return name.isdigit() and int(m.group(1)) <= int(name) <= int(m.group(2))
     if m := _LIST.match(token):
@@ -232,7 +246,15 @@ def _resolve_pattern(pattern: str, scope: nn.Module, base: str, kind: Kind) -> l
                 nxt.extend(walk(module, path))
             frontier = _dedup(nxt)
             continue
+        literal = not any(c in token for c in "*?[{")
         for path, module in frontier:
+            if literal:  # O(1) per level: the common case of an exact path
+                child = module._modules.get(token)
+                if child is not None:
+                    nxt.append((join(path, token), child))
+                if last and kind is not Kind.MODULE and module._parameters.get(token) is not None:
+                    params.append(join(path, token))
+                continue
             for name, child in module._modules.items():
                 if child is not None and _token_matches(token, name):
                     nxt.append((join(path, name), child))

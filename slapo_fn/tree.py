@@ -14,7 +14,6 @@ These are the mechanics behind the schedule's purity contract:
 
 from __future__ import annotations
 
-import copy as _copy
 from collections import OrderedDict
 from collections.abc import Iterator
 
@@ -77,9 +76,7 @@ def shallow_clone(module: nn.Module) -> nn.Module:
     children, parameters and buffers in them are the same objects.
     """
     new = object.__new__(type(module))
-    state = {
-        key: (_copy.copy(value) if type(value) in _CONTAINERS else value) for key, value in module.__dict__.items()
-    }
+    state = {k: (type(v)(v) if type(v) in _CONTAINERS else v) for k, v in module.__dict__.items()}
     new.__dict__.update(state)
     return new
 

@@ -24,6 +24,8 @@ def net() -> nn.Module:
         ("blocks.[0,3]", ("blocks.0", "blocks.3")),
         ("blocks.*.mlp.fc?", tuple(f"blocks.{i}.mlp.fc{j}" for i in range(4) for j in (1, 2))),
         ("**.fc2", tuple(f"blocks.{i}.mlp.fc2" for i in range(4))),
+        ("blocks.0.{mlp,norm}", ("blocks.0.norm", "blocks.0.mlp")),
+        ("blocks.1.mlp.{fc2,act}", ("blocks.1.mlp.act", "blocks.1.mlp.fc2")),
         ("", ("",)),
         (["head", "embed", "head"], ("head", "embed")),
     ],
