@@ -15,9 +15,11 @@ rewrites of its module tree, each returning a new :class:`Schedule`.
 from . import kernels
 from .build import build
 from .combinators import Primitive, Rewrite, chain, foreach, primitive, scope, when
+from .dtensor import fork_rng, sequence_parallel, shard, sync, vocab_parallel_cross_entropy
 from .errors import LayoutError, Problem, ScheduleError, ScheduleTypeError, SelectorError, VerificationError
 from .explain import Explanation, explain
 from .rewrites import annotate, checkpoint, compile, hook, replace  # noqa: A004
+from .rewrites.graph import Match, decompose, find, fuse, trace
 from .schedule import Annotations, Schedule, View, create_schedule
 from .select import Selection, of_type, select, where_fn
 from .verify import VerifyReport, verified, verify
@@ -28,6 +30,7 @@ __all__ = [
     "Annotations",
     "Explanation",
     "LayoutError",
+    "Match",
     "Primitive",
     "Problem",
     "Rewrite",
@@ -45,8 +48,12 @@ __all__ = [
     "checkpoint",
     "compile",
     "create_schedule",
+    "decompose",
     "explain",
+    "find",
     "foreach",
+    "fork_rng",
+    "fuse",
     "hook",
     "kernels",
     "of_type",
@@ -54,8 +61,13 @@ __all__ = [
     "replace",
     "scope",
     "select",
+    "sequence_parallel",
+    "shard",
+    "sync",
+    "trace",
     "verified",
     "verify",
+    "vocab_parallel_cross_entropy",
     "when",
     "where_fn",
 ]

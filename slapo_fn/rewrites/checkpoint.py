@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -13,11 +13,14 @@ from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ..combinators import primitive
-from ..errors import Problem, ScheduleTypeError
+from ..errors import Problem, ScheduleError, ScheduleTypeError
 from ..schedule import Schedule
 from ..select import Selection
 from ..tree import get_module
 from ._common import reject_nested
+
+if TYPE_CHECKING:
+    from .graph.find import Match
 
 __all__ = ["CheckpointSpec", "apply_checkpoints", "checkpoint"]
 
@@ -86,14 +89,16 @@ def _spec(policy: object, paths: tuple[str, ...]) -> CheckpointSpec:
 
 
 @primitive
-def checkpoint(sch: Schedule, where: Selection, *, policy: object = None) -> Schedule:
+def checkpoint(sch: Schedule, where: Selection, *, policy: object = None, subgraph: Match | None = None) -> Schedule:
     """Recompute the selected modules' activations in backward instead of keeping them.
 
     ``policy=None`` recomputes everything; a list of aten ops (``torch.ops.aten.mm``)
     keeps those ops' outputs and recomputes the rest (selective checkpointing); a
     ``torch.utils.checkpoint`` policy function decides per op. Built with PyTorch's
     composable checkpoint: parameter names (FQNs) are unchanged. Regions cannot nest.
-    Returns a new schedule; the input is unchanged.
+    With ``subgraph=match`` (from :func:`slapo_fn.find` on the traced module at
+    ``where``) only that subgraph is checkpointed: it becomes a module of its own
+    (``checkpointed``), called where it was. Returns a new schedule; the input is unchanged.
 
     Example:
         >>> import torch, torch.nn as nn, slapo_fn as sf
@@ -105,6 +110,26 @@ def checkpoint(sch: Schedule, where: Selection, *, policy: object = None) -> Sch
     """
     paths = where.modules(sch.module)
     spec = _spec(policy, paths)
+    if subgraph is not None:
+        from .graph.subgraph import checkpoint_subgraph
+
+        if len(paths) != 1:
+            raise ScheduleError(
+                "checkpoint", [Problem(p, "a subgraph lives in one traced module", "select one") for p in paths]
+            )
+        outer = [p for p in sch.annotations.of_kind(KIND) if p == paths[0] or not p or paths[0].startswith(p + ".")]
+        if outer:
+            raise ScheduleError(
+                "checkpoint",
+                [
+                    Problem(
+                        paths[0],
+                        f"checkpoint regions cannot nest: {outer[0]!r} is checkpointed already",
+                        "checkpoint either the whole module or subgraphs of it",
+                    )
+                ],
+            )
+        return checkpoint_subgraph(sch, paths[0], subgraph, KIND, spec)
     existing = [p for p in sch.annotations.of_kind(KIND) if p not in paths]
     reject_nested("checkpoint", paths, existing)
     for path in paths:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -12,6 +13,9 @@ from ..errors import Problem, ScheduleError, ScheduleTypeError
 from ..schedule import Schedule
 from ..select import Selection
 from ..tree import get_module, set_at
+
+if TYPE_CHECKING:
+    from .graph.find import Match
 
 __all__ = ["replace"]
 
@@ -61,7 +65,13 @@ def signature_problem(path: str, old: nn.Module, new: nn.Module) -> Problem | No
 
 
 @primitive
-def replace(sch: Schedule, where: Selection, new: nn.Module | Factory) -> Schedule:
+def replace(
+    sch: Schedule,
+    where: Selection,
+    new: nn.Module | Factory | Callable[..., Any],
+    *,
+    subgraph: Match | None = None,
+) -> Schedule:
     """Replace every selected module by ``new`` — a module, or ``new(old_module, path)``
     returning one. Returns a new schedule; the input is unchanged.
 
@@ -77,8 +87,30 @@ def replace(sch: Schedule, where: Selection, new: nn.Module | Factory) -> Schedu
         >>> type(sch["1"].module).__name__
         'GELU'
         >>> sch = sf.replace(sch, "*", lambda old, path: old)   # a factory, per match
+
+    With ``subgraph=match`` (from :func:`slapo_fn.find` on the traced module at
+    ``where``), only that subgraph is replaced: ``new`` (a module or a function) is
+    called with the subgraph's inputs, in the order of the pattern's parameters, and
+    must return its outputs (a tuple if several). A replacement whose parameters are
+    the pattern's in another order, whose arity differs, or (when the trace recorded
+    shapes) whose output shapes differ is refused with a :class:`ScheduleError`.
+
+        >>> import torch, torch.nn.functional as F
+        >>> sch = sf.trace(sf.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.ReLU())), "")
+        >>> relu, = sf.find(sch, "", lambda x: F.relu(x))
+        >>> sch = sf.replace(sch, "", lambda x: F.gelu(x), subgraph=relu)
+        >>> [n.target for n in sch.module.graph.nodes if n.op == "call_module"]
+        ['0', 'replaced']
     """
     paths = where.modules(sch.module)
+    if subgraph is not None:
+        from .graph.subgraph import replace_subgraph
+
+        if len(paths) != 1:
+            raise ScheduleError(
+                "replace", [Problem(p, "a subgraph lives in one traced module", "select one") for p in paths]
+            )
+        return replace_subgraph(sch, paths[0], new, subgraph)
     if isinstance(new, nn.Module):
         if len(paths) > 1:
             raise ScheduleError(
