@@ -15,6 +15,7 @@ rewrites of its module tree, each returning a new :class:`Schedule`.
 from . import kernels
 from .build import build
 from .combinators import Primitive, Rewrite, chain, foreach, primitive, scope, when
+from .dtensor import fork_rng, sequence_parallel, shard, sync, vocab_parallel_cross_entropy
 from .errors import LayoutError, Problem, ScheduleError, ScheduleTypeError, SelectorError, VerificationError
 from .explain import Explanation, explain
 from .rewrites import annotate, checkpoint, compile, hook, replace  # noqa: A004
@@ -51,6 +52,7 @@ __all__ = [
     "explain",
     "find",
     "foreach",
+    "fork_rng",
     "fuse",
     "hook",
     "kernels",
@@ -59,9 +61,13 @@ __all__ = [
     "replace",
     "scope",
     "select",
+    "sequence_parallel",
+    "shard",
+    "sync",
     "trace",
     "verified",
     "verify",
+    "vocab_parallel_cross_entropy",
     "when",
     "where_fn",
 ]

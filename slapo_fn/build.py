@@ -49,6 +49,12 @@ class BuildOptions:
 Phase: TypeAlias = Callable[[nn.Module, Schedule, BuildOptions], None]
 
 
+def _tensor_parallel(model: nn.Module, sch: Schedule, options: BuildOptions) -> None:
+    from .dtensor.boundary import apply_tensor_parallel
+
+    apply_tensor_parallel(model, sch, strict=options.strict)
+
+
 def _tags(model: nn.Module, sch: Schedule, _: BuildOptions) -> None:
     apply_tags(model, sch)
 
@@ -67,6 +73,7 @@ def _compile(model: nn.Module, sch: Schedule, _: BuildOptions) -> None:
 
 #: The canonical order of build phases after materialisation.
 PHASES: tuple[tuple[str, Phase], ...] = (
+    ("tensor_parallel", _tensor_parallel),
     ("tags", _tags),
     ("hooks", _hooks),
     ("checkpoint", _checkpoint),

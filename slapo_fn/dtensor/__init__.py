@@ -1,0 +1,34 @@
+"""Tensor and sequence parallelism as DTensor layouts, with automatic resharding.
+
+* :func:`shard` — DTensor parameters (column / row / vocab / packed / any parameter);
+* :func:`sync` — state an activation's layout at a module boundary;
+* :func:`sequence_parallel` — run a chain of modules on sequence shards;
+* :func:`fork_rng` — per-TP-rank randomness;
+* :func:`vocab_parallel_cross_entropy` — the loss on vocab-sharded logits;
+* :func:`~slapo_fn.dtensor.boundary.plan` — the boundary contracts and collectives.
+
+The ``tensor_parallel`` build phase (:func:`~slapo_fn.dtensor.boundary.apply_tensor_parallel`)
+turns the annotations into DTensor parameters and local-tensor forwards.
+"""
+
+from .boundary import Boundary, Plan, apply_tensor_parallel, plan
+from .layout import Layout
+from .loss import vocab_parallel_cross_entropy
+from .rng import fork_rng
+from .sequence import sequence_parallel
+from .shard import Role, shard
+from .sync import sync
+
+__all__ = [
+    "Boundary",
+    "Layout",
+    "Plan",
+    "Role",
+    "apply_tensor_parallel",
+    "fork_rng",
+    "plan",
+    "sequence_parallel",
+    "shard",
+    "sync",
+    "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,565 @@
+"""Boundary contracts: which layout each sharded module needs and produces, and the
+collectives that reconcile neighbours — as a plan (for ``explain`` and ``strict``) and
+as forwards installed on build's private copy.
+
+Contracts, per role (over the role's mesh axis):
+
+=========== ============================= =====================================
+role        input                         output
+=========== ============================= =====================================
+column      Replicate (enter: all-reduce  Shard(-1): kept local when a row-
+            of the input gradient, once   parallel sibling follows (Megatron
+            per distinct input tensor)    pair), else all-gathered
+row         Shard(-1) (split locally if   Partial → all-reduce (bias added once)
+            it arrives replicated)
+vocab       Replicate ids                 Partial → all-reduce
+embed_dim   Replicate ids                 Shard(-1) → all-gathered
+param       any                           the module runs on gathered parameters
+=========== ============================= =====================================
+
+Inside a :func:`~slapo_fn.sequence_parallel` chain the residual stream is
+``Shard(seq)``: column inputs are all-gathered (reduce-scatter backward), row and vocab
+outputs reduce-scattered. Activations are plain local tensors throughout.
+
+Example:
+    >>> import torch.nn as nn, slapo_fn as sf
+    >>> from slapo_fn.dtensor.testing import fake_mesh
+    >>> sch = sf.create_schedule(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)), mesh=fake_mesh(2))
+    >>> sch = sf.shard(sf.shard(sch, "0", axis=0), "2", axis=1)
+    >>> for b in plan(sch).boundaries: print(b)
+    0 input: R→R@tp  fwd: -  bwd: all_reduce
+    2 output: P→R@tp  fwd: all_reduce  bwd: -
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from ..errors import LayoutError, Problem
+from ..rewrites._common import contains
+from ..schedule import Schedule
+from ..tree import child_names, get_module, join, split, walk
+from . import collectives as C
+from .layout import Layout
+from .rng import RNG, RngSpec, forked
+from .sequence import SEQ, SeqSpec
+from .shard import LAYOUT, ROLE, Role, is_conv1d, mesh_dims
+from .sync import SYNC, SyncSpec, collective_of
+
+__all__ = ["Boundary", "ModulePlan", "Plan", "apply_tensor_parallel", "plan"]
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """One module boundary where layouts meet: ``src``→``dst`` over ``mesh_axis``, the
+    collectives it costs in one forward and one backward, and whether the user asked
+    for it (``explicit``: stated by ``shard``'s own contract or by ``sync``)."""
+
+    path: str
+    side: str
+    src: str
+    dst: str
+    mesh_axis: str
+    forward: tuple[str, ...] = ()
+    backward: tuple[str, ...] = ()
+    explicit: bool = True
+    tensor: str = "input"  # which tensor's full size the collective moves: input, output, param:<name>
+
+    def __str__(self) -> str:
+        flag = "" if self.explicit else "  (implicit)"
+        return (
+            f"{self.path or '<root>'} {self.side}: {self.src}→{self.dst}@{self.mesh_axis}  "
+            f"fwd: {', '.join(self.forward) or '-'}  bwd: {', '.join(self.backward) or '-'}{flag}"
+        )
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    """What the tensor-parallel build phase installs on one module."""
+
+    path: str
+    role: Role | None = None
+    seq: SeqSpec | None = None
+    partnered: bool = False
+    entry: SeqSpec | None = None
+    exit: SeqSpec | None = None
+    syncs: tuple[SyncSpec, ...] = ()
+    rng: RngSpec | None = None
+    local_params: bool = False  # SP region: replicated params with Partial gradients
+
+
+@dataclass(frozen=True)
+class Plan:
+    modules: Mapping[str, ModulePlan]
+    boundaries: tuple[Boundary, ...] = field(default=())
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """``{"forward": {op: n}, "backward": {op: n}}`` for one step (each module called once)."""
+        out: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
+        for b in self.boundaries:
+            for op in b.forward:
+                out["forward"][op] = out["forward"].get(op, 0) + 1
+            for op in b.backward:
+                out["backward"][op] = out["backward"].get(op, 0) + 1
+        return out
+
+
+def _parent(path: str) -> str:
+    return ".".join(split(path)[:-1])
+
+
+def _siblings(root: nn.Module, path: str) -> list[str]:
+    parent = _parent(path)
+    return [join(parent, n) for n in child_names(get_module(root, parent))]
+
+
+def _in_features(module: nn.Module) -> int | None:
+    if isinstance(module, nn.Linear):
+        return module.in_features
+    if is_conv1d(module):
+        return int(module.nx)
+    return None
+
+
+def plan(sch: Schedule) -> Plan:
+    """The boundary plan of ``sch``: per-module contracts and the boundaries with their
+    collectives (what ``explain`` prints and ``build(strict=True)`` checks)."""
+    roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
+    seqs: dict[str, SeqSpec] = sch.annotations.of_kind(SEQ)
+    syncs: dict[str, tuple[SyncSpec, ...]] = sch.annotations.of_kind(SYNC)
+    rngs: dict[str, RngSpec] = sch.annotations.of_kind(RNG)
+    order = {p: i for i, p in enumerate(sch.paths())}
+    seq_roots = sorted(seqs, key=lambda p: order.get(p, 0))
+
+    def region(path: str) -> SeqSpec | None:
+        for root in seq_roots:
+            if root == path or contains(root, path):
+                return seqs[root]
+        return None
+
+    modules: dict[str, ModulePlan] = {}
+    bounds: list[Boundary] = []
+    fused: set[tuple[str, str, int | None]] = set()
+    for path in sorted(set(roles) | set(seqs) | set(syncs) | set(rngs), key=lambda p: order.get(p, 0)):
+        role = roles.get(path)
+        seq = region(path)
+        spec_syncs = syncs.get(path, ())
+        out_sync = next((s for s in spec_syncs if s.mode == "fwd_post"), None)
+        partnered = False
+        if role is not None:
+            ax = role.mesh_axis
+            sib = [s for s in _siblings(sch.module, path) if s in roles and roles[s].mesh_axis == ax]
+            me = sib.index(path)
+            if role.kind == "column":
+                partnered = any(roles[s].kind == "row" for s in sib[me + 1 :])
+                in_seq = seq is not None and seq.mesh_axis == ax
+                key = (_parent(path), ax, _in_features(get_module(sch.module, path)))
+                leader = key not in fused
+                fused.add(key)
+                if in_seq:
+                    assert seq is not None
+                    bounds.append(
+                        Boundary(
+                            path,
+                            "input",
+                            f"S({seq.seq_axis})",
+                            "R",
+                            ax,
+                            ("all_gather",) if leader else (),
+                            ("reduce_scatter",) if leader else (),
+                        )
+                    )
+                else:
+                    bounds.append(Boundary(path, "input", "R", "R", ax, (), ("all_reduce",) if leader else ()))
+                if out_sync is not None:
+                    fwd, bwd = collective_of(Shard(-1), out_sync.layout)
+                    bounds.append(Boundary(path, "output", "S(-1)", _d(out_sync.layout), ax, fwd, bwd, True, "output"))
+                elif not partnered:
+                    bounds.append(Boundary(path, "output", "S(-1)", "R", ax, ("all_gather",), (), False, "output"))
+            elif role.kind == "row":
+                partnered = any(roles[s].kind == "column" for s in sib[:me])
+                if not partnered:
+                    bounds.append(Boundary(path, "input", "R", "S(-1)", ax, (), ("all_gather",), False))
+                bounds.append(_reduce_boundary(path, ax, seq, out_sync))
+            elif role.kind == "vocab":
+                bounds.append(_reduce_boundary(path, ax, seq, out_sync))
+            elif role.kind == "embed_dim":
+                if out_sync is not None:
+                    fwd, bwd = collective_of(Shard(-1), out_sync.layout)
+                    bounds.append(Boundary(path, "output", "S(-1)", _d(out_sync.layout), ax, fwd, bwd, True, "output"))
+                else:
+                    bounds.append(Boundary(path, "output", "S(-1)", "R", ax, ("all_gather",), (), False, "output"))
+            else:
+                module = get_module(sch.module, path)
+                for name in module._parameters:
+                    lay = sch.annotations.get_kind(join(path, name), LAYOUT)
+                    if isinstance(lay, Layout) and not lay.is_replicated:
+                        n = sum(isinstance(p, Shard) for p in lay.placements)
+                        bounds.append(
+                            Boundary(
+                                path,
+                                f"param {name}",
+                                str(lay),
+                                "R",
+                                ax,
+                                ("all_gather",) * n,
+                                (),
+                                False,
+                                f"param:{name}",
+                            )
+                        )
+        entry = exit_ = None
+        if path in seqs:
+            spec = seqs[path]
+            same = [r for r in seq_roots if seqs[r].mesh_axis == spec.mesh_axis]
+            if path == same[0]:
+                entry = spec
+                bounds.append(
+                    Boundary(path, "input", "R", f"S({spec.seq_axis})", spec.mesh_axis, (), ("all_gather",), False)
+                )
+            if path == same[-1] and out_sync is None:
+                exit_ = spec
+                bounds.append(
+                    Boundary(
+                        path, "output", f"S({spec.seq_axis})", "R", spec.mesh_axis, ("all_gather",), (), False, "output"
+                    )
+                )
+        for s in spec_syncs:
+            if role is not None and s.mode == "fwd_post" and role.kind != "param":
+                continue  # folded into the role's output boundary above
+            src = s.src or (Shard(seq.seq_axis) if (s.mode == "fwd_post" and path in seqs and seq) else Replicate())
+            fwd, bwd = collective_of(src, s.layout)
+            if s.mode == "bwd_post":
+                fwd, bwd = (), fwd
+            side = {"fwd_pre": "input", "fwd_post": "output", "bwd_post": "input grad"}[s.mode]
+            bounds.append(
+                Boundary(
+                    path,
+                    side,
+                    _d(src),
+                    _d(s.layout),
+                    s.mesh_axis,
+                    fwd,
+                    bwd,
+                    True,
+                    "output" if s.mode == "fwd_post" else "input",
+                )
+            )
+        local = (
+            seq is not None
+            and role is None
+            and any(
+                p is not None and join(path, n) not in sch.annotations.of_kind(LAYOUT)
+                for n, p in get_module(sch.module, path)._parameters.items()
+            )
+        )
+        modules[path] = ModulePlan(path, role, seq, partnered, entry, exit_, spec_syncs, rngs.get(path), local)
+    # modules with parameters inside a sequence-parallel chain (norms): replicated, Partial gradients
+    for root in seq_roots:
+        for path, module in walk(get_module(sch.module, root), root):
+            if path in modules or path in roles:
+                continue
+            if any(p is not None for p in module._parameters.values()):
+                modules[path] = ModulePlan(path, seq=seqs[root], local_params=True)
+    return Plan(modules, tuple(bounds))
+
+
+def _d(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    return "P" if isinstance(p, Partial) else "R"
+
+
+def _reduce_boundary(path: str, ax: str, seq: SeqSpec | None, out_sync: SyncSpec | None) -> Boundary:
+    if out_sync is not None:
+        fwd, bwd = collective_of(Partial(), out_sync.layout)
+        return Boundary(path, "output", "P", _d(out_sync.layout), ax, fwd, bwd, True, "output")
+    if seq is not None and seq.mesh_axis == ax:
+        return Boundary(
+            path, "output", "P", f"S({seq.seq_axis})", ax, ("reduce_scatter",), ("all_gather",), True, "output"
+        )
+    return Boundary(path, "output", "P", "R", ax, ("all_reduce",), (), True, "output")
+
+
+def implicit(p: Plan) -> list[Problem]:
+    """Problems for every implicit boundary that moves data (for ``build(strict=True)``)."""
+    return [
+        Problem(
+            b.path,
+            f"{b.side} needs implicit resharding {b.src}→{b.dst} over {b.mesh_axis!r} "
+            f"(forward: {', '.join(b.forward) or '-'}, backward: {', '.join(b.backward) or '-'})",
+            f"state it with sf.sync(sch, {b.path!r}, {'fwd_post' if b.side == 'output' else 'fwd_pre'!r}, ...) "
+            "or shard the neighbouring module so that the layouts agree",
+        )
+        for b in p.boundaries
+        if not b.explicit and (b.forward or b.backward)
+    ]
+
+
+# ----------------------------------------------------------------------------- runtime
+
+
+def _first_tensor(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple | list) and value:
+        for i, v in enumerate(value):
+            if isinstance(v, torch.Tensor):
+                items = list(value)
+                items[i] = fn(v)
+                return type(value)(items) if isinstance(value, list) else tuple(items)
+    return value
+
+
+def _map_input(
+    args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            return (*args[:i], fn(a), *args[i + 1 :]), kwargs
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            return args, {**kwargs, k: fn(v)}
+    return args, kwargs
+
+
+class _Runtime:
+    """Per-build state: the mesh, and the caches that make sibling column modules reading
+    the same input tensor enter the TP region once (one backward collective)."""
+
+    def __init__(self, sch: Schedule) -> None:
+        assert sch.mesh is not None
+        self.mesh = sch.mesh
+        self.dims = mesh_dims(sch.mesh)
+        self.caches: dict[tuple[str, int | None], WeakTensorKeyDictionary] = {}
+
+    def axis(self, name: str) -> C.Axis:
+        return (self.mesh, self.dims.index(name))
+
+    def size(self, name: str) -> int:
+        return int(self.mesh.size(self.dims.index(name)))
+
+    def partial_grad(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        assert isinstance(p, DTensor)
+        grads = tuple(Partial() if d == name else pl for d, pl in zip(self.dims, p.placements, strict=True))
+        return p.to_local(grad_placements=grads)
+
+    def enter(self, x: torch.Tensor, name: str, seq: int | None) -> torch.Tensor:
+        cache = self.caches.setdefault((name, seq), WeakTensorKeyDictionary())
+        hit = cache.get(x)
+        if hit is None:
+            hit = C.enter(x, self.axis(name)) if seq is None else C.gather_rs(x, seq, self.axis(name))
+            cache[x] = hit
+        return hit  # type: ignore[no-any-return]
+
+
+def _local(p: torch.Tensor | None) -> torch.Tensor | None:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _column(rt: _Runtime, m: nn.Module, mp: ModulePlan) -> Callable[..., Any]:
+    role = mp.role
+    assert role is not None
+    ax, seq = role.mesh_axis, (mp.seq.seq_axis if mp.seq is not None and mp.seq.mesh_axis == role.mesh_axis else None)
+    conv, emb = is_conv1d(m), isinstance(m, nn.Embedding)
+    full_in = _in_features(m)
+    out_sync = next((s for s in mp.syncs if s.mode == "fwd_post"), None)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if emb:
+            y = F.embedding(x, _local(m.weight), m.padding_idx, m.max_norm, m.norm_type, m.scale_grad_by_freq, m.sparse)  # type: ignore[arg-type]
+        else:
+            if full_in is not None and x.shape[-1] != full_in:  # arrived sharded (a column chain)
+                x = C.gather(x, -1, rt.axis(ax))
+            x = rt.enter(x, ax, seq)
+            w, b = _local(m.weight), _local(m.bias)  # type: ignore[arg-type]
+            if conv:
+                assert w is not None
+                flat = x.reshape(-1, x.shape[-1])
+                y = (torch.addmm(b, flat, w) if b is not None else flat @ w).view(*x.shape[:-1], w.shape[1])
+            else:
+                y = F.linear(x, w, b)  # type: ignore[arg-type]
+        if out_sync is not None:
+            return C.redistribute(y, Shard(y.dim() - 1), out_sync.layout, rt.axis(ax))
+        if mp.partnered and not emb:
+            return y
+        return C.gather(y, -1, rt.axis(ax))
+
+    return forward
+
+
+def _row(rt: _Runtime, m: nn.Module, mp: ModulePlan) -> Callable[..., Any]:
+    role = mp.role
+    assert role is not None
+    ax = role.mesh_axis
+    seq = mp.seq.seq_axis if mp.seq is not None and mp.seq.mesh_axis == ax else None
+    conv, emb = is_conv1d(m), isinstance(m, nn.Embedding)
+    full_in = _in_features(m)
+    out_sync = next((s for s in mp.syncs if s.mode == "fwd_post"), None)
+    size = rt.size(ax)
+
+    def reduce(y: torch.Tensor) -> torch.Tensor:
+        if out_sync is not None:
+            return C.redistribute(y, Partial(), out_sync.layout, rt.axis(ax))
+        return C.reduce(y, rt.axis(ax)) if seq is None else C.reduce_scatter(y, seq, rt.axis(ax))
+
+    def bias() -> torch.Tensor | None:
+        b = m._parameters.get("bias")
+        if b is None:
+            return None
+        return (
+            rt.partial_grad(ax, b)
+            if (seq is not None or out_sync is not None) and isinstance(b, DTensor)
+            else _local(b)
+        )
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        w = _local(m.weight)  # type: ignore[arg-type]
+        assert w is not None
+        if emb:
+            v = w.shape[0]
+            lo = rt.mesh.get_local_rank(rt.dims.index(ax)) * v
+            outside = (x < lo) | (x >= lo + v)
+            ids = (x - lo).masked_fill(outside, 0)
+            pidx = getattr(m, "padding_idx", None)
+            pad = pidx - lo if isinstance(pidx, int) and lo <= pidx < lo + v else None
+            y = F.embedding(ids, w, pad).masked_fill(outside.unsqueeze(-1), 0.0)
+            return reduce(y)
+        if full_in is not None and size > 1 and x.shape[-1] == full_in:  # arrived replicated
+            x = C.split(x, -1, rt.axis(ax))
+        if conv:
+            flat = x.reshape(-1, x.shape[-1])
+            y = (flat @ w).view(*x.shape[:-1], w.shape[1])
+        else:
+            y = F.linear(x, w)
+        y = reduce(y)
+        b = bias()
+        return y if b is None else y + b
+
+    return forward
+
+
+def _generic(rt: _Runtime, m: nn.Module, mp: ModulePlan, forward: Callable[..., Any]) -> Callable[..., Any]:
+    names = [n for n, p in m._parameters.items() if isinstance(p, DTensor)]
+    ax = mp.role.mesh_axis if mp.role is not None else (mp.seq.mesh_axis if mp.seq is not None else "")
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        params: dict[str, torch.Tensor] = {}
+        for n in names:
+            p = m._parameters[n]
+            assert isinstance(p, DTensor)
+            if any(isinstance(pl, Shard) for pl in p.placements):
+                params[n] = p.redistribute(placements=[Replicate()] * len(p.placements)).to_local()
+            elif mp.local_params:
+                params[n] = rt.partial_grad(ax, p)
+            else:
+                params[n] = p.to_local()
+        with _reparametrize_module(m, params):
+            return forward(*args, **kwargs)
+
+    return run
+
+
+def _distribute(model: nn.Module, sch: Schedule, rt: _Runtime, extra: Iterable[str]) -> None:
+    """Parameters with layouts (and the replicated ones of SP regions) become DTensors;
+    each rank keeps its own chunk (no communication: every rank holds the full value)."""
+    memo: dict[int, nn.Parameter] = {}
+    targets: dict[str, Layout | None] = dict(sch.annotations.of_kind(LAYOUT))
+    for path in extra:
+        for n, p in get_module(model, path)._parameters.items():
+            if p is not None:
+                targets.setdefault(join(path, n), None)
+    replicate = [Replicate()] * len(rt.dims)
+    for path, lay in targets.items():
+        tokens = split(path)
+        owner = get_module(model, ".".join(tokens[:-1]))
+        p = owner._parameters[tokens[-1]]
+        if p is None or isinstance(p, DTensor):
+            continue
+        if id(p) not in memo:
+            placements = list(lay.placements) if lay is not None else replicate
+            dt = distribute_tensor(p.detach(), rt.mesh, placements, src_data_rank=None)
+            new = nn.Parameter(dt, requires_grad=p.requires_grad)
+            new.__dict__.update({k: v for k, v in p.__dict__.items() if k != "grad"})
+            memo[id(p)] = new
+        owner._parameters[tokens[-1]] = memo[id(p)]
+
+
+def _adjust_packed_parent(model: nn.Module, path: str, role: Role, rt: _Runtime) -> None:
+    """A packed column module's parent that splits its output by a full-size attribute
+    (GPT-2 attention's ``split_size``) gets the local size on build's copy."""
+    m = get_module(model, path)
+    out = int(m.nf) if is_conv1d(m) else int(getattr(m, "out_features", 0))
+    parent = get_module(model, _parent(path))
+    chunk = out // role.packed
+    if getattr(parent, "split_size", None) == chunk:
+        object.__setattr__(parent, "split_size", chunk // rt.size(role.mesh_axis))
+
+
+def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False) -> None:
+    """The ``tensor_parallel`` build phase (on build's private copy ``model``)."""
+    if not any(sch.annotations.of_kind(k) for k in (ROLE, SEQ, SYNC, RNG)):
+        return
+    p = plan(sch)
+    if strict:
+        problems = implicit(p)
+        if problems:
+            raise LayoutError("build(strict=True)", problems)
+    rt = _Runtime(sch)
+    _distribute(model, sch, rt, [mp.path for mp in p.modules.values() if mp.local_params])
+    for path, mp in p.modules.items():
+        m = get_module(model, path)
+        forward: Callable[..., Any] = m.forward
+        if mp.role is not None and mp.role.kind in ("column", "embed_dim"):
+            forward = _column(rt, m, mp)
+            if mp.role.packed > 1:
+                _adjust_packed_parent(model, path, mp.role, rt)
+        elif mp.role is not None and mp.role.kind in ("row", "vocab"):
+            forward = _row(rt, m, mp)
+        elif (mp.role is not None and mp.role.kind == "param") or mp.local_params:
+            forward = _generic(rt, m, mp, forward)
+        forward = _wrap_boundaries(rt, mp, forward)
+        if mp.rng is not None:
+            forward = forked(forward, rt.mesh.get_local_rank(rt.dims.index(mp.rng.mesh_axis)))
+        m.forward = forward  # type: ignore[method-assign]
+
+
+def _wrap_boundaries(rt: _Runtime, mp: ModulePlan, forward: Callable[..., Any]) -> Callable[..., Any]:
+    pre = [s for s in mp.syncs if s.mode == "fwd_pre"]
+    bwd = [s for s in mp.syncs if s.mode == "bwd_post"]
+    post = [s for s in mp.syncs if s.mode == "fwd_post"] if mp.role is None or mp.role.kind == "param" else []
+    if not (pre or bwd or post or mp.entry or mp.exit):
+        return forward
+
+    def convert(src: Placement, dst: Placement, mesh_axis: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        return functools.partial(C.redistribute, src=src, dst=dst, axis=rt.axis(mesh_axis))
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if mp.entry is not None:
+            e = mp.entry
+            args, kwargs = _map_input(args, kwargs, convert(Replicate(), Shard(e.seq_axis), e.mesh_axis))
+        for s in pre:
+            args, kwargs = _map_input(args, kwargs, convert(s.src or Replicate(), s.layout, s.mesh_axis))
+        for s in bwd:
+            args, kwargs = _map_input(args, kwargs, functools.partial(C.enter, axis=rt.axis(s.mesh_axis)))
+        out = forward(*args, **kwargs)
+        for s in post:
+            src = s.src or (Shard(mp.seq.seq_axis) if mp.seq is not None and (mp.entry or mp.exit) else Replicate())
+            out = _first_tensor(out, convert(src, s.layout, s.mesh_axis))
+        if mp.exit is not None and not post:
+            x = mp.exit
+            out = _first_tensor(out, convert(Shard(x.seq_axis), Replicate(), x.mesh_axis))
+        return out
+
+    return run

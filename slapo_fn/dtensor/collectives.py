@@ -1,0 +1,170 @@
+"""Differentiable collectives on local tensors over one mesh axis (Megatron's f/g operators).
+
+Each is an ``autograd.Function`` whose forward and backward issue one functional
+collective (``torch.distributed._functional_collectives``, which ``CommDebugMode``
+counts) or none:
+
+=====================  =====================  =====================
+function               forward                backward
+=====================  =====================  =====================
+``enter``              identity               all-reduce
+``reduce``             all-reduce             identity
+``gather(d)``          all-gather along d     split (no comm)
+``split(d)``           split (no comm)        all-gather along d
+``gather_rs(d)``       all-gather along d     reduce-scatter along d
+``reduce_scatter(d)``  reduce-scatter along d all-gather along d
+=====================  =====================  =====================
+
+:func:`redistribute` maps a (src, dst) pair of placements to these.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = ["Axis", "enter", "gather", "gather_rs", "redistribute", "reduce", "reduce_scatter", "split"]
+
+Axis = tuple[DeviceMesh, int]
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return funcol.wait_tensor(t) if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def _all_reduce(t: torch.Tensor, axis: Axis) -> torch.Tensor:
+    return _wait(funcol.all_reduce(t.contiguous(), "sum", axis))
+
+
+def _all_gather(t: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
+    dim %= t.dim()
+    if dim == 0:
+        return _wait(funcol.all_gather_tensor(t.contiguous(), 0, axis))
+    moved = t.movedim(dim, 0).contiguous()
+    return _wait(funcol.all_gather_tensor(moved, 0, axis)).movedim(0, dim)
+
+
+def _reduce_scatter(t: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
+    dim %= t.dim()
+    if dim == 0:
+        return _wait(funcol.reduce_scatter_tensor(t.contiguous(), "sum", 0, axis))
+    moved = t.movedim(dim, 0).contiguous()
+    return _wait(funcol.reduce_scatter_tensor(moved, "sum", 0, axis)).movedim(0, dim)
+
+
+def _split(t: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
+    mesh, mdim = axis
+    size = mesh.size(mdim)
+    rank = mesh.get_local_rank(mdim)
+    return t.chunk(size, dim=dim % t.dim())[rank].contiguous()
+
+
+class _Enter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: Axis) -> torch.Tensor:
+        ctx.axis = axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, ctx.axis), None
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: Axis) -> torch.Tensor:
+        return _all_reduce(x, axis)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, axis: Axis, scatter_back: bool) -> torch.Tensor:
+        ctx.dim, ctx.axis, ctx.scatter_back = dim, axis, scatter_back
+        return _all_gather(x, dim, axis)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        if ctx.scatter_back:
+            return _reduce_scatter(grad, ctx.dim, ctx.axis), None, None, None
+        return _split(grad, ctx.dim, ctx.axis), None, None, None
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
+        ctx.dim, ctx.axis = dim, axis
+        return _split(x, dim, axis)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_gather(grad, ctx.dim, ctx.axis), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
+        ctx.dim, ctx.axis = dim, axis
+        return _reduce_scatter(x, dim, axis)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_gather(grad, ctx.dim, ctx.axis), None, None
+
+
+def enter(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient backward (enter a TP region)."""
+    return _Enter.apply(x, axis)  # type: ignore[no-any-return]
+
+
+def reduce(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """All-reduce forward (a partial sum becomes replicated); identity backward."""
+    return _Reduce.apply(x, axis)  # type: ignore[no-any-return]
+
+
+def gather(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
+    """All-gather along ``dim`` forward; this rank's slice of the (replicated) gradient backward."""
+    return _Gather.apply(x, dim, axis, False)  # type: ignore[no-any-return]
+
+
+def gather_rs(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
+    """All-gather along ``dim`` forward; reduce-scatter of the (partial) gradient backward
+    (entering a TP region from sequence shards)."""
+    return _Gather.apply(x, dim, axis, True)  # type: ignore[no-any-return]
+
+
+def split(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
+    """This rank's chunk along ``dim`` forward (no communication); all-gather backward."""
+    return _Split.apply(x, dim, axis)  # type: ignore[no-any-return]
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
+    """Reduce-scatter along ``dim`` forward (a partial sum becomes sharded); all-gather backward."""
+    return _ReduceScatter.apply(x, dim, axis)  # type: ignore[no-any-return]
+
+
+def redistribute(x: torch.Tensor, src: Placement, dst: Placement, axis: Axis) -> torch.Tensor:
+    """Convert a local tensor of layout ``src`` to ``dst`` over one mesh axis.
+
+    Raises ``ValueError`` for a conversion to ``Partial`` (not a layout anyone needs).
+    """
+    if src == dst or (isinstance(src, Replicate) and isinstance(dst, Replicate)):
+        return x
+    if isinstance(dst, Partial):
+        raise ValueError("redistributing to Partial is not supported")
+    if isinstance(src, Partial):
+        return reduce(x, axis) if isinstance(dst, Replicate) else reduce_scatter(x, dst.dim, axis)  # type: ignore[attr-defined]
+    if isinstance(src, Replicate):
+        assert isinstance(dst, Shard)
+        return split(x, dst.dim, axis)
+    assert isinstance(src, Shard)
+    full = gather(x, src.dim, axis)
+    return full if isinstance(dst, Replicate) else split(full, dst.dim, axis)  # type: ignore[attr-defined]

@@ -1,0 +1,67 @@
+"""``sequence_parallel``: run a chain of modules on sequence shards (Megatron SP).
+
+Example:
+    >>> import torch.nn as nn, slapo_fn as sf
+    >>> from slapo_fn.dtensor.testing import fake_mesh
+    >>> model = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8))
+    >>> sch = sf.sequence_parallel(sf.create_schedule(model, mesh=fake_mesh(2)), "0")
+    >>> sch["0"].annotations["sequence_parallel"]
+    SeqSpec(mesh_axis='tp', seq_axis=1)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..combinators import primitive
+from ..errors import LayoutError, Problem
+from ..rewrites._common import contains
+from ..schedule import Schedule
+from ..select import Selection
+from .shard import _problem_mesh
+
+__all__ = ["SEQ", "SeqSpec", "sequence_parallel"]
+
+SEQ = "sequence_parallel"
+
+
+@dataclass(frozen=True)
+class SeqSpec:
+    mesh_axis: str
+    seq_axis: int
+
+    def __str__(self) -> str:
+        return f"seq@{self.mesh_axis}(axis {self.seq_axis})"
+
+
+@primitive
+def sequence_parallel(sch: Schedule, where: Selection, *, mesh_axis: str = "tp", seq_axis: int = 1) -> Schedule:
+    """Run the selected modules on sequence shards over ``mesh_axis``.
+
+    The selected modules (in tree order) form a chain — each one's output feeds the
+    next (decoder layers, then the final norm): the first one's input is split along
+    ``seq_axis`` (no communication; all-gather backward), the last one's output is
+    all-gathered. Inside, column-parallel modules all-gather their input along the
+    sequence (reduce-scatter backward) and row-parallel / vocab-parallel ones
+    reduce-scatter their output (all-gather backward): all-gathers and reduce-scatters
+    only. Other parameters inside (norm weights) become replicated DTensors whose
+    gradients are ``Partial`` (each rank saw its own tokens), summed when read — by the
+    optimizer step or ``full_tensor()``. Returns a new schedule; the input is unchanged.
+    """
+    paths = where.modules(sch.module)
+    problems = [p for p in (_problem_mesh(sch, path, mesh_axis) for path in paths) if p is not None]
+    existing = set(sch.annotations.of_kind(SEQ))
+    for path in paths:
+        for other in existing | set(paths):
+            if contains(other, path):
+                problems.append(
+                    Problem(
+                        path, f"is inside sequence-parallel module {other!r}", f"select either {other!r} or {path!r}"
+                    )
+                )
+                break
+    if problems:
+        raise LayoutError("sequence_parallel", problems)
+    for path in paths:
+        sch = sch.annotate_path(path, SEQ, SeqSpec(mesh_axis, seq_axis))
+    return sch

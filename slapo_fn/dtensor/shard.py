@@ -1,0 +1,365 @@
+"""``shard``: distribute a module's weight (bias following) or a named parameter over a mesh axis.
+
+The primitive only records annotations — kind ``"layout"`` on each parameter path (a
+:class:`~slapo_fn.dtensor.layout.Layout`) and kind ``"tp"`` on the module path (a
+:class:`Role`: column, row, vocab, embed_dim or param) — and validates eagerly. The
+``tensor_parallel`` build phase turns them into DTensor parameters and boundary
+resharding (see :mod:`slapo_fn.dtensor.boundary`).
+
+Example:
+    >>> import torch.nn as nn, slapo_fn as sf
+    >>> from slapo_fn.dtensor.testing import fake_mesh
+    >>> sch = sf.create_schedule(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)), mesh=fake_mesh(2))
+    >>> sch = sf.shard(sf.shard(sch, "0", axis=0), "2", axis=1)
+    >>> print(sch)
+    <root>: Sequential
+      0: Linear  [column@tp]
+        · weight: f32[16@tp, 8]
+        · bias: f32[16@tp]
+      1: GELU
+      2: Linear  [row@tp]
+        · weight: f32[8, 16@tp]
+        · bias: f32[8]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from ..combinators import primitive
+from ..errors import LayoutError, Problem
+from ..schedule import Schedule
+from ..select import Selection
+from ..tree import get_module, join, split
+from .layout import Layout, from_spec, packed_shard
+
+__all__ = ["LAYOUT", "ROLE", "Role", "mesh_dims", "shard"]
+
+LAYOUT = "layout"
+ROLE = "tp"
+
+RoleKind = Literal["column", "row", "vocab", "embed_dim", "param"]
+
+
+@dataclass(frozen=True)
+class Role:
+    """How a sharded module computes: ``column`` (output features sharded), ``row`` (input
+    features sharded, output a partial sum), ``vocab`` (embedding rows sharded, output a
+    partial sum), ``embed_dim`` (embedding columns sharded) or ``param`` (any other
+    parameter sharding: the module runs on gathered parameters)."""
+
+    kind: RoleKind
+    mesh_axis: str
+    packed: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.kind}@{self.mesh_axis}" + (f"×{self.packed}" if self.packed > 1 else "")
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face ``Conv1D`` (weight stored (in, out)), recognised without importing transformers."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def mesh_dims(mesh: DeviceMesh) -> tuple[str, ...]:
+    names = mesh.mesh_dim_names
+    return tuple(names) if names else tuple(f"dim{i}" for i in range(mesh.ndim))
+
+
+def _problem_mesh(sch: Schedule, path: str, mesh_axis: str) -> Problem | None:
+    if sch.mesh is None:
+        return Problem(
+            path,
+            "the schedule has no mesh",
+            'sf.create_schedule(model, mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))',
+        )
+    if mesh_axis not in mesh_dims(sch.mesh):
+        return Problem(
+            path,
+            f"mesh axis {mesh_axis!r} is not in the mesh {mesh_dims(sch.mesh)} of shape {tuple(sch.mesh.shape)}",
+            f"pass mesh_axis= one of {mesh_dims(sch.mesh)}, or build the mesh with mesh_dim_names=(..., {mesh_axis!r})",
+        )
+    return None
+
+
+def _heads_problem(root: nn.Module, path: str, dim: int, packed: int, size: int, mesh_axis: str) -> Problem | None:
+    parent = get_module(root, ".".join(split(path)[:-1]))
+    head_dim = getattr(parent, "head_dim", None)
+    if not isinstance(head_dim, int) or head_dim <= 0 or (dim // packed) % head_dim:
+        return None
+    heads = dim // packed // head_dim
+    if heads % size:
+        return Problem(
+            path,
+            f"{heads} heads (of head_dim {head_dim}) are not divisible by the size {size} of mesh axis {mesh_axis!r}",
+            f"use a mesh axis whose size divides {heads}, or leave {path!r} unsharded",
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    module: str
+    role: Role | None
+    params: tuple[tuple[str, Layout], ...]
+
+
+def _layout(sch: Schedule, placement: Placement, mesh_axis: str) -> Layout:
+    assert sch.mesh is not None
+    dims = mesh_dims(sch.mesh)
+    placements = tuple(placement if n == mesh_axis else Replicate() for n in dims)
+    return Layout(placements, dims, tuple(sch.mesh.shape))
+
+
+def _check_param(
+    sch: Schedule, path: str, shape: Sequence[int], layout: Layout, packed: int, problems: list[Problem]
+) -> None:
+    for name, size, p in zip(layout.mesh_dims, layout.mesh_shape, layout.placements, strict=True):
+        if not isinstance(p, Shard):
+            continue
+        if not -len(shape) <= p.dim < len(shape):
+            problems.append(
+                Problem(
+                    path,
+                    f"axis {p.dim} is out of range for a parameter of shape {tuple(shape)}",
+                    f"use an axis in 0..{len(shape) - 1}",
+                )
+            )
+            continue
+        dim = shape[p.dim]
+        if packed < 1 or dim % packed:
+            problems.append(
+                Problem(
+                    path,
+                    f"packed={packed} does not divide axis {p.dim} of shape {tuple(shape)}",
+                    f"use packed= a divisor of {dim} (e.g. 3 for a fused [Q|K|V])",
+                )
+            )
+        elif dim % (size * packed):
+            chunk = f"each of the {packed} packed chunks ({dim // packed})" if packed > 1 else f"dimension {dim}"
+            problems.append(
+                Problem(
+                    path,
+                    f"{chunk} of axis {p.dim} of shape {tuple(shape)} is not divisible by the size {size} "
+                    f"of mesh axis {name!r}",
+                    f"pad the dimension to a multiple of {size * packed}, use a smaller mesh axis, "
+                    "or shard another axis",
+                )
+            )
+    existing = sch.annotations.get_kind(path, LAYOUT)
+    if existing is not None and existing != layout:
+        problems.append(
+            Problem(
+                path,
+                f"already sharded as {existing} {existing.format(shape, _dtype(sch, path))}; now asked for {layout}",
+                "shard each parameter once (or with the same layout)",
+            )
+        )
+
+
+def _dtype(sch: Schedule, path: str) -> object:
+    tokens = split(path)
+    return getattr(get_module(sch.module, ".".join(tokens[:-1]))._parameters[tokens[-1]], "dtype", None)
+
+
+def _placement_from(
+    sch: Schedule,
+    path: str,
+    ndim: int,
+    layout: Sequence[Placement] | Sequence[str | None] | None,
+    problems: list[Problem],
+) -> Layout | None:
+    assert sch.mesh is not None
+    dims, shape = mesh_dims(sch.mesh), tuple(sch.mesh.shape)
+    assert layout is not None
+    if all(isinstance(p, Placement) for p in layout):
+        if len(layout) != len(dims):
+            problems.append(
+                Problem(
+                    path,
+                    f"layout has {len(layout)} placements for a mesh of {len(dims)} dimensions {dims}",
+                    "give one placement per mesh dimension, e.g. (Replicate(), Shard(0))",
+                )
+            )
+            return None
+        return Layout(tuple(layout), dims, shape)  # type: ignore[arg-type]
+    if len(layout) != ndim:
+        problems.append(
+            Problem(
+                path,
+                f"PartitionSpec-style layout {tuple(layout)!r} has {len(layout)} entries for a {ndim}-D parameter",
+                "give one mesh-axis name (or None) per tensor dimension, e.g. ('tp', None)",
+            )
+        )
+        return None
+    try:
+        return from_spec(layout, dims, shape)  # type: ignore[arg-type]
+    except KeyError as e:
+        problems.append(
+            Problem(path, f"mesh axis {e.args[0]!r} is not in the mesh {dims}", f"use mesh-axis names from {dims}")
+        )
+    except ValueError as e:
+        problems.append(Problem(path, str(e), "shard a tensor dimension over each mesh axis at most once"))
+    return None
+
+
+def _module_plan(
+    sch: Schedule,
+    path: str,
+    module: nn.Module,
+    axis: int | None,
+    mesh_axis: str,
+    packed: int,
+    layout: Sequence[Placement] | Sequence[str | None] | None,
+    problems: list[Problem],
+) -> _Plan | None:
+    weight = module._parameters.get("weight")
+    known = isinstance(module, nn.Linear | nn.Embedding) or is_conv1d(module)
+    if not known or weight is None:
+        problems.append(
+            Problem(
+                path,
+                f"cannot shard a {type(module).__name__} as a whole (known: Linear, Embedding, Conv1D)",
+                f"shard its parameters by path, e.g. shard(sch, {path + '.weight'!r}, axis=0)",
+            )
+        )
+        return None
+    if layout is not None:
+        lay = _placement_from(sch, path + ".weight", weight.dim(), layout, problems)
+        if lay is None:
+            return None
+        tp = [p for n, p in zip(lay.mesh_dims, lay.placements, strict=True) if n == mesh_axis]
+        others = [p for n, p in zip(lay.mesh_dims, lay.placements, strict=True) if n != mesh_axis]
+        if any(isinstance(p, Shard) for p in others) or not tp or not isinstance(tp[0], Shard):
+            return _Plan(path, Role("param", mesh_axis), (("weight", lay),))
+        axis = tp[0].dim % weight.dim()
+    if axis is None:
+        problems.append(Problem(path, "neither axis= nor layout= given", "pass axis=0 (column) or axis=1 (row)"))
+        return None
+    if not -weight.dim() <= axis < weight.dim():
+        problems.append(
+            Problem(
+                path,
+                f"axis {axis} is out of range for weight of shape {tuple(weight.shape)}",
+                f"use an axis in 0..{weight.dim() - 1}",
+            )
+        )
+        return None
+    axis %= weight.dim()
+    w = _layout(sch, packed_shard(axis, packed), mesh_axis)
+    has_bias = module._parameters.get("bias") is not None
+    out_axis = 1 if is_conv1d(module) else 0
+    if isinstance(module, nn.Embedding):
+        return _Plan(path, Role("vocab" if axis == 0 else "embed_dim", mesh_axis, packed), (("weight", w),))
+    column = axis == out_axis
+    bias = _layout(sch, packed_shard(0, packed), mesh_axis) if column else _layout(sch, Replicate(), mesh_axis)
+    params = (("weight", w), ("bias", bias)) if has_bias else (("weight", w),)
+    return _Plan(path, Role("column" if column else "row", mesh_axis, packed), params)
+
+
+@primitive
+def shard(
+    sch: Schedule,
+    where: Selection,
+    axis: int | None = None,
+    *,
+    mesh_axis: str = "tp",
+    packed: int = 1,
+    layout: Sequence[Placement] | Sequence[str | None] | None = None,
+) -> Schedule:
+    """Shard the selected modules' weights (bias following) or the selected parameters.
+
+    * ``nn.Linear``: ``axis=0`` is column-parallel (output features; bias sharded too),
+      ``axis=1`` row-parallel (input features; bias replicated, added once after the
+      reduction). HF ``Conv1D`` stores (in, out): ``axis=1`` is column, ``axis=0`` row.
+      ``nn.Embedding``: ``axis=0`` is vocab-parallel, ``axis=1`` shards the embedding dim.
+    * A parameter path (``"h.0.ln_1.weight"``): that tensor only; its module then runs
+      on the gathered parameter (correct for any module, at one all-gather per use).
+    * ``packed=k`` shards each of ``k`` fused chunks separately (GPT-2 ``c_attn`` =
+      [Q|K|V]: ``axis=1, packed=3``).
+    * ``layout=`` DTensor placements (one per mesh dimension) or a PartitionSpec-style
+      tuple of mesh-axis names, one per tensor dimension (``("tp", None)``).
+
+    Validates everything at once (axis range, divisibility by the mesh-axis size and by
+    ``packed``, attention heads, mesh axis, conflicting earlier shards) and raises
+    :class:`~slapo_fn.errors.LayoutError`. Returns a new schedule; the input is unchanged.
+
+    >>> import torch.nn as nn, slapo_fn as sf
+    >>> from slapo_fn.dtensor.testing import fake_mesh
+    >>> sch = sf.create_schedule(nn.Linear(6, 6, bias=False), mesh=fake_mesh(4))
+    >>> sf.shard(sch, "", axis=0)
+    Traceback (most recent call last):
+    ...
+    slapo_fn.errors.LayoutError: shard: 'weight': dimension 6 of axis 0 of shape (6, 6) is not divisible by the \
+size 4 of mesh axis 'tp'
+          fix: pad the dimension to a multiple of 4, use a smaller mesh axis, or shard another axis
+    """
+    paths = where.paths(sch.module)
+    problems: list[Problem] = []
+    for path in paths:
+        p = _problem_mesh(sch, path, mesh_axis)
+        if p is not None:
+            problems.append(p)
+    if problems:
+        raise LayoutError("shard", problems)
+    assert sch.mesh is not None
+    size = sch.mesh.size(mesh_dims(sch.mesh).index(mesh_axis))
+    plans: list[_Plan] = []
+    for path in paths:
+        try:
+            module = get_module(sch.module, path)
+        except KeyError:
+            tokens = split(path)
+            owner, name = ".".join(tokens[:-1]), tokens[-1]
+            param = get_module(sch.module, owner)._parameters[name]
+            assert param is not None
+            if layout is not None:
+                lay = _placement_from(sch, path, param.dim(), layout, problems)
+            elif axis is None:
+                problems.append(Problem(path, "neither axis= nor layout= given", "pass axis=0 or layout=('tp', None)"))
+                lay = None
+            else:
+                lay = _layout(sch, packed_shard(axis, packed), mesh_axis)
+            if lay is not None:
+                _check_param(sch, path, tuple(param.shape), lay, packed, problems)
+                plans.append(_Plan(owner, None, ((name, lay),)))
+            continue
+        plan = _module_plan(sch, path, module, axis, mesh_axis, packed, layout, problems)
+        if plan is None:
+            continue
+        for name, lay in plan.params:
+            param = module._parameters[name]
+            assert param is not None
+            _check_param(sch, join(path, name), tuple(param.shape), lay, packed, problems)
+        if plan.role is not None and plan.role.kind in ("column", "row"):
+            w = module._parameters["weight"]
+            assert w is not None
+            feat = (1 if is_conv1d(module) else 0) if plan.role.kind == "column" else (0 if is_conv1d(module) else 1)
+            h = _heads_problem(
+                sch.module, path, w.shape[feat], packed if plan.role.kind == "column" else 1, size, mesh_axis
+            )
+            if h is not None:
+                problems.append(h)
+        existing = sch.annotations.get_kind(path, ROLE)
+        if existing is not None and plan.role is not None and existing != plan.role:
+            problems.append(
+                Problem(path, f"already sharded as {existing}; now asked for {plan.role}", "shard each module once")
+            )
+        plans.append(plan)
+    if problems:
+        raise LayoutError("shard", problems)
+    for plan in plans:
+        if plan.role is not None:
+            sch = sch.annotate_path(plan.module, ROLE, plan.role)
+        elif sch.annotations.get_kind(plan.module, ROLE) is None:
+            sch = sch.annotate_path(plan.module, ROLE, Role("param", mesh_axis))
+        for name, lay in plan.params:
+            sch = sch.annotate_path(join(plan.module, name), LAYOUT, lay)
+    return sch

@@ -1,0 +1,107 @@
+"""``sync``: state the layout an activation must have at a module boundary.
+
+The collective is derived from the (src, dst) pair over one mesh axis: ``Partial`` →
+``Replicate`` is an all-reduce, ``Partial`` → ``Shard`` a reduce-scatter, ``Shard`` →
+``Replicate`` an all-gather, ``Replicate`` → ``Shard`` a split (scatter, no traffic).
+Slapo's explicit sync ops map onto it:
+
+* all-reduce after a module: ``sync(sch, p, "fwd_post", Replicate(), src=Partial())``;
+* all-reduce of an input gradient: ``sync(sch, p, "bwd_post", Replicate(), src=Partial())``;
+* all-gather / reduce-scatter / scatter: ``Shard(d)`` as ``src`` or ``layout``.
+
+On a sharded module ``src`` defaults to the module's own output layout (column:
+``Shard(-1)``, row / vocab: ``Partial``), so ``sync(sch, "lm_head", "fwd_post", Shard(-1))``
+keeps vocab-parallel logits sharded for :func:`~slapo_fn.vocab_parallel_cross_entropy`.
+
+Example:
+    >>> import slapo_fn as sf, torch.nn as nn
+    >>> from torch.distributed.tensor import Partial, Replicate
+    >>> from slapo_fn.dtensor.testing import fake_mesh
+    >>> sch = sf.create_schedule(nn.Sequential(nn.Linear(4, 4)), mesh=fake_mesh(2))
+    >>> sch = sf.sync(sch, "0", "fwd_post", Replicate(), src=Partial())
+    >>> print(sch["0"].annotations["sync"][0])
+    fwd_post P→R@tp (all_reduce)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from ..combinators import primitive
+from ..errors import LayoutError, Problem
+from ..schedule import Schedule
+from ..select import Selection
+from .layout import describe
+from .shard import _problem_mesh
+
+__all__ = ["SYNC", "SYNC_MODES", "SyncSpec", "collective_of", "sync"]
+
+SYNC = "sync"
+SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
+
+
+def collective_of(src: Placement, dst: Placement) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(forward collectives, backward collectives) of converting ``src`` to ``dst``."""
+    if src == dst or (isinstance(src, Replicate) and isinstance(dst, Replicate)):
+        return (), ()
+    if isinstance(src, Partial):
+        return (("all_reduce",), ()) if isinstance(dst, Replicate) else (("reduce_scatter",), ("all_gather",))
+    if isinstance(src, Replicate):
+        return (), ("all_gather",)
+    if isinstance(dst, Replicate):
+        return ("all_gather",), ()
+    return ("all_gather",), ("all_gather",)
+
+
+@dataclass(frozen=True)
+class SyncSpec:
+    mode: str
+    layout: Placement
+    src: Placement | None
+    mesh_axis: str
+
+    def __str__(self) -> str:
+        src = "?" if self.src is None else describe(self.src)
+        ops = collective_of(self.src or Replicate(), self.layout)[0]
+        return f"{self.mode} {src}→{describe(self.layout)}@{self.mesh_axis} ({', '.join(ops) or 'local'})"
+
+
+@primitive
+def sync(
+    sch: Schedule,
+    where: Selection,
+    mode: str,
+    layout: Placement,
+    *,
+    src: Placement | None = None,
+    mesh_axis: str = "tp",
+) -> Schedule:
+    """Make an activation at the selected modules' boundary have ``layout`` over ``mesh_axis``.
+
+    ``mode``: ``"fwd_pre"`` (the module's first tensor input), ``"fwd_post"`` (its
+    output), ``"bwd_post"`` (the gradient of its first tensor input: ``src`` is then the
+    gradient's layout, e.g. ``Partial()``). ``src`` defaults to the module's own layout
+    at that boundary (``Replicate()`` for an unsharded module). A boundary stated with
+    ``sync`` is *explicit*: ``build(strict=True)`` accepts it. Returns a new schedule; the
+    input is unchanged.
+    """
+    paths = where.modules(sch.module)
+    problems = [p for p in (_problem_mesh(sch, path, mesh_axis) for path in paths) if p is not None]
+    if mode not in SYNC_MODES:
+        problems += [Problem(p, f"unknown sync mode {mode!r}", f"use one of {', '.join(SYNC_MODES)}") for p in paths]
+    if not isinstance(layout, Shard | Replicate):
+        problems += [
+            Problem(p, f"cannot make an activation {layout!r}", "use Replicate() or Shard(d) as the target layout")
+            for p in paths
+        ]
+    if mode == "bwd_post" and src is None:
+        problems += [Problem(p, "bwd_post needs src= (the gradient's layout)", "pass src=Partial()") for p in paths]
+    if problems:
+        raise LayoutError("sync", problems, src=src, dst=layout)
+    spec = SyncSpec(mode, layout, src, mesh_axis)
+    for path in paths:
+        sch = sch.annotate_path(path, SYNC, (*sch.annotations.get_kind(path, SYNC, ()), spec))
+    return sch

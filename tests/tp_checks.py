@@ -1,0 +1,73 @@
+"""Worker-side checks for the tensor-parallel tests (run on every rank by tests/dist.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from dist import mesh
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+import slapo_fn as sf
+from slapo_fn.dtensor.boundary import plan
+
+
+def counts(mode: CommDebugMode) -> dict[str, int]:
+    return {str(k).split(".")[-1].replace("_into_tensor", "").replace("_tensor", ""): v
+            for k, v in mode.get_comm_counts().items() if v}
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def parity(
+    model: nn.Module,
+    rewrite: Callable[[sf.Schedule], sf.Schedule],
+    inputs: tuple[Any, ...],
+    *,
+    shape: tuple[int, ...],
+    names: tuple[str, ...] = ("tp",),
+    loss: Callable[[Any, sf.Schedule], torch.Tensor] | None = None,
+    atol: float = 1e-5,
+) -> dict[str, Any]:
+    """Build ``rewrite(sch)`` and the unsharded model from the same weights; compare the
+    forward output, every gradient, and return collective counts (fwd/bwd) + explain's."""
+    m = mesh(shape, names)
+    sch = rewrite(sf.create_schedule(model, mesh=m))
+    built = sf.build(sch)
+    ref = sf.build(sf.create_schedule(model))
+    loss = loss or (lambda out, _: (out if isinstance(out, torch.Tensor) else out.logits).float().pow(2).mean())
+    ref_in = tuple(t.clone().requires_grad_(True) if t.is_floating_point() else t for t in inputs)
+    inputs = tuple(t.clone().requires_grad_(True) if t.is_floating_point() else t for t in inputs)
+    out_ref = ref(*ref_in)
+    loss_ref = loss(out_ref, sf.create_schedule(model))
+    loss_ref.backward()
+    with CommDebugMode() as fwd:
+        out = built(*inputs)
+        value = loss(out, sch)
+    with CommDebugMode() as bwd:
+        value.backward()
+    torch.testing.assert_close(value.detach(), loss_ref.detach(), atol=atol, rtol=1e-4)
+    for a, b in zip(ref_in, inputs, strict=True):
+        if a.is_floating_point():
+            torch.testing.assert_close(b.grad, a.grad, atol=atol, rtol=1e-4, msg=lambda s: f"input grad: {s}")
+    grads = dict(ref.named_parameters())
+    checked = 0
+    for name, p in built.named_parameters():
+        g_ref = grads[name].grad
+        assert p.grad is not None, name
+        torch.testing.assert_close(full(p.grad), g_ref, atol=atol, rtol=1e-4, msg=lambda s, n=name: f"{n}: {s}")
+        checked += 1
+    predicted = plan(sch).counts()
+    return {
+        "fwd": counts(fwd),
+        "bwd": counts(bwd),
+        "predicted": predicted,
+        "grads": checked,
+        "dtensors": sorted(n for n, p in built.named_parameters() if isinstance(p, DTensor)),
+        "placements": {n: tuple(map(str, p.placements)) for n, p in built.named_parameters() if isinstance(p, DTensor)},
+    }
