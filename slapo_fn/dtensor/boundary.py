@@ -128,7 +128,7 @@ def _in_features(module: nn.Module) -> int | None:
     if isinstance(module, nn.Linear):
         return module.in_features
     if is_conv1d(module):
-        return int(module.nx)
+        return int(vars(module)["nx"])
     return None
 
 
@@ -500,7 +500,7 @@ def _adjust_packed_parent(model: nn.Module, path: str, role: Role, rt: _Runtime)
     """A packed column module's parent that splits its output by a full-size attribute
     (GPT-2 attention's ``split_size``) gets the local size on build's copy."""
     m = get_module(model, path)
-    out = int(m.nf) if is_conv1d(m) else int(getattr(m, "out_features", 0))
+    out = int(vars(m)["nf"]) if is_conv1d(m) else int(getattr(m, "out_features", 0))
     parent = get_module(model, _parent(path))
     chunk = out // role.packed
     if getattr(parent, "split_size", None) == chunk:
