@@ -171,14 +171,13 @@ class Schedule:
         return self.evolve(annotations=self.annotations.set(path, kind, value))
 
     def __getitem__(self, path: str) -> View:
-        try:
-            module = get_module(self.module, path)
-        except KeyError:
-            from .select import select
+        from .select import select
 
-            select(path).modules(self.module)  # raises a SelectorError with close matches
-            raise SelectorError(path, reason="no module at this path") from None
-        return View(path, module, self.annotations.get(path, MappingProxyType({})))
+        found = select(path).modules(self.module)  # SelectorError with close matches if none
+        if found != (path,):
+            raise SelectorError(path, reason=f"a view needs one exact module path; this selects {len(found)}",
+                                fix=f"index with one of them, e.g. sch[{found[0]!r}]")
+        return View(path, get_module(self.module, path), self.annotations.get(path, MappingProxyType({})))
 
     def paths(self) -> Iterator[str]:
         """Every module path of the tree, in pre-order."""

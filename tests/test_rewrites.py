@@ -226,3 +226,10 @@ def test_state_dict_keys_unchanged_by_checkpoint_hook_annotate_compile() -> None
         built = sf.build(sch)
         assert list(built.state_dict()) == list(model.state_dict())
         assert [n for n, _ in built.named_parameters()] == [n for n, _ in model.named_parameters()]
+
+
+def test_rmsnorm_kernel_refuses_what_is_not_an_rmsnorm() -> None:
+    from slapo_fn.kernels import RMSNorm
+
+    with pytest.raises(TypeError, match="model.layers.0.mlp: not an RMSNorm with a weight and an epsilon"):
+        RMSNorm.from_hf(nn.ReLU(), "model.layers.0.mlp")

@@ -73,6 +73,9 @@ def test_view_is_read_only_and_describes_the_path() -> None:
                                                         "bias": ((16,), torch.float32)}
     with pytest.raises(sf.SelectorError, match="close matches: 'blocks'"):
         sch["blokcs.0"]
+    with pytest.raises(sf.SelectorError, match=r"(?s)a view needs one exact module path; this selects 3.*"
+                                               r"fix: index with one of them, e.g. sch\['blocks.0'\]"):
+        sch["blocks.*"]
 
 
 def test_print_shows_tree_layouts_and_annotations() -> None:

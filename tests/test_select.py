@@ -48,6 +48,11 @@ def test_parameter_paths(net: nn.Module) -> None:
     assert select("blocks.0.mlp.fc*.bias").paths(net) == ("blocks.0.mlp.fc1.bias", "blocks.0.mlp.fc2.bias")
 
 
+def test_relative_selection_under_a_missing_base(net: nn.Module) -> None:
+    with pytest.raises(sf.SelectorError, match="close matches: 'blocks'"):
+        select("mlp").under("blokcs.0").modules(net)
+
+
 def test_relative_selection(net: nn.Module) -> None:
     assert select("mlp.fc1").under("blocks.2").modules(net) == ("blocks.2.mlp.fc1",)
     assert select(sf.of_type(nn.Linear)).under("blocks.1").modules(net) == ("blocks.1.mlp.fc1", "blocks.1.mlp.fc2")
@@ -83,6 +88,8 @@ def test_bad_selector_types() -> None:
         sf.of_type("Linear")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="where_fn takes a callable"):
         sf.where_fn(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="cannot mix relative"):
+        select([select("a").under("b"), "c"])
     with pytest.raises(sf.ScheduleTypeError, match="a selector is a path string"):
         sf.checkpoint(sf.create_schedule(Net()), 3)  # type: ignore[arg-type]
 
