@@ -233,3 +233,11 @@ def test_rmsnorm_kernel_refuses_what_is_not_an_rmsnorm() -> None:
 
     with pytest.raises(TypeError, match="model.layers.0.mlp: not an RMSNorm with a weight and an epsilon"):
         RMSNorm.from_hf(nn.ReLU(), "model.layers.0.mlp")
+
+
+def test_replace_gpt2_activation_keeps_numbers() -> None:
+    gpt2 = tiny_gpt2()
+    sch = sf.replace(sf.create_schedule(gpt2), "transformer.h.*.mlp.act", lambda old, path: nn.GELU("tanh"))
+    report = sf.verify(sch, token_ids(), rtol=1e-4, atol=1e-4)  # another GELU kernel: float noise only
+    assert report.outputs and len(report.gradients) == len(list(gpt2.parameters()))
+    assert type(gpt2.transformer.h[0].mlp.act) is not nn.GELU
