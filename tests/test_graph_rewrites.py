@@ -208,7 +208,7 @@ def attention_schedule() -> tuple[BertSelfAttention, sf.Schedule, tuple[torch.Te
 
 
 def test_partial_replace_attention_core_by_sdpa() -> None:
-    model, sch, inputs = attention_schedule()
+    _, sch, inputs = attention_schedule()
     (core,) = sf.find(sch, "", attention_core)
     assert core.input_names == ("q", "k", "v", "mask") and "dropout" in core.ops
     new = sf.replace(sch, "", sdpa, subgraph=core)
