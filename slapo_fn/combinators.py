@@ -48,8 +48,8 @@ def _fmt(value: object) -> str:
     return repr(value)
 
 
-def _rebase(where: Where, base: str) -> Where:
-    if not base:
+def _rebase(where: Where | None, base: str) -> Where | None:
+    if not base or where is None:
         return where
     if isinstance(where, str):
         return join(base, where)
@@ -88,7 +88,7 @@ class Call(Rewrite):
     """One primitive call: ``primitive(sch, where, *args, **kwargs)``."""
 
     primitive: Primitive[...]
-    where: Where
+    where: Where | None
     args: tuple[Any, ...] = ()
     kwargs: tuple[tuple[str, Any], ...] = ()
 
@@ -96,7 +96,8 @@ class Call(Rewrite):
         return self.primitive(sch, _rebase(self.where, base), *self.args, **dict(self.kwargs))
 
     def __repr__(self) -> str:
-        parts = [_fmt(self.where)] + [_fmt(a) for a in self.args] + [f"{k}={_fmt(v)}" for k, v in self.kwargs]
+        parts = [] if self.where is None else [_fmt(self.where)]
+        parts += [_fmt(a) for a in self.args] + [f"{k}={_fmt(v)}" for k, v in self.kwargs]
         return f"{self.primitive.__name__}.at({', '.join(parts)})"
 
 
@@ -241,11 +242,13 @@ class Primitive(Generic[P]):
         self._impl = impl
         self._signature = inspect.signature(impl)
         plain = [p.replace(annotation=p.empty) for p in self._signature.parameters.values()]
+        where_param = list(self._signature.parameters.values())[1]
+        self._where_required = where_param.default is inspect.Parameter.empty
         self._shown = str(self._signature.replace(parameters=plain, return_annotation=inspect.Signature.empty))
         functools.update_wrapper(self, impl)
         self.__name__: str = impl.__name__
 
-    def __call__(self, sch: Schedule, where: Where, /, *args: P.args, **kwargs: P.kwargs) -> Schedule:
+    def __call__(self, sch: Schedule, where: Where | None = None, /, *args: P.args, **kwargs: P.kwargs) -> Schedule:
         if not isinstance(sch, Schedule):
             raise ScheduleTypeError(
                 self.__name__,
@@ -259,20 +262,27 @@ class Primitive(Generic[P]):
             )
         self._bind(where, args, kwargs)
         try:
-            selection = select(where)
+            selection = None if where is None else select(where)
         except TypeError as e:
             raise ScheduleTypeError(self.__name__, [Problem(repr(where), str(e), "")]) from None
-        result = self._impl(sch, selection, *args, **kwargs)
+        # None only reaches implementations whose `where` has a default (checked in _bind)
+        result = self._impl(sch, selection, *args, **kwargs)  # type: ignore[arg-type]
         step = Call(self, where, tuple(args), tuple(kwargs.items()))
         return result.evolve(history=(*sch.history, step))
 
-    def at(self, where: Where, /, *args: P.args, **kwargs: P.kwargs) -> Rewrite:
+    def at(self, where: Where | None = None, /, *args: P.args, **kwargs: P.kwargs) -> Rewrite:
         """This primitive as a :class:`Rewrite` value (arguments checked now)."""
-        select(where)
+        if where is not None:
+            select(where)
         self._bind(where, args, kwargs)
         return Call(self, where, tuple(args), tuple(kwargs.items()))
 
-    def _bind(self, where: Where, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _bind(self, where: Where | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if where is None and self._where_required:
+            raise ScheduleTypeError(
+                self.__name__,
+                [Problem("", "missing the selector `where`", f"call it as {self.__name__}{self._shown}")],
+            )
         try:
             self._signature.bind(None, where, *args, **kwargs)
         except TypeError as e:

@@ -76,10 +76,14 @@ def test_combinator_type_errors() -> None:
         sf.when(True, sf.checkpoint.at(""))  # type: ignore[arg-type]
     with pytest.raises(sf.ScheduleTypeError, match="expected a Schedule, got Net"):
         sf.checkpoint.at("blocks.0")(Net())  # type: ignore[arg-type]
+    with pytest.raises(sf.ScheduleTypeError, match=r"(?s)missing the selector `where`.*call it as checkpoint\(sch, where"):
+        sf.checkpoint(sf.create_schedule(Net()))
+    with pytest.raises(sf.ScheduleTypeError, match="missing the selector `where`"):
+        sf.checkpoint.at()
     with pytest.raises(sf.ScheduleTypeError, match="first argument must be a Schedule"):
         sf.checkpoint(Net(), "blocks.0")  # type: ignore[arg-type]
     with pytest.raises(sf.ScheduleTypeError,
-                       match=r"(?s)bad arguments.*call it as checkpoint\(sch, where, \*, policy=None\)"):
+                       match=r"(?s)bad arguments.*call it as checkpoint\(sch, where, \*, policy=None"):
         sf.checkpoint.at("blocks.0", polcy=None)  # type: ignore[call-arg]
 
 
