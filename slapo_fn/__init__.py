@@ -16,6 +16,7 @@ from . import kernels
 from .build import build
 from .combinators import Primitive, Rewrite, chain, foreach, primitive, scope, when
 from .dtensor import fork_rng, sequence_parallel, shard, sync, vocab_parallel_cross_entropy
+from .dtensor.data_parallel import data_parallel
 from .errors import LayoutError, Problem, ScheduleError, ScheduleTypeError, SelectorError, VerificationError
 from .explain import Explanation, explain
 from .rewrites import annotate, checkpoint, compile, hook, replace  # noqa: A004
@@ -48,6 +49,7 @@ __all__ = [
     "checkpoint",
     "compile",
     "create_schedule",
+    "data_parallel",
     "decompose",
     "explain",
     "find",

@@ -71,6 +71,12 @@ def _compile(model: nn.Module, sch: Schedule, _: BuildOptions) -> None:
     apply_compile(model, sch)
 
 
+def _data_parallel(model: nn.Module, sch: Schedule, _: BuildOptions) -> None:
+    from .dtensor.data_parallel import apply_data_parallel
+
+    apply_data_parallel(model, sch)
+
+
 #: The canonical order of build phases after materialisation.
 PHASES: tuple[tuple[str, Phase], ...] = (
     ("tensor_parallel", _tensor_parallel),
@@ -78,6 +84,7 @@ PHASES: tuple[tuple[str, Phase], ...] = (
     ("hooks", _hooks),
     ("checkpoint", _checkpoint),
     ("compile", _compile),
+    ("data_parallel", _data_parallel),
 )
 
 

@@ -17,12 +17,12 @@ def tiny_llama(layers: int = 2, **overrides: object) -> nn.Module:
     return LlamaForCausalLM(cfg)
 
 
-def tiny_gpt2(layers: int = 2) -> nn.Module:
+def tiny_gpt2(layers: int = 2, **overrides: object) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=layers, n_head=4, n_positions=32, use_cache=False,
-                     bos_token_id=0, eos_token_id=0)
+                     bos_token_id=0, eos_token_id=0, **overrides)
     return GPT2LMHeadModel(cfg)
 
 

@@ -1,0 +1,152 @@
+"""``data_parallel``: FSDP2, DDP and HSDP over mesh axes, applied last by ``build``.
+
+The engine is PyTorch's own: ``fully_shard`` (FSDP2) per block and on the root for
+``"fsdp"``; FSDP2 over a 2-D (replicate, shard) mesh for ``"hsdp"``; and the FSDP2-based
+composable ``replicate`` for ``"ddp"`` (it keeps FQNs, and composes with tensor-parallel
+DTensor parameters). ``build`` applies it after tensor parallelism, checkpointing and
+compilation, on its private copy, so parameter names stay those of the original model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from ..combinators import primitive
+from ..errors import LayoutError, Problem, ScheduleError
+from ..schedule import Schedule
+from ..select import Selection
+from ..tree import get_module, walk
+from .shard import mesh_dims
+
+__all__ = ["DataParallelSpec", "apply_data_parallel", "data_parallel", "find_blocks"]
+
+KIND = "data_parallel"
+Mode = Literal["fsdp", "ddp", "hsdp"]
+_MODES = ("fsdp", "ddp", "hsdp")
+
+
+@dataclass(frozen=True)
+class DataParallelSpec:
+    """How the model is data-parallel: ``mode`` over ``mesh_axes``, FSDP units ``blocks``."""
+
+    mode: str
+    mesh_axes: tuple[str, ...]
+    blocks: tuple[str, ...]
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    reshard_after_forward: bool = True
+
+    def __str__(self) -> str:
+        extra = f", param_dtype={self.param_dtype}" if self.param_dtype else ""
+        return f"{self.mode}@{'×'.join(self.mesh_axes)}({len(self.blocks)} blocks{extra})"
+
+
+def find_blocks(root: nn.Module) -> tuple[str, ...]:
+    """The repeated blocks of a model: children of every ``ModuleList`` whose children
+    are of one type and hold parameters (``model.layers.*``, ``transformer.h.*``,
+    ``encoder.block.*`` and ``decoder.block.*``…).
+
+    >>> import torch.nn as nn
+    >>> find_blocks(nn.Sequential(nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])))
+    ('0.0', '0.1')
+    """
+    blocks: list[str] = []
+    for path, module in walk(root):
+        if isinstance(module, nn.ModuleList) and len(module) > 1 and not any(
+            path.startswith(b + ".") for b in blocks
+        ):
+            kids = [c for c in module._modules.values() if c is not None]
+            if len({type(c) for c in kids}) == 1 and any(True for _ in kids[0].parameters()):
+                blocks += [f"{path}.{name}" if path else name for name in module._modules]
+    return tuple(blocks)
+
+
+def _axes(mesh_axis: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (mesh_axis,) if isinstance(mesh_axis, str) else tuple(mesh_axis)
+
+
+@primitive
+def data_parallel(
+    sch: Schedule,
+    where: Selection | None = None,
+    *,
+    mode: Mode = "fsdp",
+    mesh_axis: str | tuple[str, ...] = "dp",
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = True,
+) -> Schedule:
+    """Train the model data-parallel over ``mesh_axis`` of the schedule's mesh.
+
+    ``mode="fsdp"``: FSDP2 ``fully_shard`` on each block (``where``; default: the repeated
+    blocks found by :func:`find_blocks`) and on the root; ``"hsdp"``: the same over two
+    mesh axes, ``mesh_axis=("dp_replicate", "dp_shard")``; ``"ddp"``: replicated
+    parameters, gradients all-reduced (FSDP2-based ``replicate``). ``param_dtype`` /
+    ``reduce_dtype`` set FSDP2 mixed precision. Applied by ``build`` after tensor
+    parallelism, checkpointing and compilation; FQNs are unchanged. Returns a new
+    schedule; the input is unchanged.
+
+    Example:
+        >>> import torch.nn as nn, slapo_fn as sf
+        >>> from slapo_fn.dtensor.testing import fake_mesh
+        >>> model = nn.Sequential(nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]))
+        >>> sch = sf.data_parallel(sf.create_schedule(model, mesh=fake_mesh(2, names=("dp",))))
+        >>> print(sch[""].annotations["data_parallel"])
+        fsdp@dp(2 blocks)
+    """
+    axes = _axes(mesh_axis)
+    problems = []
+    if mode not in _MODES:
+        problems.append(Problem("", f"unknown data-parallel mode {mode!r}", f"use one of {', '.join(_MODES)}"))
+    elif (mode == "hsdp") != (len(axes) == 2) or len(axes) not in (1, 2):
+        problems.append(Problem("", f"mode {mode!r} takes {'two mesh axes' if mode == 'hsdp' else 'one mesh axis'}, "
+                                    f"got {axes}",
+                                'hsdp: mesh_axis=("dp_replicate", "dp_shard"); fsdp/ddp: mesh_axis="dp"'))
+    if sch.mesh is None:
+        fix = 'sf.create_schedule(model, mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)))'
+        problems.append(Problem("", "the schedule has no mesh", fix))
+    else:
+        missing = [a for a in axes if a not in mesh_dims(sch.mesh)]
+        if missing:
+            problems.append(Problem("", f"mesh axis {', '.join(map(repr, missing))} is not in the mesh "
+                                        f"{mesh_dims(sch.mesh)} of shape {tuple(sch.mesh.shape)}",
+                                    f"pass mesh_axis= one of {mesh_dims(sch.mesh)}, or name a mesh dimension "
+                                    f"{missing[0]!r}"))
+    if problems:
+        raise LayoutError("data_parallel", problems)
+    if KIND in sch.annotations.get("", {}):
+        raise ScheduleError("data_parallel", [Problem("", f"already data-parallel: {sch.annotations[''][KIND]}",
+                                                      "apply data_parallel once per schedule")])
+    blocks = find_blocks(sch.module) if where is None else where.modules(sch.module)
+    nested = [b for b in blocks if any(b != o and (o == "" or b.startswith(o + ".")) for o in blocks)]
+    if nested or "" in blocks:
+        raise ScheduleError("data_parallel", [Problem(b or "", "FSDP units cannot nest (the root is always one)",
+                                                      "select the blocks, e.g. 'model.layers.*'")
+                                              for b in (nested or [""])])
+    spec = DataParallelSpec(mode, axes, tuple(blocks), param_dtype, reduce_dtype, reshard_after_forward)
+    return sch.annotate_path("", KIND, spec)
+
+
+def apply_data_parallel(model: nn.Module, sch: Schedule) -> None:
+    """Wrap ``model`` (build's private copy) as the schedule says; a no-op without it."""
+    spec: DataParallelSpec | None = sch.annotations.get_kind("", KIND)
+    if spec is None:
+        return
+    assert sch.mesh is not None
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = sch.mesh[spec.mesh_axes[0]] if len(spec.mesh_axes) == 1 else sch.mesh[spec.mesh_axes]
+    mp = MixedPrecisionPolicy(param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype)
+    if spec.mode == "ddp":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        replicate(model, mesh=mesh, mp_policy=mp)
+        return
+    for path in spec.blocks:
+        fully_shard(get_module(model, path), mesh=mesh, mp_policy=mp,
+                    reshard_after_forward=spec.reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=spec.reshard_after_forward)
