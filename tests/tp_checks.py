@@ -40,6 +40,8 @@ def parity(
     sch = rewrite(sf.create_schedule(model, mesh=m))
     built = sf.build(sch)
     ref = sf.build(sf.create_schedule(model))
+    built.eval()
+    ref.eval()
     loss = loss or (lambda out, _: (out if isinstance(out, torch.Tensor) else out.logits).float().pow(2).mean())
     ref_in = tuple(t.clone().requires_grad_(True) if t.is_floating_point() else t for t in inputs)
     inputs = tuple(t.clone().requires_grad_(True) if t.is_floating_point() else t for t in inputs)

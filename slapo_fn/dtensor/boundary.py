@@ -44,7 +44,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..errors import LayoutError, Problem
 from ..rewrites._common import contains
@@ -334,6 +333,9 @@ def _map_input(
     return args, kwargs
 
 
+_CACHE = 4
+
+
 class _Runtime:
     """Per-build state: the mesh, and the caches that make sibling column modules reading
     the same input tensor enter the TP region once (one backward collective)."""
@@ -342,7 +344,7 @@ class _Runtime:
         assert sch.mesh is not None
         self.mesh = sch.mesh
         self.dims = mesh_dims(sch.mesh)
-        self.caches: dict[tuple[str, int | None], WeakTensorKeyDictionary] = {}
+        self.caches: dict[tuple[str, int | None], dict[tuple[Any, ...], torch.Tensor]] = {}
 
     def axis(self, name: str) -> C.Axis:
         return (self.mesh, self.dims.index(name))
@@ -356,12 +358,21 @@ class _Runtime:
         return p.to_local(grad_placements=grads)
 
     def enter(self, x: torch.Tensor, name: str, seq: int | None) -> torch.Tensor:
-        cache = self.caches.setdefault((name, seq), WeakTensorKeyDictionary())
-        hit = cache.get(x)
-        if hit is None:
-            hit = C.enter(x, self.axis(name)) if seq is None else C.gather_rs(x, seq, self.axis(name))
-            cache[x] = hit
-        return hit  # type: ignore[no-any-return]
+        """Enter the TP region once per input *value*: aliases of one tensor (module
+        backward hooks hand each module its own alias) share one entry, so autograd sums
+        the sibling modules' input gradients before a single collective. The cache holds
+        the entered tensor, which keeps the storage alive, so a key (address, offset,
+        shape, stride, dtype, version) never names other data; it keeps the last few."""
+        cache = self.caches.setdefault((name, seq), {})
+        key = (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x._version)
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
+        entered = C.enter(x, self.axis(name)) if seq is None else C.gather_rs(x, seq, self.axis(name))
+        cache[key] = entered
+        while len(cache) > _CACHE:
+            del cache[next(iter(cache))]
+        return entered
 
 
 def _local(p: torch.Tensor | None) -> torch.Tensor | None:
@@ -382,7 +393,8 @@ def _column(rt: _Runtime, m: nn.Module, mp: ModulePlan) -> Callable[..., Any]:
         else:
             if full_in is not None and x.shape[-1] != full_in:  # arrived sharded (a column chain)
                 x = C.gather(x, -1, rt.axis(ax))
-            x = rt.enter(x, ax, seq)
+            if seq is None:  # with sequence parallelism the parent gathered the input (its own shape then fits)
+                x = rt.enter(x, ax, None)
             w, b = _local(m.weight), _local(m.bias)  # type: ignore[arg-type]
             if conv:
                 assert w is not None
@@ -533,6 +545,28 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
         if mp.rng is not None:
             forward = forked(forward, rt.mesh.get_local_rank(rt.dims.index(mp.rng.mesh_axis)))
         m.forward = forward  # type: ignore[method-assign]
+    # sequence parallel: a column group's parent (attention, MLP) all-gathers its input along the
+    # sequence, so that model code reading the input's shape (HF attention's view) sees the full length
+    for parent, (ax, seq_axis) in _sp_parents(p).items():
+        pm = get_module(model, parent)
+        pm.forward = _gathering(rt, pm.forward, ax, seq_axis)  # type: ignore[method-assign]
+
+
+def _sp_parents(p: Plan) -> dict[str, tuple[str, int]]:
+    out: dict[str, tuple[str, int]] = {}
+    for mp in p.modules.values():
+        role, seq = mp.role, mp.seq
+        if role is not None and role.kind == "column" and seq is not None and seq.mesh_axis == role.mesh_axis:
+            out.setdefault(_parent(mp.path), (role.mesh_axis, seq.seq_axis))
+    return out
+
+
+def _gathering(rt: _Runtime, forward: Callable[..., Any], ax: str, seq_axis: int) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _map_input(args, kwargs, functools.partial(rt.enter, name=ax, seq=seq_axis))
+        return forward(*args, **kwargs)
+
+    return run
 
 
 def _wrap_boundaries(rt: _Runtime, mp: ModulePlan, forward: Callable[..., Any]) -> Callable[..., Any]:

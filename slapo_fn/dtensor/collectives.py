@@ -156,6 +156,10 @@ def redistribute(x: torch.Tensor, src: Placement, dst: Placement, axis: Axis) ->
 
     Raises ``ValueError`` for a conversion to ``Partial`` (not a layout anyone needs).
     """
+    if isinstance(src, Shard):
+        src = Shard(src.dim % x.dim())
+    if isinstance(dst, Shard):
+        dst = Shard(dst.dim % x.dim())
     if src == dst or (isinstance(src, Replicate) and isinstance(dst, Replicate)):
         return x
     if isinstance(dst, Partial):

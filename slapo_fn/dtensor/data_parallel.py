@@ -56,9 +56,7 @@ def find_blocks(root: nn.Module) -> tuple[str, ...]:
     """
     blocks: list[str] = []
     for path, module in walk(root):
-        if isinstance(module, nn.ModuleList) and len(module) > 1 and not any(
-            path.startswith(b + ".") for b in blocks
-        ):
+        if isinstance(module, nn.ModuleList) and len(module) > 1 and not any(path.startswith(b + ".") for b in blocks):
             kids = [c for c in module._modules.values() if c is not None]
             if len({type(c) for c in kids}) == 1 and any(True for _ in kids[0].parameters()):
                 blocks += [f"{path}.{name}" if path else name for name in module._modules]
@@ -103,30 +101,52 @@ def data_parallel(
     if mode not in _MODES:
         problems.append(Problem("", f"unknown data-parallel mode {mode!r}", f"use one of {', '.join(_MODES)}"))
     elif (mode == "hsdp") != (len(axes) == 2) or len(axes) not in (1, 2):
-        problems.append(Problem("", f"mode {mode!r} takes {'two mesh axes' if mode == 'hsdp' else 'one mesh axis'}, "
-                                    f"got {axes}",
-                                'hsdp: mesh_axis=("dp_replicate", "dp_shard"); fsdp/ddp: mesh_axis="dp"'))
+        problems.append(
+            Problem(
+                "",
+                f"mode {mode!r} takes {'two mesh axes' if mode == 'hsdp' else 'one mesh axis'}, got {axes}",
+                'hsdp: mesh_axis=("dp_replicate", "dp_shard"); fsdp/ddp: mesh_axis="dp"',
+            )
+        )
     if sch.mesh is None:
         fix = 'sf.create_schedule(model, mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)))'
         problems.append(Problem("", "the schedule has no mesh", fix))
     else:
         missing = [a for a in axes if a not in mesh_dims(sch.mesh)]
         if missing:
-            problems.append(Problem("", f"mesh axis {', '.join(map(repr, missing))} is not in the mesh "
-                                        f"{mesh_dims(sch.mesh)} of shape {tuple(sch.mesh.shape)}",
-                                    f"pass mesh_axis= one of {mesh_dims(sch.mesh)}, or name a mesh dimension "
-                                    f"{missing[0]!r}"))
+            problems.append(
+                Problem(
+                    "",
+                    f"mesh axis {', '.join(map(repr, missing))} is not in the mesh "
+                    f"{mesh_dims(sch.mesh)} of shape {tuple(sch.mesh.shape)}",
+                    f"pass mesh_axis= one of {mesh_dims(sch.mesh)}, or name a mesh dimension {missing[0]!r}",
+                )
+            )
     if problems:
         raise LayoutError("data_parallel", problems)
     if KIND in sch.annotations.get("", {}):
-        raise ScheduleError("data_parallel", [Problem("", f"already data-parallel: {sch.annotations[''][KIND]}",
-                                                      "apply data_parallel once per schedule")])
+        raise ScheduleError(
+            "data_parallel",
+            [
+                Problem(
+                    "", f"already data-parallel: {sch.annotations[''][KIND]}", "apply data_parallel once per schedule"
+                )
+            ],
+        )
     blocks = find_blocks(sch.module) if where is None else where.modules(sch.module)
     nested = [b for b in blocks if any(b != o and (o == "" or b.startswith(o + ".")) for o in blocks)]
     if nested or "" in blocks:
-        raise ScheduleError("data_parallel", [Problem(b or "", "FSDP units cannot nest (the root is always one)",
-                                                      "select the blocks, e.g. 'model.layers.*'")
-                                              for b in (nested or [""])])
+        raise ScheduleError(
+            "data_parallel",
+            [
+                Problem(
+                    b or "",
+                    "FSDP units cannot nest (the root is always one)",
+                    "select the blocks, e.g. 'model.layers.*'",
+                )
+                for b in (nested or [""])
+            ],
+        )
     spec = DataParallelSpec(mode, axes, tuple(blocks), param_dtype, reduce_dtype, reshard_after_forward)
     return sch.annotate_path("", KIND, spec)
 
@@ -147,6 +167,5 @@ def apply_data_parallel(model: nn.Module, sch: Schedule) -> None:
         replicate(model, mesh=mesh, mp_policy=mp)
         return
     for path in spec.blocks:
-        fully_shard(get_module(model, path), mesh=mesh, mp_policy=mp,
-                    reshard_after_forward=spec.reshard_after_forward)
+        fully_shard(get_module(model, path), mesh=mesh, mp_policy=mp, reshard_after_forward=spec.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=spec.reshard_after_forward)

@@ -1,0 +1,181 @@
+"""Tensor / sequence / vocab parallel on attention, tiny LLaMA (GQA), GPT-2 (packed Conv1D),
+embedding + LM head with the parallel loss, and a 2-D mesh — parity and exact collectives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import VOCAB, tiny_gpt2, tiny_llama, token_ids
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from tp_checks import parity
+
+import slapo_fn as sf
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
+
+
+def _llama_tp(s: sf.Schedule) -> sf.Schedule:
+    attn = sf.shard.at("q_proj", axis=0) >> sf.shard.at("k_proj", axis=0) >> sf.shard.at("v_proj", axis=0)
+    attn = attn >> sf.shard.at("o_proj", axis=1)
+    mlp = sf.shard.at("gate_proj", axis=0) >> sf.shard.at("up_proj", axis=0) >> sf.shard.at("down_proj", axis=1)
+    return sf.foreach("model.layers.*", sf.scope("self_attn", attn) >> sf.scope("mlp", mlp))(s)
+
+
+def _attention(rank: int, world: int) -> dict:
+    model = tiny_llama(1, attn_implementation="sdpa")
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(2, 8, 64)
+    rope = model.model.rotary_emb(x, torch.arange(8)[None].expand(2, 8))
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = attn
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return self.attn(h, position_embeddings=rope, attention_mask=None)[0]
+
+    rw = lambda s: _llama_tp(s) if False else sf.scope(
+        "attn",
+        sf.shard.at("q_proj", axis=0)
+        >> sf.shard.at("k_proj", axis=0)
+        >> sf.shard.at("v_proj", axis=0)
+        >> sf.shard.at("o_proj", axis=1),
+    )(s)
+    return parity(Attn(), rw, (x,), shape=(world,))
+
+
+@pytest.mark.parametrize("n", [2])
+def test_attention_qkv_column_o_row_one_all_reduce_each_way(dist_pool, n: int) -> None:
+    for r in dist_pool(n).run(_attention, timeout=90):
+        assert r["fwd"] == {"all_reduce": 1}
+        assert r["bwd"] == {"all_reduce": 1}  # q/k/v input gradients fused into one
+        assert r["predicted"] == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}
+
+
+def _llama8() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=4, use_cache=False)
+    return LlamaForCausalLM(cfg)
+
+
+def _llama(rank: int, world: int) -> dict:
+    model = tiny_llama(2) if world == 2 else _llama8()  # kv heads divisible by TP
+    return parity(model, _llama_tp, (token_ids(),), shape=(world,))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_llama_gqa_decoder_parity(dist_pool, n: int) -> None:
+    for r in dist_pool(n).run(_llama, timeout=120):
+        # per decoder layer: 2 all-reduces forward (o_proj, down_proj), 2 backward (block inputs)
+        assert r["fwd"] == {"all_reduce": 4}
+        assert r["bwd"] == {"all_reduce": 4}
+        assert r["predicted"] == {"forward": {"all_reduce": 4}, "backward": {"all_reduce": 4}}
+        assert "model.layers.0.self_attn.k_proj.weight" in r["dtensors"]
+
+
+def _gpt2(rank: int, world: int) -> dict:
+    model = tiny_gpt2(2)
+    rw = sf.foreach(
+        "transformer.h.*",
+        sf.shard.at("attn.c_attn", axis=1, packed=3)
+        >> sf.shard.at("attn.c_proj", axis=0)
+        >> sf.shard.at("mlp.c_fc", axis=1)
+        >> sf.shard.at("mlp.c_proj", axis=0),
+    )
+    return parity(model, rw, (token_ids(),), shape=(world,))
+
+
+def test_gpt2_packed_c_attn(dist2) -> None:
+    for r in dist2.run(_gpt2, timeout=120):
+        assert r["fwd"] == {"all_reduce": 4}
+        assert r["bwd"] == {"all_reduce": 4}
+        assert r["placements"]["transformer.h.0.attn.c_attn.weight"][0] == "_S(1, 3)"  # packed [Q|K|V]
+
+
+class LM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embed(ids)))
+
+
+def _vocab(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = LM()
+    ids = token_ids()
+    labels = token_ids(seed=1)
+
+    def loss(out: torch.Tensor, sch: sf.Schedule) -> torch.Tensor:
+        if sch.mesh is None:
+            return F.cross_entropy(out.flatten(0, 1), labels.flatten())
+        return sf.vocab_parallel_cross_entropy(out, labels, sch.mesh)
+
+    def rw(s: sf.Schedule) -> sf.Schedule:
+        s = sf.shard(sf.shard(s, "embed", axis=0), "head", axis=0)
+        return sf.sync(s, "head", "fwd_post", Shard(-1))
+
+    return parity(model, rw, (ids,), shape=(world,), loss=loss)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_vocab_parallel_embedding_head_and_loss(dist_pool, n: int) -> None:
+    for r in dist_pool(n).run(_vocab, timeout=90):
+        # embedding: 1 all-reduce; head: input enter (backward all-reduce); loss: 3 all-reduces
+        assert r["fwd"] == {"all_reduce": 4}
+        assert r["bwd"] == {"all_reduce": 1}
+
+
+def _sp(rank: int, world: int) -> dict:
+    model = tiny_llama(2).model  # the decoder stack (embeddings, layers, final norm)
+
+    def rw(s: sf.Schedule) -> sf.Schedule:
+        s = _llama_tp_base(s)
+        return sf.sequence_parallel(s, ["layers.*", "norm"])
+
+    return parity(model, rw, (token_ids(seq=8),), shape=(world,),
+                  loss=lambda out, _: out.last_hidden_state.pow(2).mean())
+
+
+def _llama_tp_base(s: sf.Schedule) -> sf.Schedule:
+    attn = sf.shard.at("q_proj", axis=0) >> sf.shard.at("k_proj", axis=0) >> sf.shard.at("v_proj", axis=0)
+    attn = attn >> sf.shard.at("o_proj", axis=1)
+    mlp = sf.shard.at("gate_proj", axis=0) >> sf.shard.at("up_proj", axis=0) >> sf.shard.at("down_proj", axis=1)
+    return sf.foreach("layers.*", sf.scope("self_attn", attn) >> sf.scope("mlp", mlp))(s)
+
+
+def test_sequence_parallel_llama_all_gathers_and_reduce_scatters_only(dist2) -> None:
+    for r in dist2.run(_sp, timeout=120):
+        assert set(r["fwd"]) <= {"all_gather", "reduce_scatter"}, r["fwd"]
+        assert set(r["bwd"]) <= {"all_gather", "reduce_scatter"}, r["bwd"]
+        # per layer: 2 all-gathers (block inputs) + 2 reduce-scatters (block outputs); + the exit all-gather
+        assert r["fwd"] == {"all_gather": 5, "reduce_scatter": 4}
+        assert r["bwd"] == {"all_gather": 5, "reduce_scatter": 4}
+        assert r["predicted"] == {"forward": r["fwd"], "backward": r["bwd"]}
+
+
+def _two_d(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    from models import MLP
+
+    model = MLP(8, 16)
+    x = torch.randn(2, 3, 8)
+    return parity(model, lambda s: sf.shard(sf.shard(s, "fc1", axis=0), "fc2", axis=1), (x,),
+                  shape=(2, world // 2), names=("dp", "tp"))
+
+
+def test_two_d_mesh_leaves_dp_replicated(dist4) -> None:
+    for r in dist4.run(_two_d, timeout=90):
+        assert r["placements"]["fc1.weight"] == (str(Replicate()), str(Shard(0)))
+        assert r["placements"]["fc2.weight"] == (str(Replicate()), str(Shard(1)))
+        assert r["placements"]["fc2.bias"] == (str(Replicate()), str(Replicate()))
+        assert r["fwd"] == {"all_reduce": 1} and r["bwd"] == {"all_reduce": 1}
