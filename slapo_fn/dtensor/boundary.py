@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.nn.utils.stateless import _reparametrize_module
 
 from ..errors import LayoutError, Problem
@@ -204,7 +204,7 @@ def plan(sch: Schedule) -> Plan:
                 for name in module._parameters:
                     lay = sch.annotations.get_kind(join(path, name), LAYOUT)
                     if isinstance(lay, Layout) and not lay.is_replicated:
-                        n = sum(isinstance(p, Shard) for p in lay.placements)
+                        n = sum(isinstance(p, Shard | _StridedShard) for p in lay.placements)
                         bounds.append(
                             Boundary(
                                 path,

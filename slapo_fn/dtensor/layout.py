@@ -66,15 +66,15 @@ class Layout:
         """The (mesh axis, packed factor) pairs that shard tensor dimension ``dim``."""
         out = []
         for name, p in zip(self.mesh_dims, self.placements, strict=True):
-            if isinstance(p, Shard) and p.dim % ndim == dim % ndim:
-                out.append((name, p.split_factor if isinstance(p, _StridedShard) else 1))
+            if isinstance(p, Shard | _StridedShard) and p.dim % ndim == dim % ndim:
+                out.append((name, int(p.split_factor) if isinstance(p, _StridedShard) else 1))
         return tuple(out)
 
     def local_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
         """This rank's shard shape (dimensions divide evenly: :func:`shard` checks it)."""
         local = list(shape)
         for size, p in zip(self.mesh_shape, self.placements, strict=True):
-            if isinstance(p, Shard):
+            if isinstance(p, Shard | _StridedShard):
                 local[p.dim % len(local)] //= size
         return tuple(local)
 
@@ -98,7 +98,7 @@ class Layout:
 
 def shard_axes(layout: Layout) -> tuple[str, ...]:
     """Mesh axes along which ``layout`` shards something."""
-    return tuple(n for n, p in zip(layout.mesh_dims, layout.placements, strict=True) if isinstance(p, Shard))
+    return tuple(n for n, p in zip(layout.mesh_dims, layout.placements, strict=True) if isinstance(p, Shard | _StridedShard))
 
 
 def from_spec(

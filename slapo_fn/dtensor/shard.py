@@ -31,7 +31,7 @@ from typing import Literal
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..combinators import primitive
 from ..errors import LayoutError, Problem
@@ -122,7 +122,7 @@ def _check_param(
     sch: Schedule, path: str, shape: Sequence[int], layout: Layout, packed: int, problems: list[Problem]
 ) -> None:
     for name, size, p in zip(layout.mesh_dims, layout.mesh_shape, layout.placements, strict=True):
-        if not isinstance(p, Shard):
+        if not isinstance(p, Shard | _StridedShard):
             continue
         if not -len(shape) <= p.dim < len(shape):
             problems.append(
@@ -237,7 +237,7 @@ def _module_plan(
             return None
         tp = [p for n, p in zip(lay.mesh_dims, lay.placements, strict=True) if n == mesh_axis]
         others = [p for n, p in zip(lay.mesh_dims, lay.placements, strict=True) if n != mesh_axis]
-        if any(isinstance(p, Shard) for p in others) or not tp or not isinstance(tp[0], Shard):
+        if any(isinstance(p, Shard | _StridedShard) for p in others) or not tp or not isinstance(tp[0], Shard):
             return _Plan(path, Role("param", mesh_axis), (("weight", lay),))
         axis = tp[0].dim % weight.dim()
     if axis is None:
