@@ -98,7 +98,8 @@ class Layout:
 
 def shard_axes(layout: Layout) -> tuple[str, ...]:
     """Mesh axes along which ``layout`` shards something."""
-    return tuple(n for n, p in zip(layout.mesh_dims, layout.placements, strict=True) if isinstance(p, Shard | _StridedShard))
+    pairs = zip(layout.mesh_dims, layout.placements, strict=True)
+    return tuple(n for n, p in pairs if isinstance(p, Shard | _StridedShard))
 
 
 def from_spec(
