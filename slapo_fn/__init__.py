@@ -19,6 +19,7 @@ from .dtensor import fork_rng, sequence_parallel, shard, sync, vocab_parallel_cr
 from .dtensor.data_parallel import data_parallel
 from .errors import LayoutError, Problem, ScheduleError, ScheduleTypeError, SelectorError, VerificationError
 from .explain import Explanation, explain
+from .pipelines import Pipeline, build_pipeline, cut_pipeline_stage
 from .rewrites import annotate, checkpoint, compile, hook, replace  # noqa: A004
 from .rewrites.graph import Match, decompose, find, fuse, trace
 from .schedule import Annotations, Schedule, View, create_schedule
@@ -32,6 +33,7 @@ __all__ = [
     "Explanation",
     "LayoutError",
     "Match",
+    "Pipeline",
     "Primitive",
     "Problem",
     "Rewrite",
@@ -45,10 +47,12 @@ __all__ = [
     "View",
     "annotate",
     "build",
+    "build_pipeline",
     "chain",
     "checkpoint",
     "compile",
     "create_schedule",
+    "cut_pipeline_stage",
     "data_parallel",
     "decompose",
     "explain",

@@ -130,6 +130,8 @@ class Explanation:
     total_parameters: int
     total_bytes: int
     history: tuple[str, ...]
+    #: The pipeline stage table (:func:`slapo_fn.pipelines.stage_table`), "" without cuts.
+    stages: str = ""
 
     def __str__(self) -> str:
         annotated = [r for r in self.rows if r.annotations]
@@ -137,6 +139,8 @@ class Explanation:
         if annotated:
             out.append("annotations:")
             out += [f"  {r.path or '<root>'}: {', '.join(r.annotations)}" for r in annotated]
+        if self.stages:
+            out.append(self.stages)
         if self.history:
             out.append(f"rewrites ({len(self.history)}):")
             out += [f"  {i}. {h}" for i, h in enumerate(self.history, 1)]
@@ -186,4 +190,11 @@ def explain(sch: Schedule) -> Explanation:
         total_parameters=total,
         total_bytes=total_bytes,
         history=tuple(repr(h) for h in sch.history),
+        stages=_stages(sch),
     )
+
+
+def _stages(sch: Schedule) -> str:
+    from .pipelines.explain import stage_table
+
+    return str(stage_table(sch))

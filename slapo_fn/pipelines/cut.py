@@ -1,0 +1,177 @@
+"""``cut_pipeline_stage``: a pipeline stage boundary after a layer of a sequence."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..combinators import primitive
+from ..errors import Problem, ScheduleError
+from ..schedule import Schedule
+from ..select import Selection
+from ..tree import get_module, join, split, walk
+
+__all__ = ["KIND", "StageCut", "cut_pipeline_stage", "pp_size", "sequence_of"]
+
+KIND = "pipeline_cut"
+
+
+@dataclass(frozen=True)
+class StageCut:
+    """The annotation of a layer after which a new pipeline stage begins."""
+
+    def __str__(self) -> str:
+        return "stage cut after"
+
+
+def sequence_of(layer: str) -> str:
+    """The path of the sequence holding ``layer`` (``"model.layers.3"`` → ``"model.layers"``)."""
+    return join(*split(layer)[:-1])
+
+
+def pp_size(sch: Schedule, mesh_axis: str = "pp") -> int | None:
+    """The size of the ``mesh_axis`` axis of the schedule's mesh, or ``None`` without one."""
+    names = tuple(getattr(sch.mesh, "mesh_dim_names", None) or ())
+    if sch.mesh is None or mesh_axis not in names:
+        return None
+    return int(sch.mesh.size(names.index(mesh_axis)))
+
+
+def _is_sequence(module: nn.Module) -> bool:
+    return isinstance(module, nn.ModuleList | nn.Sequential) and all(k.isdigit() for k in module._modules)
+
+
+def _sequences(root: nn.Module) -> list[str]:
+    return [p for p, m in walk(root) if _is_sequence(m) and len(m._modules) > 1]
+
+
+def _takes_inputs_embeds(model: nn.Module) -> bool:
+    try:
+        return "inputs_embeds" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _example(root: nn.Module) -> str:
+    seqs = _sequences(root)
+    if not seqs:
+        return "this model has no ModuleList/Sequential of layers to cut"
+    keys = list(get_module(root, seqs[0])._modules)
+    return f"cut after a layer of a sequence, e.g. cut_pipeline_stage(sch, {join(seqs[0], keys[len(keys) // 2 - 1])!r})"
+
+
+@primitive
+def cut_pipeline_stage(sch: Schedule, where: Selection) -> Schedule:
+    """Start a new pipeline stage after the selected layer(s) of a sequence.
+
+    ``where`` names layers of one ``ModuleList``/``Sequential`` (``"model.layers.1"``, or
+    several at once: ``"model.layers.[0,1,2]"``). The stages are derived from the
+    unmodified model by :func:`slapo_fn.pipelines.split_stages` and run by
+    :func:`slapo_fn.build_pipeline`. Refused, all at once and with the input unchanged:
+    a path that is not a layer of a sequence (or is its last layer), a layer cut twice,
+    a cut in another sequence than earlier cuts or before an earlier cut (cut in layer
+    order), a model whose forward takes no ``inputs_embeds`` (later stages are fed the
+    hidden states through it), and, when the mesh has a ``pp`` axis of size P, more than
+    P stages unless their number is a multiple of P (several stages per rank, for
+    interleaved schedules: make those cuts in one call). Returns a new schedule; the
+    input is unchanged.
+
+    Example:
+        >>> import slapo_fn as sf
+        >>> from transformers import GPT2Config, GPT2LMHeadModel
+        >>> model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=4, n_head=2, vocab_size=32, n_positions=8))
+        >>> sch = sf.cut_pipeline_stage(sf.create_schedule(model), "transformer.h.1")
+        >>> print(sch["transformer.h.1"].annotations["pipeline_cut"])
+        stage cut after
+        >>> try:
+        ...     sf.cut_pipeline_stage(sch, "transformer.h.0.attn")
+        ... except sf.ScheduleError as e:
+        ...     print(e.problems[0].reason)
+        is not a layer of a sequence (its parent is a GPT2Block)
+    """
+    paths = where.paths(sch.module)
+    existing = tuple(sch.annotations.of_kind(KIND))
+    problems: list[Problem] = []
+    seen_sequence = sequence_of(existing[0]) if existing else None
+    last_index = max((_index(sch.module, p) for p in existing), default=-1)
+    new: list[str] = []
+    for path in paths:
+        tokens = split(path)
+        try:
+            parent = get_module(sch.module, sequence_of(path)) if tokens else None
+        except KeyError:
+            parent = None
+        if parent is None or not _is_sequence(parent) or tokens[-1] not in parent._modules:
+            what = "the root" if not tokens else (type(parent).__name__ if parent is not None else "a parameter")
+            problems.append(
+                Problem(path, f"is not a layer of a sequence (its parent is {_a(what)})", _example(sch.module))
+            )
+            continue
+        keys = list(parent._modules)
+        index = keys.index(tokens[-1])
+        seq = sequence_of(path)
+        if path in existing:
+            problems.append(Problem(path, "is cut already (duplicate stage cut)", "cut each layer once"))
+        elif seen_sequence is not None and seq != seen_sequence:
+            problems.append(
+                Problem(
+                    path,
+                    f"is in the sequence {seq!r}, but the stages are cut in {seen_sequence!r}; stages must "
+                    f"form one chain",
+                    f"cut only layers of {seen_sequence!r}",
+                )
+            )
+        elif index == len(keys) - 1:
+            problems.append(
+                Problem(path, "is the last layer of its sequence: the stage after it would be empty",
+                        f"cut after an earlier layer, at most {join(seq, keys[-2])!r}")
+            )
+        elif index <= last_index:
+            problems.append(
+                Problem(
+                    path,
+                    f"comes before the existing cut after {join(seq, keys[last_index])!r} (out of order)",
+                    "cut in layer order, or make all cuts in one call: "
+                    f"cut_pipeline_stage(sch, '{seq}.[{index},{last_index}]')",
+                )
+            )
+        else:
+            new.append(path)
+            seen_sequence = seen_sequence or seq
+            last_index = index
+    if new and not _takes_inputs_embeds(sch.module):
+        problems.append(
+            Problem(
+                "",
+                f"{type(sch.module).__name__}.forward takes no inputs_embeds: stages after the first are fed the "
+                "hidden states through it",
+                "cut a Hugging Face model (LLaMA family, GPT-2, BERT, OPT …) or give the model's forward an "
+                "inputs_embeds argument that skips the embedding",
+            )
+        )
+    size = pp_size(sch)
+    stages = len(existing) + len(new) + 1
+    if size is not None and not problems and stages > size and stages % size:
+        problems.append(
+            Problem(
+                new[-1] if new else "",
+                f"makes {stages} stages for {size} ranks on the 'pp' mesh axis: more stages than ranks must be a "
+                f"multiple of them (several stages per rank)",
+                f"cut into {size} stages, or {2 * size} for interleaved schedules, making those cuts in one call",
+            )
+        )
+    if problems:
+        raise ScheduleError("cut_pipeline_stage", problems)
+    for path in new:
+        sch = sch.annotate_path(path, KIND, StageCut())
+    return sch
+
+
+def _a(what: str) -> str:
+    return what if what.startswith(("the ", "a ")) else f"a {what}"
+
+
+def _index(root: nn.Module, layer: str) -> int:
+    return list(get_module(root, sequence_of(layer))._modules).index(split(layer)[-1])

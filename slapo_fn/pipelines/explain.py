@@ -1,0 +1,105 @@
+"""The stage table of a schedule with pipeline cuts: layers, parameters and bytes per stage.
+
+Needs no process group. Parameters are counted per stage as that stage's build will
+hold them: a parameter kept by two stages (a tied embedding / LM head) counts in both.
+With a ``pp`` mesh axis the table also says which ``pp`` rank runs each stage (round
+robin; V-shaped schedules place them otherwise, see :func:`.stage_ranks`).
+
+Example:
+    >>> import slapo_fn as sf
+    >>> from transformers import GPT2Config, GPT2LMHeadModel
+    >>> model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=4, n_head=2, vocab_size=32, n_positions=8))
+    >>> print(stage_table(sf.cut_pipeline_stage(sf.create_schedule(model), "transformer.h.1")))
+    pipeline stages (2):
+      stage  layers               parameters  bytes     holds
+      0      transformer.h.[0-1]  7,200       28.1 KiB  pre
+      1      transformer.h.[2-3]  7,104       27.8 KiB  post
+    shared by several stages: transformer.wte.weight (stage 0) = lm_head.weight (stage 1)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cut import KIND, pp_size
+from .runner import stage_ranks
+from .split import split_stages
+
+__all__ = ["StageRow", "StageTable", "stage_table"]
+
+
+@dataclass(frozen=True)
+class StageRow:
+    """One stage: its index, layer paths, parameter count and bytes, whether it holds the
+    modules before (``pre``) / after (``post``) the sequence, and its ``pp`` rank."""
+
+    index: int
+    layers: tuple[str, ...]
+    parameters: int
+    bytes: int
+    pre: bool
+    post: bool
+    rank: int | None
+
+
+@dataclass(frozen=True)
+class StageTable:
+    """The stages of a schedule; ``str()`` renders the table (empty without cuts)."""
+
+    rows: tuple[StageRow, ...]
+    shared: tuple[tuple[tuple[int, str], ...], ...]
+
+    def __str__(self) -> str:
+        if len(self.rows) < 2:
+            return ""
+        from ..explain import _human
+
+        def fold(layers: tuple[str, ...]) -> str:
+            if len(layers) == 1:
+                return layers[0]
+            base = layers[0].rsplit(".", 1)[0]
+            return f"{base}.[{layers[0].rsplit('.', 1)[1]}-{layers[-1].rsplit('.', 1)[1]}]"
+
+        with_rank = any(r.rank is not None for r in self.rows)
+        header = ["stage", "layers", "parameters", "bytes", "holds"] + (["pp rank"] if with_rank else [])
+        table = [
+            [
+                str(r.index),
+                fold(r.layers),
+                f"{r.parameters:,}",
+                _human(r.bytes),
+                "+".join(n for n, f in (("pre", r.pre), ("post", r.post)) if f) or "-",
+            ]
+            + ([str(r.rank)] if with_rank else [])
+            for r in self.rows
+        ]
+        widths = [max(len(row[i]) for row in [header, *table]) for i in range(len(header))]
+        lines = [f"pipeline stages ({len(self.rows)}):"]
+        for row in [header, *table]:
+            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        for group in self.shared:
+            lines.append(
+                "shared by several stages: " + " = ".join(f"{fqn} (stage {s})" for s, fqn in group)
+            )
+        return "\n".join(lines)
+
+
+def stage_table(sch: object) -> StageTable:
+    """The :class:`StageTable` of ``sch`` (one row per stage; no rows without cuts)."""
+    from ..schedule import Schedule
+
+    if not isinstance(sch, Schedule) or not sch.annotations.of_kind(KIND):
+        return StageTable((), ())
+    stages = split_stages(sch)
+    size = pp_size(sch)
+    ranks = stage_ranks(len(stages), size) if size else (None,) * len(stages)
+    rows = []
+    holders: dict[int, list[tuple[int, str]]] = {}
+    for stage in stages:
+        count = nbytes = 0
+        for name, p in stage.schedule.module.named_parameters():
+            count += p.numel()
+            nbytes += p.numel() * p.element_size()
+            holders.setdefault(id(p), []).append((stage.index, name))
+        rows.append(StageRow(stage.index, stage.layer_paths, count, nbytes, stage.pre, stage.post, ranks[stage.index]))
+    return StageTable(tuple(rows), tuple(tuple(m) for m in holders.values() if len(m) > 1))

@@ -1,0 +1,449 @@
+"""``build_pipeline``: this rank's pipeline stages and a training-step runner.
+
+The engine is ``torch.distributed.pipelining``: every stage this rank owns is built with
+:func:`slapo_fn.build` from its stage schedule (:func:`.split_stages`) — so tensor
+parallelism, checkpointing and compilation apply to the stage only — and wrapped in a
+``PipelineStage`` over the process group of the mesh's ``pp`` axis; a
+``torch.distributed.pipelining`` schedule runs the microbatches.
+
+How the stages talk to the unmodified model: a forward-pre-hook on each built stage
+passes the received hidden states as ``inputs_embeds`` (the first stage gets the
+batch's ``input_ids``), keyword inputs (``attention_mask``, ``position_ids``) reach every
+stage, and a forward hook returns the model output's ``logits`` (or
+``last_hidden_state``) as the tensor that crosses to the next stage or into ``loss_fn``.
+These hooks live on build's private copies only.
+
+Tied parameters split across stages (GPT-2's ``wte``/``lm_head``): each owning stage
+holds its own copy, initialised equal. After the backward of every :meth:`Pipeline.step`
+their gradients are summed over the owning stages (locally, then an all-reduce over a
+process group of just the owning ranks), so every copy holds the full gradient of the
+tied parameter — the single-process gradient. An optimizer that treats all copies alike
+(one optimizer type and hyper-parameters on every rank, as usual) then keeps them equal
+after every step, bit for bit.
+
+Example (on every rank of a 2-rank job; needs a process group)::
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    sch = sf.cut_pipeline_stage(sf.create_schedule(model, mesh=mesh), "model.layers.1")
+    pipe = sf.build_pipeline(sch, microbatches=4, schedule="1f1b", loss_fn=loss_fn)
+    opt = torch.optim.AdamW(pipe.parameters())
+    loss = pipe.step(input_ids, target=labels)   # the same loss on every rank
+    opt.step(); opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+
+from ..build import build
+from ..errors import Problem, ScheduleError, ScheduleTypeError
+from ..schedule import Schedule
+from .cut import KIND
+from .split import Stage, split_stages
+
+__all__ = ["SCHEDULES", "Pipeline", "ScheduleName", "TiedGroup", "build_pipeline", "build_stages", "stage_ranks"]
+
+ScheduleName: TypeAlias = Literal["gpipe", "1f1b", "interleaved", "looped-bfs", "zero-bubble", "zbv"]
+
+
+@dataclass(frozen=True)
+class _Kind:
+    cls: type[PipelineScheduleSingle] | type[PipelineScheduleMulti]
+    multi: bool
+    style: Literal["loop", "v"] = "loop"
+    per_rank: int | None = None  # stages per rank required (None: any)
+
+
+#: The schedule names ``build_pipeline`` accepts and the torch schedule each runs.
+SCHEDULES: Mapping[str, _Kind] = {
+    "gpipe": _Kind(ScheduleGPipe, multi=False, per_rank=1),
+    "1f1b": _Kind(Schedule1F1B, multi=False, per_rank=1),
+    "interleaved": _Kind(ScheduleInterleaved1F1B, multi=True),
+    "looped-bfs": _Kind(ScheduleLoopedBFS, multi=True),
+    "zero-bubble": _Kind(ScheduleInterleavedZeroBubble, multi=True),
+    "zbv": _Kind(ScheduleZBVZeroBubble, multi=True, style="v", per_rank=2),
+}
+
+
+def stage_ranks(num_stages: int, pp: int, style: Literal["loop", "v"] = "loop") -> tuple[int, ...]:
+    """The ``pp`` rank of every stage: round robin (``loop``) or V-shaped (``v``).
+
+    >>> stage_ranks(4, 2), stage_ranks(4, 2, "v")
+    ((0, 1, 0, 1), (0, 1, 1, 0))
+    """
+    if style == "v":
+        return tuple(s if s < pp else 2 * pp - 1 - s for s in range(num_stages))
+    return tuple(s % pp for s in range(num_stages))
+
+
+@dataclass(frozen=True)
+class TiedGroup:
+    """One parameter of the schedule held by several stages: ``members`` are
+    ``(stage index, FQN)`` pairs, ``ranks`` the ``pp`` ranks that own them."""
+
+    members: tuple[tuple[int, str], ...]
+    ranks: tuple[int, ...]
+
+
+def _tied_groups(stages: tuple[Stage, ...], placement: tuple[int, ...]) -> tuple[TiedGroup, ...]:
+    holders: dict[int, list[tuple[int, str]]] = {}
+    for stage in stages:
+        seen: set[int] = set()
+        for name, p in stage.schedule.module.named_parameters(remove_duplicate=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                holders.setdefault(id(p), []).append((stage.index, name))
+    return tuple(
+        TiedGroup(tuple(m), tuple(sorted({placement[s] for s, _ in m}))) for m in holders.values() if len(m) > 1
+    )
+
+
+def _takes(module: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _output_tensor(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    for key in ("logits", "last_hidden_state"):
+        value = getattr(output, key, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(f"slapo_fn pipeline: cannot find the output tensor in a {type(output).__name__}")
+
+
+def _install_io(module: nn.Module, first: bool) -> None:
+    """Hooks on build's private copy: inputs → the HF forward's arguments, output → a tensor."""
+    no_cache = _takes(module, "use_cache")
+
+    def pre(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        extra = {"use_cache": False} if no_cache and "use_cache" not in kwargs else {}
+        if first:
+            return args, {**kwargs, **extra}
+        return (), {**kwargs, **extra, "inputs_embeds": args[0]}
+
+    def post(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> torch.Tensor:
+        tensor = _output_tensor(output)
+        # A stage before the last returns its hidden states through the model's head stand-in
+        # (``lm_head`` is an Identity there), often as a view (``hidden[:, 0:]``); zero-bubble
+        # schedules detach stage outputs in place, which views refuse: hand on a copy.
+        return tensor.clone() if tensor._is_view() else tensor
+
+    module.register_forward_pre_hook(pre, with_kwargs=True)
+    module.register_forward_hook(post, with_kwargs=True)
+
+
+def _pp_group(sch: Schedule, mesh_axis: str) -> tuple[dist.ProcessGroup, int, int]:
+    names = tuple(getattr(sch.mesh, "mesh_dim_names", None) or ())
+    if sch.mesh is None or mesh_axis not in names:
+        raise ScheduleError(
+            "build_pipeline",
+            [
+                Problem(
+                    "",
+                    f"the schedule's mesh has no {mesh_axis!r} axis (mesh axes: {names or 'no mesh'})",
+                    'sf.create_schedule(model, mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("pp",)))',
+                )
+            ],
+        )
+    group = sch.mesh.get_group(mesh_axis)
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+@dataclass(frozen=True, eq=False)
+class Pipeline:
+    """This rank's part of a pipeline: its stage modules (original FQNs) and the runner.
+
+    ``modules`` maps each local stage index to its built module; ``stage_indices`` lists
+    them; ``placement[s]`` is the ``pp`` rank of stage ``s``; ``tied`` lists parameters
+    held by several stages, whose gradients :meth:`step` keeps summed.
+    """
+
+    modules: Mapping[int, nn.Module]
+    stages: tuple[Stage, ...]
+    placement: tuple[int, ...]
+    schedule_name: str
+    microbatches: int
+    runner: PipelineScheduleSingle | PipelineScheduleMulti
+    pipeline_stages: tuple[PipelineStage, ...]
+    group: dist.ProcessGroup
+    tied: tuple[TiedGroup, ...]
+    tied_groups: Mapping[tuple[int, ...], dist.ProcessGroup | None]
+
+    @property
+    def stage_indices(self) -> tuple[int, ...]:
+        return tuple(self.modules)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's stage parameters under their original FQNs."""
+        for module in self.modules.values():
+            yield from module.named_parameters()
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's stage parameters (for the optimizer)."""
+        for _, p in self.named_parameters():
+            yield p
+
+    def step(self, *inputs: torch.Tensor, target: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """One training step — forward and backward of every microbatch — and the mean
+        microbatch loss, on every rank of the pipeline.
+
+        Call it on every ``pp`` rank with the same arguments: ``inputs`` feed the first
+        stage (``input_ids``), keyword tensors (``attention_mask``, ``position_ids``, batch
+        first) reach every stage, ``target`` the loss of the last. Gradients accumulate
+        in ``.grad`` as with ``loss.backward()`` on the whole batch (mean of microbatch
+        losses); zero them with the optimizer as usual.
+        """
+        self._check(inputs, target, kwargs)
+        losses: list[torch.Tensor] = []
+        self.runner.step(*inputs, target=target, losses=losses, return_outputs=False, **kwargs)
+        self._sync_tied()
+        last = self.placement[-1]
+        mine = dist.get_rank(self.group)
+        loss = torch.stack([x.detach() for x in losses]).mean() if mine == last else torch.zeros(())
+        loss = loss.to(torch.float32 if not loss.is_floating_point() else loss.dtype)
+        dist.broadcast(loss, group=self.group, group_src=last)
+        return loss
+
+    def _check(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, kwargs: Mapping[str, Any]) -> None:
+        problems: list[Problem] = []
+        if not inputs or not isinstance(inputs[0], torch.Tensor):
+            raise ScheduleTypeError(
+                "Pipeline.step",
+                [Problem("inputs", "the first input must be a tensor (input_ids)", "pipe.step(ids, target=y)")],
+            )
+        batch = inputs[0].shape[0]
+        if batch % self.microbatches:
+            problems.append(
+                Problem(
+                    "inputs[0]",
+                    f"the batch of {batch} does not split into {self.microbatches} equal microbatches",
+                    f"use a batch that is a multiple of {self.microbatches}, or build_pipeline(..., microbatches=k) "
+                    f"with k dividing {batch}",
+                )
+            )
+        named = {"target": target, **{f"{k}=": v for k, v in kwargs.items()}}
+        named.update({f"inputs[{i}]": x for i, x in enumerate(inputs[1:], 1)})
+        for name, value in named.items():
+            if isinstance(value, torch.Tensor) and (value.dim() == 0 or value.shape[0] != batch):
+                problems.append(
+                    Problem(
+                        name.rstrip("="),
+                        f"has shape {tuple(value.shape)}: every tensor is split into microbatches along dim 0, "
+                        f"which must be the batch ({batch})",
+                        "expand it to the batch, e.g. position_ids.expand(batch, -1)",
+                    )
+                )
+        if problems:
+            raise ScheduleError("Pipeline.step", problems)
+
+    @torch.no_grad()
+    def _sync_tied(self) -> None:
+        for tie in self.tied:
+            local = [self.modules[s].get_parameter(fqn) for s, fqn in tie.members if s in self.modules]
+            if not local:
+                continue
+            grads = [p.grad for p in local]
+            like = next((g for g in grads if g is not None), None)
+            total = torch.zeros_like(local[0]) if like is None else torch.zeros_like(like)
+            for g in grads:
+                if g is not None:
+                    total += g
+            group = self.tied_groups.get(tie.ranks)
+            if group is not None:
+                dist.all_reduce(_local(total), group=group)
+            for p in local:
+                if p.grad is None:
+                    p.grad = total.clone()
+                else:
+                    p.grad.copy_(total)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def _problems(
+    stages: tuple[Stage, ...], pp: int, name: str, microbatches: int, loss_fn: object
+) -> list[Problem]:
+    problems = []
+    kind = SCHEDULES.get(name)
+    if kind is None:
+        return [Problem("", f"unknown schedule {name!r}", f"use one of {', '.join(map(repr, SCHEDULES))}")]
+    n = len(stages)
+    if n == 1:
+        problems.append(
+            Problem("", "the schedule has no stage cuts", "sf.cut_pipeline_stage(sch, 'model.layers.1') first")
+        )
+    elif n % pp or (kind.per_rank is not None and n != kind.per_rank * pp):
+        want = kind.per_rank * pp if kind.per_rank is not None else f"a multiple of {pp}"
+        problems.append(
+            Problem(
+                "",
+                f"{n} stages on {pp} 'pp' ranks: schedule {name!r} needs {want} stages",
+                "cut into one stage per rank for 'gpipe'/'1f1b', several per rank for 'interleaved'/"
+                "'zero-bubble', two per rank for 'zbv'",
+            )
+        )
+    if not isinstance(microbatches, int) or microbatches < n:
+        problems.append(
+            Problem(
+                "",
+                f"{microbatches} microbatches for {n} stages: a pipeline needs at least one microbatch per stage",
+                f"build_pipeline(sch, microbatches={n}, ...) or more",
+            )
+        )
+    if not callable(loss_fn):
+        problems.append(Problem("", "loss_fn must be callable(output, target) -> loss", "loss_fn=my_loss"))
+    return problems
+
+
+def build_stages(
+    sch: Schedule,
+    *,
+    indices: tuple[int, ...] | None = None,
+    init: Any = None,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+    copy: bool = True,
+) -> dict[int, nn.Module]:
+    """Build stages of ``sch`` (all, or those in ``indices``) as modules with the
+    original FQNs, each called like a pipeline stage: the first with ``input_ids``, the
+    others with the previous stage's output tensor, keyword inputs (``attention_mask``)
+    to all; each returns one tensor (hidden states, or the model's logits in the last).
+    No process group needed: chaining them in one process is the model's forward.
+
+    Example:
+        >>> import torch, slapo_fn as sf
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        ...                   num_attention_heads=2, num_key_value_heads=2)
+        >>> model = LlamaForCausalLM(cfg)
+        >>> first, last = build_stages(sf.cut_pipeline_stage(sf.create_schedule(model), "model.layers.0")).values()
+        >>> ids = torch.randint(0, 32, (2, 5))
+        >>> torch.allclose(last(first(ids)), model(ids).logits, atol=1e-6)
+        True
+    """
+    modules: dict[int, nn.Module] = {}
+    for stage in split_stages(sch):
+        if indices is None or stage.index in indices:
+            module = build(stage.schedule, init=init, device=device, seed=seed, copy=copy)
+            _install_io(module, stage.pre)
+            modules[stage.index] = module
+    return modules
+
+
+def build_pipeline(
+    sch: Schedule,
+    *,
+    microbatches: int,
+    schedule: ScheduleName = "1f1b",
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    mesh_axis: str = "pp",
+    init: Any = None,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+    copy: bool = True,
+) -> Pipeline:
+    """Build this rank's pipeline stage(s) of ``sch`` and the runner of ``schedule``.
+
+    ``schedule``: ``"gpipe"``, ``"1f1b"`` (one stage per ``pp`` rank), ``"interleaved"``
+    (Interleaved1F1B), ``"looped-bfs"``, ``"zero-bubble"`` (InterleavedZeroBubble; several
+    stages per rank, round robin) or ``"zbv"`` (ZBVZeroBubble: two stages per rank in a V).
+    ``loss_fn(output, target)`` gets the last stage's output tensor (logits for a causal
+    LM) for one microbatch; it should be a mean over the microbatch (gradients are
+    averaged over microbatches). ``init``/``device``/``seed``/``copy`` are passed to
+    :func:`slapo_fn.build` for every stage. Refused up front (a :class:`ScheduleError`
+    listing every problem): no ``pp`` axis on the mesh, a stage count the schedule
+    cannot place on the ``pp`` ranks, fewer microbatches than stages. A batch that does
+    not split into ``microbatches`` is refused by :meth:`Pipeline.step` before any
+    communication. The schedule is unchanged.
+
+    Example (on each rank; needs a process group)::
+
+        >>> pipe = sf.build_pipeline(sch, microbatches=4, schedule="gpipe", loss_fn=ce)  # doctest: +SKIP
+        >>> loss = pipe.step(ids, target=labels)                                        # doctest: +SKIP
+    """
+    if not isinstance(sch, Schedule):
+        raise ScheduleTypeError(
+            "build_pipeline",
+            [Problem("", f"expected a Schedule, got {type(sch).__name__}", "sf.build_pipeline(sch, ...)")],
+        )
+    stages = split_stages(sch)
+    problems: list[Problem] = []
+    names = tuple(getattr(sch.mesh, "mesh_dim_names", None) or ())
+    if sch.mesh is None or mesh_axis not in names:
+        _pp_group(sch, mesh_axis)  # raises
+    pp = int(sch.mesh.size(names.index(mesh_axis)))  # type: ignore[union-attr]
+    problems = _problems(stages, pp, schedule, microbatches, loss_fn)
+    if problems:
+        raise ScheduleError("build_pipeline", problems)
+    group, rank, _ = _pp_group(sch, mesh_axis)
+    kind = SCHEDULES[schedule]
+    placement = stage_ranks(len(stages), pp, kind.style)
+    mine = tuple(s.index for s in stages if placement[s.index] == rank)
+    modules = build_stages(sch, indices=mine, init=init, device=device, seed=seed, copy=copy)
+    pipeline_stages = []
+    for index, module in modules.items():
+        where = next((p.device for p in module.parameters()), torch.device("cpu"))
+        pipeline_stages.append(PipelineStage(module, index, len(stages), where, group=group))
+    runner: PipelineScheduleSingle | PipelineScheduleMulti
+    if kind.multi:
+        runner = kind.cls(pipeline_stages, n_microbatches=microbatches, loss_fn=loss_fn)  # type: ignore[call-arg,arg-type]
+    else:
+        runner = kind.cls(pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss_fn)  # type: ignore[call-arg,arg-type]
+    tied = _tied_groups(stages, placement)
+    tied_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+    for tie in tied:
+        if tie.ranks in tied_groups or rank not in tie.ranks:
+            continue
+        if len(tie.ranks) == 1:
+            tied_groups[tie.ranks] = None
+        else:
+            global_ranks = [dist.get_global_rank(group, r) for r in tie.ranks]
+            tied_groups[tie.ranks] = dist.new_group(global_ranks, use_local_synchronization=True)
+    return Pipeline(
+        modules=modules,
+        stages=stages,
+        placement=placement,
+        schedule_name=schedule,
+        microbatches=microbatches,
+        runner=runner,
+        pipeline_stages=tuple(pipeline_stages),
+        group=group,
+        tied=tied,
+        tied_groups=tied_groups,
+    )
+
+
+def has_cuts(sch: Schedule) -> bool:
+    """Whether ``sch`` has pipeline stage cuts."""
+    return bool(sch.annotations.of_kind(KIND))

@@ -1,0 +1,199 @@
+"""Pipeline stage cuts and stage derivation, in one process: the annotation, purity,
+stages as structural rewrites with the original FQNs, the chained stages equal to the
+model (LLaMA, GPT-2, BERT, OPT), typed errors reported all at once, the stage table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fingerprint import fingerprint, same
+from models import VOCAB, Net, token_ids
+from torch import nn
+
+import slapo_fn as sf
+from slapo_fn.pipelines import build_stages, split_stages, stage_table
+from slapo_fn.pipelines.families import NotInStage, ZeroPositions
+
+
+def llama(layers: int = 4) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    return LlamaForCausalLM(cfg)
+
+
+def gpt2(layers: int = 4) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=layers, n_head=4, n_positions=16,
+                                      use_cache=False, bos_token_id=0, eos_token_id=0))
+
+
+def bert(layers: int = 4) -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers,
+                                      num_attention_heads=4, intermediate_size=64, max_position_embeddings=16))
+
+
+def opt(layers: int = 4) -> nn.Module:
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    return OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, ffn_dim=64,
+                                    num_attention_heads=4, max_position_embeddings=16, word_embed_proj_dim=32,
+                                    use_cache=False, pad_token_id=1))
+
+
+FAMILIES = {"llama": (llama, "model.layers"), "gpt2": (gpt2, "transformer.h"), "bert": (bert, "bert.encoder.layer"),
+            "opt": (opt, "model.decoder.layers")}
+
+
+def _output(out: object) -> torch.Tensor:
+    return out.logits  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("cuts", ["[1]", "[0,2]", "[0-2]"])
+def test_chained_stages_equal_the_model_forward_and_backward(family: str, cuts: str) -> None:
+    make, seq = FAMILIES[family]
+    model = make().eval()
+    ids = token_ids(2, 8, seed=3)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0
+    expected = _output(model(ids, attention_mask=mask))
+    expected.square().mean().backward()
+    sch = sf.cut_pipeline_stage(sf.create_schedule(model), f"{seq}.{cuts}")
+    stages = build_stages(sch)
+    assert len(stages) == cuts.count(",") + 2 if "-" not in cuts else len(stages) == 4
+    x = ids
+    for stage in stages.values():
+        x = stage.eval()(x, attention_mask=mask)
+    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-6)
+    x.square().mean().backward()
+    grads: dict[str, torch.Tensor] = {}
+    for stage in stages.values():
+        for name, p in stage.named_parameters():
+            grads[name] = grads[name] + p.grad if name in grads else p.grad  # type: ignore[operator]
+    names = {n for n, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
+    assert set(grads) <= names
+    for name, g in grads.items():
+        ref = model.get_parameter(name).grad
+        if name in ("lm_head.weight", "transformer.wte.weight", "model.decoder.embed_tokens.weight",
+                    "cls.predictions.decoder.weight", "bert.embeddings.word_embeddings.weight"):
+            continue  # tied: each stage holds one part of the gradient (the pipeline sums them)
+        torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_stages_are_structural_rewrites_with_original_fqns_and_shared_parameters() -> None:
+    model = llama()
+    before = fingerprint(model)
+    sch = sf.cut_pipeline_stage(sf.create_schedule(model), "model.layers.1")
+    first, last = split_stages(sch)
+    assert (first.layers, last.layers) == (("0", "1"), ("2", "3"))
+    assert list(last.schedule.module.model.layers._modules) == ["2", "3"]
+    full = dict(model.named_parameters())
+    for stage in (first, last):
+        for name, p in stage.schedule.module.named_parameters():
+            assert p is full[name]  # shared, not copied
+        assert stage.schedule.module.model.rotary_emb is model.model.rotary_emb  # shared role
+        assert "pipeline_cut" not in str(stage.schedule.annotations)
+    assert isinstance(last.schedule.module.model.embed_tokens, NotInStage)
+    assert isinstance(first.schedule.module.lm_head, nn.Identity)
+    assert isinstance(first.schedule.module.model.norm, nn.Identity)
+    assert last.schedule.module.model.layers._modules["2"] is model.model.layers[2]
+    names = [set(dict(s.schedule.module.named_parameters())) for s in (first, last)]
+    assert names[0] | names[1] == set(full) and not names[0] & names[1]
+    assert same(before, fingerprint(model))
+    assert sch.module is model
+
+
+def test_gpt2_later_stages_add_no_position_embedding_and_keep_the_tied_head() -> None:
+    model = gpt2()
+    first, last = split_stages(sf.cut_pipeline_stage(sf.create_schedule(model), "transformer.h.1"))
+    assert isinstance(last.schedule.module.transformer.wpe, ZeroPositions)
+    assert isinstance(last.schedule.module.transformer.drop, nn.Identity)
+    assert last.schedule.module.lm_head.weight is model.transformer.wte.weight
+    assert first.schedule.module.transformer.wpe is model.transformer.wpe
+
+
+def test_other_annotations_follow_their_stage() -> None:
+    sch = sf.create_schedule(llama())
+    sch = sf.checkpoint(sch, "model.layers.[0-3]")
+    sch = sf.cut_pipeline_stage(sch, "model.layers.1")
+    first, last = split_stages(sch)
+    assert set(first.schedule.annotations.of_kind("checkpoint")) == {"model.layers.0", "model.layers.1"}
+    assert set(last.schedule.annotations.of_kind("checkpoint")) == {"model.layers.2", "model.layers.3"}
+
+
+def test_cut_records_history_and_leaves_the_input_unchanged() -> None:
+    sch = sf.create_schedule(llama())
+    cut = sf.cut_pipeline_stage(sch, "model.layers.1")
+    assert not sch.annotations and sch.history == ()
+    assert [repr(h) for h in cut.history] == ["cut_pipeline_stage.at('model.layers.1')"]
+    again = sf.cut_pipeline_stage.at("model.layers.2")(cut)
+    assert [s.layers for s in split_stages(again)] == [("0", "1"), ("2",), ("3",)]
+
+
+def test_bad_cuts_are_reported_all_at_once_and_the_schedule_is_unchanged() -> None:
+    sch = sf.cut_pipeline_stage(sf.create_schedule(llama()), "model.layers.1")
+    notes, history = sch.annotations, sch.history
+    with pytest.raises(sf.ScheduleError, match="cut_pipeline_stage: 4 problems") as info:
+        sf.cut_pipeline_stage(sch, ["model.layers.1", "model.layers.0", "model.norm", "model.layers.3"])
+    reasons = dict(zip(info.value.paths, (p.reason for p in info.value.problems)))
+    assert "duplicate stage cut" in reasons["model.layers.1"]
+    assert "out of order" in reasons["model.layers.0"]
+    assert "not a layer of a sequence" in reasons["model.norm"]
+    assert "last layer" in reasons["model.layers.3"]
+    assert all(p.fix for p in info.value.problems)
+    assert sch.annotations == notes and sch.history == history
+
+
+def test_cut_inside_a_layer_names_the_parent_and_suggests_a_layer() -> None:
+    with pytest.raises(sf.ScheduleError, match=r"not a layer of a sequence \(its parent is a LlamaDecoderLayer\)") as e:
+        sf.cut_pipeline_stage(sf.create_schedule(llama()), "model.layers.0.mlp")
+    assert "model.layers.1" in e.value.problems[0].fix
+
+
+def test_cuts_in_two_sequences_are_refused() -> None:
+    class TwoStacks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+            self.b = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+
+        def forward(self, x: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+            raise NotImplementedError
+
+    sch = sf.cut_pipeline_stage(sf.create_schedule(TwoStacks()), "a.0")
+    with pytest.raises(sf.ScheduleError, match="stages must form one chain"):
+        sf.cut_pipeline_stage(sch, "b.0")
+
+
+def test_a_model_without_inputs_embeds_is_refused() -> None:
+    with pytest.raises(sf.ScheduleError, match="Net.forward takes no inputs_embeds"):
+        sf.cut_pipeline_stage(sf.create_schedule(Net(depth=3)), "blocks.0")
+
+
+def test_a_selector_that_matches_nothing_is_a_selector_error() -> None:
+    with pytest.raises(sf.SelectorError, match="close matches"):
+        sf.cut_pipeline_stage(sf.create_schedule(llama()), "model.layer.1")
+
+
+def test_explain_shows_the_stage_table() -> None:
+    sch = sf.cut_pipeline_stage(sf.create_schedule(gpt2()), "transformer.h.[0-2]")
+    table = stage_table(sch)
+    assert [r.layers for r in table.rows] == [("transformer.h.0",), ("transformer.h.1",), ("transformer.h.2",),
+                                            ("transformer.h.3",)]
+    assert [(r.pre, r.post) for r in table.rows] == [(True, False), (False, False), (False, False), (False, True)]
+    total = sum(r.parameters for r in table.rows)
+    tied = sch.module.transformer.wte.weight.numel()
+    assert total == sum(p.numel() for p in sch.module.parameters()) + tied  # the tied copy counts twice
+    assert table.shared == (((0, "transformer.wte.weight"), (3, "lm_head.weight")),)
+    text = str(sf.explain(sch))
+    assert "pipeline stages (4):" in text and "transformer.h.3" in text
+    assert str(stage_table(sf.create_schedule(gpt2()))) == ""
