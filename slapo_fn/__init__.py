@@ -24,6 +24,7 @@ from .rewrites import annotate, checkpoint, compile, hook, replace  # noqa: A004
 from .rewrites.graph import Match, decompose, find, fuse, trace
 from .schedule import Annotations, Schedule, View, create_schedule
 from .select import Selection, of_type, select, where_fn
+from .state import full_state_dict, load, save
 from .verify import VerifyReport, verified, verify
 
 __version__ = "0.1.0"
@@ -59,12 +60,15 @@ __all__ = [
     "find",
     "foreach",
     "fork_rng",
+    "full_state_dict",
     "fuse",
     "hook",
     "kernels",
+    "load",
     "of_type",
     "primitive",
     "replace",
+    "save",
     "scope",
     "select",
     "sequence_parallel",

@@ -12,8 +12,9 @@ def tiny_llama(layers: int = 2, **overrides: object) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, use_cache=False, **overrides)
+    options: dict[str, object] = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "use_cache": False}
+    cfg = LlamaConfig(num_hidden_layers=layers, **{**options, **overrides})
     return LlamaForCausalLM(cfg)
 
 

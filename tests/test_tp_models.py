@@ -175,7 +175,9 @@ def _two_d(rank: int, world: int) -> dict:
 
 def test_two_d_mesh_leaves_dp_replicated(dist4) -> None:
     for r in dist4.run(_two_d, timeout=90):
-        assert r["placements"]["fc1.weight"] == (str(Replicate()), str(Shard(0)))
-        assert r["placements"]["fc2.weight"] == (str(Replicate()), str(Shard(1)))
-        assert r["placements"]["fc2.bias"] == (str(Replicate()), str(Replicate()))
+        # parameters live on the tp sub-mesh: replicated over dp (as FSDP2's 2-D composition expects)
+        assert r["meshes"]["fc1.weight"] == r["meshes"]["fc2.bias"] == ("tp",)
+        assert r["placements"]["fc1.weight"] == (str(Shard(0)),)
+        assert r["placements"]["fc2.weight"] == (str(Shard(1)),)
+        assert r["placements"]["fc2.bias"] == (str(Replicate()),)
         assert r["fwd"] == {"all_reduce": 1} and r["bwd"] == {"all_reduce": 1}

@@ -72,4 +72,6 @@ def parity(
         "grads": checked,
         "dtensors": sorted(n for n, p in built.named_parameters() if isinstance(p, DTensor)),
         "placements": {n: tuple(map(str, p.placements)) for n, p in built.named_parameters() if isinstance(p, DTensor)},
+        "meshes": {n: tuple(p.device_mesh.mesh_dim_names or ()) for n, p in built.named_parameters()
+                   if isinstance(p, DTensor)},
     }

@@ -50,7 +50,7 @@ from ..rewrites._common import contains
 from ..schedule import Schedule
 from ..tree import child_names, get_module, join, split, walk
 from . import collectives as C
-from .layout import Layout
+from .layout import Layout, shard_axes
 from .rng import RNG, RngSpec, forked
 from .sequence import SEQ, SeqSpec
 from .shard import LAYOUT, ROLE, Role, is_conv1d, mesh_dims
@@ -344,6 +344,14 @@ class _Runtime:
         assert sch.mesh is not None
         self.mesh = sch.mesh
         self.dims = mesh_dims(sch.mesh)
+        # Parameters live on the sub-mesh of the axes the schedule shards over (usually just
+        # "tp"), replicated implicitly over the others, as FSDP2's 2-D composition expects
+        # (it concatenates its dp mesh with the parameters' mesh).
+        used = {n for lay in sch.annotations.of_kind(LAYOUT).values() for n in shard_axes(lay)}
+        used |= {r.mesh_axis for r in sch.annotations.of_kind(ROLE).values()}
+        used |= {q.mesh_axis for q in sch.annotations.of_kind(SEQ).values()}
+        self.param_dims = tuple(d for d in self.dims if d in used) or self.dims
+        self.param_mesh = self.mesh if self.param_dims == self.dims else self.mesh[self.param_dims]
         self.caches: dict[tuple[str, int | None], dict[tuple[Any, ...], torch.Tensor]] = {}
 
     def axis(self, name: str) -> C.Axis:
@@ -354,7 +362,7 @@ class _Runtime:
 
     def partial_grad(self, name: str, p: torch.Tensor) -> torch.Tensor:
         assert isinstance(p, DTensor)
-        grads = tuple(Partial() if d == name else pl for d, pl in zip(self.dims, p.placements, strict=True))
+        grads = tuple(Partial() if d == name else pl for d, pl in zip(self.param_dims, p.placements, strict=True))
         return p.to_local(grad_placements=grads)
 
     def enter(self, x: torch.Tensor, name: str, seq: int | None) -> torch.Tensor:
@@ -492,7 +500,7 @@ def _distribute(model: nn.Module, sch: Schedule, rt: _Runtime, extra: Iterable[s
         for n, p in get_module(model, path)._parameters.items():
             if p is not None:
                 targets.setdefault(join(path, n), None)
-    replicate = [Replicate()] * len(rt.dims)
+    replicate = [Replicate()] * len(rt.param_dims)
     for path, lay in targets.items():
         tokens = split(path)
         owner = get_module(model, ".".join(tokens[:-1]))
@@ -500,8 +508,8 @@ def _distribute(model: nn.Module, sch: Schedule, rt: _Runtime, extra: Iterable[s
         if p is None or isinstance(p, DTensor):
             continue
         if id(p) not in memo:
-            placements = list(lay.placements) if lay is not None else replicate
-            dt = distribute_tensor(p.detach(), rt.mesh, placements, src_data_rank=None)
+            placements = replicate if lay is None else [lay.placements[rt.dims.index(d)] for d in rt.param_dims]
+            dt = distribute_tensor(p.detach(), rt.param_mesh, placements, src_data_rank=None)
             new = nn.Parameter(dt, requires_grad=p.requires_grad)
             new.__dict__.update({k: v for k, v in p.__dict__.items() if k != "grad"})
             memo[id(p)] = new
