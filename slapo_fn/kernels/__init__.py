@@ -1,5 +1,44 @@
-"""Drop-in replacement modules, used through :func:`slapo_fn.replace`."""
+"""Drop-in replacement modules and functions, used through :func:`slapo_fn.replace`.
 
-from .rmsnorm import RMSNorm
+* attention — :class:`Attention` (``Attention.from_hf`` picks :class:`RotaryAttention`,
+  :class:`FusedQKVAttention` or :class:`EncoderSelfAttention`), on flash-attn or SDPA;
+* :class:`FusedMLP` — bias+GeLU MLPs (GPT-2, Linear-GELU-Linear);
+* :class:`RMSNorm` / :class:`CompiledRMSNorm` — fused RMSNorm;
+* :func:`linear_cross_entropy`, :class:`ChunkedLMHeadLoss`, :func:`causal_lm_loss` — an LM
+  head's loss without materialising the logits.
 
-__all__ = ["RMSNorm"]
+Every ``Kernel.from_hf(old, path)`` is a factory for ``sf.replace(sch, where, Kernel.from_hf)``
+and raises :class:`KernelError` for a module it cannot replace.
+"""
+
+from ._common import KernelError
+from .attention import (
+    Attention,
+    EncoderSelfAttention,
+    FusedQKVAttention,
+    RotaryAttention,
+    attention,
+    flash_attn_available,
+)
+from .cross_entropy import ChunkedLMHeadLoss, causal_lm_loss, default_chunk_size, linear_cross_entropy
+from .mlp import FusedMLP, fused_mlp
+from .rmsnorm import CompiledRMSNorm, RMSNorm, rms_norm
+
+__all__ = [
+    "Attention",
+    "ChunkedLMHeadLoss",
+    "CompiledRMSNorm",
+    "EncoderSelfAttention",
+    "FusedMLP",
+    "FusedQKVAttention",
+    "KernelError",
+    "RMSNorm",
+    "RotaryAttention",
+    "attention",
+    "causal_lm_loss",
+    "default_chunk_size",
+    "flash_attn_available",
+    "fused_mlp",
+    "linear_cross_entropy",
+    "rms_norm",
+]

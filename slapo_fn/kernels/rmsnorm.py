@@ -1,4 +1,6 @@
-"""RMSNorm on PyTorch's fused ``F.rms_norm`` kernel, a drop-in for Hugging Face's RMSNorms."""
+"""RMSNorm drop-ins for Hugging Face's RMSNorms: on PyTorch's fused ``F.rms_norm`` kernel,
+or (``compile=True`` / :class:`CompiledRMSNorm`) with the elementwise part compiled by
+``torch.compile`` into one fused kernel forward and one backward."""
 
 from __future__ import annotations
 
@@ -6,11 +8,31 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["RMSNorm"]
+from ._common import fail
+
+__all__ = ["CompiledRMSNorm", "RMSNorm", "rms_norm"]
+
+
+def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / sqrt(mean(x²) + eps))`` as Hugging Face computes it: normalised in
+    float32, cast back to the input dtype, then scaled — written as plain elementwise ops
+    for ``torch.compile`` to fuse.
+
+    >>> x, w = torch.randn(2, 8), torch.ones(8)
+    >>> torch.allclose(rms_norm(x, w, 1e-6), F.rms_norm(x, (8,), w, 1e-6), atol=1e-6)
+    True
+    """
+    x = hidden_states.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(hidden_states.dtype)
+
+
+_compiled_rms_norm = torch.compile(rms_norm)
 
 
 class RMSNorm(nn.Module):
-    """``y = x / rms(x) * weight`` computed by ``torch.nn.functional.rms_norm``.
+    """``y = x / rms(x) * weight`` computed by ``torch.nn.functional.rms_norm``, or, with
+    ``compile=True``, by :func:`rms_norm` compiled with ``torch.compile``.
 
     :meth:`from_hf` takes over the weight *parameter* of a Hugging Face RMSNorm
     (``LlamaRMSNorm``, ``Qwen2RMSNorm``, ``MistralRMSNorm``…) — same object, so the state
@@ -27,22 +49,47 @@ class RMSNorm(nn.Module):
         True
     """
 
-    def __init__(self, weight: nn.Parameter, eps: float) -> None:
+    compiled_by_default = False
+
+    def __init__(self, weight: nn.Parameter, eps: float, *, compile: bool | None = None) -> None:  # noqa: A002
         super().__init__()
         self.weight = weight
         self.eps = eps
+        self.compiled = self.compiled_by_default if compile is None else compile
 
     @classmethod
-    def from_hf(cls, old: nn.Module, path: str = "") -> RMSNorm:
+    def from_hf(cls, old: nn.Module, path: str = "", *, compile: bool | None = None) -> RMSNorm:  # noqa: A002
+        """The kernel for the Hugging Face RMSNorm ``old`` (``compile`` defaults to the
+        class's: off for :class:`RMSNorm`, on for :class:`CompiledRMSNorm`)."""
         eps = getattr(old, "variance_epsilon", getattr(old, "eps", None))
         weight = getattr(old, "weight", None)
         if not isinstance(weight, nn.Parameter) or eps is None:
-            raise TypeError(f"{path or type(old).__name__}: not an RMSNorm with a weight and an epsilon")
-        return cls(weight, float(eps))
+            raise fail(
+                cls.__name__,
+                path,
+                f"not an RMSNorm with a weight and an epsilon (got {type(old).__name__})",
+                "select the norms themselves, e.g. 'model.layers.*.{input,post_attention}_layernorm'",
+            )
+        return cls(weight, float(eps), compile=compile).train(old.training)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.compiled:
+            return _compiled_rms_norm(hidden_states, self.weight, self.eps)  # type: ignore[no-any-return]
         normed = F.rms_norm(hidden_states.float(), (hidden_states.shape[-1],), None, self.eps)
         return self.weight * normed.to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+        return f"{tuple(self.weight.shape)}, eps={self.eps}" + (", compiled" if self.compiled else "")
+
+
+class CompiledRMSNorm(RMSNorm):
+    """:class:`RMSNorm` with ``compile=True`` by default: ``sf.replace(sch, where,
+    CompiledRMSNorm.from_hf)``. The first call compiles (seconds); later calls reuse it.
+
+    Example:
+        >>> from transformers.models.llama.modeling_llama import LlamaRMSNorm
+        >>> CompiledRMSNorm.from_hf(LlamaRMSNorm(8), "model.norm")
+        CompiledRMSNorm((8,), eps=1e-06, compiled)
+    """
+
+    compiled_by_default = True

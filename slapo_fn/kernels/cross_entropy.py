@@ -1,0 +1,280 @@
+"""Chunked linear + cross-entropy: an LM head and its loss without the full logits.
+
+A causal LM's head turns ``tokens x hidden`` states into ``tokens x vocab`` logits — for
+GPT-2 (50 257 words) at 4 x 1024 tokens that is 823 MB in float32, and autograd keeps
+it (and its log-softmax) until backward. :func:`linear_cross_entropy` walks the tokens in
+chunks: per chunk it computes the logits, the loss and — when a gradient will be needed
+— the gradients with respect to the hidden states, the weight and the bias right away,
+then drops the chunk's logits. Backward only scales those gradients by the incoming
+one. Peak extra memory is one chunk of logits plus a weight-sized gradient buffer; no
+``tokens x vocab`` tensor is ever saved. The arithmetic is the same as
+``F.cross_entropy(F.linear(h, weight, bias).float(), target)`` (three matmuls per
+chunk, as forward + backward of the plain head).
+
+For a Hugging Face causal LM, :func:`causal_lm_loss` runs the base model, shifts the
+labels as Hugging Face does and applies this loss with the model's own ``lm_head``
+parameters; :class:`ChunkedLMHeadLoss` is the same as a module holding those parameters.
+
+Example:
+    >>> import torch, torch.nn.functional as F
+    >>> h, w = torch.randn(6, 4, requires_grad=True), torch.randn(10, 4)
+    >>> y = torch.tensor([1, 2, -100, 3, 4, 5])
+    >>> torch.allclose(linear_cross_entropy(h, w, y, chunk_size=4), F.cross_entropy(h @ w.T, y))
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ._common import fail
+
+__all__ = ["ChunkedLMHeadLoss", "causal_lm_loss", "default_chunk_size", "linear_cross_entropy"]
+
+Reduction = Literal["mean", "sum"]
+
+#: Logits elements per chunk when no ``chunk_size`` is given (64 MiB of float32).
+CHUNK_ELEMENTS = 1 << 24
+
+
+def default_chunk_size(vocab: int) -> int:
+    """Tokens per chunk so that one chunk of float32 logits holds about 2**24 values.
+
+    >>> default_chunk_size(50257)
+    333
+    """
+    return max(1, CHUNK_ELEMENTS // max(1, vocab))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        target: torch.Tensor,
+        ignore_index: int,
+        reduction: Reduction,
+        chunk_size: int,
+        need_grad: bool,
+    ) -> torch.Tensor:
+        acc = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+        valid = target != ignore_index
+        denominator = valid.sum().to(acc) if reduction == "mean" else torch.ones((), dtype=acc, device=hidden.device)
+        want_h, want_w, want_b = (need_grad and n for n in ctx.needs_input_grad[:3])
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
+        grad_b = (
+            torch.zeros(bias.shape, dtype=acc, device=bias.device) if want_b and bias is not None else None
+        )
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_size):
+            h = hidden[start : start + chunk_size]
+            keep = valid[start : start + chunk_size]
+            t = target[start : start + chunk_size].masked_fill(~keep, 0)
+            logits = F.linear(h, weight, bias).to(acc)
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, t[:, None]).squeeze(1)
+            total += torch.where(keep, lse - picked, 0.0).sum()
+            if not (want_h or want_w or want_b):
+                continue
+            grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            grad[torch.arange(grad.shape[0], device=grad.device), t] -= 1.0
+            grad.mul_((keep.to(grad.dtype) / denominator)[:, None])
+            if grad_b is not None:
+                grad_b += grad.sum(0)
+            g = grad.to(hidden.dtype)
+            if grad_h is not None:
+                torch.mm(g, weight, out=grad_h[start : start + chunk_size])
+            if grad_w is not None:
+                grad_w.addmm_(g.t().to(acc), h.to(acc))
+        ctx.grad_dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        return total / denominator
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        h_dtype, w_dtype, b_dtype = ctx.grad_dtypes
+        out = []
+        for g, dtype in ((grad_h, h_dtype), (grad_w, w_dtype), (grad_b, b_dtype)):
+            out.append(None if g is None else (g * grad_out).to(dtype))
+        return (*out, None, None, None, None, None)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(hidden, weight, bias).float(), target)``, chunked over
+    tokens so the ``tokens x vocab`` logits never exist at once.
+
+    ``hidden`` is ``(..., hidden)``, ``weight`` ``(vocab, hidden)`` (an ``nn.Linear`` /
+    ``lm_head`` weight), ``target`` integer class ids of shape ``hidden.shape[:-1]``;
+    targets equal to ``ignore_index`` count neither in the loss nor in the mean.
+    ``reduction`` is ``"mean"`` (over non-ignored tokens; NaN if there are none, as in
+    PyTorch) or ``"sum"``. ``chunk_size`` tokens are processed at a time (default
+    :func:`default_chunk_size`). Differentiable once in ``hidden``, ``weight`` and ``bias``.
+
+    >>> h, w, y = torch.randn(5, 3, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64), torch.arange(5)
+    >>> torch.allclose(linear_cross_entropy(h, w, y, reduction="sum", chunk_size=2),
+    ...                F.cross_entropy(h @ w.T, y, reduction="sum"))
+    True
+    """
+    problems: list[str] = []
+    if weight.dim() != 2:
+        problems.append(f"weight must be 2-D (vocab, hidden), got shape {tuple(weight.shape)}")
+    elif hidden.shape[-1] != weight.shape[1]:
+        problems.append(f"hidden has {hidden.shape[-1]} features but weight expects {weight.shape[1]}")
+    if bias is not None and weight.dim() == 2 and tuple(bias.shape) != (weight.shape[0],):
+        problems.append(f"bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        problems.append(f"target shape {tuple(target.shape)} must equal hidden's without its last axis, "
+                        f"{tuple(hidden.shape[:-1])}")
+    if target.is_floating_point() or target.is_complex():
+        problems.append(f"target must hold integer class ids, got {target.dtype}")
+    if reduction not in ("mean", "sum"):
+        problems.append(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        problems.append(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if problems:
+        raise fail("linear_cross_entropy", "", "; ".join(problems),
+                   "linear_cross_entropy(hidden[B, T, H], lm_head.weight[V, H], labels[B, T])")
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_t = target.reshape(-1)
+    chunk = chunk_size or default_chunk_size(weight.shape[0])
+    need_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias)
+    )
+    loss: torch.Tensor = _LinearCrossEntropy.apply(
+        flat_h, weight, bias, flat_t, ignore_index, reduction, chunk, need_grad
+    )
+    return loss
+
+
+class ChunkedLMHeadLoss(nn.Module):
+    """An LM head and its cross-entropy in one: ``forward(hidden_states, labels)`` returns
+    :func:`linear_cross_entropy` of the head's weight (and bias).
+
+    :meth:`from_hf` takes the ``lm_head`` (an ``nn.Linear``) of a model — its parameters,
+    the same objects, so tying with the embedding is kept.
+
+    Example:
+        >>> head = nn.Linear(4, 10, bias=False)
+        >>> loss_fn = ChunkedLMHeadLoss.from_hf(head, chunk_size=2)
+        >>> h, y = torch.randn(2, 3, 4), torch.randint(0, 10, (2, 3))
+        >>> torch.allclose(loss_fn(h, y), F.cross_entropy(head(h).flatten(0, 1), y.flatten()))
+        True
+    """
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None = None,
+        *,
+        ignore_index: int = -100,
+        chunk_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+        self.ignore_index = ignore_index
+        self.chunk_size = chunk_size
+
+    @classmethod
+    def from_hf(
+        cls, old: nn.Module, path: str = "", *, ignore_index: int = -100, chunk_size: int | None = None
+    ) -> ChunkedLMHeadLoss:
+        if not isinstance(old, nn.Linear):
+            raise fail(
+                cls.__name__,
+                path,
+                f"an LM head must be an nn.Linear, got {type(old).__name__}",
+                "ChunkedLMHeadLoss.from_hf(model.get_output_embeddings())",
+            )
+        bias = old.bias if isinstance(old.bias, nn.Parameter) else None
+        weight = old.weight
+        assert isinstance(weight, nn.Parameter)
+        return cls(weight, bias, ignore_index=ignore_index, chunk_size=chunk_size)
+
+    def forward(
+        self, hidden_states: torch.Tensor, labels: torch.Tensor, *, reduction: Reduction = "mean"
+    ) -> torch.Tensor:
+        return linear_cross_entropy(
+            hidden_states,
+            self.weight,
+            labels,
+            self.bias,
+            ignore_index=self.ignore_index,
+            reduction=reduction,
+            chunk_size=self.chunk_size,
+        )
+
+    def extra_repr(self) -> str:
+        return f"vocab={self.weight.shape[0]}, hidden={self.weight.shape[1]}, chunk_size={self.chunk_size}"
+
+
+def causal_lm_loss(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor | None = None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """The loss ``model(input_ids, labels=labels).loss`` of a Hugging Face causal LM, computed
+    without its logits: the base model (``model.base_model``) gives the hidden states, the
+    labels are shifted as Hugging Face shifts them (position t predicts t+1, the last
+    position is ignored), and :func:`linear_cross_entropy` applies the model's output
+    embedding (``model.get_output_embeddings()``). ``labels`` defaults to ``input_ids``;
+    with ``num_items_in_batch`` the summed loss is divided by it (gradient accumulation),
+    as Hugging Face does. Models that rescale logits (soft-capping, ``logit_scale``) are
+    refused. ``model`` may be a built schedule (``sf.build(sch)``).
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        ...                   num_attention_heads=4, num_key_value_heads=2)
+        >>> model, ids = LlamaForCausalLM(cfg), torch.randint(0, 64, (2, 6))
+        >>> torch.allclose(causal_lm_loss(model, ids, chunk_size=4), model(ids, labels=ids).loss)
+        True
+    """
+    config = getattr(model, "config", None)
+    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
+        if getattr(config, attr, None) not in (None, 1, 1.0):
+            raise fail("causal_lm_loss", "", f"this model rescales its logits ({attr}); the chunked loss does not",
+                       "compute the loss from model(...).logits for this model")
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    base = getattr(model, "base_model", None)
+    if not isinstance(head, nn.Linear) or not isinstance(base, nn.Module) or base is model:
+        raise fail(
+            "causal_lm_loss",
+            "",
+            f"{type(model).__name__} is not a Hugging Face causal LM with a base model and a Linear LM head",
+            "pass e.g. a LlamaForCausalLM or GPT2LMHeadModel",
+        )
+    hidden = base(input_ids, attention_mask=attention_mask, **kwargs)
+    hidden = hidden.last_hidden_state if hasattr(hidden, "last_hidden_state") else hidden[0]
+    labels = input_ids if labels is None else labels
+    shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    reduction: Reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = linear_cross_entropy(
+        hidden, head.weight, shifted.to(hidden.device), head.bias,
+        ignore_index=ignore_index, reduction=reduction, chunk_size=chunk_size,
+    )
+    return loss if num_items_in_batch is None else loss / num_items_in_batch
