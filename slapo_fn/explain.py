@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .schedule import Schedule
 from .tree import join
+
+if TYPE_CHECKING:
+    from .dtensor.explain import TensorParallelExplanation
 
 __all__ = ["Explanation", "ModuleRow", "explain", "format_param", "render_tree"]
 
@@ -132,6 +135,9 @@ class Explanation:
     history: tuple[str, ...]
     #: The pipeline stage table (:func:`slapo_fn.pipelines.stage_table`), "" without cuts.
     stages: str = ""
+    #: Layouts, per-rank parameter bytes and per-boundary collectives
+    #: (:func:`slapo_fn.dtensor.explain.explain_tensor_parallel`); ``None`` without a mesh.
+    tensor_parallel: TensorParallelExplanation | None = None
 
     def __str__(self) -> str:
         annotated = [r for r in self.rows if r.annotations]
@@ -139,6 +145,8 @@ class Explanation:
         if annotated:
             out.append("annotations:")
             out += [f"  {r.path or '<root>'}: {', '.join(r.annotations)}" for r in annotated]
+        if self.tensor_parallel is not None:
+            out.append(str(self.tensor_parallel))
         if self.stages:
             out.append(self.stages)
         if self.history:
@@ -156,9 +164,12 @@ def _human(n: int) -> str:
     raise AssertionError
 
 
-def explain(sch: Schedule) -> Explanation:
+def explain(sch: Schedule, *inputs: Any, kwargs: Mapping[str, Any] | None = None) -> Explanation:
     """Explain ``sch``: the folded tree, parameter counts and bytes per module (tied
-    parameters counted once), annotations and the rewrite history.
+    parameters counted once), annotations and the rewrite history; with a mesh, the
+    tensor-parallel section (``.tensor_parallel``: layouts, per-rank parameter bytes,
+    the collectives of one step per module boundary). Optional example ``inputs`` /
+    ``kwargs`` (meta tensors suffice: only shapes matter) give those collectives their bytes.
 
     >>> import torch.nn as nn, slapo_fn as sf
     >>> sch = sf.checkpoint(sf.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))), "0")
@@ -191,7 +202,18 @@ def explain(sch: Schedule) -> Explanation:
         total_bytes=total_bytes,
         history=tuple(repr(h) for h in sch.history),
         stages=_stages(sch),
+        tensor_parallel=_tensor_parallel(sch, inputs, kwargs),
     )
+
+
+def _tensor_parallel(
+    sch: Schedule, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None
+) -> TensorParallelExplanation | None:
+    if sch.mesh is None:
+        return None
+    from .dtensor.explain import explain_tensor_parallel
+
+    return explain_tensor_parallel(sch, *inputs, kwargs=kwargs)
 
 
 def _stages(sch: Schedule) -> str:

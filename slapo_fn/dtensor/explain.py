@@ -1,0 +1,371 @@
+"""The tensor-parallel part of ``explain``: layouts, per-rank parameter bytes, and the
+collectives one forward and one backward issue, per module boundary — without devices.
+
+Everything comes from the schedule's annotations and its :func:`~.boundary.plan`; the
+only computation is optional: with example inputs (real, meta or fake tensors — only
+their shapes and dtypes matter) the *unsharded* model runs once under
+``FakeTensorMode`` to learn each module's activation shapes, which gives every
+collective its size. Without inputs the collectives are listed and counted, and their
+bytes are ``None``.
+
+``bytes`` of a collective is the size of the full (unsharded) tensor it operates on:
+the all-reduced tensor, the all-gathered result, the reduce-scattered input (what
+``torch.distributed`` calls the buffer size; a ring moves about ``(n-1)/n`` of it per
+rank for an all-gather or a reduce-scatter and twice that for an all-reduce).
+
+Example:
+    >>> import torch, torch.nn as nn, slapo_fn as sf
+    >>> from slapo_fn.dtensor.testing import fake_mesh
+    >>> model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    >>> sch = sf.shard(sf.shard(sf.create_schedule(model, mesh=fake_mesh(2)), "0", axis=0), "2", axis=1)
+    >>> tp = explain_tensor_parallel(sch, torch.empty(4, 8, device="meta"))
+    >>> tp.rank_bytes, tp.total_bytes
+    (576, 1120)
+    >>> tp.counts()
+    {'forward': {'all_reduce': 1}, 'backward': {'all_reduce': 1}}
+    >>> print(tp)
+    tensor parallel over mesh (tp=2):
+      parameter bytes per rank: 576 B (of 1.1 KiB unsharded)
+        0: 288 B
+        2: 288 B
+      collectives per step (2: forward 1, backward 1; 256 B):
+        0 input R→R@tp  bwd all_reduce  128 B  [shard]
+        2 output P→R@tp  fwd all_reduce  128 B  [shard]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ..schedule import Schedule
+from ..tree import join, private_copy, walk
+from .boundary import Boundary, plan
+from .layout import Layout
+from .sequence import SEQ
+from .shard import LAYOUT, ROLE, mesh_dims
+from .sync import SYNC, SyncSpec
+
+__all__ = ["ActivationShapes", "Collective", "ParamLayout", "TensorParallelExplanation", "explain_tensor_parallel"]
+
+Direction = Literal["forward", "backward"]
+Origin = Literal["shard", "sync", "sequence_parallel", "implicit"]
+
+_SIDE_OF_MODE = {"fwd_pre": "input", "fwd_post": "output", "bwd_post": "input grad"}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective that one training step issues at a module boundary.
+
+    ``origin`` says who asked for it: ``"shard"`` (the contract of a ``shard`` call,
+    e.g. a row-parallel output's all-reduce), ``"sync"`` (a ``sync`` call),
+    ``"sequence_parallel"`` (the chain's entry and exit), or ``"implicit"`` (resharding
+    between layouts nobody stated; ``build(strict=True)`` refuses those)."""
+
+    path: str
+    side: str
+    direction: Direction
+    op: str
+    src: str
+    dst: str
+    mesh_axis: str
+    origin: Origin
+    bytes: int | None = None
+
+    @property
+    def asked(self) -> bool:
+        """Whether the user asked for it (anything but ``"implicit"``)."""
+        return self.origin != "implicit"
+
+    def describe(self) -> str:
+        """Everything but the path: ``output P→R@tp  fwd all_reduce  16.0 MiB  [shard]``."""
+        size = "? B" if self.bytes is None else _human(self.bytes)
+        short = "fwd" if self.direction == "forward" else "bwd"
+        return f"{self.side} {self.src}→{self.dst}@{self.mesh_axis}  {short} {self.op}  {size}  [{self.origin}]"
+
+    def __str__(self) -> str:
+        return f"{self.path or '<root>'} {self.describe()}"
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """A parameter's layout (``f32[4096@tp, 1024]``), full bytes and this rank's bytes."""
+
+    path: str
+    layout: str
+    bytes: int
+    rank_bytes: int
+
+    @property
+    def sharded(self) -> bool:
+        return self.rank_bytes != self.bytes
+
+
+@dataclass(frozen=True)
+class ActivationShapes:
+    """The first tensor input and output (shape, dtype) of each module of the unsharded
+    model on the example inputs — what a boundary's collective moves."""
+
+    inputs: Mapping[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    outputs: Mapping[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+
+    def bytes_of(self, boundary: Boundary, params: Mapping[str, ParamLayout]) -> int | None:
+        """Bytes of the full tensor at ``boundary`` (``None`` when the shape is unknown)."""
+        if boundary.tensor.startswith("param:"):
+            p = params.get(join(boundary.path, boundary.tensor.removeprefix("param:")))
+            return None if p is None else p.bytes
+        table = self.outputs if boundary.tensor == "output" else self.inputs
+        entry = table.get(boundary.path)
+        if entry is None:
+            return None
+        shape, dtype = entry
+        return _numel(shape) * _itemsize(dtype)
+
+
+@dataclass(frozen=True)
+class TensorParallelExplanation:
+    """What :func:`explain_tensor_parallel` found; ``str()`` renders it.
+
+    ``module_bytes`` maps each module with parameters to the bytes of its own
+    parameters on one rank (a sharded parameter counts its local shard; a tied one
+    counts once, at its first path); ``rank_bytes`` is their sum."""
+
+    mesh: str
+    params: tuple[ParamLayout, ...]
+    module_bytes: Mapping[str, int]
+    rank_bytes: int
+    total_bytes: int
+    collectives: tuple[Collective, ...]
+    #: Why activation bytes are unknown ("" when they are known).
+    shapes_note: str = ""
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """``{"forward": {op: n}, "backward": {op: n}}`` — what ``CommDebugMode`` counts in one step."""
+        out: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
+        for c in self.collectives:
+            out[c.direction][c.op] = out[c.direction].get(c.op, 0) + 1
+        return out
+
+    def bytes(self, direction: Direction | None = None) -> int | None:
+        """Total bytes of the collectives (of one direction), ``None`` if some size is unknown."""
+        sizes = [c.bytes for c in self.collectives if direction is None or c.direction == direction]
+        return None if any(b is None for b in sizes) else sum(b for b in sizes if b is not None)
+
+    @property
+    def implicit(self) -> tuple[Collective, ...]:
+        """The collectives nobody asked for (what ``build(strict=True)`` refuses)."""
+        return tuple(c for c in self.collectives if not c.asked)
+
+    def __str__(self) -> str:
+        lines = [f"tensor parallel over mesh ({self.mesh}):"]
+        lines.append(f"  parameter bytes per rank: {_human(self.rank_bytes)} (of {_human(self.total_bytes)} unsharded)")
+        for path, text, count in _fold((p, _human(b)) for p, b in self.module_bytes.items()):
+            lines.append(f"    {path or '<root>'}" + (f" ×{count}: {text} each" if count > 1 else f": {text}"))
+        c = self.counts()
+        total = self.bytes()
+        size = "" if total is None else f"; {_human(total)}"
+        lines.append(
+            f"  collectives per step ({len(self.collectives)}: forward {sum(c['forward'].values())}, "
+            f"backward {sum(c['backward'].values())}{size}):"
+        )
+        if self.shapes_note:
+            lines.append(f"    (bytes unknown: {self.shapes_note})")
+        for path, text, count in _fold((x.path, x.describe()) for x in self.collectives):
+            lines.append(f"    {path or '<root>'} {text}" + (f"  ×{count}" if count > 1 else ""))
+        return "\n".join(lines)
+
+
+def _fold(entries: Iterable[tuple[str, str]]) -> list[tuple[str, str, int]]:
+    """``(path, text)`` pairs → ``(path or pattern, text, count)``: entries whose paths
+    differ only in numeric tokens (``layers.0`` … ``layers.31``) and whose texts are equal
+    fold into one ``layers.*`` line, in first-seen order."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for path, text in entries:
+        tokens = path.split(".")
+        pattern = ".".join("*" if t.isdigit() else t for t in tokens) if len(tokens) > 1 else path
+        groups.setdefault((pattern, text), []).append(path)
+    return [(pat if len(paths) > 1 else paths[0], text, len(paths)) for (pat, text), paths in groups.items()]
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def _first_input(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tensor | None:
+    """The tensor the boundary runtime converts: the first tensor positional argument,
+    else the first tensor keyword argument (as ``boundary._map_input``)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+    for v in kwargs.values():
+        if isinstance(v, torch.Tensor):
+            return v
+    return None
+
+
+def _first_output(value: Any) -> torch.Tensor | None:
+    """The first tensor of an output (a tensor, or the first tensor of a tuple/list)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, tuple | list):
+        return next((v for v in value if isinstance(v, torch.Tensor)), None)
+    return None
+
+
+def activation_shapes(module: nn.Module, inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> ActivationShapes:
+    """Run ``module`` (unsharded, any device, meta included) once under ``FakeTensorMode``
+    on inputs of the given shapes and record each module's first input and output.
+
+    ``module`` is not touched: the run uses a private structural copy whose parameters
+    and buffers are fake tensors. Raises what the model's forward raises.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    model = private_copy(module, copy_data=False)
+    ins: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    outs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+
+    def hook(path: str) -> Any:
+        def record(_: nn.Module, args: tuple[Any, ...], kw: dict[str, Any], output: Any) -> None:
+            if path in outs or path in ins:
+                return
+            x, y = _first_input(args, kw), _first_output(output)
+            if x is not None:
+                ins[path] = (tuple(x.shape), x.dtype)
+            if y is not None:
+                outs[path] = (tuple(y.shape), y.dtype)
+
+        return record
+
+    for path, m in walk(model):
+        m.register_forward_hook(hook(path), with_kwargs=True)
+    with FakeTensorMode(allow_non_fake_inputs=False):
+
+        def fake(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            return torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu", requires_grad=t.requires_grad)
+
+        state = {
+            n: fake(t)
+            for n, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
+        }
+        args = [fake(a) for a in inputs]
+        kw = {k: fake(v) for k, v in kwargs.items()}
+        with _reparametrize_module(model, state, tie_weights=True), torch.no_grad():
+            model(*args, **kw)
+    return ActivationShapes(ins, outs)
+
+
+def _origin(sch: Schedule, b: Boundary) -> Origin:
+    if not b.explicit:
+        return "implicit"
+    syncs: tuple[SyncSpec, ...] = sch.annotations.get_kind(b.path, SYNC, ())
+    if any(_SIDE_OF_MODE[s.mode] == b.side for s in syncs):
+        return "sync"
+    if sch.annotations.get_kind(b.path, SEQ) is not None and sch.annotations.get_kind(b.path, ROLE) is None:
+        return "sequence_parallel"
+    return "shard"
+
+
+def parameter_layouts(sch: Schedule) -> tuple[tuple[ParamLayout, ...], dict[str, int]]:
+    """Every parameter's layout and bytes (full and on one rank), and per-rank bytes per
+    module (own parameters; tied ones once)."""
+    layouts: dict[str, Layout] = sch.annotations.of_kind(LAYOUT)
+    seen: set[int] = set()
+    params: list[ParamLayout] = []
+    per_module: dict[str, int] = {}
+    for path, m in walk(sch.module):
+        own = 0
+        for name, p in m._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            full_path = join(path, name)
+            lay = layouts.get(full_path)
+            shape = tuple(p.shape)
+            local = lay.local_shape(shape) if lay is not None else shape
+            size = p.element_size()
+            text = lay.format(shape, p.dtype) if lay is not None else _plain(shape, p.dtype)
+            params.append(ParamLayout(full_path, text, _numel(shape) * size, _numel(local) * size))
+            own += _numel(local) * size
+        if own:
+            per_module[path] = own
+    return tuple(params), per_module
+
+
+def _plain(shape: tuple[int, ...], dtype: torch.dtype) -> str:
+    from ..explain import format_param
+
+    return format_param(torch.empty(shape, dtype=dtype, device="meta"))
+
+
+def explain_tensor_parallel(
+    sch: Schedule, *inputs: Any, kwargs: Mapping[str, Any] | None = None
+) -> TensorParallelExplanation:
+    """Layouts, per-rank parameter bytes and per-boundary collectives of ``sch``.
+
+    ``inputs`` (and ``kwargs``) are optional example inputs for the model; only their
+    shapes and dtypes matter, so meta tensors are the cheap way to give them
+    (``torch.empty(1, 2048, dtype=torch.long, device="meta")``). With them, every
+    collective carries its bytes; without, ``bytes`` is ``None``. If the fake run fails,
+    bytes stay unknown and ``shapes_note`` says why.
+
+    Needs a schedule with a mesh (a :func:`~slapo_fn.dtensor.testing.fake_mesh` is
+    enough); the counts equal what ``CommDebugMode`` counts in one real step, each
+    module called once.
+    """
+    assert sch.mesh is not None, "explain_tensor_parallel needs a schedule with a mesh"
+    dims = mesh_dims(sch.mesh)
+    mesh = ", ".join(f"{n}={s}" for n, s in zip(dims, tuple(sch.mesh.shape), strict=True))
+    params, per_module = parameter_layouts(sch)
+    by_path = {p.path: p for p in params}
+    shapes: ActivationShapes | None = None
+    note = "" if inputs or kwargs else "no example inputs (pass explain(sch, *inputs))"
+    if inputs or kwargs:
+        try:
+            shapes = activation_shapes(sch.module, inputs, dict(kwargs or {}))
+        except Exception as e:  # explain never fails for a model it cannot run fake
+            note = f"the fake run failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    collectives: list[Collective] = []
+    for b in plan(sch).boundaries:
+        origin = _origin(sch, b)
+        size = shapes.bytes_of(b, by_path) if shapes is not None else None
+        if shapes is not None and size is None and not note:
+            note = f"no activation recorded for {b.path!r} (not called by the example inputs)"
+        for direction, ops in (("forward", b.forward), ("backward", b.backward)):
+            for op in ops:
+                collectives.append(
+                    Collective(b.path, b.side, direction, op, b.src, b.dst, b.mesh_axis, origin, size)  # type: ignore[arg-type]
+                )
+    return TensorParallelExplanation(
+        mesh=mesh,
+        params=params,
+        module_bytes=per_module,
+        rank_bytes=sum(per_module.values()),
+        total_bytes=sum(p.bytes for p in params),
+        collectives=tuple(collectives),
+        shapes_note=note,
+    )
