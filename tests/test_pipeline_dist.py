@@ -171,6 +171,60 @@ def test_bad_microbatches_and_schedules_are_refused_up_front_on_every_rank(dist2
     assert time.monotonic() - start < 30
 
 
+def _stage_count_against_pp(rank: int, world: int) -> list[str]:
+    sch = sf.create_schedule(llama(), mesh=mesh((world,), ("pp",)))
+    messages = []
+    try:
+        sf.cut_pipeline_stage(sch, "model.layers.[0,1]")  # 3 stages on 2 ranks
+    except sf.ScheduleError as e:
+        messages.append(str(e))
+    four = sf.cut_pipeline_stage(sch, "model.layers.[0-2]")  # 4 stages, two per rank: fine
+    try:
+        sf.build_pipeline(four, microbatches=4, schedule="1f1b", loss_fn=ce)  # one stage per rank only
+    except sf.ScheduleError as e:
+        messages.append(str(e))
+    no_pp = sf.cut_pipeline_stage(sf.create_schedule(llama(), mesh=mesh((world,), ("tp",))), "model.layers.1")
+    try:
+        sf.build_pipeline(no_pp, microbatches=4, loss_fn=ce)
+    except sf.ScheduleError as e:
+        messages.append(str(e))
+    return messages
+
+
+def test_stage_counts_that_do_not_fit_the_pp_axis_are_schedule_errors(dist2) -> None:
+    for messages in dist2.run(_stage_count_against_pp, timeout=60):
+        assert len(messages) == 3
+        assert "makes 3 stages for 2 ranks on the 'pp' mesh axis" in messages[0]
+        assert "4 stages on 2 'pp' ranks: schedule '1f1b' needs 2 stages" in messages[1]
+        assert "has no 'pp' axis" in messages[2]
+
+
+def _pp_tp(rank: int, world: int) -> dict:
+    ids, target, mask = _batch()
+    reference = llama()
+    ref_loss = ce(reference(ids, attention_mask=mask).logits, target)
+    ref_loss.backward()
+    sch = sf.create_schedule(llama(), mesh=mesh((2, 2), ("pp", "tp")))
+    sch = sf.foreach("model.layers.*.mlp", sf.shard.at("gate_proj", axis=0) >> sf.shard.at("up_proj", axis=0)
+                     >> sf.shard.at("down_proj", axis=1))(sch)
+    sch = sf.cut_pipeline_stage(sch, "model.layers.1")
+    pipe = sf.build_pipeline(sch, microbatches=MICRO, schedule="1f1b", loss_fn=ce)
+    loss = pipe.step(ids, target=target, attention_mask=mask)
+    diffs = {}
+    for name, p in pipe.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        diffs[name] = (grad - reference.get_parameter(name).grad).abs().max().item()
+    return {"loss": loss.item(), "ref": ref_loss.item(), "diffs": diffs}
+
+
+def test_pp_by_tp_on_a_two_dimensional_mesh(dist4) -> None:
+    results = dist4.run(_pp_tp, timeout=120)
+    for r in results:
+        assert r["loss"] == pytest.approx(r["ref"], rel=1e-5)
+        assert max(r["diffs"].values()) < 1e-5, r["diffs"]
+    assert set().union(*(r["diffs"] for r in results)) == {n for n, _ in llama().named_parameters()}
+
+
 def _killed(rank: int, world: int) -> None:
     sch = sf.cut_pipeline_stage(sf.create_schedule(llama(), mesh=mesh((world,), ("pp",))), "model.layers.1")
 
