@@ -51,6 +51,7 @@ from ..schedule import Schedule
 from ..tree import child_names, get_module, join, split, walk
 from . import collectives as C
 from .layout import Layout, shard_axes
+from .local import LOCAL
 from .rng import RNG, RngSpec, forked
 from .sequence import SEQ, SeqSpec
 from .shard import LAYOUT, ROLE, Role, is_conv1d, mesh_dims
@@ -95,7 +96,8 @@ class ModulePlan:
     exit: SeqSpec | None = None
     syncs: tuple[SyncSpec, ...] = ()
     rng: RngSpec | None = None
-    local_params: bool = False  # SP region: replicated params with Partial gradients
+    local_params: bool = False  # SP region / tp_local: replicated params with Partial gradients
+    local_axis: str = ""  # tp_local: the mesh axis of those Partial gradients
 
 
 @dataclass(frozen=True)
@@ -188,8 +190,13 @@ def plan(sch: Schedule) -> Plan:
                     bounds.append(Boundary(path, "output", "S(-1)", "R", ax, ("all_gather",), (), False, "output"))
             elif role.kind == "row":
                 partnered = any(roles[s].kind == "column" for s in sib[:me])
-                if not partnered:
+                pre = next((s for s in spec_syncs if s.mode == "fwd_pre"), None)
+                if not partnered and pre is None:
                     bounds.append(Boundary(path, "input", "R", "S(-1)", ax, (), ("all_gather",), False))
+                elif not partnered and isinstance(pre, SyncSpec) and isinstance(pre.layout, Replicate):
+                    # stated replicated: the module splits it locally (all-gather of the gradient)
+                    bounds.append(Boundary(path, "input", "R", "S(-1)", ax, (), ("all_gather",), True))
+                # a fwd_pre sync to Shard(-1) is the input boundary itself (added with the syncs below)
                 bounds.append(_reduce_boundary(path, ax, seq, out_sync))
             elif role.kind == "vocab":
                 bounds.append(_reduce_boundary(path, ax, seq, out_sync))
@@ -224,14 +231,15 @@ def plan(sch: Schedule) -> Plan:
             same = [r for r in seq_roots if seqs[r].mesh_axis == spec.mesh_axis]
             if path == same[0]:
                 entry = spec
+                # the chain's entry and exit are what sequence_parallel states: explicit
                 bounds.append(
-                    Boundary(path, "input", "R", f"S({spec.seq_axis})", spec.mesh_axis, (), ("all_gather",), False)
+                    Boundary(path, "input", "R", f"S({spec.seq_axis})", spec.mesh_axis, (), ("all_gather",), True)
                 )
             if path == same[-1] and out_sync is None:
                 exit_ = spec
                 bounds.append(
                     Boundary(
-                        path, "output", f"S({spec.seq_axis})", "R", spec.mesh_axis, ("all_gather",), (), False, "output"
+                        path, "output", f"S({spec.seq_axis})", "R", spec.mesh_axis, ("all_gather",), (), True, "output"
                     )
                 )
         for s in spec_syncs:
@@ -271,6 +279,10 @@ def plan(sch: Schedule) -> Plan:
                 continue
             if any(p is not None for p in module._parameters.values()):
                 modules[path] = ModulePlan(path, seq=seqs[root], local_params=True)
+    # modules declared to run on this rank's shard (tp_local): replicated, Partial gradients
+    for path, spec in sch.annotations.of_kind(LOCAL).items():
+        if path not in modules:
+            modules[path] = ModulePlan(path, local_params=True, local_axis=spec.mesh_axis)
     return Plan(modules, tuple(bounds))
 
 
@@ -291,6 +303,19 @@ def _reduce_boundary(path: str, ax: str, seq: SeqSpec | None, out_sync: SyncSpec
     return Boundary(path, "output", "P", "R", ax, ("all_reduce",), (), True, "output")
 
 
+def _fix(b: Boundary) -> str:
+    if b.tensor.startswith("param:"):
+        return (
+            f"shard {b.path!r} as a whole (axis=0 or 1 on a Linear/Embedding/Conv1D) so that it computes on "
+            "its shard, or leave the parameter unsharded"
+        )
+    if b.side == "output":
+        stated = f"sf.sync(sch, {b.path!r}, 'fwd_post', Replicate())"
+    else:
+        stated = f"sf.sync(sch, {b.path!r}, 'fwd_pre', Shard(-1))"
+    return f"state it with {stated}, or shard the neighbouring module so that the layouts agree (a Megatron pair)"
+
+
 def implicit(p: Plan) -> list[Problem]:
     """Problems for every implicit boundary that moves data (for ``build(strict=True)``)."""
     return [
@@ -298,8 +323,7 @@ def implicit(p: Plan) -> list[Problem]:
             b.path,
             f"{b.side} needs implicit resharding {b.src}→{b.dst} over {b.mesh_axis!r} "
             f"(forward: {', '.join(b.forward) or '-'}, backward: {', '.join(b.backward) or '-'})",
-            f"state it with sf.sync(sch, {b.path!r}, {'fwd_post' if b.side == 'output' else 'fwd_pre'!r}, ...) "
-            "or shard the neighbouring module so that the layouts agree",
+            _fix(b),
         )
         for b in p.boundaries
         if not b.explicit and (b.forward or b.backward)
@@ -350,9 +374,10 @@ class _Runtime:
         used = {n for lay in sch.annotations.of_kind(LAYOUT).values() for n in shard_axes(lay)}
         used |= {r.mesh_axis for r in sch.annotations.of_kind(ROLE).values()}
         used |= {q.mesh_axis for q in sch.annotations.of_kind(SEQ).values()}
+        used |= {q.mesh_axis for q in sch.annotations.of_kind(LOCAL).values()}
         self.param_dims = tuple(d for d in self.dims if d in used) or self.dims
         self.param_mesh = self.mesh if self.param_dims == self.dims else self.mesh[self.param_dims]
-        self.caches: dict[tuple[str, int | None], dict[tuple[Any, ...], torch.Tensor]] = {}
+        self.caches: dict[tuple[str, int | None], dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def axis(self, name: str) -> C.Axis:
         return (self.mesh, self.dims.index(name))
@@ -369,15 +394,18 @@ class _Runtime:
         """Enter the TP region once per input *value*: aliases of one tensor (module
         backward hooks hand each module its own alias) share one entry, so autograd sums
         the sibling modules' input gradients before a single collective. The cache holds
-        the entered tensor, which keeps the storage alive, so a key (address, offset,
-        shape, stride, dtype, version) never names other data; it keeps the last few."""
+        the input itself next to the entered tensor (an all-gathered one is new memory), so
+        the storage stays alive and a key (address, offset, shape, stride, dtype, version)
+        never names other data — a freed input's address reused by the next one would
+        otherwise hit on one rank and not another, skipping a collective there (a hang).
+        It keeps the last few."""
         cache = self.caches.setdefault((name, seq), {})
         key = (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x._version)
         hit = cache.get(key)
         if hit is not None:
-            return hit
+            return hit[1]
         entered = C.enter(x, self.axis(name)) if seq is None else C.gather_rs(x, seq, self.axis(name))
-        cache[key] = entered
+        cache[key] = (x, entered)
         while len(cache) > _CACHE:
             del cache[next(iter(cache))]
         return entered
@@ -472,7 +500,7 @@ def _row(rt: _Runtime, m: nn.Module, mp: ModulePlan) -> Callable[..., Any]:
 
 def _generic(rt: _Runtime, m: nn.Module, mp: ModulePlan, forward: Callable[..., Any]) -> Callable[..., Any]:
     names = [n for n, p in m._parameters.items() if isinstance(p, DTensor)]
-    ax = mp.role.mesh_axis if mp.role is not None else (mp.seq.mesh_axis if mp.seq is not None else "")
+    ax = mp.role.mesh_axis if mp.role is not None else (mp.seq.mesh_axis if mp.seq is not None else mp.local_axis)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         params: dict[str, torch.Tensor] = {}
@@ -527,9 +555,33 @@ def _adjust_packed_parent(model: nn.Module, path: str, role: Role, rt: _Runtime)
         object.__setattr__(parent, "split_size", chunk // rt.size(role.mesh_axis))
 
 
+_HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_key_value_heads")
+_HEAD_DIMS = ("head_dim", "key_value_proj_dim", "attention_head_size")
+
+
+def _adjust_head_counts(model: nn.Module, path: str, role: Role, rt: _Runtime, adjusted: set[tuple[int, str]]) -> None:
+    """The parent (attention) of a column module whose output stays sharded runs on this
+    rank's heads: a head count it reshapes by (OPT's ``view(bsz, -1, self.num_heads,
+    head_dim)``) becomes the local count on build's copy, as Megatron's per-partition head
+    count does. Only an attribute that, times the head size, equals the module's output
+    size is touched (so q/k/v of GQA adjust their own counts)."""
+    m = get_module(model, path)
+    parent = get_module(model, _parent(path))
+    out = int(vars(m)["nf"]) if is_conv1d(m) else int(getattr(m, "out_features", 0))
+    head_dim = next((v for a in _HEAD_DIMS if isinstance(v := vars(parent).get(a), int) and v > 0), None)
+    if head_dim is None:
+        return
+    for attr in _HEAD_COUNTS:
+        count = vars(parent).get(attr)
+        key = (id(parent), attr)
+        if type(count) is int and key not in adjusted and count * head_dim * role.packed == out:
+            object.__setattr__(parent, attr, count // rt.size(role.mesh_axis))
+            adjusted.add(key)
+
+
 def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False) -> None:
     """The ``tensor_parallel`` build phase (on build's private copy ``model``)."""
-    if not any(sch.annotations.of_kind(k) for k in (ROLE, SEQ, SYNC, RNG)):
+    if not any(sch.annotations.of_kind(k) for k in (ROLE, SEQ, SYNC, RNG, LOCAL)):
         return
     p = plan(sch)
     if strict:
@@ -538,6 +590,7 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
             raise LayoutError("build(strict=True)", problems)
     rt = _Runtime(sch)
     _distribute(model, sch, rt, [mp.path for mp in p.modules.values() if mp.local_params])
+    adjusted: set[tuple[int, str]] = set()
     for path, mp in p.modules.items():
         m = get_module(model, path)
         forward: Callable[..., Any] = m.forward
@@ -545,6 +598,8 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
             forward = _column(rt, m, mp)
             if mp.role.packed > 1:
                 _adjust_packed_parent(model, path, mp.role, rt)
+            if mp.role.kind == "column" and mp.partnered:
+                _adjust_head_counts(model, path, mp.role, rt, adjusted)
         elif mp.role is not None and mp.role.kind in ("row", "vocab"):
             forward = _row(rt, m, mp)
         elif (mp.role is not None and mp.role.kind == "param") or mp.local_params:

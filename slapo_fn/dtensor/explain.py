@@ -18,7 +18,7 @@ Example:
     >>> from slapo_fn.dtensor.testing import fake_mesh
     >>> model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
     >>> sch = sf.shard(sf.shard(sf.create_schedule(model, mesh=fake_mesh(2)), "0", axis=0), "2", axis=1)
-    >>> tp = explain_tensor_parallel(sch, torch.empty(4, 8, device="meta"))
+    >>> tp = explain_tensor_parallel(sch, torch.empty(4, 8, device="meta", requires_grad=True))
     >>> tp.rank_bytes, tp.total_bytes
     (576, 1120)
     >>> tp.counts()
@@ -113,6 +113,9 @@ class ActivationShapes:
 
     inputs: Mapping[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
     outputs: Mapping[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    #: Modules whose first input needs no gradient (raw model inputs, frozen producers):
+    #: their input boundaries issue no backward collective.
+    no_grad_inputs: frozenset[str] = frozenset()
 
     def bytes_of(self, boundary: Boundary, params: Mapping[str, ParamLayout]) -> int | None:
         """Bytes of the full tensor at ``boundary`` (``None`` when the shape is unknown)."""
@@ -235,7 +238,8 @@ def _first_output(value: Any) -> torch.Tensor | None:
 
 def activation_shapes(module: nn.Module, inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> ActivationShapes:
     """Run ``module`` (unsharded, any device, meta included) once under ``FakeTensorMode``
-    on inputs of the given shapes and record each module's first input and output.
+    on inputs of the given shapes and record each module's first input and output, and
+    whether that input needs a gradient (with autograd on, as in training).
 
     ``module`` is not touched: the run uses a private structural copy whose parameters
     and buffers are fake tensors. Raises what the model's forward raises.
@@ -246,6 +250,7 @@ def activation_shapes(module: nn.Module, inputs: Sequence[Any], kwargs: Mapping[
     model = private_copy(module, copy_data=False)
     ins: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     outs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    no_grad: set[str] = set()
 
     def hook(path: str) -> Any:
         def record(_: nn.Module, args: tuple[Any, ...], kw: dict[str, Any], output: Any) -> None:
@@ -254,6 +259,8 @@ def activation_shapes(module: nn.Module, inputs: Sequence[Any], kwargs: Mapping[
             x, y = _first_input(args, kw), _first_output(output)
             if x is not None:
                 ins[path] = (tuple(x.shape), x.dtype)
+                if not x.requires_grad:
+                    no_grad.add(path)
             if y is not None:
                 outs[path] = (tuple(y.shape), y.dtype)
 
@@ -274,9 +281,9 @@ def activation_shapes(module: nn.Module, inputs: Sequence[Any], kwargs: Mapping[
         }
         args = [fake(a) for a in inputs]
         kw = {k: fake(v) for k, v in kwargs.items()}
-        with _reparametrize_module(model, state, tie_weights=True), torch.no_grad():
+        with _reparametrize_module(model, state, tie_weights=True), torch.enable_grad():
             model(*args, **kw)
-    return ActivationShapes(ins, outs)
+    return ActivationShapes(ins, outs, frozenset(no_grad))
 
 
 def _origin(sch: Schedule, b: Boundary) -> Origin:
@@ -335,7 +342,9 @@ def explain_tensor_parallel(
 
     Needs a schedule with a mesh (a :func:`~slapo_fn.dtensor.testing.fake_mesh` is
     enough); the counts equal what ``CommDebugMode`` counts in one real step, each
-    module called once.
+    module called once. Without example inputs every input boundary is assumed to need
+    its gradient; with them, an input that needs none (a raw model input going straight
+    into a column module) costs no backward collective, as in the real run.
     """
     assert sch.mesh is not None, "explain_tensor_parallel needs a schedule with a mesh"
     dims = mesh_dims(sch.mesh)
@@ -355,7 +364,8 @@ def explain_tensor_parallel(
         size = shapes.bytes_of(b, by_path) if shapes is not None else None
         if shapes is not None and size is None and not note:
             note = f"no activation recorded for {b.path!r} (not called by the example inputs)"
-        for direction, ops in (("forward", b.forward), ("backward", b.backward)):
+        no_grad = shapes is not None and b.tensor == "input" and b.path in shapes.no_grad_inputs
+        for direction, ops in (("forward", b.forward), ("backward", () if no_grad else b.backward)):
             for op in ops:
                 collectives.append(
                     Collective(b.path, b.side, direction, op, b.src, b.dst, b.mesh_axis, origin, size)  # type: ignore[arg-type]
