@@ -91,20 +91,83 @@ def _run(model: nn.Module, inputs: tuple[Any, ...], kwargs: Mapping[str, Any], s
         return model(*inputs, **kwargs)
 
 
+Gather = Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]
+
+
+def _no_gather(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    return t
+
+
+class _Ranks:
+    """How ``verify`` runs inside a process group (a schedule with a mesh, on every
+    rank): local activation shards are all-gathered to the reference's shape, and every
+    verdict is agreed on by all ranks (so that they all take the same path through the
+    collectives and all raise the same error)."""
+
+    def __init__(self, sch: Schedule) -> None:
+        import torch.distributed as dist
+
+        self.active = sch.mesh is not None and dist.is_initialized() and dist.get_world_size() > 1
+        self.gather: Gather = _no_gather
+        if not self.active or sch.mesh is None:
+            return
+        from .dtensor.collectives import _all_gather
+        from .dtensor.sequence import SEQ
+        from .dtensor.shard import ROLE, mesh_dims
+
+        axes = {r.mesh_axis for r in sch.annotations.of_kind(ROLE).values()}
+        axes |= {q.mesh_axis for q in sch.annotations.of_kind(SEQ).values()}
+        if len(axes) != 1:
+            return
+        dims = mesh_dims(sch.mesh)
+        axis = (sch.mesh, dims.index(axes.pop()))
+        size = int(sch.mesh.size(axis[1]))
+
+        def gather(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+            """A local shard (activations travel as local tensors between sharded modules:
+            heads, features or sequence positions of this rank) → the full tensor. Shapes
+            are the same on every rank, so every rank decides alike."""
+            if tuple(t.shape) == shape or t.dim() != len(shape):
+                return t
+            diff = [d for d in range(t.dim()) if t.shape[d] != shape[d]]
+            if len(diff) != 1 or t.shape[diff[0]] * size != shape[diff[0]]:
+                return t
+            return _all_gather(t.detach(), diff[0], axis)
+
+        self.gather = gather
+
+    def gathered(self, values: list[Any]) -> list[Any]:
+        """``values`` of every rank (the local one alone outside a process group)."""
+        if not self.active:
+            return values
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, values)
+        return [v for rank in out for v in rank]
+
+
 def _module_outputs(
     model: nn.Module,
     inputs: tuple[Any, ...],
     kwargs: Mapping[str, Any],
     seed: int,
+    shapes: Mapping[str, list[tuple[int, ...]]] | None = None,
+    gather: Gather = _no_gather,
 ) -> dict[str, list[tuple[str, torch.Tensor]]]:
-    """Every module's output leaves, in the order the modules finished (first call only)."""
+    """Every module's output leaves, in the order the modules finished (first call only);
+    with ``shapes`` (the reference's), local shards are gathered to those shapes."""
     seen: dict[str, list[tuple[str, torch.Tensor]]] = {}
     handles = []
 
     def record(path: str) -> Callable[..., None]:
         def hook(_: nn.Module, __: Any, output: Any) -> None:
             if path not in seen:
-                seen[path] = [(n, _full(t)) for n, t in _leaves(output)]
+                leaves = [(n, _full(t)) for n, t in _leaves(output)]
+                want = (shapes or {}).get(path)
+                if want is not None and len(want) == len(leaves):
+                    leaves = [(n, gather(t, w)) for (n, t), w in zip(leaves, want, strict=True)]
+                seen[path] = leaves
 
         return hook
 
@@ -127,17 +190,25 @@ def _first_divergence(
     seed: int,
     rtol: float | None,
     atol: float | None,
+    ranks: _Ranks,
 ) -> tuple[str | None, float]:
     ref_outs = _module_outputs(ref, inputs, kwargs, seed)
-    built_outs = _module_outputs(built, inputs, kwargs, seed)
-    for path, leaves in ref_outs.items():
+    shapes = {p: [tuple(t.shape) for _, t in leaves] for p, leaves in ref_outs.items()}
+    built_outs = _module_outputs(built, inputs, kwargs, seed, shapes, ranks.gather)
+    found: tuple[int, str, float] | None = None
+    for i, (path, leaves) in enumerate(ref_outs.items()):
         other = built_outs.get(path)
         if other is None or len(other) != len(leaves):
             continue
         for (_, a), (_, b) in zip(leaves, other, strict=True):
             if not _close(b, a, rtol, atol):
-                return path or "<root>", _diff(a, b)
-    return None, 0.0
+                found = (i, path or "<root>", _diff(a, b))
+                break
+        if found is not None:
+            break
+    # every rank's first divergence; the earliest in execution order wins (the same on every rank)
+    first = min((f for f in ranks.gathered([found]) if f is not None), default=None)
+    return (None, 0.0) if first is None else (first[1], first[2])
 
 
 def verify(
@@ -164,6 +235,14 @@ def verify(
     whose output diverged, or the parameters whose gradients differ. Tolerances default
     to ``torch.testing``'s for the dtype.
 
+    Distributed: with a mesh in a running process group, call it on every rank (each
+    with the same full weights and inputs). DTensor outputs and gradients are gathered
+    with ``full_tensor()``, local activation shards (features, heads or sequence
+    positions of this rank) are all-gathered to the reference's shape before they are
+    compared, and the verdict is agreed on by all ranks: every rank returns the same
+    report or raises the same error, naming the earliest diverging module seen on any
+    rank.
+
     Example:
         >>> import torch, torch.nn as nn, slapo_fn as sf
         >>> sch = sf.checkpoint(sf.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.Tanh())), "0")
@@ -182,8 +261,11 @@ def verify(
     ref.train(train)
     built.train(train)
 
+    ranks = _Ranks(sch)
     out_ref = _leaves(_run(ref, inputs, kwargs, seed))
     out_built = _leaves(_run(built, inputs, kwargs, seed))
+    if len(out_ref) == len(out_built):  # outputs left as local shards (e.g. vocab-sharded logits)
+        out_built = [(n, ranks.gather(b, tuple(a.shape))) for (_, a), (n, b) in zip(out_ref, out_built, strict=True)]
     if [n for n, _ in out_ref] != [n for n, _ in out_built]:
         raise VerificationError(
             f"the outputs differ in structure: reference has {[n for n, _ in out_ref]}, "
@@ -193,8 +275,12 @@ def verify(
         )
     diffs = {n: _diff(_full(a), _full(b)) for (n, a), (_, b) in zip(out_ref, out_built, strict=True)}
     bad = [n for (n, a), (_, b) in zip(out_ref, out_built, strict=True) if not _close(_full(b), _full(a), rtol, atol)]
+    if ranks.active:  # a verdict of all ranks: the worst difference anywhere, bad if bad anywhere
+        every = ranks.gathered([(diffs, bad)])
+        diffs = {n: max(d[n] for d, _ in every) for n in diffs}
+        bad = [n for n in diffs if any(n in b for _, b in every)]
     if bad:
-        module, diff = _first_divergence(ref, built, inputs, kwargs, seed, rtol, atol)
+        module, diff = _first_divergence(ref, built, inputs, kwargs, seed, rtol, atol, ranks)
         where = (
             f"first diverging module: {module!r} (max |diff| {diff:.3g})"
             if module
@@ -230,6 +316,10 @@ def verify(
         grad_diffs[name] = _diff(g, gb)
         if not _close(gb, g, rtol, atol):
             bad_grads.append(name)
+    if ranks.active:
+        every_grad = ranks.gathered([(grad_diffs, bad_grads)])
+        grad_diffs = {n: max(d[n] for d, _ in every_grad) for n in grad_diffs}
+        bad_grads = [n for n in grad_diffs if any(n in b for _, b in every_grad)]
     if bad_grads:
         worst = max(grad_diffs[n] for n in bad_grads)
         raise VerificationError(
