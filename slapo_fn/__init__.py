@@ -12,10 +12,10 @@ rewrites of its module tree, each returning a new :class:`Schedule`.
 >>> built = sf.build(sch)
 """
 
-from . import kernels
+from . import kernels, recipes
 from .build import build
 from .combinators import Primitive, Rewrite, chain, foreach, primitive, scope, when
-from .dtensor import fork_rng, sequence_parallel, shard, sync, vocab_parallel_cross_entropy
+from .dtensor import fork_rng, sequence_parallel, shard, sync, tp_local, vocab_parallel_cross_entropy
 from .dtensor.data_parallel import data_parallel
 from .errors import LayoutError, Problem, ScheduleError, ScheduleTypeError, SelectorError, VerificationError
 from .explain import Explanation, explain
@@ -67,6 +67,7 @@ __all__ = [
     "load",
     "of_type",
     "primitive",
+    "recipes",
     "replace",
     "save",
     "scope",
@@ -74,6 +75,7 @@ __all__ = [
     "sequence_parallel",
     "shard",
     "sync",
+    "tp_local",
     "trace",
     "verified",
     "verify",

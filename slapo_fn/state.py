@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,13 +56,13 @@ _LATEST = "LATEST"
 
 
 def _modules(model: object) -> list[nn.Module]:
-    """The modules a rank holds: a module, a sequence of them, or an object with
-    ``stage_modules`` (a pipeline runner)."""
+    """The modules a rank holds: a module, a sequence of them, or a pipeline runner
+    (:class:`slapo_fn.Pipeline`, whose ``modules`` maps stage indices to modules)."""
     if isinstance(model, nn.Module):
         return [model]
-    stages = getattr(model, "stage_modules", None)
-    if stages is not None:
-        return list(stages)
+    stages = getattr(model, "modules", None)  # a pipeline runner: {stage index: module}
+    if isinstance(stages, Mapping) and all(isinstance(m, nn.Module) for m in stages.values()):
+        return list(stages.values())
     if isinstance(model, Sequence) and model and all(isinstance(m, nn.Module) for m in model):
         return list(model)
     raise ScheduleError("save/load", [Problem("", f"expected a built model (nn.Module), a list of them or a "

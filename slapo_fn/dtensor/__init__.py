@@ -4,6 +4,7 @@
 * :func:`sync` — state an activation's layout at a module boundary;
 * :func:`sequence_parallel` — run a chain of modules on sequence shards;
 * :func:`fork_rng` — per-TP-rank randomness;
+* :func:`tp_local` — replicated parameters of modules that see this rank's shard;
 * :func:`vocab_parallel_cross_entropy` — the loss on vocab-sharded logits;
 * :func:`~slapo_fn.dtensor.boundary.plan` — the boundary contracts and collectives.
 
@@ -13,6 +14,7 @@ turns the annotations into DTensor parameters and local-tensor forwards.
 
 from .boundary import Boundary, Plan, apply_tensor_parallel, plan
 from .layout import Layout
+from .local import tp_local
 from .loss import vocab_parallel_cross_entropy
 from .rng import fork_rng
 from .sequence import sequence_parallel
@@ -30,5 +32,6 @@ __all__ = [
     "sequence_parallel",
     "shard",
     "sync",
+    "tp_local",
     "vocab_parallel_cross_entropy",
 ]

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..combinators import primitive
 from ..errors import LayoutError, Problem, ScheduleError
-from ..schedule import Schedule
+from ..schedule import Schedule, path_exists
 from ..select import Selection
 from ..tree import get_module, walk
 from .shard import mesh_dims
@@ -167,5 +167,9 @@ def apply_data_parallel(model: nn.Module, sch: Schedule) -> None:
         replicate(model, mesh=mesh, mp_policy=mp)
         return
     for path in spec.blocks:
-        fully_shard(get_module(model, path), mesh=mesh, mp_policy=mp, reshard_after_forward=spec.reshard_after_forward)
+        if not path_exists(model, path):  # a pipeline stage holds only its own blocks
+            continue
+        block = get_module(model, path)
+        if any(True for _ in block.parameters()):
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=spec.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=spec.reshard_after_forward)

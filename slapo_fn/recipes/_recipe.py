@@ -1,0 +1,182 @@
+"""What a recipe is: data about one model family, and the knobs a user turns.
+
+A :class:`Recipe` names where a family's repeated layers are, how each layer's linear
+layers shard (a Megatron plan: column ``0`` / row ``1`` / packed), which modules run
+sequence-parallel, which modules have fused kernels, and where pipeline cuts go.
+:meth:`Recipe.__call__` turns it and a :class:`Knobs` value into one chain of public
+rewrites, in a fixed order: kernels (replace) → tensor parallel (shard) → sequence
+parallel → activation checkpointing → compile → pipeline cuts → data parallel. Nothing
+in here knows a model class: model-specific knowledge is the recipe's data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+from torch import nn
+from torch.distributed.tensor import Shard as DShard
+
+from ..combinators import Rewrite, chain, foreach
+from ..dtensor import sequence_parallel, shard, sync, tp_local
+from ..dtensor.data_parallel import data_parallel
+from ..errors import LayoutError, Problem, ScheduleError
+from ..pipelines import cut_pipeline_stage
+from ..rewrites import checkpoint, compile, replace  # noqa: A004
+from ..schedule import Schedule
+from ..select import select
+
+__all__ = ["Knobs", "Recipe", "Shard", "Stack"]
+
+Factory = Callable[[nn.Module, str], nn.Module]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """How one linear layer of a block shards: ``axis`` 0 = column-parallel (output
+    features), 1 = row-parallel (input features) — for Hugging Face ``Conv1D`` (weight
+    stored (in, out)) the tensor axes are swapped, which the recipe states as data."""
+
+    axis: int
+    packed: int = 1
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One sequence of repeated blocks (``layers``, a selector) and how each block's
+    linear layers shard (``tp_plan``: paths relative to a block → :class:`Shard`)."""
+
+    layers: str
+    tp_plan: Mapping[str, Shard] = field(default_factory=lambda: MappingProxyType({}))
+    local: tuple[str, ...] = ()  # modules that see this rank's shard (per-head norms): sf.tp_local
+    # column modules whose row-parallel partners are not their siblings (BERT): the columns'
+    # outputs stay sharded and the rows' inputs arrive sharded, stated with sync
+    sharded_outputs: tuple[str, ...] = ()
+    sharded_inputs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The knobs of every recipe.
+
+    * ``tp``: tensor-parallel degree over the mesh axis ``"tp"`` (1 = off);
+    * ``sequence_parallel``: norms and dropout on sequence shards (needs ``tp > 1``);
+    * ``checkpoint``: ``None``, a ratio of layers (``1.0`` = every layer, ``0.5`` = the
+      first half) or explicit layer indices;
+    * ``stages``: pipeline stages over the mesh axis ``"pp"``, cut evenly (``int``) or after
+      the given layer indices;
+    * ``dp_mode``: ``None`` or ``"fsdp"``/``"ddp"``/``"hsdp"`` over ``"dp"``;
+    * ``kernels``: swap in the family's fused kernels;
+    * ``compile``: ``torch.compile`` each layer.
+    """
+
+    tp: int = 1
+    sequence_parallel: bool = False
+    checkpoint: float | tuple[int, ...] | None = None
+    stages: int | tuple[int, ...] = 1
+    dp_mode: Literal["fsdp", "ddp", "hsdp"] | None = None
+    kernels: bool = False
+    compile: bool = False
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A model family's schedule, as data. ``stacks`` are its sequences of repeated
+    blocks with their tensor-parallel plans (T5 has an encoder and a decoder stack);
+    ``sp`` lists what runs sequence-parallel, in order; ``kernels`` maps selectors to
+    replacement factories; ``extra_tp`` adds family-specific layout rewrites;
+    ``heads``/``kv_heads`` name the config's head counts (checked against ``tp``)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    stacks: tuple[Stack, ...]
+    sp: tuple[str, ...] = ()
+    kernels: Mapping[str, Factory] = field(default_factory=lambda: MappingProxyType({}))
+    extra_tp: Callable[[Schedule], Schedule] | None = None
+    heads: str = "num_attention_heads"
+    kv_heads: str | None = "num_key_value_heads"
+
+    def layer_paths(self, sch: Schedule) -> list[list[str]]:
+        """The block paths of each stack, in order."""
+        return [list(select(stack.layers).modules(sch.module)) for stack in self.stacks]
+
+    def __call__(self, sch: Schedule, knobs: Knobs | None = None, **overrides: object) -> Schedule:
+        """Schedule ``sch`` with ``knobs`` (a :class:`Knobs`, or its fields as keywords).
+        Returns a new schedule; the input is unchanged."""
+        knobs = Knobs(**{**(vars(knobs) if knobs else {}), **overrides})  # type: ignore[arg-type]
+        self._check(sch, knobs)
+        stacks = self.layer_paths(sch)
+        steps: list[Rewrite] = []
+        if knobs.kernels:
+            steps += [replace.at(where, factory) for where, factory in self.kernels.items()]
+        if knobs.tp > 1:
+            for stack in self.stacks:
+                block = chain(*(shard.at(path, axis=s.axis, packed=s.packed) for path, s in stack.tp_plan.items()))
+                if stack.local:
+                    block = block >> tp_local.at(list(stack.local))
+                if stack.sharded_outputs:
+                    block = block >> sync.at(list(stack.sharded_outputs), "fwd_post", DShard(-1))
+                if stack.sharded_inputs:
+                    block = block >> sync.at(list(stack.sharded_inputs), "fwd_pre", DShard(-1), src=DShard(-1))
+                steps.append(foreach(stack.layers, block))
+            if knobs.sequence_parallel:
+                steps.append(sequence_parallel.at(list(self.sp)))
+        layers = [p for stack in stacks for p in stack]
+        chosen = _checkpointed(layers, knobs.checkpoint)
+        if chosen:
+            steps.append(checkpoint.at(chosen))
+        if knobs.compile:
+            steps.append(compile.at(layers))
+        steps += [cut_pipeline_stage.at(path) for path in _cuts(stacks[0], knobs.stages)]
+        if knobs.dp_mode is not None:
+            steps.append(data_parallel.at(mode=knobs.dp_mode))
+        sch = chain(*steps)(sch)
+        if knobs.tp > 1 and self.extra_tp is not None:
+            sch = self.extra_tp(sch)
+        return sch
+
+    def _check(self, sch: Schedule, knobs: Knobs) -> None:
+        problems = []
+        config = getattr(sch.module, "config", None)
+        if knobs.tp > 1:
+            names = tuple(getattr(sch.mesh, "mesh_dim_names", None) or ())
+            if "tp" not in names or sch.mesh is None or sch.mesh.size(names.index("tp")) != knobs.tp:
+                problems.append(Problem("", f"tp={knobs.tp} needs a mesh with a 'tp' axis of size {knobs.tp}; the "
+                                            f"schedule's mesh is {names or 'missing'}",
+                                        'sf.create_schedule(model, mesh=init_device_mesh("cpu", (tp,), '
+                                        'mesh_dim_names=("tp",)))'))
+            for attr in (self.heads, self.kv_heads):
+                count = getattr(config, attr, None) if attr else None
+                if isinstance(count, int) and count % knobs.tp:
+                    problems.append(Problem("", f"{attr}={count} is not divisible by tp={knobs.tp}",
+                                            f"choose tp among the divisors of {count}"))
+        if knobs.sequence_parallel and knobs.tp == 1:
+            problems.append(Problem("", "sequence_parallel needs tp > 1", "set tp=2 (or more) or drop it"))
+        if isinstance(knobs.checkpoint, float) and not 0.0 <= knobs.checkpoint <= 1.0:
+            problems.append(Problem("", f"checkpoint ratio {knobs.checkpoint} is not in [0, 1]",
+                                    "checkpoint=1.0 checkpoints every layer"))
+        if problems:
+            raise LayoutError(f"recipes.{self.name}", problems)
+
+
+def _checkpointed(layers: Sequence[str], which: float | tuple[int, ...] | None) -> list[str]:
+    if which is None:
+        return []
+    if not isinstance(which, tuple):  # a ratio of the layers
+        return list(layers[: round(len(layers) * float(which))])
+    bad = [i for i in which if not 0 <= i < len(layers)]
+    if bad:
+        raise ScheduleError("recipes", [Problem("", f"checkpoint layer(s) {bad} out of range: the model has "
+                                                    f"{len(layers)} layers", f"use indices 0..{len(layers) - 1}")])
+    return [layers[i] for i in which]
+
+
+def _cuts(layers: Sequence[str], stages: int | tuple[int, ...]) -> list[str]:
+    if isinstance(stages, int):
+        if stages < 1 or stages > len(layers):
+            raise ScheduleError("recipes", [Problem("", f"stages={stages} for {len(layers)} layers",
+                                                    f"use 1..{len(layers)} stages")])
+        return [layers[len(layers) * i // stages - 1] for i in range(1, stages)]
+    return [layers[i] for i in stages]
