@@ -75,6 +75,15 @@ def test_all_ignored_is_nan_like_pytorch_and_no_grad_path() -> None:
         torch.testing.assert_close(linear_cross_entropy(h, w, y, chunk_size=2), F.cross_entropy(h @ w.T, y))
 
 
+def test_second_backward_through_the_same_graph_is_refused() -> None:
+    """Backward scales the saved gradients in place; a retained graph cannot reuse them."""
+    h, w, _, y = _data(6, 3, 5)
+    loss = linear_cross_entropy(h, w, y)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_no_tokens_by_vocab_tensor_is_saved_for_backward() -> None:
     n, d, v = 64, 8, 500
     h, w, _, y = _data(n, d, v, dtype=torch.float32)
