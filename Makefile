@@ -15,8 +15,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[hf,dev]"
 	touch $(STAMP)
 
+# The main job: a small LLaMA trained with a real schedule (Megatron TP x FSDP) on 4 local
+# processes, then the explanation of a 7B-shaped schedule at tp8 x pp4 x dp4 (no devices).
 demo: $(STAMP)
-	$(BIN)/python examples/demo.py
+	$(BIN)/slapo-fn train --model llama-small --dp 2 --tp 2 --steps 60 --lr 3e-3 --log-every 10
+	$(BIN)/slapo-fn explain --model llama-7b --tp 8 --pp 4 --dp 4
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --doctest-modules slapo_fn tests

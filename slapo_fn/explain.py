@@ -7,6 +7,7 @@ one entry (``layers.[0-79] ×80``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from .tree import join
 
 if TYPE_CHECKING:
     from .dtensor.explain import TensorParallelExplanation
+    from .memory import MemoryTable
 
 __all__ = ["Explanation", "ModuleRow", "explain", "format_param", "render_tree"]
 
@@ -138,21 +140,43 @@ class Explanation:
     #: Layouts, per-rank parameter bytes and per-boundary collectives
     #: (:func:`slapo_fn.dtensor.explain.explain_tensor_parallel`); ``None`` without a mesh.
     tensor_parallel: TensorParallelExplanation | None = None
+    #: Parameters, gradients and optimizer state per rank (:func:`slapo_fn.memory.per_rank_memory`).
+    memory: MemoryTable | None = None
 
     def __str__(self) -> str:
-        annotated = [r for r in self.rows if r.annotations]
+        annotated = [(r.path or "<root>", ", ".join(r.annotations)) for r in self.rows if r.annotations]
         out = [self.tree, "", f"parameters: {self.total_parameters:,} ({_human(self.total_bytes)})"]
         if annotated:
             out.append("annotations:")
-            out += [f"  {r.path or '<root>'}: {', '.join(r.annotations)}" for r in annotated]
+            out += [f"  {path}: {text}{_times(n)}" for (path, text), n in _fold_numbered(annotated)]
         if self.tensor_parallel is not None:
             out.append(str(self.tensor_parallel))
         if self.stages:
             out.append(self.stages)
+        if self.memory is not None and (self.tensor_parallel is not None or self.stages):
+            out.append(str(self.memory))
         if self.history:
-            out.append(f"rewrites ({len(self.history)}):")
-            out += [f"  {i}. {h}" for i, h in enumerate(self.history, 1)]
+            folded = _fold_numbered([(h, "") for h in self.history])
+            note = ", repeated ones folded" if len(folded) < len(self.history) else ""
+            out.append(f"rewrites ({len(self.history)}{note}):")
+            out += [f"  {i}. {h}{_times(n)}" for i, ((h, _), n) in enumerate(folded, 1)]
         return "\n".join(out)
+
+
+_NUMBER = re.compile(r"(?<=\.)\d+(?=[.']|$)")
+
+
+def _times(n: int) -> str:
+    return f"  ×{n}" if n > 1 else ""
+
+
+def _fold_numbered(items: list[tuple[str, str]]) -> list[tuple[tuple[str, str], int]]:
+    """Group entries equal up to the layer numbers in their paths (``layers.3`` → ``layers.*``),
+    in order of first appearance, with their counts; single entries keep their numbers."""
+    groups: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for key, text in items:
+        groups.setdefault((_NUMBER.sub("*", key), text), []).append((key, text))
+    return [(key if len(members) > 1 else members[0], len(members)) for key, members in groups.items()]
 
 
 def _human(n: int) -> str:
@@ -203,6 +227,7 @@ def explain(sch: Schedule, *inputs: Any, kwargs: Mapping[str, Any] | None = None
         history=tuple(repr(h) for h in sch.history),
         stages=_stages(sch),
         tensor_parallel=_tensor_parallel(sch, inputs, kwargs),
+        memory=_memory(sch),
     )
 
 
@@ -214,6 +239,12 @@ def _tensor_parallel(
     from .dtensor.explain import explain_tensor_parallel
 
     return explain_tensor_parallel(sch, *inputs, kwargs=kwargs)
+
+
+def _memory(sch: Schedule) -> MemoryTable:
+    from .memory import per_rank_memory
+
+    return per_rank_memory(sch)
 
 
 def _stages(sch: Schedule) -> str:

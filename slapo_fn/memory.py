@@ -1,0 +1,97 @@
+"""Per-rank memory of a schedule: parameters, gradients and optimizer state on each rank.
+
+Computed from shapes alone (meta-device models, no process group): each parameter
+counts its tensor-parallel shard (its ``layout``), divided over the data-parallel shard
+axis by FSDP/HSDP (dim 0, padded up as FSDP2 pads it; rank 0's share is reported), and
+only in the pipeline stage(s) that hold it. Gradients are as large as the parameters;
+the optimizer keeps ``states`` fp32 tensors per parameter (AdamW: 2).
+
+Example:
+    >>> import torch.nn as nn, slapo_fn as sf
+    >>> print(per_rank_memory(sf.create_schedule(nn.Linear(1024, 1024))))
+    per-rank memory (rank 0 of each stage; optimizer: 2 fp32 states per parameter):
+      stage  parameters  params   grads    optimizer  total
+      -      1,049,600   4.0 MiB  4.0 MiB  8.0 MiB    16.0 MiB
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .schedule import Schedule
+
+__all__ = ["MemoryRow", "MemoryTable", "per_rank_memory"]
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    stage: int | None
+    parameters: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+@dataclass(frozen=True)
+class MemoryTable:
+    rows: tuple[MemoryRow, ...]
+    states: int
+
+    @property
+    def max_total_bytes(self) -> int:
+        return max((r.total_bytes for r in self.rows), default=0)
+
+    def __str__(self) -> str:
+        from .explain import _human
+
+        header = ["stage", "parameters", "params", "grads", "optimizer", "total"]
+        table = [[("-" if r.stage is None else str(r.stage)), f"{r.parameters:,}", _human(r.param_bytes),
+                  _human(r.grad_bytes), _human(r.optimizer_bytes), _human(r.total_bytes)] for r in self.rows]
+        widths = [max(len(row[i]) for row in [header, *table]) for i in range(len(header))]
+        lines = [f"per-rank memory (rank 0 of each stage; optimizer: {self.states} fp32 states per parameter):"]
+        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *table]]
+        return "\n".join(lines)
+
+
+def _dp_shards(sch: Schedule) -> int:
+    spec = sch.annotations.get_kind("", "data_parallel")
+    if spec is None or spec.mode == "ddp" or sch.mesh is None:
+        return 1
+    names = tuple(sch.mesh.mesh_dim_names or ())
+    shard_axis = spec.mesh_axes[-1]  # fsdp: its one axis; hsdp: (replicate, shard)
+    return int(sch.mesh.size(names.index(shard_axis)))
+
+
+def _row(sch: Schedule, stage: int | None, states: int) -> MemoryRow:
+    dp = _dp_shards(sch)
+    seen: set[int] = set()
+    count = nbytes = 0
+    for name, p in sch.module.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        layout = sch.annotations.get_kind(name, "layout")
+        shape = list(layout.local_shape(tuple(p.shape)) if layout is not None else p.shape)
+        if dp > 1 and shape:
+            shape[0] = math.ceil(shape[0] / dp)
+        numel = math.prod(shape)
+        count += numel
+        nbytes += numel * p.element_size()
+    fp32 = torch.finfo(torch.float32).bits // 8
+    return MemoryRow(stage, count, nbytes, nbytes, states * count * fp32)
+
+
+def per_rank_memory(sch: Schedule, *, states: int = 2) -> MemoryTable:
+    """The per-rank memory of ``sch`` (one row per pipeline stage, or one row)."""
+    if sch.annotations.of_kind("pipeline_cut"):
+        from .pipelines import split_stages
+
+        return MemoryTable(tuple(_row(s.schedule, s.index, states) for s in split_stages(sch)), states)
+    return MemoryTable((_row(sch, None, states),), states)

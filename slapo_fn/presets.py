@@ -1,0 +1,75 @@
+"""Named model configurations for the ``slapo-fn`` command (random weights: no hub needed).
+
+``build_model(name_or_path, meta=...)`` returns a Hugging Face causal LM built from a
+preset below or from a local config (a ``config.json`` file or a folder holding one).
+
+>>> sorted(PRESETS)[:3]
+['gpt2-small', 'gpt2-tiny', 'llama-1b']
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["PRESETS", "build_model", "config_for"]
+
+_LLAMA_BASE = {"model_type": "llama", "use_cache": False, "tie_word_embeddings": False}
+
+PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
+    "llama-tiny": {**_LLAMA_BASE, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+                   "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
+    "llama-small": {**_LLAMA_BASE, "vocab_size": 256, "hidden_size": 256, "intermediate_size": 512,
+                    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4},
+    "llama-1b": {**_LLAMA_BASE, "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
+                 "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4},
+    "llama-7b": {**_LLAMA_BASE, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+                 "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32},
+    "qwen2-tiny": {"model_type": "qwen2", "use_cache": False, "vocab_size": 256, "hidden_size": 64,
+                   "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 2},
+    "gpt2-tiny": {"model_type": "gpt2", "use_cache": False, "vocab_size": 256, "n_embd": 64, "n_layer": 2,
+                  "n_head": 4, "n_positions": 256, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                  "bos_token_id": 0, "eos_token_id": 0},
+    "gpt2-small": {"model_type": "gpt2", "use_cache": False, "vocab_size": 256, "n_embd": 256, "n_layer": 4,
+                   "n_head": 8, "n_positions": 512, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                   "bos_token_id": 0, "eos_token_id": 0},
+    "opt-tiny": {"model_type": "opt", "use_cache": False, "vocab_size": 256, "hidden_size": 64, "ffn_dim": 128,
+                 "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 256,
+                 "word_embed_proj_dim": 64, "dropout": 0.0, "attention_dropout": 0.0},
+})
+
+
+def config_for(name_or_path: str) -> Any:
+    """The Hugging Face config of a preset name or a local config file/folder."""
+    from transformers import AutoConfig
+
+    if name_or_path in PRESETS:
+        options = dict(PRESETS[name_or_path])
+        return AutoConfig.for_model(options.pop("model_type"), **options)
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"unknown model {name_or_path!r}: use a preset ({', '.join(sorted(PRESETS))}) or the path "
+                         "of a Hugging Face config.json")
+    options = json.loads(path.read_text())
+    options.setdefault("use_cache", False)
+    return AutoConfig.for_model(options.pop("model_type"), **options)
+
+
+def build_model(name_or_path: str, *, meta: bool = False) -> nn.Module:
+    """A causal LM for ``name_or_path`` with random weights (on the meta device if ``meta``)."""
+    from transformers import AutoModelForCausalLM
+
+    config = config_for(name_or_path)
+    if meta:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    return AutoModelForCausalLM.from_config(config)

@@ -1,0 +1,149 @@
+"""The ``slapo-fn`` command: train (2 and 4 ranks, resume, failures), explain, verify."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slapo_fn.cli import main
+from slapo_fn.presets import PRESETS
+
+CLI = [sys.executable, "-m", "slapo_fn.cli"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def losses(stdout: str) -> dict[int, float]:
+    return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"^step (\d+) loss ([\d.]+)", stdout, re.M)}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("parallel", [["--dp", "2"], ["--dp", "2", "--tp", "2"]], ids=["dp2", "dp2xtp2"])
+def test_train_on_several_ranks_lowers_the_loss(parallel: list[str]) -> None:
+    result = run("train", "--model", "llama-tiny", *parallel, "--steps", "12", "--lr", "1e-2", "--log-every", "1",
+                 "--no-progress", "--seq", "32")
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = losses(result.stdout)
+    assert sorted(seen) == list(range(1, 13))
+    assert seen[12] < seen[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_resume_continues_with_the_uninterrupted_losses(tmp_path: Path) -> None:
+    common = ["train", "--model", "llama-tiny", "--tp", "2", "--lr", "1e-2", "--log-every", "1", "--no-progress",
+              "--seq", "32"]
+    whole = run(*common, "--steps", "8")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    first = run(*common, "--steps", "4", "--checkpoint-dir", str(tmp_path), "--save-every", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (tmp_path / "LATEST").read_text().strip() == "step-00000004"
+    resumed = run(*common, "--steps", "8", "--checkpoint-dir", str(tmp_path), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step 4" in resumed.stdout
+    expected, got = losses(whole.stdout), losses(resumed.stdout)
+    assert sorted(got) == [5, 6, 7, 8]
+    for step in got:
+        assert got[step] == pytest.approx(expected[step], rel=1e-6)
+
+
+def _wait_for(predicate: object, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.2)
+    raise AssertionError("timed out waiting")
+
+
+def _start_long_run(run_dir: Path, metrics: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([*CLI, "train", "--model", "llama-tiny", "--dp", "2", "--steps", "100000",
+                             "--no-progress", "--seq", "16", "--run-dir", str(run_dir), "--metrics", str(metrics)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _pids(run_dir: Path) -> list[int]:
+    return [int(p.read_text()) for p in run_dir.glob("pid-*")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", ["kill-a-rank", "ctrl-c"])
+def test_a_killed_rank_or_ctrl_c_exits_non_zero_and_leaves_no_process(tmp_path: Path, how: str) -> None:
+    run_dir, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
+    proc = _start_long_run(run_dir, metrics)
+    try:
+        _wait_for(lambda: len(_pids(run_dir)) == 2 and metrics.exists() and metrics.read_text().count("\n") >= 2, 120)
+        pids = _pids(run_dir)
+        started = time.monotonic()
+        if how == "kill-a-rank":
+            os.kill(pids[1], signal.SIGKILL)
+        else:
+            proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=120)
+        assert code != 0
+        assert time.monotonic() - started < 90  # within the process-group timeout, not a hang
+        _wait_for(lambda: not any(alive(p) for p in pids), 10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1))
+
+
+def test_explain_7b_lists_per_rank_memory_within_one_percent(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["explain", "--model", "llama-7b", "--tp", "8", "--pp", "4", "--dp", "4"]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"^  (\d)\s+([\d,]+)\s", out.split("per-rank memory")[1], re.M)
+    stated = {int(s): int(n.replace(",", "")) for s, n in rows}
+    cfg = PRESETS["llama-7b"]
+    h, ff, vocab, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    tp, dp, per_stage = 8, 4, layers // 4
+    kv = h * cfg["num_key_value_heads"] // cfg["num_attention_heads"]
+
+    def fsdp(rows: int, cols: int = 1) -> int:  # FSDP2 shards dim 0, padded up
+        return math.ceil(rows / dp) * cols
+
+    layer = (fsdp(h // tp, h) + 2 * fsdp(kv // tp, h) + fsdp(h, h // tp)  # q, k, v (column), o (row)
+             + 2 * fsdp(ff // tp, h) + fsdp(h, ff // tp) + 2 * fsdp(h))  # gate, up, down, two norms
+    exact = {0: fsdp(vocab, h) + per_stage * layer, 1: per_stage * layer, 2: per_stage * layer,
+             3: per_stage * layer + fsdp(h) + fsdp(vocab, h)}
+    for stage, count in exact.items():
+        assert abs(stated[stage] - count) <= 0.01 * count, (stage, stated[stage], count)
+    assert "dp4 x pp4 x tp8 (128 ranks)" in out
+    assert "model.layers.*.mlp.down_proj output P→R@tp  fwd all_reduce" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_verify_prints_a_per_module_report() -> None:
+    result = run("verify", "--model", "llama-tiny", "--tp", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "model.layers.0.self_attn.q_proj" in result.stdout and "OK: verified" in result.stdout
+
+
+def test_unknown_model_is_a_clear_error() -> None:
+    result = run("explain", "--model", "llama-70q")
+    assert result.returncode != 0
+    assert "unknown model 'llama-70q': use a preset" in result.stderr
