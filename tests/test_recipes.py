@@ -171,3 +171,36 @@ def test_for_model_and_from_tp_plan() -> None:
         sf.recipes.from_tp_plan(sf.create_schedule(model, mesh=fake_mesh(2)), {"layers.*.mlp": "gather"})
     with pytest.raises(sf.ScheduleError, match="has no base_model_tp_plan"):
         sf.recipes.from_tp_plan(sf.create_schedule(tiny_gpt2(), mesh=fake_mesh(2)))
+
+
+def _pipeline(rank: int, world: int, name: str) -> dict[str, Any]:
+    import torch.nn.functional as F
+    from dist import mesh
+
+    def ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+    ids, target = token_ids(batch=4, seq=8), token_ids(batch=4, seq=8, seed=1)
+    reference = FACTORIES[name]()
+    ref_loss = ce(reference(ids).logits, target)
+    ref_loss.backward()
+    model = FACTORIES[name]()
+    recipe = sf.recipes.for_model(model)
+    sch = recipe(sf.create_schedule(model, mesh=mesh((world,), ("pp",))), stages=2, checkpoint=1.0)
+    pipe = sf.build_pipeline(sch, microbatches=2, schedule="1f1b", loss_fn=ce)
+    loss = pipe.step(ids, target=target)
+    diffs = {n: (p.grad - reference.get_parameter(n).grad).abs().max().item() for n, p in pipe.named_parameters()}
+    return {"loss": loss.item(), "ref": ref_loss.item(), "diffs": diffs}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_recipe_in_a_two_stage_pipeline_matches_one_process(dist2: Any, name: str) -> None:
+    results = dist2.run(_pipeline, name, timeout=200)
+    for r in results:
+        assert r["loss"] == pytest.approx(r["ref"], rel=1e-5)
+        assert max(r["diffs"].values()) < 1e-5, r["diffs"]
+    # every parameter lives on some stage (GPT-2's tied head: on the last, under its own name)
+    names = {n for n, _ in FACTORIES[name]().named_parameters(remove_duplicate=False)}
+    assert set().union(*(r["diffs"] for r in results)) == names
