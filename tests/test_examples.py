@@ -19,3 +19,18 @@ def test_demo_verifies_and_the_loss_falls() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "verified 1 outputs" in result.stdout
     assert "the original model was not touched: True" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_tutorial_runs_on_four_ranks_and_every_step_verifies() -> None:
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                             "examples/tutorial.py"], cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for step in ("0. nothing scheduled", "2. shard: Megatron", "3. sequence parallel", "4. checkpoint",
+                 "5. cut_pipeline_stage"):
+        line = next(line for line in result.stdout.splitlines() if line.startswith(step))
+        assert "verified 1 outputs" in line
+    assert "pipeline step: loss" in result.stdout
+    assert "was never modified: True" in result.stdout

@@ -41,20 +41,27 @@ def _all_reduce(t: torch.Tensor, axis: Axis) -> torch.Tensor:
     return _wait(funcol.all_reduce(t.contiguous(), "sum", axis))
 
 
+# torch >= 2.10 names them *_single (the *_tensor names are deprecated aliases)
+_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_scatter_single = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
 def _all_gather(t: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
     dim %= t.dim()
     if dim == 0:
-        return _wait(funcol.all_gather_tensor(t.contiguous(), 0, axis))
+        return _wait(_gather_single(t.contiguous(), 0, axis))
     moved = t.movedim(dim, 0).contiguous()
-    return _wait(funcol.all_gather_tensor(moved, 0, axis)).movedim(0, dim)
+    # contiguous: activations leave a region this way, and e.g. a pipeline stage sizes its
+    # receive buffers by them (gloo refuses non-contiguous ones)
+    return _wait(_gather_single(moved, 0, axis)).movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(t: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
     dim %= t.dim()
     if dim == 0:
-        return _wait(funcol.reduce_scatter_tensor(t.contiguous(), "sum", 0, axis))
+        return _wait(_scatter_single(t.contiguous(), "sum", 0, axis))
     moved = t.movedim(dim, 0).contiguous()
-    return _wait(funcol.reduce_scatter_tensor(moved, "sum", 0, axis)).movedim(0, dim)
+    return _wait(_scatter_single(moved, "sum", 0, axis)).movedim(0, dim).contiguous()
 
 
 def _split(t: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
