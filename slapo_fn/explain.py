@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .dtensor.explain import TensorParallelExplanation
     from .memory import MemoryTable
 
-__all__ = ["Explanation", "ModuleRow", "explain", "format_param", "render_tree"]
+__all__ = ["Explanation", "ModuleRow", "explain", "format_dtype", "format_param", "render_tree"]
 
 _DTYPES = {
     torch.float32: "f32",
@@ -37,13 +37,18 @@ _DTYPES = {
 }
 
 
+def format_dtype(dtype: torch.dtype) -> str:
+    """Short dtype names for layouts: ``f32``, ``bf16``, ``i64``…"""
+    return _DTYPES.get(dtype, str(dtype).removeprefix("torch."))
+
+
 def format_param(tensor: torch.Tensor, annotations: Mapping[str, Any] | None = None) -> str:
     """``f32[4096, 1024]``; a ``"layout"`` annotation with ``format(shape, dtype)`` can
     render its own form (``f32[4096@tp, 1024]``)."""
     layout = (annotations or {}).get("layout")
     if layout is not None and hasattr(layout, "format"):
         return str(layout.format(tuple(tensor.shape), tensor.dtype))
-    dtype = _DTYPES.get(tensor.dtype, str(tensor.dtype).removeprefix("torch."))
+    dtype = format_dtype(tensor.dtype)
     return f"{dtype}[{', '.join(str(d) for d in tensor.shape)}]"
 
 

@@ -28,15 +28,6 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 __all__ = ["Layout", "describe", "from_spec", "packed_shard", "shard_axes"]
 
-_DTYPES = {
-    torch.float32: "f32",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.float64: "f64",
-    torch.int64: "i64",
-}
-
-
 def packed_shard(axis: int, packed: int) -> Placement:
     """The placement sharding each of ``packed`` fused chunks along ``axis`` separately
     (``Shard(axis)`` when ``packed == 1``)."""
@@ -84,7 +75,9 @@ class Layout:
 
     def format(self, shape: Sequence[int], dtype: torch.dtype) -> str:
         """``f32[4096@tp, 1024]``; a packed dimension reads ``3072@tp×3``."""
-        name = _DTYPES.get(dtype, str(dtype).removeprefix("torch."))
+        from ..explain import format_dtype
+
+        name = format_dtype(dtype)
         dims = []
         for d, size in enumerate(shape):
             axes = self.axes_of(d, len(shape))
