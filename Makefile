@@ -34,8 +34,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# Each benchmark prints one JSON line; on a GPU machine add benchmarks/gpu_throughput.py.
 bench: $(STAMP)
 	$(BIN)/python benchmarks/schedule_cost.py
+	$(BIN)/python benchmarks/fusion.py
+	$(BIN)/python benchmarks/tp_overhead.py
+	$(BIN)/python benchmarks/pipeline.py
+	$(BIN)/python benchmarks/recipe_speed.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -34,3 +34,16 @@ def test_tutorial_runs_on_four_ranks_and_every_step_verifies() -> None:
         assert "verified 1 outputs" in line
     assert "pipeline step: loss" in result.stdout
     assert "was never modified: True" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_gpu_throughput_benchmark_logic_in_smoke_mode() -> None:
+    import json
+
+    result = subprocess.run([sys.executable, "benchmarks/gpu_throughput.py", "--smoke"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=230)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["hf_eager"]["last_loss"] == figures["recipe"]["last_loss"]  # same weights, same batches
+    assert figures["flops_per_token"] > 0 and figures["speedup"] > 0
