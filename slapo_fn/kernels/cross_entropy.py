@@ -37,17 +37,17 @@ __all__ = ["ChunkedLMHeadLoss", "causal_lm_loss", "default_chunk_size", "linear_
 
 Reduction = Literal["mean", "sum"]
 
-#: Logits elements per chunk when no ``chunk_size`` is given (128 MiB of float32). Fewer,
+#: Logits elements per chunk when no ``chunk_size`` is given (64 MiB of float32). Fewer,
 #: larger chunks run faster on CPU (each chunk re-reads the weight and its gradient
 #: buffer); smaller ones lower the peak. A chunk's logits and log-probabilities coexist.
-CHUNK_ELEMENTS = 1 << 25
+CHUNK_ELEMENTS = 1 << 24
 
 
 def default_chunk_size(vocab: int) -> int:
-    """Tokens per chunk so that one chunk of float32 logits holds about 2**25 values.
+    """Tokens per chunk so that one chunk of float32 logits holds about 2**24 values.
 
     >>> default_chunk_size(50257)
-    667
+    333
     """
     return max(1, CHUNK_ELEMENTS // max(1, vocab))
 
