@@ -1,4 +1,4 @@
-"""The ``slapo-fn`` command: ``train``, ``explain``, ``verify``.
+"""The ``slapo-fn`` command: ``train``, ``explain``, ``verify``, ``tune``.
 
 * ``slapo-fn train --model llama-small --dp 2 --tp 2 --steps 40`` builds the model from a
   named config (or a local Hugging Face ``config.json``), schedules it with its family's
@@ -11,6 +11,9 @@
   a fake process group).
 * ``slapo-fn verify --model llama-tiny --tp 2`` checks the recipe against the unscheduled
   model (forward and every gradient) on the requested ranks and prints a per-module report.
+* ``slapo-fn tune --model llama-tiny --world-size 2 --tp 1,2 --checkpoint none,all --batch 2,4``
+  searches the recipe's knobs (constraints, then a memory estimate, then short ``train``
+  trials) and prints the ``train`` command of the fastest config (slapo_fn.tune).
 
 A multi-process run is a ``torchrun`` child in its own session; its workers write their
 PIDs under ``--run-dir``, and whatever way the run ends (success, a failed or killed
@@ -73,7 +76,11 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--log-every", type=int, default=5)
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--run-dir", default=None, help="where worker PIDs are written (default: a temp dir)")
-    train.add_argument("--metrics", default=None, help="write per-step figures as JSON lines to this file")
+    train.add_argument("--metrics", default=None, help="write per-step figures as JSON lines to this file "
+                       "(with the peak memory of the most loaded rank)")
+    train.add_argument("--fault", default=None, metavar="KIND:STEP",
+                       help="inject a failure on the last rank at STEP: 'exit:3' exits non-zero, 'hang:3' stops "
+                            "answering (tests the launcher's and the tuner's failure handling)")
 
     explain = sub.add_parser("explain", help="explain the schedule of a model and parallel config (no job)")
     _parallel_args(explain)
@@ -88,7 +95,39 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--rtol", type=float, default=1e-4)
     verify.add_argument("--atol", type=float, default=1e-5)
     verify.add_argument("--run-dir", default=None)
+    _tune_args(sub.add_parser("tune", help="search the recipe's knobs for the fastest config that fits"))
     return parser
+
+
+def _tune_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-tiny", help="a preset (see slapo_fn.presets) or a config.json path")
+    p.add_argument("--world-size", type=int, default=1, help="ranks of every trial (dp*tp*pp)")
+    knobs = p.add_argument_group("knobs", "comma-separated values to search; a knob left out takes its "
+                                          "defaults from the model's recipe (slapo_fn.tune.space_for)")
+    for name, example in (("dp", "1,2"), ("tp", "1,2"), ("pp", "1,2"), ("sp", "false,true"),
+                          ("checkpoint", "none,0.5,all"), ("microbatches", "2,4"), ("batch", "4,8"),
+                          ("dp-mode", "fsdp,ddp"), ("kernels", "false,true"), ("compile", "false,true"),
+                          ("schedule", "1f1b,gpipe")):
+        knobs.add_argument(f"--{name}", default=None, metavar="V,V", help=f"e.g. {example}")
+    p.add_argument("--seq", type=int, default=64, help="sequence length of every trial")
+    p.add_argument("--steps", type=int, default=4, help="measured steps per trial (after --warmup)")
+    p.add_argument("--warmup", type=int, default=2, help="steps per trial before measuring")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--strategy", choices=("auto", "grid", "random", "tpe"), default="auto",
+                   help="auto: grid for spaces of at most --grid-max candidates, else TPE (optuna) or random")
+    p.add_argument("--grid-max", type=int, default=16)
+    p.add_argument("--trials", type=int, default=None, help="at most this many trials")
+    p.add_argument("--patience", type=int, default=None, help="stop when the best has not improved for N trials")
+    p.add_argument("--time-budget", type=float, default=None, metavar="S", help="start no trial after S seconds")
+    p.add_argument("--trial-timeout", type=float, default=300.0, metavar="S", help="a trial running longer fails")
+    p.add_argument("--memory-budget", default=None, metavar="SIZE",
+                   help="per-rank memory for the training state, e.g. 80GiB or 300MiB: configs estimated above it "
+                        "are pruned without running")
+    p.add_argument("--out", default="tune-out", help="folder for trials.json, throughput.png and each trial's log")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--fault", action="append", default=[], metavar="KNOB=V[,KNOB=V]@KIND:STEP",
+                   help="inject a fault (see train --fault) into the trials matching these knob values (tests)")
 
 
 # -- launching ----------------------------------------------------------------------------
@@ -217,6 +256,8 @@ def _train(args: argparse.Namespace) -> int:
     from . import build, build_pipeline, load, save
     from .data import Arithmetic, ByteText
 
+    base_mem = _peak_memory(None)
+    fault = _fault(args.fault)
     device, mesh = _setup(args)
     rank = dist.get_rank() if dist.is_initialized() else 0
     sch = _schedule(args, mesh, meta=True)
@@ -265,6 +306,8 @@ def _train(args: argparse.Namespace) -> int:
                 loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if fault is not None and step + 1 == fault[1] and rank == int(os.environ.get("WORLD_SIZE", "1")) - 1:
+                _inject(fault[0])
             value = loss.detach().float().clone()
             if args.dp > 1:
                 dist.all_reduce(value, group=mesh.get_group("dp"))
@@ -272,6 +315,7 @@ def _train(args: argparse.Namespace) -> int:
             last = value.item()
             first = last if first is None else first
             rate = args.batch * args.seq / (time.perf_counter() - began)
+            memory = _step_memory(device, base_mem) if args.metrics else None
             if rank == 0:
                 if progress is not None:
                     progress.set_postfix(loss=f"{last:.4f}", tok_s=f"{rate:,.0f}")
@@ -279,7 +323,8 @@ def _train(args: argparse.Namespace) -> int:
                 if (step + 1) % args.log_every == 0 or step == start or step + 1 == args.steps:
                     print(f"step {step + 1} loss {last:.6f} tokens/s {rate:.0f}", flush=True)
                 if metrics is not None:
-                    metrics.write(json.dumps({"step": step + 1, "loss": last, "tokens_per_s": rate}) + "\n")
+                    metrics.write(json.dumps({"step": step + 1, "loss": last, "tokens_per_s": rate,
+                                              **(memory or {})}) + "\n")
             if args.checkpoint_dir and args.save_every and (step + 1) % args.save_every == 0:
                 save(model, optimizer, args.checkpoint_dir, step=step + 1)
         if args.checkpoint_dir and start < args.steps:
@@ -293,6 +338,51 @@ def _train(args: argparse.Namespace) -> int:
         print(f"done: loss {first:.4f} -> {last:.4f} over steps {start + 1}..{args.steps}", flush=True)
     _teardown()
     return 0
+
+
+def _peak_memory(device: Any) -> int:
+    """This process's peak memory in bytes: ``torch.cuda.max_memory_allocated`` on a GPU,
+    else the peak resident set size (``getrusage(RUSAGE_SELF).ru_maxrss``, KiB on Linux)."""
+    if device is not None and device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _step_memory(device: Any, base: int) -> dict[str, Any]:
+    """The peak memory of the most loaded rank so far (``peak_mem_bytes``) and its growth
+    since the start of training (``train_mem_bytes``: on CPU the peak RSS less the RSS of
+    the imports; on a GPU the same as the peak), reduced over ranks with MAX."""
+    import torch
+    import torch.distributed as dist
+
+    peak = _peak_memory(device)
+    grown = peak - (0 if device.type == "cuda" else base)
+    if dist.is_initialized():
+        both = torch.tensor([peak, grown], dtype=torch.float64, device=device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        peak, grown = (int(v) for v in both.tolist())
+    return {"peak_mem_bytes": peak, "train_mem_bytes": grown, "mem_kind": device.type}
+
+
+def _fault(spec: str | None) -> tuple[str, int] | None:
+    if spec is None:
+        return None
+    kind, _, step = spec.partition(":")
+    if kind not in ("exit", "hang") or not step.isdigit():
+        raise ValueError(f"--fault {spec!r}: use exit:STEP or hang:STEP")
+    return kind, int(step)
+
+
+def _inject(kind: str) -> None:
+    print(f"slapo-fn: injected fault {kind!r} on rank {os.environ.get('RANK', '0')}", file=sys.stderr, flush=True)
+    if kind == "exit":
+        os._exit(3)
+    while True:  # hang: the others wait on the next collective until they time out or are killed
+        time.sleep(3600)
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -372,6 +462,95 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(text: str) -> int:
+    units = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
+             "gb": 10**9, "tb": 10**12}
+    number = text.strip().rstrip("bBiIkKmMgGtT")
+    unit = text.strip()[len(number):].lower()
+    if unit not in units or not number:
+        raise ValueError(f"size {text!r}: use e.g. 512MiB, 80GiB or a number of bytes")
+    return int(float(number) * units[unit])
+
+
+def _knob_values(name: str, text: str) -> list[Any]:
+    def one(v: str) -> Any:
+        v = v.strip().lower()
+        if name == "checkpoint":
+            return None if v in ("none", "off", "0") else 1.0 if v == "all" else float(v)
+        if name in ("sp", "kernels", "compile"):
+            if v not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(f"--{name} {text!r}: use true/false")
+            return v in ("true", "1", "yes")
+        if name in ("dp_mode", "schedule"):
+            return v
+        if not v.isdigit():
+            raise ValueError(f"--{name.replace('_', '-')} {text!r}: use integers, e.g. 1,2")
+        return int(v)
+
+    return [one(v) for v in text.split(",") if v.strip()]
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from . import tune as t
+    from .tune.report import plot, row, table, write_json
+
+    names = ("dp", "tp", "pp", "sp", "checkpoint", "microbatches", "batch", "dp_mode", "kernels", "compile",
+             "schedule")
+    knobs = {n: _knob_values(n, getattr(args, n)) for n in names if getattr(args, n) is not None}
+    fixed: dict[str, Any] = {"seq": args.seq, "steps": args.steps, "warmup": args.warmup}
+    fixed.update({k: getattr(args, k) for k in ("lr", "seed") if getattr(args, k) is not None})
+    space = t.space_for(args.model, args.world_size, fixed=fixed, **knobs)
+    points = space.valid()
+    name = args.strategy
+    if name == "auto":
+        name = "grid" if len(points) <= args.grid_max else "auto"
+    strategy = t.strategy(name, seed=args.seed or 0)
+    faults = {}
+    for spec in args.fault:
+        match, _, fault = spec.partition("@")
+        wanted = dict(kv.split("=", 1) for kv in match.split(",") if kv)
+        for c in points:
+            if all(_show_value(c.get(k.replace("-", "_"))) == _show_value(_knob_values(k.replace("-", "_"), v)[0])
+                   for k, v in wanted.items()):
+                faults[c] = fault
+    budget = _size(args.memory_budget) if args.memory_budget else None
+    out = Path(args.out)
+    console = Console(stderr=False, highlight=False)
+    console.print(f"slapo-fn tune: {args.model} on {args.world_size} rank(s); {space.size} points, {len(points)} "
+                  f"valid; strategy {strategy.name}; memory budget "
+                  f"{'none' if budget is None else f'{budget / 2**20:,.0f} MiB'}; results in {out}")
+
+    varying = [k.name for k in space.knobs if len(k.values()) > 1]
+
+    def progress(trial: Any, done: int, total: int) -> None:
+        console.print(row(trial, done, total, varying), soft_wrap=True)
+
+    result = t.tune(space, strategy=strategy, memory_budget=budget, max_trials=args.trials, patience=args.patience,
+                    time_budget=args.time_budget, trial_timeout=args.trial_timeout, folder=out / "trials",
+                    faults=faults, on_trial=progress)
+    write_json(result, out / "trials.json")
+    console.print(table(result))
+    if not args.no_plot:
+        try:
+            console.print(f"plot: {plot(result, out / 'throughput.png')}")
+        except ImportError:
+            console.print("plot: skipped (matplotlib is not installed: pip install 'slapo_fn[tune]')")
+    console.print(f"tuner overhead {result.overhead_s:.1f} s of {result.elapsed_s:.1f} s; "
+                  f"trials: {out / 'trials.json'}")
+    if result.best is None:
+        console.print("no trial succeeded")
+        return 1
+    console.print(f"best: {result.best.tokens_per_s:,.0f} tokens/s with {result.best.config}")
+    console.print(f"reproduce: {result.best_command}", soft_wrap=True)
+    return 0
+
+
+def _show_value(value: Any) -> str:
+    return "none" if value is None else str(value).lower()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``slapo-fn`` command."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -379,6 +558,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "explain":
             return _explain(args)
+        if args.command == "tune":
+            return _tune(args)
         if _world(args) > 1 and not _in_worker():
             return launch(argv, _world(args), getattr(args, "run_dir", None))
         if args.command == "train":

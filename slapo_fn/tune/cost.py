@@ -1,0 +1,186 @@
+"""The cost model that runs before any trial: per-rank memory from shapes alone.
+
+:func:`estimate` schedules the candidate with its recipe on the meta device over a fake
+process group of the space's world size (nothing is allocated, no process started) and
+adds up, for the most loaded rank:
+
+* parameters, gradients and AdamW state — :func:`slapo_fn.memory.per_rank_memory`
+  (tensor-parallel shards, FSDP shards, one pipeline stage);
+* activations saved for backward — :func:`activation_bytes`, this formula (after
+  Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
+  2022, counted in elements of the parameter dtype, ``e`` bytes each)::
+
+      layer(b)  = s·b·(5·h + (4·h + m·f)/t) + 2·a·s²·b/t     (with sequence parallelism
+                                                              the 5·s·b·h term is /t too)
+      kept(b)   = s·b·h  (/t with sequence parallelism)      a checkpointed layer's input
+      acts      = e · [ n·(L' − k)·layer(b) + n·k·kept(b) + (k > 0)·layer(b)
+                        + n·(s·b·h + 2·s·b·V) ]
+
+  with ``s`` the sequence length, ``h`` hidden size, ``f`` the MLP width, ``m`` 3 for a
+  gated MLP (LLaMA: gate, up, activation) else 2, ``a`` heads, ``t`` = tp, ``V`` the
+  vocabulary, ``L'`` the layers of one pipeline stage, ``k`` how many of them are
+  checkpointed, ``b`` the sequences of one microbatch on one data-parallel rank
+  (``batch / dp / microbatches``) and ``n`` the microbatches in flight on the first stage
+  (1 without a pipeline; ``min(pp, microbatches)`` for 1F1B, all of them for GPipe). The
+  ``(k > 0)·layer`` term is the one layer recomputed at a time in backward; ``s·b·h +
+  2·s·b·V`` are the embedding output, the logits and their log-softmax.
+
+A candidate *fits* when that sum is at most the budget. The estimate leaves out the
+runtime's own footprint (CUDA context, allocator caching, the Python process), so the
+budget is the memory the training state may use.
+
+Example:
+    >>> est = estimate(Config.of({"tp": 1, "checkpoint": None, "batch": 4}), "llama-tiny", world_size=1, seq=64)
+    >>> est.state_bytes, est.activation_bytes > 0, est.fits(10**9)
+    (1709056, True, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .space import Config
+
+__all__ = ["Estimate", "ModelShape", "activation_bytes", "estimate", "fake_world"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the activation formula needs, read from a Hugging Face config."""
+
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    vocab: int
+    gated: bool
+    element_size: int = 4
+
+    @staticmethod
+    def of(config: Any) -> ModelShape:
+        def first(*names: str) -> int:
+            for name in names:
+                value = getattr(config, name, None)
+                if value is not None:
+                    return int(value)
+            raise AttributeError(f"config has none of {names}")
+
+        hidden = first("hidden_size", "n_embd", "d_model")
+        return ModelShape(
+            hidden=hidden,
+            ffn=next((int(v) for v in (getattr(config, n, None) for n in ("intermediate_size", "ffn_dim", "n_inner",
+                                                                           "d_ff")) if v is not None), 4 * hidden),
+            layers=first("num_hidden_layers", "n_layer", "num_layers"),
+            heads=first("num_attention_heads", "n_head", "num_heads"),
+            vocab=first("vocab_size"),
+            gated=config.model_type in {"llama", "qwen2", "qwen3", "mistral"},
+        )
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Per-rank bytes of the most loaded rank: training state and activations."""
+
+    config: Config
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+
+    @property
+    def state_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.state_bytes + self.activation_bytes
+
+    def fits(self, budget: int | None) -> bool:
+        return budget is None or self.total_bytes <= budget
+
+
+def _microbatching(config: Config, shape: ModelShape) -> tuple[int, int, int]:
+    """(sequences per microbatch, microbatches in flight, layers per stage) on the first stage."""
+    batch, dp, pp = config.num("batch"), config.num("dp"), config.num("pp")
+    per_rank = max(1, batch // dp)
+    if pp <= 1:
+        return per_rank, 1, shape.layers
+    micro = config.num("microbatches") or 2 * pp
+    in_flight = micro if config.get("schedule") == "gpipe" else min(pp, micro)
+    return max(1, per_rank // micro), in_flight, math.ceil(shape.layers / pp)
+
+
+def activation_bytes(config: Config, shape: ModelShape, seq: int) -> int:
+    """Activations saved for backward on the most loaded rank (the formula above).
+
+    >>> tiny = ModelShape(hidden=64, ffn=128, layers=2, heads=4, vocab=256, gated=True)
+    >>> none, every = (activation_bytes(Config.of({"checkpoint": c, "batch": 4}), tiny, seq=64) for c in (None, 1.0))
+    >>> none > every
+    True
+    """
+    s, h, f, a, t = seq, shape.hidden, shape.ffn, shape.heads, max(1, config.num("tp"))
+    sp = bool(config.get("sp")) and t > 1
+    b, in_flight, layers = _microbatching(config, shape)
+    m = 3 if shape.gated else 2
+    replicated = 5 * s * b * h / (t if sp else 1)
+    layer = replicated + s * b * (4 * h + m * f) / t + 2 * a * s * s * b / t
+    kept = s * b * h / (t if sp else 1)
+    ratio = config.get("checkpoint")
+    k = 0 if ratio is None else round(layers * float(ratio))  # type: ignore[arg-type]
+    elements = (in_flight * ((layers - k) * layer + k * kept) + (layer if k else 0)
+                + in_flight * (s * b * h + 2 * s * b * shape.vocab))
+    return math.ceil(elements) * shape.element_size
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """A fake (single-process, no data moved) default process group of ``world_size``
+    ranks for the duration of the block, unless one is already initialised."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if world_size <= 1 or dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _mesh(config: Config) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    axes = [(n, config.num(n)) for n in ("dp", "pp", "tp") if config.num(n) > 1]
+    if not axes:
+        return None
+    return init_device_mesh("cpu", tuple(s for _, s in axes), mesh_dim_names=tuple(n for n, _ in axes))
+
+
+def estimate(config: Config, model: str, *, world_size: int, seq: int) -> Estimate:
+    """Schedule ``config`` for the preset (or ``config.json``) ``model`` on a fake process
+    group and the meta device, and estimate the most loaded rank's memory (see the
+    module's docstring for the formula). Nothing is allocated and no process started."""
+    from .. import create_schedule, recipes
+    from ..memory import per_rank_memory
+    from ..presets import build_model
+    from ..recipes import Knobs
+
+    module = build_model(model, meta=True)
+    dp = config.num("dp")
+    knobs = Knobs(tp=config.num("tp"), sequence_parallel=bool(config.get("sp")),
+                  checkpoint=config.get("checkpoint"),  # type: ignore[arg-type]
+                  stages=config.num("pp"), dp_mode=config.get("dp_mode") if dp > 1 else None,  # type: ignore[arg-type]
+                  kernels=bool(config.get("kernels")), compile=bool(config.get("compile")))
+    with fake_world(world_size):
+        sch = recipes.for_model(module)(create_schedule(module, mesh=_mesh(config)), knobs)
+        table = per_rank_memory(sch)
+    row = max(table.rows, key=lambda r: r.total_bytes)
+    shape = ModelShape.of(module.config)  # type: ignore[union-attr]
+    return Estimate(config, row.param_bytes, row.grad_bytes, row.optimizer_bytes,
+                    activation_bytes(config, shape, seq))
