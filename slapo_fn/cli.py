@@ -467,9 +467,10 @@ def _size(text: str) -> int:
              "gb": 10**9, "tb": 10**12}
     number = text.strip().rstrip("bBiIkKmMgGtT")
     unit = text.strip()[len(number):].lower()
-    if unit not in units or not number:
-        raise ValueError(f"size {text!r}: use e.g. 512MiB, 80GiB or a number of bytes")
-    return int(float(number) * units[unit])
+    try:
+        return int(float(number) * units[unit])
+    except (KeyError, ValueError):
+        raise ValueError(f"size {text!r}: use e.g. 512MiB, 80GiB or a number of bytes") from None
 
 
 def _knob_values(name: str, text: str) -> list[Any]:

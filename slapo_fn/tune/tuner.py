@@ -74,7 +74,7 @@ class TuneResult:
     @property
     def best_command(self) -> str | None:
         best = self.best
-        if best is None:
+        if best is None or "model" not in self.space.fixed:
             return None
         fixed = {k: v for k, v in self.space.fixed.items() if k != "world_size"}
         return reproduce_command(best.config, fixed)
