@@ -434,17 +434,17 @@ def _report(report: Any) -> str:
 def _explain(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from .dtensor.testing import fake_mesh
     from .explain import explain
 
     world = _world(args)
     mesh = None
+    started = False
     if world > 1:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
         axes = [(n, s) for n, s in (("dp", args.dp), ("pp", args.pp), ("tp", args.tp)) if s > 1]
-        mesh = init_device_mesh("cpu", tuple(s for _, s in axes), mesh_dim_names=tuple(n for n, _ in axes))
+        started = not dist.is_initialized()
+        mesh = fake_mesh(*(s for _, s in axes), names=tuple(n for n, _ in axes))
     try:
         sch = _schedule(args, mesh, meta=True)
         shape = (args.batch // args.dp, args.seq)  # one data-parallel rank's batch: the bytes of its collectives
@@ -457,7 +457,7 @@ def _explain(args: argparse.Namespace) -> int:
             text = text.split("\n\n", 1)[-1]  # everything after the tree
         print(text)
     finally:
-        if dist.is_initialized():
+        if started and dist.is_initialized():
             dist.destroy_process_group()
     return 0
 
