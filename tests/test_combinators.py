@@ -76,7 +76,8 @@ def test_combinator_type_errors() -> None:
         sf.when(True, sf.checkpoint.at(""))  # type: ignore[arg-type]
     with pytest.raises(sf.ScheduleTypeError, match="expected a Schedule, got Net"):
         sf.checkpoint.at("blocks.0")(Net())  # type: ignore[arg-type]
-    with pytest.raises(sf.ScheduleTypeError, match=r"(?s)missing the selector `where`.*call it as checkpoint\(sch, where"):
+    missing = r"(?s)missing the selector `where`.*call it as checkpoint\(sch, where"
+    with pytest.raises(sf.ScheduleTypeError, match=missing):
         sf.checkpoint(sf.create_schedule(Net()))
     with pytest.raises(sf.ScheduleTypeError, match="missing the selector `where`"):
         sf.checkpoint.at()
