@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -88,8 +89,9 @@ class _Optuna:
         names = [k for k, _ in candidates[0].items]
         self._choices = {n: list(dict.fromkeys(c[n] for c in candidates)) for n in names}
         self._names = names
-        sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, multivariate=True,
-                                             warn_independent_sampling=False)
+        with warnings.catch_warnings():  # multivariate TPE is marked experimental
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, multivariate=True)
         self._study = optuna.create_study(direction="maximize", sampler=sampler)
         self._pending: dict[Config, Any] = {}
         self._told: dict[Config, float] = {}
