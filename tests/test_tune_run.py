@@ -3,6 +3,7 @@ that crashes, one that hangs), the best config rerun, and memory pruning against
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -54,7 +55,10 @@ def test_cli_tune_records_every_trial_survives_a_crash_and_a_hang_and_the_best_r
     for run_dir in (out / "trials").glob("trial-*/run"):  # no process of any trial is left
         pids = [int(p.read_text()) for p in run_dir.glob("pid-*")]
         assert pids and not any(_alive(p) for p in pids), run_dir
-    assert (out / "throughput.png").stat().st_size > 0
+    if importlib.util.find_spec("matplotlib") is not None:  # the optional `tune` extra
+        assert (out / "throughput.png").stat().st_size > 0
+    else:
+        assert "plot: skipped" in result.stdout
     best = report["best"]
     assert best["tokens_per_s"] == max(t["tokens_per_s"] for t in ok)
     command = report["best_command"]
