@@ -571,5 +571,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def _worker_exit(code: int) -> None:
+    """Leave a torchrun worker once its work is done and its process group torn down,
+    skipping interpreter shutdown: there, C++ destructors of the collective backend's
+    threads race and now and then abort the process ("terminate called without an active
+    exception"), turning a finished job into a failed one."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    if _in_worker():
+        _worker_exit(code)
+    raise SystemExit(code)
