@@ -9,7 +9,10 @@ then drops the chunk's logits. Backward only scales those gradients by the incom
 one. Peak extra memory is one chunk of logits plus a weight-sized gradient buffer; no
 ``tokens x vocab`` tensor is ever saved. The arithmetic is the same as
 ``F.cross_entropy(F.linear(h, weight, bias).float(), target)`` (three matmuls per
-chunk, as forward + backward of the plain head).
+chunk, as forward + backward of the plain head). The weight-sized gradient buffer is
+held from the head's forward to its backward, so the kernel saves memory once a step
+has more tokens than about the hidden size (the plain head keeps 2-3 ``tokens x vocab``
+tensors); for a handful of tokens the plain head is leaner.
 
 For a Hugging Face causal LM, :func:`causal_lm_loss` runs the base model, shifts the
 labels as Hugging Face does and applies this loss with the model's own ``lm_head``
