@@ -73,15 +73,15 @@ class _T5Call(nn.Module):
         return self.model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids)
 
 
-def _tp2(rank: int, world: int, name: str, sequence_parallel: bool) -> dict[str, Any]:
+def _tp2(rank: int, world: int, name: str, sequence_parallel: bool, kernels: bool = False) -> dict[str, Any]:
     model = FACTORIES[name]()
     recipe = sf.recipes.for_model(model)
     if name == "t5":
         wrapped = _T5Call(model)
         return parity(wrapped, lambda s: _under(s, recipe, sequence_parallel), _inputs(name), shape=(world,),
                       loss=_loss, atol=2e-5, tracker=False)
-    return parity(model, lambda s: recipe(s, tp=world, sequence_parallel=sequence_parallel), _inputs(name),
-                  shape=(world,), loss=_loss, atol=2e-5)
+    return parity(model, lambda s: recipe(s, tp=world, sequence_parallel=sequence_parallel, kernels=kernels),
+                  _inputs(name), shape=(world,), loss=_loss, atol=2e-5)
 
 
 def _under(sch: sf.Schedule, recipe: sf.recipes.Recipe, sp: bool) -> sf.Schedule:
@@ -107,6 +107,14 @@ def test_recipe_tp2_matches_the_unsharded_model(dist2: Any, name: str) -> None:
             assert r["predicted"] == {"forward": r["fwd"], "backward": {"all_reduce": blocks}}
         else:
             assert r["predicted"] == {"forward": r["fwd"], "backward": r["bwd"]}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2", "bert"])
+def test_recipe_tp2_with_kernels_matches_the_unsharded_model(dist2: Any, name: str) -> None:
+    for r in dist2.run(_tp2, name, False, True, timeout=200):  # the attention/MLP kernels run on local heads
+        assert r["fwd"] == {"all_reduce": 4} and r["bwd"] == {"all_reduce": 4}, (r["fwd"], r["bwd"])
 
 
 @pytest.mark.dist

@@ -470,6 +470,11 @@ class FusedQKVAttention(Attention):
         self.c_attn, self.c_proj = c_attn, c_proj
         self.attn_dropout, self.resid_dropout = attn_dropout, resid_dropout
         self.num_heads = num_heads
+        # reshape by the head size, not the head count: under tensor parallelism this rank's
+        # c_attn yields its own heads only, and (..., -1, head_dim) finds how many
+        proj_weight = c_proj.weight
+        assert isinstance(proj_weight, torch.Tensor)
+        self.head_dim = int(proj_weight.shape[0]) // num_heads  # Conv1D weight: (in, out)
         self.scaling = scaling
         self.layer_idx = layer_idx
         self.is_causal = True
@@ -514,7 +519,7 @@ class FusedQKVAttention(Attention):
                 "called with encoder_hidden_states: this kernel is self-attention only",
                 "do not replace attention modules that are used as cross-attention",
             )
-        shape = (*hidden_states.shape[:-1], self.num_heads, -1)
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         q, k, v = (t.view(shape).transpose(1, 2) for t in self.c_attn(hidden_states).chunk(3, dim=-1))
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)

@@ -82,6 +82,13 @@ def fused_mlp(
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def _distributed(*layers: nn.Module) -> bool:
+    """Whether any parameter is a DTensor (the layers then run their own, sharded forwards)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for layer in layers for p in layer.parameters())
+
+
 def _weights(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     weight, bias = layer.weight, layer.bias
     if not isinstance(weight, torch.Tensor):
@@ -192,11 +199,15 @@ class FusedMLP(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         fc1_name, fc2_name, drop_name = self._names
-        fn = _compiled_mlp if self.compiled else fused_mlp
         fc1, fc2 = self._modules[fc1_name], self._modules[fc2_name]
         assert fc1 is not None and fc2 is not None
-        out = fn(hidden_states, *_weights(fc1), *_weights(fc2), approximate=self.approximate,
-                 transposed=self.transposed)
+        if self.compiled and not _distributed(fc1, fc2):
+            out = _compiled_mlp(hidden_states, *_weights(fc1), *_weights(fc2), approximate=self.approximate,
+                                transposed=self.transposed)
+        else:
+            # through the layers themselves (Linear / Conv1D already put the bias in the GEMM),
+            # so rewrites of those layers — tensor parallelism, hooks — apply
+            out = fc2(F.gelu(fc1(hidden_states), approximate=self.approximate))
         if drop_name is not None:
             out = self._modules[drop_name](out)  # type: ignore[misc]
         return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+from ..kernels import Attention
 from ._recipe import Recipe, Shard, Stack
 
 BERT = Recipe(
@@ -29,5 +30,6 @@ BERT = Recipe(
         ),
     ),
     sp=("**.encoder.layer.*",),
+    kernels=MappingProxyType({"**.encoder.layer.*.attention.self": Attention.from_hf}),
     kv_heads=None,
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+from ..kernels import Attention, FusedMLP
 from ._recipe import Recipe, Shard, Stack
 
 GPT2 = Recipe(
@@ -22,6 +23,7 @@ GPT2 = Recipe(
         ),
     ),
     sp=("**.h.*", "**.ln_f"),
+    kernels=MappingProxyType({"**.h.*.attn": Attention.from_hf, "**.h.*.mlp": FusedMLP.from_hf}),
     heads="n_head",
     kv_heads=None,
 )

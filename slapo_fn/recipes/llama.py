@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from types import MappingProxyType
 
-from ..kernels import RMSNorm
+from ..kernels import Attention, RMSNorm
 from ._recipe import Recipe, Shard, Stack
 
 COLUMN, ROW = Shard(0), Shard(1)
@@ -30,6 +30,7 @@ LLAMA = Recipe(
     ),
     sp=("**.layers.*", "**.norm"),
     kernels=MappingProxyType({
+        "**.layers.*.self_attn": Attention.from_hf,
         "**.layers.*.{input,post_attention}_layernorm": RMSNorm.from_hf,
         "**.norm": RMSNorm.from_hf,
     }),
