@@ -165,7 +165,13 @@ class When(Rewrite):
 
 
 def chain(*rewrites: Rewrite) -> Rewrite:
-    """Apply ``rewrites`` left to right: ``chain(a, b)(sch) == b(a(sch))``."""
+    """Apply ``rewrites`` left to right: ``chain(a, b)(sch) == b(a(sch))`` (``a >> b`` too).
+
+    >>> import torch.nn as nn, slapo_fn as sf
+    >>> rw = sf.chain(sf.checkpoint.at("0"), sf.compile.at("1"))
+    >>> sorted(rw(sf.create_schedule(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))).annotations)
+    ['0', '1']
+    """
     bad = [i for i, r in enumerate(rewrites) if not isinstance(r, Rewrite)]
     if bad:
         raise ScheduleTypeError(
@@ -211,7 +217,14 @@ def foreach(where: Where, rewrite: Rewrite) -> Rewrite:
 
 def scope(where: Where, rewrite: Rewrite) -> Rewrite:
     """Apply ``rewrite`` with paths relative to the single module ``where`` selects
-    (more than one match is an error: use :func:`foreach`)."""
+    (more than one match is an error: use :func:`foreach`).
+
+    >>> import torch.nn as nn, slapo_fn as sf
+    >>> model = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    >>> sch = sf.scope("0", sf.checkpoint.at("0"))(sf.create_schedule(model))
+    >>> list(sch.annotations)
+    ['0.0']
+    """
     select(where)
     _check_rewrite("scope", rewrite)
     return Scope(where, rewrite)
@@ -296,5 +309,17 @@ class Primitive(Generic[P]):
 
 
 def primitive(impl: Callable[Concatenate[Schedule, Selection, P], Schedule]) -> Primitive[P]:
-    """Make ``impl(sch, selection, ...)`` a :class:`Primitive`."""
+    """Make ``impl(sch, selection, ...)`` a :class:`Primitive`: callable as
+    ``p(sch, where, ...)``, as a value with ``p.at(where, ...)``, recorded in the history.
+
+    >>> import torch.nn as nn, slapo_fn as sf
+    >>> @sf.primitive
+    ... def freeze(sch, where):
+    ...     for path in where.parameters(sch.module):
+    ...         sch = sch.annotate_path(path, "frozen", True)
+    ...     return sch
+    >>> sch = freeze(sf.create_schedule(nn.Sequential(nn.Linear(2, 2))), "0")
+    >>> sorted(sch.annotations), sch.history
+    (['0.bias', '0.weight'], (freeze.at('0'),))
+    """
     return Primitive(impl)

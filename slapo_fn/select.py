@@ -179,7 +179,12 @@ def where_fn(pred: Callable[[str, nn.Module], bool]) -> Selection:
 
 
 def select(where: object) -> Selection:
-    """Lower any selector form to a :class:`Selection`."""
+    """Lower any selector form to a :class:`Selection`.
+
+    >>> import torch.nn as nn
+    >>> str(select(["a.*", of_type(nn.Linear)]))
+    "'a.*' | of_type(Linear)"
+    """
     if isinstance(where, Selection):
         return where
     if isinstance(where, str):

@@ -46,7 +46,7 @@ class LocalSpec:
 def tp_local(sch: Schedule, where: Selection, *, mesh_axis: str = "tp") -> Schedule:
     """Declare that the selected modules run on this rank's shard over ``mesh_axis``:
     their replicated parameters get partial-sum gradients, reduced over ``mesh_axis``.
-    Returns a new schedule; the input is unchanged."""
+    Returns a new schedule; the input is unchanged (example: the module docstring)."""
     paths = where.modules(sch.module)
     problems = [p for p in (_problem_mesh(sch, path, mesh_axis) for path in paths) if p is not None]
     layouts, roles = sch.annotations.of_kind(LAYOUT), sch.annotations.of_kind(ROLE)

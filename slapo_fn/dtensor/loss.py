@@ -70,6 +70,12 @@ def vocab_parallel_cross_entropy(
     ``labels`` (full vocab ids, ``(...)``), equal to ``F.cross_entropy`` on the gathered
     logits; the gradient is this rank's shard. Rows whose label is ``ignore_index`` are
     left out of the mean.
+
+    Pair it with a vocab-parallel head kept sharded (run on every rank of the mesh)::
+
+        sch = sf.shard(sch, "lm_head", axis=0)                  # vocab rows over "tp"
+        sch = sf.sync(sch, "lm_head", "fwd_post", Shard(-1))   # logits stay sharded
+        loss = sf.vocab_parallel_cross_entropy(built(ids), labels, mesh)
     """
     axis = (mesh, mesh_dims(mesh).index(mesh_axis))
     return _VocabParallelCE.apply(logits, labels, axis, ignore_index)  # type: ignore[no-any-return]

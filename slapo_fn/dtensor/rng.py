@@ -46,6 +46,13 @@ def fork_rng(sch: Schedule, where: Selection, *, mesh_axis: str = "tp") -> Sched
     activations) and are identical across the other mesh axes. The default generator
     advances by one draw, so the code after the module sees the same stream everywhere.
     Returns a new schedule; the input is unchanged.
+
+    >>> import torch.nn as nn, slapo_fn as sf
+    >>> from slapo_fn.dtensor.testing import fake_mesh
+    >>> model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1), nn.Linear(8, 8))
+    >>> sch = sf.fork_rng(sf.create_schedule(model, mesh=fake_mesh(2)), "1")
+    >>> print(sch["1"].annotations["rng"])
+    rng@tp
     """
     paths = where.modules(sch.module)
     problems = [p for p in (_problem_mesh(sch, path, mesh_axis) for path in paths) if p is not None]

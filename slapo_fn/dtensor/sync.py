@@ -87,6 +87,14 @@ def sync(
     at that boundary (``Replicate()`` for an unsharded module). A boundary stated with
     ``sync`` is *explicit*: ``build(strict=True)`` accepts it. Returns a new schedule; the
     input is unchanged.
+
+    >>> import torch.nn as nn, slapo_fn as sf
+    >>> from torch.distributed.tensor import Shard
+    >>> from slapo_fn.dtensor.testing import fake_mesh
+    >>> sch = sf.shard(sf.create_schedule(nn.Sequential(nn.Linear(8, 8)), mesh=fake_mesh(2)), "0", axis=0)
+    >>> sch = sf.sync(sch, "0", "fwd_post", Shard(-1))     # keep the output sharded (no all-gather)
+    >>> sf.dtensor.plan(sch).counts()
+    {'forward': {}, 'backward': {'all_reduce': 1}}
     """
     paths = where.modules(sch.module)
     problems = [p for p in (_problem_mesh(sch, path, mesh_axis) for path in paths) if p is not None]
