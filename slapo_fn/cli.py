@@ -139,25 +139,10 @@ def _in_worker() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get("SLAPO_FN_WORKER") == "1"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _kill_workers(run_dir: Path) -> None:
-    for path in run_dir.glob("pid-*"):
-        try:
-            pid = int(path.read_text())
-        except ValueError:
-            continue
-        if _alive(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    from .processes import kill, worker_pids
+
+    kill(worker_pids(run_dir))
 
 
 def launch(argv: Sequence[str], nproc: int, run_dir: str | None) -> int:

@@ -16,6 +16,7 @@ import pytest
 
 from slapo_fn.cli import main
 from slapo_fn.presets import PRESETS
+from slapo_fn.processes import alive
 
 CLI = [sys.executable, "-m", "slapo_fn.cli"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,14 +28,6 @@ def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
 
 def losses(stdout: str) -> dict[int, float]:
     return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"^step (\d+) loss ([\d.]+)", stdout, re.M)}
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.mark.slow

@@ -5,28 +5,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from slapo_fn.processes import alive
 from slapo_fn.tune import Config, estimate, run_trial, space_for, tune
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "slapo_fn.cli"]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _losses(metrics: Path) -> dict[int, float]:
@@ -54,7 +43,7 @@ def test_cli_tune_records_every_trial_survives_a_crash_and_a_hang_and_the_best_r
     assert len(ok) == 6 and all(t["tokens_per_s"] > 0 and t["peak_mem_bytes"] > 0 for t in ok)
     for run_dir in (out / "trials").glob("trial-*/run"):  # no process of any trial is left
         pids = [int(p.read_text()) for p in run_dir.glob("pid-*")]
-        assert pids and not any(_alive(p) for p in pids), run_dir
+        assert pids and not any(alive(p) for p in pids), run_dir
     if importlib.util.find_spec("matplotlib") is not None:  # the optional `tune` extra
         assert (out / "throughput.png").stat().st_size > 0
     else:

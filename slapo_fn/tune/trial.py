@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ..processes import alive, descendants, worker_pids
 from .space import DEFAULTS, Config, Value
 
 __all__ = ["Status", "Trial", "reproduce_command", "run_trial", "train_args"]
@@ -115,71 +116,22 @@ def reproduce_command(config: Config, fixed: Mapping[str, Any]) -> str:
 
 
 # -- processes --------------------------------------------------------------------------------
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        tree.setdefault(ppid, []).append(int(entry.name))
-    return tree
-
-
-def _descendants(pid: int) -> set[int]:
-    """Every process below ``pid`` (torchrun starts its workers in sessions of their own:
-    process groups do not find them, parent links do)."""
-    if not Path("/proc").is_dir():
-        return set()
-    tree, found, todo = _children(), set(), [pid]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is dead
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _worker_pids(run_dir: Path) -> set[int]:
-    pids = set()
-    for path in run_dir.glob("pid-*"):
-        with contextlib.suppress(ValueError, OSError):
-            pids.add(int(path.read_text()))
-    return pids
-
-
 def _stop_tree(proc: subprocess.Popen[bytes], run_dir: Path) -> None:
     """Stop a trial and everything it started: SIGINT to the launcher (it stops torchrun and
     its workers itself), then SIGKILL to whatever is still alive."""
-    seen = _descendants(proc.pid) | _worker_pids(run_dir)
+    seen = descendants(proc.pid) | worker_pids(run_dir)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGINT)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10)
-    seen |= _descendants(proc.pid) | _worker_pids(run_dir)
+    seen |= descendants(proc.pid) | worker_pids(run_dir)
     for pid in [proc.pid, *sorted(seen)]:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10)
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in seen) and time.monotonic() < deadline:
+    while any(alive(p) for p in seen) and time.monotonic() < deadline:
         time.sleep(0.1)
 
 
