@@ -49,8 +49,27 @@ def opt(layers: int = 4) -> nn.Module:
                                     use_cache=False, pad_token_id=1))
 
 
+def qwen3(layers: int = 4) -> nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, use_cache=False)
+    return Qwen3ForCausalLM(config)
+
+
+def mistral(layers: int = 4) -> nn.Module:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                            use_cache=False))
+
+
 FAMILIES = {"llama": (llama, "model.layers"), "gpt2": (gpt2, "transformer.h"), "bert": (bert, "bert.encoder.layer"),
-            "opt": (opt, "model.decoder.layers")}
+            "opt": (opt, "model.decoder.layers"), "qwen3": (qwen3, "model.layers"),
+            "mistral": (mistral, "model.layers")}
 
 
 def _output(out: object) -> torch.Tensor:
@@ -197,3 +216,15 @@ def test_explain_shows_the_stage_table() -> None:
     text = str(sf.explain(sch))
     assert "pipeline stages (4):" in text and "transformer.h.3" in text
     assert str(stage_table(sf.create_schedule(gpt2()))) == ""
+
+
+def test_an_unknown_hf_family_is_refused_at_cut_time_not_guessed() -> None:
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    model = GemmaForCausalLM(GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=1, head_dim=8))
+    sch = sf.create_schedule(model)
+    with pytest.raises(sf.ScheduleError, match=r"(?s)no pipeline stage adapter for model_type 'gemma'.*"
+                                               r"fix: check what GemmaForCausalLM.forward does with inputs_embeds"):
+        sf.cut_pipeline_stage(sch, "model.layers.0")
+    assert sch.history == ()

@@ -12,6 +12,7 @@ from ..errors import Problem, ScheduleError
 from ..schedule import Schedule
 from ..select import Selection
 from ..tree import get_module, join, split, walk
+from .families import family_of
 
 __all__ = ["KIND", "StageCut", "cut_pipeline_stage", "pp_size", "sequence_of"]
 
@@ -73,7 +74,8 @@ def cut_pipeline_stage(sch: Schedule, where: Selection) -> Schedule:
     a path that is not a layer of a sequence (or is its last layer), a layer cut twice,
     a cut in another sequence than earlier cuts or before an earlier cut (cut in layer
     order), a model whose forward takes no ``inputs_embeds`` (later stages are fed the
-    hidden states through it), and, when the mesh has a ``pp`` axis of size P, more than
+    hidden states through it), a Hugging Face model type without a stage adapter in
+    :data:`~slapo_fn.pipelines.families.FAMILIES`, and, when the mesh has a ``pp`` axis of size P, more than
     P stages unless their number is a multiple of P (several stages per rank, for
     interleaved schedules: make those cuts in one call). Returns a new schedule; the
     input is unchanged.
@@ -92,6 +94,7 @@ def cut_pipeline_stage(sch: Schedule, where: Selection) -> Schedule:
         is not a layer of a sequence (its parent is a GPT2Block)
     """
     paths = where.paths(sch.module)
+    family_of(sch.module)  # a Hugging Face family without a stage adapter is refused now, not at build
     existing = tuple(sch.annotations.of_kind(KIND))
     problems: list[Problem] = []
     seen_sequence = sequence_of(existing[0]) if existing else None

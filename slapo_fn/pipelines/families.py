@@ -84,9 +84,14 @@ def _family(roles: dict[str, Role] | None = None, later: dict[str, Later] | None
 
 _BERT = _family(later={"embeddings": "inputs"})
 
-#: Model types whose forward needs more than the structural defaults.
+#: Hugging Face model types whose stage split is known to be right: the structural
+#: defaults (LLaMA-like forwards feed inputs_embeds straight to the layers), or more.
 FAMILIES: Mapping[str, Family] = MappingProxyType(
     {
+        "llama": Family(),
+        "mistral": Family(),
+        "qwen2": Family(),
+        "qwen3": Family(),
         # GPT2Model.forward adds wpe(position_ids) to inputs_embeds, then dropout.
         "gpt2": _family(later={"wpe": "zeros", "drop": "identity"}),
         # OPTDecoder registers final_layer_norm/project_out *before* its layers, adds
@@ -104,9 +109,25 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
 
 
 def family_of(model: Any) -> Family:
-    """The :class:`Family` of ``model`` (by ``model.config.model_type``), or the defaults."""
+    """The :class:`Family` of ``model`` (by ``model.config.model_type``); the structural
+    defaults for a model that is not a Hugging Face one.
+
+    A Hugging Face model type without an entry is refused rather than guessed: its
+    forward may transform ``inputs_embeds`` (Gemma scales them by sqrt(hidden)), which the
+    later stages would then apply again, silently.
+    """
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    return FAMILIES.get(model_type, Family()) if isinstance(model_type, str) else Family()
+    if not isinstance(model_type, str):
+        return Family()
+    if model_type not in FAMILIES:
+        from ..errors import Problem, ScheduleError
+
+        raise ScheduleError("cut_pipeline_stage", [Problem(
+            "", f"no pipeline stage adapter for model_type {model_type!r} (known: {', '.join(sorted(FAMILIES))})",
+            f"check what {type(model).__name__}.forward does with inputs_embeds and the modules before its layers, "
+            "then pass family=Family(...) to split_stages, or add the model type to "
+            "slapo_fn.pipelines.families.FAMILIES")])
+    return FAMILIES[model_type]
 
 
 class NotInStage(nn.Module):
