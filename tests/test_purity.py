@@ -55,21 +55,34 @@ REWRITES: list[Callable[[sf.Schedule, str], sf.Schedule]] = [
 ]
 
 
-def apply_sequence(model: nn.Module, steps: list[tuple[int, int]]) -> None:
+def _layout_rewrites() -> list[Callable[[sf.Schedule, str], sf.Schedule]]:
+    from torch.distributed.tensor import Replicate
+
+    return [
+        lambda sch, p: sf.shard(sch, p, axis=0),
+        lambda sch, p: sf.shard(sch, p, axis=1),
+        lambda sch, p: sf.fork_rng(sch, p),
+        lambda sch, p: sf.sequence_parallel(sch, p),
+        lambda sch, p: sf.sync(sch, p, "fwd_post", Replicate()),
+    ]
+
+
+def apply_sequence(model: nn.Module, steps: list[tuple[int, int]], *, mesh: Any = None,
+                   rewrites: list[Callable[[sf.Schedule, str], sf.Schedule]] = REWRITES) -> None:
     """Apply rewrites one by one; after each, the model and every earlier schedule are unchanged."""
     original = fingerprint(model)
-    sch = sf.create_schedule(model)
+    sch = sf.create_schedule(model, mesh=mesh)
     earlier: list[tuple[sf.Schedule, Any]] = [(sch, fingerprint_schedule(sch))]
     for kind, which in steps:
         paths = list(sch.paths())
         path = paths[which % len(paths)]
         old_root = sch.module
         try:
-            new = REWRITES[kind](sch, path)
+            new = rewrites[kind % len(rewrites)](sch, path)
         except (sf.ScheduleError, sf.SelectorError):
             assert same_schedule(earlier[-1][1], sch)  # a failed rewrite leaves its input untouched
             continue
-        if kind == 0:
+        if kind % len(rewrites) == 0:  # replace: structural
             _check_sharing(old_root, new.module, path)
         else:
             assert new.module is old_root  # annotation rewrites copy nothing of the tree
@@ -108,6 +121,14 @@ def test_random_rewrites_on_random_trees_are_pure(spec: Any, steps: list[tuple[i
 @given(steps=st.lists(st.tuples(st.integers(0, len(REWRITES) - 1), st.integers(0, 200)), min_size=1, max_size=6))
 def test_random_rewrites_on_hf_models_are_pure(factory: Callable[[], nn.Module], steps: list[tuple[int, int]]) -> None:
     apply_sequence(factory(), steps)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=trees, steps=st.lists(st.tuples(st.integers(0, 10), st.integers(0, 50)), max_size=8))
+def test_layout_rewrites_and_their_build_are_pure(spec: Any, steps: list[tuple[int, int]]) -> None:
+    from slapo_fn.dtensor.testing import fake_mesh
+
+    apply_sequence(make(spec), steps, mesh=fake_mesh(2), rewrites=REWRITES + _layout_rewrites())
 
 
 @settings(max_examples=40, deadline=None)
