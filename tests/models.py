@@ -76,3 +76,15 @@ class Net(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, steps: int) -> list[float]:
+    """``steps`` language-model steps on ``ids`` (labels = inputs); the losses."""
+    losses = []
+    for _ in range(steps):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 from dist import mesh
-from models import tiny_gpt2, tiny_llama, token_ids
+from models import tiny_gpt2, tiny_llama, token_ids, train
 from torch import nn
 
 import slapo_fn as sf
@@ -26,15 +26,7 @@ FACTORIES = {"llama": tiny_llama, "gpt2": gpt2_without_dropout}
 
 def reference_losses(factory: Any, ids: torch.Tensor, lr: float = 0.05) -> list[float]:
     model = factory()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train(model, torch.optim.AdamW(model.parameters(), lr=lr), ids, STEPS)
 
 
 def _train(rank: int, world: int, factory_name: str, shape: tuple[int, ...], names: tuple[str, ...],

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 from dist import mesh
-from models import tiny_llama, token_ids
+from models import tiny_llama, token_ids, train
 from torch import nn
 
 import slapo_fn as sf
@@ -23,17 +23,6 @@ def tp_plan(sch: sf.Schedule) -> sf.Schedule:
     attn = attn >> sf.shard.at("o_proj", axis=1)
     mlp = sf.shard.at("gate_proj", axis=0) >> sf.shard.at("up_proj", axis=0) >> sf.shard.at("down_proj", axis=1)
     return sf.foreach("model.layers.*", sf.scope("self_attn", attn) >> sf.scope("mlp", mlp))(sch)
-
-
-def train(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, steps: int) -> list[float]:
-    losses = []
-    for _ in range(steps):
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def perturbed(model: nn.Module) -> dict[str, torch.Tensor]:
