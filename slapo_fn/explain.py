@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .dtensor.explain import TensorParallelExplanation
     from .memory import MemoryTable
 
-__all__ = ["Explanation", "ModuleRow", "explain", "format_dtype", "format_param", "render_tree"]
+__all__ = ["Explanation", "ModuleRow", "explain", "format_bytes", "format_dtype", "format_param", "render_tree"]
 
 _DTYPES = {
     torch.float32: "f32",
@@ -150,7 +150,7 @@ class Explanation:
 
     def __str__(self) -> str:
         annotated = [(r.path or "<root>", ", ".join(r.annotations)) for r in self.rows if r.annotations]
-        out = [self.tree, "", f"parameters: {self.total_parameters:,} ({_human(self.total_bytes)})"]
+        out = [self.tree, "", f"parameters: {self.total_parameters:,} ({format_bytes(self.total_bytes)})"]
         if annotated:
             out.append("annotations:")
             out += [f"  {path}: {text}{_times(n)}" for (path, text), n in _fold_numbered(annotated)]
@@ -184,7 +184,8 @@ def _fold_numbered(items: list[tuple[str, str]]) -> list[tuple[tuple[str, str], 
     return [(key if len(members) > 1 else members[0], len(members)) for key, members in groups.items()]
 
 
-def _human(n: int) -> str:
+def format_bytes(n: int) -> str:
+    """``1536`` → ``1.5 KiB``: byte counts as explain, the stage table and memory print them."""
     size = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if size < 1024 or unit == "TiB":

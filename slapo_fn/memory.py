@@ -49,11 +49,12 @@ class MemoryTable:
         return max((r.total_bytes for r in self.rows), default=0)
 
     def __str__(self) -> str:
-        from .explain import _human
+        from .explain import format_bytes
 
         header = ["stage", "parameters", "params", "grads", "optimizer", "total"]
-        table = [[("-" if r.stage is None else str(r.stage)), f"{r.parameters:,}", _human(r.param_bytes),
-                  _human(r.grad_bytes), _human(r.optimizer_bytes), _human(r.total_bytes)] for r in self.rows]
+        table = [[("-" if r.stage is None else str(r.stage)), f"{r.parameters:,}",
+                  *map(format_bytes, (r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.total_bytes))]
+                 for r in self.rows]
         widths = [max(len(row[i]) for row in [header, *table]) for i in range(len(header))]
         lines = [f"per-rank memory (rank 0 of each stage; optimizer: {self.states} fp32 states per parameter):"]
         lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *table]]

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .build import build
+from .build import _has_meta, build
 from .combinators import Rewrite
 from .errors import Problem, ScheduleTypeError, VerificationError
 from .schedule import Schedule, create_schedule
@@ -79,10 +79,6 @@ class VerifyReport:
             f"verified {len(self.outputs)} outputs (max |diff| {self.max_output_diff:.3g}) and "
             f"{len(self.gradients)} gradients (max |diff| {self.max_grad_diff:.3g})"
         )
-
-
-def _has_meta(model: nn.Module) -> bool:
-    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
 def _run(model: nn.Module, inputs: tuple[Any, ...], kwargs: Mapping[str, Any], seed: int) -> Any:
@@ -252,7 +248,7 @@ def verify(
     kwargs = dict(kwargs or {})
     reference = sch.original if reference is None else reference
     assert reference is not None
-    if _has_meta(reference) or _has_meta(sch.module):
+    if any(_has_meta(m) for m in (*reference.modules(), *sch.module.modules())):
         ref = build(create_schedule(reference), init="full", seed=seed)
         built = build(sch, init="full", seed=seed)
     else:

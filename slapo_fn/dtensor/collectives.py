@@ -37,8 +37,8 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return funcol.wait_tensor(t) if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def _all_reduce(t: torch.Tensor, axis: Axis) -> torch.Tensor:
-    return _wait(funcol.all_reduce(t.contiguous(), "sum", axis))
+def _all_reduce(t: torch.Tensor, axis: Axis, op: str = "sum") -> torch.Tensor:
+    return _wait(funcol.all_reduce(t.contiguous(), op, axis))
 
 
 # torch >= 2.10 names them *_single (the *_tensor names are deprecated aliases)

@@ -20,7 +20,7 @@ from ..errors import LayoutError, Problem, ScheduleError
 from ..schedule import Schedule, path_exists
 from ..select import Selection
 from ..tree import get_module, walk
-from .shard import mesh_dims
+from .shard import _problem_mesh
 
 __all__ = ["DataParallelSpec", "apply_data_parallel", "data_parallel", "find_blocks"]
 
@@ -108,20 +108,8 @@ def data_parallel(
                 'hsdp: mesh_axis=("dp_replicate", "dp_shard"); fsdp/ddp: mesh_axis="dp"',
             )
         )
-    if sch.mesh is None:
-        fix = 'sf.create_schedule(model, mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)))'
-        problems.append(Problem("", "the schedule has no mesh", fix))
-    else:
-        missing = [a for a in axes if a not in mesh_dims(sch.mesh)]
-        if missing:
-            problems.append(
-                Problem(
-                    "",
-                    f"mesh axis {', '.join(map(repr, missing))} is not in the mesh "
-                    f"{mesh_dims(sch.mesh)} of shape {tuple(sch.mesh.shape)}",
-                    f"pass mesh_axis= one of {mesh_dims(sch.mesh)}, or name a mesh dimension {missing[0]!r}",
-                )
-            )
+    # one "no mesh" problem however many axes were named
+    problems += dict.fromkeys(p for p in (_problem_mesh(sch, "", a) for a in axes) if p is not None)
     if problems:
         raise LayoutError("data_parallel", problems)
     if KIND in sch.annotations.get("", {}):

@@ -42,6 +42,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from ..explain import format_bytes
 from ..schedule import Schedule
 from ..tree import join, private_copy, walk
 from .boundary import Boundary, plan
@@ -84,7 +85,7 @@ class Collective:
 
     def describe(self) -> str:
         """Everything but the path: ``output P→R@tp  fwd all_reduce  16.0 MiB  [shard]``."""
-        size = "? B" if self.bytes is None else _human(self.bytes)
+        size = "? B" if self.bytes is None else format_bytes(self.bytes)
         short = "fwd" if self.direction == "forward" else "bwd"
         return f"{self.side} {self.src}→{self.dst}@{self.mesh_axis}  {short} {self.op}  {size}  [{self.origin}]"
 
@@ -166,12 +167,13 @@ class TensorParallelExplanation:
 
     def __str__(self) -> str:
         lines = [f"tensor parallel over mesh ({self.mesh}):"]
-        lines.append(f"  parameter bytes per rank: {_human(self.rank_bytes)} (of {_human(self.total_bytes)} unsharded)")
-        for path, text, count in _fold((p, _human(b)) for p, b in self.module_bytes.items()):
+        per_rank, unsharded = format_bytes(self.rank_bytes), format_bytes(self.total_bytes)
+        lines.append(f"  parameter bytes per rank: {per_rank} (of {unsharded} unsharded)")
+        for path, text, count in _fold((p, format_bytes(b)) for p, b in self.module_bytes.items()):
             lines.append(f"    {path or '<root>'}" + (f" ×{count}: {text} each" if count > 1 else f": {text}"))
         c = self.counts()
         total = self.bytes()
-        size = "" if total is None else f"; {_human(total)}"
+        size = "" if total is None else f"; {format_bytes(total)}"
         lines.append(
             f"  collectives per step ({len(self.collectives)}: forward {sum(c['forward'].values())}, "
             f"backward {sum(c['backward'].values())}{size}):"
@@ -193,15 +195,6 @@ def _fold(entries: Iterable[tuple[str, str]]) -> list[tuple[str, str, int]]:
         pattern = ".".join("*" if t.isdigit() else t for t in tokens) if len(tokens) > 1 else path
         groups.setdefault((pattern, text), []).append(path)
     return [(pat if len(paths) > 1 else paths[0], text, len(paths)) for (pat, text), paths in groups.items()]
-
-
-def _human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024:
-            return f"{int(size)} B" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
 
 
 def _numel(shape: Sequence[int]) -> int:

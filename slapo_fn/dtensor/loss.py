@@ -13,17 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
-from .collectives import Axis, _wait
+from .collectives import Axis, _all_reduce
 from .shard import mesh_dims
 
 __all__ = ["vocab_parallel_cross_entropy"]
-
-
-def _all_reduce(t: torch.Tensor, op: str, axis: Axis) -> torch.Tensor:
-    return _wait(funcol.all_reduce(t.contiguous(), op, axis))
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -34,14 +29,14 @@ class _VocabParallelCE(torch.autograd.Function):
         lo = mesh.get_local_rank(dim) * vocab
         x = logits.reshape(-1, vocab).float()
         y = labels.reshape(-1)
-        top = _all_reduce(x.max(dim=-1).values, "max", axis)
+        top = _all_reduce(x.max(dim=-1).values, axis, "max")
         shifted = x - top.unsqueeze(-1)
         exp = shifted.exp()
-        total = _all_reduce(exp.sum(dim=-1), "sum", axis)
+        total = _all_reduce(exp.sum(dim=-1), axis, "sum")
         inside = (y >= lo) & (y < lo + vocab)
         local = (y - lo).clamp(0, vocab - 1)
         picked = shifted.gather(1, local.unsqueeze(1)).squeeze(1) * inside
-        picked = _all_reduce(picked, "sum", axis)
+        picked = _all_reduce(picked, axis, "sum")
         valid = y != ignore_index
         count = valid.sum().clamp(min=1)
         loss = ((total.log() - picked) * valid).sum() / count

@@ -78,7 +78,7 @@ def _problem_mesh(sch: Schedule, path: str, mesh_axis: str) -> Problem | None:
         return Problem(
             path,
             "the schedule has no mesh",
-            'sf.create_schedule(model, mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))',
+            f'sf.create_schedule(model, mesh=init_device_mesh("cpu", (2,), mesh_dim_names=({mesh_axis!r},)))',
         )
     if mesh_axis not in mesh_dims(sch.mesh):
         return Problem(

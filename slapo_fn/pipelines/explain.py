@@ -52,7 +52,7 @@ class StageTable:
     def __str__(self) -> str:
         if len(self.rows) < 2:
             return ""
-        from ..explain import _human
+        from ..explain import format_bytes
 
         def fold(layers: tuple[str, ...]) -> str:
             if len(layers) == 1:
@@ -67,7 +67,7 @@ class StageTable:
                 str(r.index),
                 fold(r.layers),
                 f"{r.parameters:,}",
-                _human(r.bytes),
+                format_bytes(r.bytes),
                 "+".join(n for n, f in (("pre", r.pre), ("post", r.post)) if f) or "-",
             ]
             + ([str(r.rank)] if with_rank else [])

@@ -16,13 +16,9 @@ from typing import Any
 
 from .space import _show
 from .trial import Trial
-from .tuner import TuneResult, summary
+from .tuner import TuneResult, _mib, summary
 
 __all__ = ["plot", "row", "table", "to_json", "write_json"]
-
-
-def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:,.1f} MiB"
 
 
 def row(trial: Trial, done: int, total: int, knobs: Sequence[str] | None = None) -> str:

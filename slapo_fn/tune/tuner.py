@@ -93,8 +93,8 @@ def _estimates(space: Space, points: tuple[Config, ...], seq: int) -> dict[Confi
         return {c: estimate(c, model, world_size=world, seq=seq) for c in points}
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.1f} MiB"
 
 
 def tune(space: Space, *, strategy: Strategy | None = None, memory_budget: int | None = None,
