@@ -50,6 +50,7 @@ from torch import nn
 
 import slapo_fn as sf
 from slapo_fn.kernels import Attention, CompiledRMSNorm, FusedMLP, RMSNorm, causal_lm_loss, fused_mlp, rms_norm
+from slapo_fn.memory import profiled_peak_bytes
 
 Step = Callable[[], None]
 
@@ -98,22 +99,6 @@ def kernel_step(model: nn.Module, ids: torch.Tensor) -> Step:
         causal_lm_loss(model, ids).backward()
 
     return step
-
-
-def peak_bytes(step: Step) -> int:
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        step()
-    current = peak = 0
-    for _, action, _, size in prof._memory_profile().timeline:
-        if action == Action.CREATE:
-            current += size
-        elif action == Action.DESTROY:
-            current -= size
-        peak = max(peak, current)
-    return peak
 
 
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addmm_")
@@ -176,7 +161,7 @@ def bench_model(family: str, layers: int, batch: int, seq: int, repeat: int) -> 
     peaks = {}
     for name, step in mem_steps.items():
         step()  # gradients exist before the measured step
-        peaks[name] = peak_bytes(step)
+        peaks[name] = profiled_peak_bytes(step)
     base = peaks["eager"]
     shares = {name: round(gemm_share(steps[name]), 3) for name in ("eager", "kernels")}
     return {

@@ -17,13 +17,15 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .schedule import Schedule
 
-__all__ = ["MemoryRow", "MemoryTable", "per_rank_memory"]
+__all__ = ["MemoryRow", "MemoryTable", "per_rank_memory", "profiled_peak_bytes"]
 
 
 @dataclass(frozen=True)
@@ -96,3 +98,27 @@ def per_rank_memory(sch: Schedule, *, states: int = 2) -> MemoryTable:
 
         return MemoryTable(tuple(_row(s.schedule, s.index, states) for s in split_stages(sch)), states)
     return MemoryTable((_row(sch, None, states),), states)
+
+
+def profiled_peak_bytes(fn: Callable[[], Any]) -> int:
+    """Peak bytes allocated above the starting point while ``fn()`` runs (freed
+    temporaries included), measured — not estimated — from the PyTorch profiler's memory
+    timeline; works on CPU. Relies on the profiler's private ``_memory_profile()``.
+
+    >>> import torch
+    >>> profiled_peak_bytes(lambda: torch.ones(1024, 1024).sum()) >= 4 * 2**20
+    True
+    """
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        fn()
+    current = peak = 0
+    for _, action, _, size in prof._memory_profile().timeline:
+        if action == Action.CREATE:
+            current += size
+        elif action == Action.DESTROY:
+            current -= size
+        peak = max(peak, current)
+    return peak

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    import slapo_fn as sf
 
 VOCAB = 128
 
@@ -88,3 +93,14 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, steps
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def megatron_llama(sch: sf.Schedule, layers: str = "model.layers.*") -> sf.Schedule:
+    """Megatron tensor parallelism of every LLaMA-family decoder layer under ``layers``:
+    q/k/v and gate/up column-parallel, o and down row-parallel."""
+    import slapo_fn as sf
+
+    attn = sf.shard.at("q_proj", axis=0) >> sf.shard.at("k_proj", axis=0) >> sf.shard.at("v_proj", axis=0)
+    attn = attn >> sf.shard.at("o_proj", axis=1)
+    mlp = sf.shard.at("gate_proj", axis=0) >> sf.shard.at("up_proj", axis=0) >> sf.shard.at("down_proj", axis=1)
+    return sf.foreach(layers, sf.scope("self_attn", attn) >> sf.scope("mlp", mlp))(sch)

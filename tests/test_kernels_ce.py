@@ -13,6 +13,7 @@ from torch import nn
 
 import slapo_fn as sf
 from slapo_fn.kernels import ChunkedLMHeadLoss, KernelError, causal_lm_loss, linear_cross_entropy
+from slapo_fn.memory import profiled_peak_bytes
 from tests.models import tiny_gpt2, tiny_llama, token_ids
 
 
@@ -103,29 +104,11 @@ def test_no_tokens_by_vocab_tensor_is_saved_for_backward() -> None:
     loss.backward()
 
 
-def _peak_bytes(fn: object) -> int:
-    """Peak bytes allocated above the starting point while ``fn()`` runs forward + backward,
-    from the PyTorch profiler's memory timeline (CPU allocations, incl. freed temporaries)."""
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        fn()  # type: ignore[operator]
-    current = peak = 0
-    for _, action, _, size in prof._memory_profile().timeline:
-        if action == Action.CREATE:
-            current += size
-        elif action == Action.DESTROY:
-            current -= size
-        peak = max(peak, current)
-    return peak
-
-
 def test_peak_memory_is_lower_than_the_plain_head() -> None:
     n, d, v = 256, 32, 4000  # logits: 4 MB in float32
     h, w, _, y = _data(n, d, v, dtype=torch.float32)
-    plain = _peak_bytes(lambda: F.cross_entropy(F.linear(h, w), y).backward())
-    chunked = _peak_bytes(lambda: linear_cross_entropy(h, w, y, chunk_size=32).backward())
+    plain = profiled_peak_bytes(lambda: F.cross_entropy(F.linear(h, w), y).backward())
+    chunked = profiled_peak_bytes(lambda: linear_cross_entropy(h, w, y, chunk_size=32).backward())
     logits_bytes = n * v * 4
     assert plain >= 2 * logits_bytes  # logits and their log-softmax (and its gradient) coexist
     assert chunked < logits_bytes  # not even one full copy of the logits at any time

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 from dist import mesh
-from models import tiny_llama, token_ids, train
+from models import megatron_llama, tiny_llama, token_ids, train
 from torch import nn
 
 import slapo_fn as sf
@@ -16,13 +16,6 @@ import slapo_fn as sf
 
 def llama() -> nn.Module:
     return tiny_llama(num_key_value_heads=4)  # kv heads divisible by tp=4
-
-
-def tp_plan(sch: sf.Schedule) -> sf.Schedule:
-    attn = sf.shard.at("q_proj", axis=0) >> sf.shard.at("k_proj", axis=0) >> sf.shard.at("v_proj", axis=0)
-    attn = attn >> sf.shard.at("o_proj", axis=1)
-    mlp = sf.shard.at("gate_proj", axis=0) >> sf.shard.at("up_proj", axis=0) >> sf.shard.at("down_proj", axis=1)
-    return sf.foreach("model.layers.*", sf.scope("self_attn", attn) >> sf.scope("mlp", mlp))(sch)
 
 
 def perturbed(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -103,7 +96,7 @@ def test_load_errors(tmp_path: Path) -> None:
 def _save_2d(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
     model = llama()
     model.load_state_dict(perturbed(model))
-    sch = tp_plan(sf.create_schedule(model, mesh=mesh((2, 2), ("dp", "tp"))))
+    sch = megatron_llama(sf.create_schedule(model, mesh=mesh((2, 2), ("dp", "tp"))))
     built = sf.build(sf.data_parallel(sch, mesh_axis="dp"))
     opt = torch.optim.AdamW(built.parameters(), lr=1e-2)
     ids = token_ids(batch=4).chunk(2)[rank // 2]
@@ -113,7 +106,7 @@ def _save_2d(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
 
 
 def _load_tp4(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
-    built = sf.build(tp_plan(sf.create_schedule(llama(), mesh=mesh((4,), ("tp",)))))
+    built = sf.build(megatron_llama(sf.create_schedule(llama(), mesh=mesh((4,), ("tp",)))))
     opt = torch.optim.AdamW(built.parameters(), lr=1e-2)
     assert sf.load(built, opt, path) == 1
     sf.save(built, opt, path, step=2)  # and write it again, from tp4

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import MLP, tiny_llama, token_ids
+from models import MLP, megatron_llama, tiny_llama, token_ids
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
@@ -40,13 +40,6 @@ class Recorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _megatron_attn(s: sf.Schedule, prefix: str) -> sf.Schedule:
-    attn = sf.shard.at("q_proj", axis=0) >> sf.shard.at("k_proj", axis=0) >> sf.shard.at("v_proj", axis=0)
-    attn = attn >> sf.shard.at("o_proj", axis=1)
-    mlp = sf.shard.at("gate_proj", axis=0) >> sf.shard.at("up_proj", axis=0) >> sf.shard.at("down_proj", axis=1)
-    return sf.foreach(f"{prefix}layers.*", sf.scope("self_attn", attn) >> sf.scope("mlp", mlp))(s)
-
-
 # ----------------------------------------------------------------------------- fake process group
 
 
@@ -56,7 +49,7 @@ def test_llama_7b_shaped_meta_model_at_tp8_without_devices() -> None:
     cfg = LlamaConfig(use_cache=False)  # LLaMA-7B: hidden 4096, 32 layers, 32 heads, MLP 11008, vocab 32000
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    sch = _megatron_attn(sf.create_schedule(model, mesh=fake_mesh(8)), "model.")
+    sch = megatron_llama(sf.create_schedule(model, mesh=fake_mesh(8)))
     sch = sf.shard(sf.shard(sch, "model.embed_tokens", axis=0), "lm_head", axis=0)
     batch, seq = 1, 2048
     e = sf.explain(sch, torch.empty(batch, seq, dtype=torch.long, device="meta"))
@@ -172,7 +165,7 @@ def test_strict_build_names_every_implicit_boundary_and_sync_makes_it_pass() -> 
 
 
 def test_strict_build_accepts_megatron_and_sequence_parallel() -> None:
-    sch = _megatron_attn(sf.create_schedule(tiny_llama(2).model, mesh=fake_mesh(2)), "")
+    sch = megatron_llama(sf.create_schedule(tiny_llama(2).model, mesh=fake_mesh(2)), "layers.*")
     sf.build(sch, strict=True)
     sf.build(sf.sequence_parallel(sch, ["layers.*", "norm"]), strict=True)
 
@@ -221,11 +214,11 @@ def _cases(rank: int, world: int) -> dict[str, dict[str, Any]]:
             MLP(8, 16), lambda s: sf.shard(sf.shard(s, "fc1", axis=0), "fc2", axis=1), (x,), lambda y: y.pow(2).mean()
         ),
         "llama": _measure(
-            llama, lambda s: _megatron_attn(s, "model."), (token_ids(),), lambda y: y.logits.pow(2).mean()
+            llama, megatron_llama, (token_ids(),), lambda y: y.logits.pow(2).mean()
         ),
         "sp": _measure(
             llama.model,
-            lambda s: sf.sequence_parallel(_megatron_attn(s, ""), ["layers.*", "norm"]),
+            lambda s: sf.sequence_parallel(megatron_llama(s, "layers.*"), ["layers.*", "norm"]),
             (token_ids(seq=8),),
             lambda y: y.last_hidden_state.pow(2).mean(),
         ),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from models import VOCAB, tiny_gpt2, tiny_llama, token_ids
+from models import VOCAB, megatron_llama, tiny_gpt2, tiny_llama, token_ids
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from tp_checks import parity
@@ -14,13 +14,6 @@ from tp_checks import parity
 import slapo_fn as sf
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
-
-
-def _llama_tp(s: sf.Schedule) -> sf.Schedule:
-    attn = sf.shard.at("q_proj", axis=0) >> sf.shard.at("k_proj", axis=0) >> sf.shard.at("v_proj", axis=0)
-    attn = attn >> sf.shard.at("o_proj", axis=1)
-    mlp = sf.shard.at("gate_proj", axis=0) >> sf.shard.at("up_proj", axis=0) >> sf.shard.at("down_proj", axis=1)
-    return sf.foreach("model.layers.*", sf.scope("self_attn", attn) >> sf.scope("mlp", mlp))(s)
 
 
 def _attention(rank: int, world: int) -> dict:
@@ -37,13 +30,13 @@ def _attention(rank: int, world: int) -> dict:
         def forward(self, h: torch.Tensor) -> torch.Tensor:
             return self.attn(h, position_embeddings=rope, attention_mask=None)[0]
 
-    rw = lambda s: _llama_tp(s) if False else sf.scope(
+    rw = sf.scope(
         "attn",
         sf.shard.at("q_proj", axis=0)
         >> sf.shard.at("k_proj", axis=0)
         >> sf.shard.at("v_proj", axis=0)
         >> sf.shard.at("o_proj", axis=1),
-    )(s)
+    )
     return parity(Attn(), rw, (x,), shape=(world,))
 
 
@@ -66,7 +59,7 @@ def _llama8() -> nn.Module:
 
 def _llama(rank: int, world: int) -> dict:
     model = tiny_llama(2) if world == 2 else _llama8()  # kv heads divisible by TP
-    return parity(model, _llama_tp, (token_ids(),), shape=(world,))
+    return parity(model, megatron_llama, (token_ids(),), shape=(world,))
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -139,18 +132,11 @@ def _sp(rank: int, world: int) -> dict:
     model = tiny_llama(2).model  # the decoder stack (embeddings, layers, final norm)
 
     def rw(s: sf.Schedule) -> sf.Schedule:
-        s = _llama_tp_base(s)
+        s = megatron_llama(s, "layers.*")
         return sf.sequence_parallel(s, ["layers.*", "norm"])
 
     return parity(model, rw, (token_ids(seq=8),), shape=(world,),
                   loss=lambda out, _: out.last_hidden_state.pow(2).mean())
-
-
-def _llama_tp_base(s: sf.Schedule) -> sf.Schedule:
-    attn = sf.shard.at("q_proj", axis=0) >> sf.shard.at("k_proj", axis=0) >> sf.shard.at("v_proj", axis=0)
-    attn = attn >> sf.shard.at("o_proj", axis=1)
-    mlp = sf.shard.at("gate_proj", axis=0) >> sf.shard.at("up_proj", axis=0) >> sf.shard.at("down_proj", axis=1)
-    return sf.foreach("layers.*", sf.scope("self_attn", attn) >> sf.scope("mlp", mlp))(s)
 
 
 def test_sequence_parallel_llama_all_gathers_and_reduce_scatters_only(dist2) -> None:

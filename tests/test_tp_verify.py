@@ -8,19 +8,12 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from models import tiny_llama, token_ids
+from models import megatron_llama, tiny_llama, token_ids
 from torch import nn
 
 import slapo_fn as sf
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(150)]
-
-
-def _megatron(s: sf.Schedule) -> sf.Schedule:
-    attn = sf.shard.at("q_proj", axis=0) >> sf.shard.at("k_proj", axis=0) >> sf.shard.at("v_proj", axis=0)
-    attn = attn >> sf.shard.at("o_proj", axis=1)
-    mlp = sf.shard.at("gate_proj", axis=0) >> sf.shard.at("up_proj", axis=0) >> sf.shard.at("down_proj", axis=1)
-    return sf.foreach("model.layers.*", sf.scope("self_attn", attn) >> sf.scope("mlp", mlp))(s)
 
 
 def _on_rank(rank: int) -> Any:
@@ -44,7 +37,7 @@ def _cases(rank: int, world: int) -> dict[str, Any]:
     from dist import mesh
 
     model = tiny_llama(2)
-    tp = _megatron(sf.create_schedule(model, mesh=mesh((world,), ("tp",))))
+    tp = megatron_llama(sf.create_schedule(model, mesh=mesh((world,), ("tp",))))
     sp = sf.sequence_parallel(tp, ["model.layers.*", "model.norm"])
     report = sf.verify(tp, token_ids())
     return {
