@@ -9,6 +9,9 @@ Distributed fixtures (multi-process gloo on CPU, see ``tests/dist.py``):
 
 A distributed test passes a module-level function ``fn(rank, world_size, *args)`` to
 ``pool.run(fn, *args, timeout=...)``; every call is time-bounded.
+
+Hypothesis runs a fixed set of examples (``derandomize``), so that a test run is a
+reproducible gate; ``HYPOTHESIS_PROFILE=explore`` searches new examples each run.
 """
 
 from __future__ import annotations
@@ -18,10 +21,15 @@ import sys
 from collections.abc import Callable, Iterator
 
 import pytest
+from hypothesis import settings
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 from dist import WorkerPool
+
+settings.register_profile("gate", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gate"))
 
 
 class _Pools:

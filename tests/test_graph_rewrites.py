@@ -313,3 +313,87 @@ def call_mlp(x: torch.Tensor) -> torch.Tensor:
     from slapo_fn.rewrites.graph import call_module
 
     return call_module("mlp", call_module("ln_2", x))
+
+
+def hf_gpt2_mlp() -> nn.Module:
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+
+    torch.manual_seed(0)
+    return GPT2MLP(64, GPT2Config(n_embd=16, resid_pdrop=0.0))
+
+
+def bias_gelu_new(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    from slapo_fn.rewrites.graph import call_module
+
+    return call_module(r"act", x + bias)
+
+
+def test_decompose_hf_conv1d_and_fuse_bias_with_gelu_new() -> None:
+    model = hf_gpt2_mlp()
+    x = torch.randn(2, 5, 16)
+    traced = sf.trace(sf.create_schedule(model), "", example_inputs=(x,))
+    sch = sf.decompose(traced, ["c_fc", "c_proj"])
+    calls = [n.target for n in sch.module.graph.nodes if n.op in ("call_function", "call_module")]
+    assert calls.count(torch.matmul) == 2 and "c_fc" not in calls and "c_proj" not in calls
+    assert list(sf.build(sch).state_dict()) == list(model.state_dict())
+    sf.verify(sch, x, rtol=1e-5, atol=1e-6)
+    (match,) = sf.find(sch, "", bias_gelu_new)
+    assert match.ops == ("add", "act")
+    fused = sf.fuse(sch, "", match, compiler=None)
+    sf.verify(fused, x, rtol=1e-5, atol=1e-6)
+    assert type(traced.module.c_fc).__name__ == "Conv1D"  # the input schedule is untouched
+
+
+def test_fuse_with_inductor_draws_counter_dropout_masks_unless_fallback_random() -> None:
+    from slapo_fn.kernels import CounterDropout, counter_dropout
+
+    model = BertOutput()
+    sch = sf.decompose(sf.trace(sf.create_schedule(model), ""), "dense")
+    (match,) = sf.find(sch, "", bias_dropout_res_norm)
+    fused = sf.fuse(sch, "", match)
+    assert type(fused.module.fused.dropout) is CounterDropout and fused.module.fused.dropout.p == 0.1
+    assert type(model.dropout) is nn.Dropout and type(sch.module.dropout) is nn.Dropout
+    for kept in (sf.fuse(sch, "", match, options={"fallback_random": True}), sf.fuse(sch, "", match, compiler=None)):
+        assert type(kept.module.fused.dropout) is nn.Dropout
+
+    class Functional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.dropout(self.fc(x), 0.2, training=True) * 2
+
+    fsch = sf.decompose(sf.trace(sf.create_schedule(Functional()), ""), "fc")
+    (match,) = sf.find(fsch, "", lambda x, b: F.dropout(x + b) * 2)
+    region = sf.fuse(fsch, "", match).module.fused
+    (node,) = [n for n in region.graph.nodes if n.op == "call_function" and "dropout" in str(n.target)]
+    assert node.target is counter_dropout and node.args[1:] == (0.2, True, False)
+
+
+@pytest.mark.slow
+def test_fused_counter_dropout_trains_and_evaluates_like_eager() -> None:
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertOutput as HFBertOutput
+
+    torch.manual_seed(0)
+    model = HFBertOutput(BertConfig(hidden_size=16, intermediate_size=64, hidden_dropout_prob=0.5))
+    h, r = torch.randn(4, 32, 64), torch.randn(4, 32, 16)
+    sch = sf.decompose(sf.trace(sf.create_schedule(model), "", example_inputs=(h, r)), "dense")
+    fused = sf.fuse(sch, "", sf.find(sch, "", bias_dropout_res_norm)[0])
+    sf.verify(fused, h, r, rtol=1e-4, atol=1e-5)  # eval mode: no dropout, the same numbers as eager
+    built = sf.build(fused).train()
+    out = built(h, r)
+    out.sum().backward()
+    assert not torch.allclose(out, built.eval()(h, r)) and torch.isfinite(built.dense.bias.grad).all()
+
+    # the compiled backward applies the forward's mask: d(sum y)/d bias = column sums of mask / (1 - p)
+    drop = nn.Sequential(nn.Linear(64, 16), nn.Dropout(0.5))
+    dsch = sf.decompose(sf.trace(sf.create_schedule(drop), ""), "0")
+    dbuilt = sf.build(sf.fuse(dsch, "", sf.find(dsch, "", lambda x, b: F.dropout(x + b))[0])).train()
+    y = dbuilt(h)
+    y.sum().backward()
+    kept = (y != 0).float()
+    assert abs(float(kept.mean()) - 0.5) < 0.05
+    assert torch.allclose(dbuilt.get_submodule("0").bias.grad, (kept * 2.0).sum((0, 1)))

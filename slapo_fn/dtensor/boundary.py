@@ -121,6 +121,9 @@ def _parent(path: str) -> str:
 
 
 def _siblings(root: nn.Module, path: str) -> list[str]:
+    """``path`` and the other children of its parent, in order (the root is alone)."""
+    if not path:
+        return [path]
     parent = _parent(path)
     return [join(parent, n) for n in child_names(get_module(root, parent))]
 

@@ -37,7 +37,7 @@ from ..combinators import primitive
 from ..errors import LayoutError, Problem
 from ..schedule import Schedule
 from ..select import Selection
-from ..tree import get_module, join, split
+from ..tree import get_module, is_conv1d, join, split
 from .layout import Layout, from_spec, packed_shard
 
 __all__ = ["LAYOUT", "ROLE", "Role", "mesh_dims", "shard"]
@@ -61,11 +61,6 @@ class Role:
 
     def __str__(self) -> str:
         return f"{self.kind}@{self.mesh_axis}" + (f"×{self.packed}" if self.packed > 1 else "")
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """Hugging Face ``Conv1D`` (weight stored (in, out)), recognised without importing transformers."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
 
 
 def mesh_dims(mesh: DeviceMesh) -> tuple[str, ...]:

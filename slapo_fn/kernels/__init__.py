@@ -4,6 +4,8 @@
   :class:`FusedQKVAttention` or :class:`EncoderSelfAttention`), on flash-attn or SDPA;
 * :class:`FusedMLP` — bias+GeLU MLPs (GPT-2, Linear-GELU-Linear);
 * :class:`RMSNorm` / :class:`CompiledRMSNorm` — fused RMSNorm;
+* :func:`counter_dropout` / :class:`CounterDropout` — dropout with counter-based hash
+  masks, which compiled CPU kernels fuse cheaply (``sf.fuse`` uses it);
 * :func:`linear_cross_entropy`, :class:`ChunkedLMHeadLoss`, :func:`causal_lm_loss` — an LM
   head's loss without materialising the logits.
 
@@ -21,6 +23,7 @@ from .attention import (
     flash_attn_available,
 )
 from .cross_entropy import ChunkedLMHeadLoss, causal_lm_loss, default_chunk_size, linear_cross_entropy
+from .dropout import CounterDropout, counter_dropout
 from .mlp import FusedMLP, fused_mlp
 from .rmsnorm import CompiledRMSNorm, RMSNorm, rms_norm
 
@@ -28,6 +31,7 @@ __all__ = [
     "Attention",
     "ChunkedLMHeadLoss",
     "CompiledRMSNorm",
+    "CounterDropout",
     "EncoderSelfAttention",
     "FusedMLP",
     "FusedQKVAttention",
@@ -36,6 +40,7 @@ __all__ = [
     "RotaryAttention",
     "attention",
     "causal_lm_loss",
+    "counter_dropout",
     "default_chunk_size",
     "flash_attn_available",
     "fused_mlp",

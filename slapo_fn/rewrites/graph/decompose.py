@@ -1,9 +1,11 @@
-"""``decompose``: a traced ``Linear`` becomes ``F.linear`` without bias, plus a bias add."""
+"""``decompose``: a traced ``Linear`` (or GPT-2's ``Conv1D``) becomes a matmul without
+bias, plus a bias add."""
 
 from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
@@ -12,12 +14,16 @@ from ...combinators import primitive
 from ...errors import Problem, ScheduleError
 from ...schedule import Schedule
 from ...select import Selection
-from ...tree import get_module, join, set_at, split
+from ...tree import get_module, is_conv1d, join, set_at, split
 from ._graph import copy_graph, has_hooks, rebuild
 
 __all__ = ["decompose"]
 
 _CALLED = ("hooks", "checkpoint", "compile")
+
+
+def _decomposable(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
 def _owner(root: nn.Module, path: str) -> tuple[str, str] | None:
@@ -33,7 +39,8 @@ def _owner(root: nn.Module, path: str) -> tuple[str, str] | None:
 def decompose(sch: Schedule, where: Selection) -> Schedule:
     """Split each selected ``nn.Linear`` of a traced module into ``F.linear(x, weight)``
     followed by ``+ bias``, so that the bias add can be matched and fused with what
-    follows (``F.gelu(x + b)``, bias + dropout + residual…).
+    follows (``F.gelu(x + b)``, bias + dropout + residual…). Hugging Face's ``Conv1D``
+    (GPT-2) becomes ``torch.matmul(x, weight) + bias`` the same way.
 
     ``where`` names Linear modules called from a traced ancestor's graph, or a traced
     module (then every Linear it calls). The Linear modules stay in the tree, holding
@@ -57,14 +64,14 @@ def decompose(sch: Schedule, where: Selection) -> Schedule:
             found = {
                 str(n.target)
                 for n in module.graph.nodes
-                if n.op == "call_module" and isinstance(get_module(module, str(n.target)), nn.Linear)
+                if n.op == "call_module" and _decomposable(get_module(module, str(n.target)))
             }
             if not found:
                 problems.append(Problem(path, "its graph calls no nn.Linear", "select a traced module with Linears"))
             todo.setdefault(path, set()).update(found)
             continue
         owner = _owner(sch.module, path)
-        if not isinstance(module, nn.Linear) or owner is None:
+        if not _decomposable(module) or owner is None:
             problems.append(
                 Problem(
                     path,
@@ -104,7 +111,8 @@ def decompose(sch: Schedule, where: Selection) -> Schedule:
             else:
                 with graph.inserting_before(node):
                     weight = graph.get_attr(f"{target}.weight")
-                    out = graph.call_function(F.linear, (node.args[0], weight))
+                    matmul = torch.matmul if is_conv1d(linear) else F.linear
+                    out = graph.call_function(matmul, (node.args[0], weight))
                     if linear.bias is not None:
                         out = graph.call_function(operator.add, (out, graph.get_attr(f"{target}.bias")))
                 out.meta = dict(node.meta)
