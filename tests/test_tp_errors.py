@@ -56,3 +56,11 @@ def test_shard_without_mesh_is_a_layout_error() -> None:
     with pytest.raises(sf.LayoutError, match=r"the schedule has no mesh"):
         sf.shard(sf.create_schedule(nn.Linear(4, 4)), "", axis=0)
     assert torch.is_tensor(nn.Linear(2, 2).weight)
+
+
+def test_a_root_module_can_be_sharded_and_planned() -> None:
+    from slapo_fn.dtensor.boundary import plan
+    from slapo_fn.dtensor.testing import fake_mesh
+
+    sch = sf.shard(sf.create_schedule(nn.Linear(8, 8), mesh=fake_mesh(2)), "", axis=0)
+    assert "" in plan(sch).modules
