@@ -31,8 +31,12 @@ them). Gradients are allocated before (an earlier step), so the figure is activa
 temporaries. Measured without and with full activation checkpointing (``sf.checkpoint``
 on every decoder layer); ``reduction`` is 1 - variant / eager-without-checkpointing.
 
-Prints one JSON line. ``python benchmarks/recipe_speed.py [--repeat N] [--quick]``;
-``--quick`` uses 2 layers, seq 64 (a smoke run).
+``--dtype bfloat16`` runs every variant's forward under CPU autocast (bfloat16 matmuls,
+which this CPU's AVX-512 BF16 runs about twice as fast as float32): the like-for-like
+mixed-precision comparison.
+
+Prints one JSON line. ``python benchmarks/recipe_speed.py [--repeat N] [--quick]
+[--dtype float32|bfloat16]``; ``--quick`` uses 2 layers, seq 64 (a smoke run).
 """
 
 from __future__ import annotations
@@ -87,16 +91,20 @@ def kernel_schedule(model: nn.Module, family: str) -> sf.Schedule:
     return sf.replace(sch, norms, CompiledRMSNorm.from_hf)
 
 
-def hf_step(model: nn.Module, ids: torch.Tensor) -> Step:
+def hf_step(model: nn.Module, ids: torch.Tensor, bf16: bool = False) -> Step:
     def step() -> None:
-        model(ids, labels=ids).loss.backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
 
     return step
 
 
-def kernel_step(model: nn.Module, ids: torch.Tensor) -> Step:
+def kernel_step(model: nn.Module, ids: torch.Tensor, bf16: bool = False) -> Step:
     def step() -> None:
-        causal_lm_loss(model, ids).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = causal_lm_loss(model, ids)
+        loss.backward()
 
     return step
 
@@ -123,7 +131,7 @@ def timed(step: Step) -> tuple[float, float]:
     return time.process_time() - cpu, time.perf_counter() - wall
 
 
-def bench_model(family: str, layers: int, batch: int, seq: int, repeat: int) -> dict[str, Any]:
+def bench_model(family: str, layers: int, batch: int, seq: int, repeat: int, bf16: bool = False) -> dict[str, Any]:
     model = (make_gpt2 if family == "gpt2" else make_llama)(layers, seq).train()
     vocab: int = getattr(model, "config").vocab_size  # noqa: B009
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
@@ -134,9 +142,9 @@ def bench_model(family: str, layers: int, batch: int, seq: int, repeat: int) -> 
         "kernels+compile": sf.build(sf.compile(kernels, LAYERS[family]), copy=False),
     }
     steps = {
-        "eager": hf_step(built["eager"], ids),
-        "kernels": kernel_step(built["kernels"], ids),
-        "kernels+compile": kernel_step(built["kernels+compile"], ids),
+        "eager": hf_step(built["eager"], ids, bf16),
+        "kernels": kernel_step(built["kernels"], ids, bf16),
+        "kernels+compile": kernel_step(built["kernels+compile"], ids, bf16),
     }
     _, compile_wall = timed(steps["kernels+compile"])  # first call compiles every layer
     for step in steps.values():  # warm-up (allocates gradients, primes caches)
@@ -154,9 +162,9 @@ def bench_model(family: str, layers: int, batch: int, seq: int, repeat: int) -> 
     }
     mem_steps = {
         "eager": steps["eager"],
-        "eager+ckpt": hf_step(ckpt["eager+ckpt"], ids),
+        "eager+ckpt": hf_step(ckpt["eager+ckpt"], ids, bf16),
         "kernels": steps["kernels"],
-        "kernels+ckpt": kernel_step(ckpt["kernels+ckpt"], ids),
+        "kernels+ckpt": kernel_step(ckpt["kernels+ckpt"], ids, bf16),
     }
     peaks = {}
     for name, step in mem_steps.items():
@@ -238,19 +246,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="2 layers, seq 64: a smoke run")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="bfloat16: every variant's forward under CPU autocast (bfloat16 matmuls)")
     args = parser.parse_args()
     layers, batch, seq = (2, 2, 64) if args.quick else (4, 4, 256)
     result: dict[str, Any] = {
         "device": "cpu",
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "dtype": "float32",
+        "dtype": args.dtype if args.dtype == "float32" else "bfloat16 autocast, every variant",
         "memory_method": "torch.profiler memory timeline (profile_memory=True), peak above step start",
     }
     result["mlp_variants_ms"] = mlp_variants(batch * seq, 512, args.repeat * 3)
     result["rmsnorm_variants_ms"] = rmsnorm_variants(batch * seq, 512, args.repeat * 3)
     for family in ("gpt2", "llama"):
-        result[family] = bench_model(family, layers, batch, seq, args.repeat)
+        result[family] = bench_model(family, layers, batch, seq, args.repeat, bf16=args.dtype == "bfloat16")
     print(json.dumps(result))
 
 

@@ -67,6 +67,34 @@ def test_bfloat16_hidden_upcasts_logits_like_hf() -> None:
         torch.testing.assert_close(g_got, g_want, rtol=2e-2, atol=2e-2)
 
 
+def test_under_autocast_the_matmuls_run_in_bfloat16_like_the_plain_head() -> None:
+    h, w, b, y = _data(64, 32, 300, dtype=torch.float32, ignored=4, bias=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = F.cross_entropy(F.linear(h, w, b).float(), y)
+        got = linear_cross_entropy(h, w, y, b, chunk_size=17)
+    exact = F.cross_entropy(F.linear(h, w, b), y)
+    assert got.dtype == torch.float32
+    # bfloat16 logits, as the autocast plain head: near it, and measurably off the float32 loss
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    assert float((got - exact).abs()) > 1e-6
+    for g_got, g_want in zip(_grads(got, h, w, b), _grads(want, h, w, b), strict=True):
+        assert g_got.dtype == torch.float32
+        torch.testing.assert_close(g_got, g_want, rtol=3e-2, atol=3e-3)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten, gemms = torch.ops.aten, []
+
+    class Gemms(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func.overloadpacket in (aten.mm, aten.addmm, aten.addmm_):
+                gemms.append((func.overloadpacket.__name__, args[-1].dtype))
+            return func(*args, **(kwargs or {}))
+
+    with Gemms(), torch.autocast("cpu", dtype=torch.bfloat16):
+        linear_cross_entropy(h, w, y, b, chunk_size=17).backward()
+    assert len(gemms) == 3 * 4 and {dtype for _, dtype in gemms} == {torch.bfloat16}
+
+
 def test_all_ignored_is_nan_like_pytorch_and_no_grad_path() -> None:
     h, w, _, y = _data(4, 3, 5)
     y[:] = -100

@@ -14,6 +14,10 @@ held from the head's forward to its backward, so the kernel saves memory once a 
 has more tokens than about the hidden size (the plain head keeps 2-3 ``tokens x vocab``
 tensors); for a handful of tokens the plain head is leaner.
 
+Under autocast the three matmuls run in the autocast dtype, as the plain head's
+``F.linear`` would (the weight is cast once, not per chunk); the log-softmax, the loss and
+the weight gradient accumulated across chunks stay in float32.
+
 For a Hugging Face causal LM, :func:`causal_lm_loss` runs the base model, shifts the
 labels as Hugging Face does and applies this loss with the model's own ``lm_head``
 parameters; :class:`ChunkedLMHeadLoss` is the same as a module holding those parameters.
@@ -68,7 +72,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         chunk_size: int,
         need_grad: bool,
     ) -> torch.Tensor:
-        acc = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
+        device = hidden.device.type
+        compute = torch.promote_types(hidden.dtype, weight.dtype)
+        if torch.is_autocast_enabled(device):  # matmuls in the autocast dtype, as F.linear would run
+            compute = torch.get_autocast_dtype(device)
+        acc = torch.promote_types(compute, torch.float32)
         valid = target != ignore_index
         denominator = valid.sum().to(acc) if reduction == "mean" else torch.ones((), dtype=acc, device=hidden.device)
         want_h, want_w, want_b = (need_grad and n for n in ctx.needs_input_grad[:3])
@@ -78,24 +86,30 @@ class _LinearCrossEntropy(torch.autograd.Function):
             torch.zeros(bias.shape, dtype=acc, device=bias.device) if want_b and bias is not None else None
         )
         total = torch.zeros((), dtype=acc, device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk_size):
-            h = hidden[start : start + chunk_size]
-            keep = valid[start : start + chunk_size]
-            t = target[start : start + chunk_size].masked_fill(~keep, 0)
-            logp = torch.log_softmax(F.linear(h, weight, bias).to(acc), dim=-1)
-            total -= torch.where(keep, logp.gather(1, t[:, None]).squeeze(1), 0.0).sum()
-            if not (want_h or want_w or want_b):
-                continue
-            grad = logp.exp_()  # softmax, in place of the log-probabilities
-            grad[torch.arange(grad.shape[0], device=grad.device), t] -= 1.0
-            grad.mul_((keep.to(grad.dtype) / denominator)[:, None])
-            if grad_b is not None:
-                grad_b += grad.sum(0)
-            g = grad.to(hidden.dtype)
-            if grad_h is not None:
-                torch.mm(g, weight, out=grad_h[start : start + chunk_size])
-            if grad_w is not None:
-                grad_w.addmm_(g.t().to(acc), h.to(acc))
+        w = weight.to(compute)  # cast once for every chunk (autocast would cast per call)
+        b = None if bias is None else bias.to(compute)
+        with torch.autocast(device, enabled=False):
+            for start in range(0, hidden.shape[0], chunk_size):
+                h = hidden[start : start + chunk_size].to(compute)
+                keep = valid[start : start + chunk_size]
+                t = target[start : start + chunk_size].masked_fill(~keep, 0)
+                logp = torch.log_softmax(F.linear(h, w, b).to(acc), dim=-1)
+                total -= torch.where(keep, logp.gather(1, t[:, None]).squeeze(1), 0.0).sum()
+                if not (want_h or want_w or want_b):
+                    continue
+                grad = logp.exp_()  # softmax, in place of the log-probabilities
+                grad[torch.arange(grad.shape[0], device=grad.device), t] -= 1.0
+                grad.mul_((keep.to(grad.dtype) / denominator)[:, None])
+                if grad_b is not None:
+                    grad_b += grad.sum(0)
+                g = grad.to(compute)
+                if grad_h is not None:
+                    grad_h[start : start + chunk_size] = torch.mm(g, w)
+                if grad_w is not None:
+                    if compute == acc:
+                        grad_w.addmm_(g.t(), h)
+                    else:  # a low-precision product, accumulated in float32 across chunks
+                        grad_w += torch.mm(g.t(), h)
         ctx.grad_dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         return total / denominator
