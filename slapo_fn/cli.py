@@ -327,11 +327,21 @@ def _train(args: argparse.Namespace) -> int:
 
 def _peak_memory(device: Any) -> int:
     """This process's peak memory in bytes: ``torch.cuda.max_memory_allocated`` on a GPU,
-    else the peak resident set size (``getrusage(RUSAGE_SELF).ru_maxrss``, KiB on Linux)."""
+    else the peak resident set size since this process started (``VmHWM`` of
+    ``/proc/self/status``; ``getrusage``'s ``ru_maxrss`` where there is no ``/proc`` — on
+    Linux it carries the launching process's peak across ``exec``, so a worker started by
+    a big parent, like a test runner, would report the parent's)."""
     if device is not None and device.type == "cuda":
         import torch
 
         return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
