@@ -67,7 +67,9 @@ def decompose(sch: Schedule, where: Selection) -> Schedule:
                 if n.op == "call_module" and _decomposable(get_module(module, str(n.target)))
             }
             if not found:
-                problems.append(Problem(path, "its graph calls no nn.Linear", "select a traced module with Linears"))
+                problems.append(
+                    Problem(path, "its graph calls no nn.Linear or Conv1D", "select a traced module with Linears")
+                )
             todo.setdefault(path, set()).update(found)
             continue
         owner = _owner(sch.module, path)
@@ -77,7 +79,7 @@ def decompose(sch: Schedule, where: Selection) -> Schedule:
                     path,
                     f"is a {type(module).__name__}"
                     + ("" if owner else " with no traced ancestor")
-                    + "; decompose splits an nn.Linear called from a traced graph",
+                    + "; decompose splits an nn.Linear (or Conv1D) called from a traced graph",
                     "trace its parent first (sf.trace(sch, parent)) and select the Linear",
                 )
             )

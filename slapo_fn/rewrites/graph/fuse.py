@@ -103,16 +103,17 @@ def _with_counter_dropout(outlined: Outlined) -> nn.Module:
                 swapped = CounterDropout(module.p, module.inplace).train(module.training)
                 region.set_submodule(str(node.target), swapped)
         elif node.op == "call_function" and node.target in _DROPOUT_FUNCTIONS:
-            node.args, node.kwargs = _dropout_arguments(node)
+            node.args, node.kwargs = _dropout_arguments(node), {}
             node.target = counter_dropout
     region.recompile()
     return region
 
 
-def _dropout_arguments(node: fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``(input, p, training, inplace)`` of a dropout call in any of its spellings."""
-    names = ("input", "p", "training", "inplace") if node.target is F.dropout else ("input", "p", "train")
-    defaults: dict[str, Any] = {"p": 0.5, "training": True, "train": True, "inplace": False}
-    bound = {**defaults, **dict(zip(names, node.args)), **node.kwargs}
-    return (bound["input"], bound["p"], bound["training"] if node.target is F.dropout else bound["train"],
-            bound["inplace"]), {}
+def _dropout_arguments(node: fx.Node) -> tuple[Any, ...]:
+    """``(input, p, training, inplace)`` of a dropout call in any of its spellings
+    (``F.dropout(input, p, training, inplace)``; ``torch.dropout`` and ``aten.dropout``
+    take ``(input, p, train)``)."""
+    names = ("input", "p", "training", "inplace")
+    keywords = {"training" if k == "train" else k: v for k, v in node.kwargs.items()}
+    bound = {"p": 0.5, "training": True, "inplace": False, **dict(zip(names, node.args)), **keywords}
+    return tuple(bound[n] for n in names)
