@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,13 +55,18 @@ class ByteText:
     def vocab(self) -> int:
         return 256
 
+    @functools.cached_property
+    def _tokens(self) -> torch.Tensor:
+        """The file's bytes as a uint8 tensor, made once (``batch`` runs every step)."""
+        return torch.frombuffer(bytearray(self.data), dtype=torch.uint8)
+
     def batch(self, step: int, size: int, length: int) -> torch.Tensor:
-        tokens = torch.frombuffer(bytearray(self.data), dtype=torch.uint8).long()
+        tokens = self._tokens
         if tokens.numel() <= length:
             tokens = tokens.repeat(length // tokens.numel() + 2)
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         starts = torch.randint(0, tokens.numel() - length, (size,), generator=gen)
-        return torch.stack([tokens[s : s + length] for s in starts.tolist()])
+        return torch.stack([tokens[s : s + length] for s in starts.tolist()]).long()
 
 
 Dataset = Arithmetic | ByteText

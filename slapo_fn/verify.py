@@ -142,6 +142,14 @@ class _Ranks:
         dist.all_gather_object(out, values)
         return [v for rank in out for v in rank]
 
+    def agree(self, diffs: dict[str, float], bad: list[str]) -> tuple[dict[str, float], list[str]]:
+        """The verdict of all ranks: per name the worst difference anywhere, bad if bad
+        anywhere (``diffs``/``bad`` unchanged outside a process group)."""
+        if not self.active:
+            return diffs, bad
+        every = self.gathered([(diffs, bad)])
+        return {n: max(d[n] for d, _ in every) for n in diffs}, [n for n in diffs if any(n in b for _, b in every)]
+
 
 def _module_outputs(
     model: nn.Module,
@@ -269,12 +277,10 @@ def verify(
             module="<root>",
             max_abs_diff=math.inf,
         )
-    diffs = {n: _diff(_full(a), _full(b)) for (n, a), (_, b) in zip(out_ref, out_built, strict=True)}
-    bad = [n for (n, a), (_, b) in zip(out_ref, out_built, strict=True) if not _close(_full(b), _full(a), rtol, atol)]
-    if ranks.active:  # a verdict of all ranks: the worst difference anywhere, bad if bad anywhere
-        every = ranks.gathered([(diffs, bad)])
-        diffs = {n: max(d[n] for d, _ in every) for n in diffs}
-        bad = [n for n in diffs if any(n in b for _, b in every)]
+    full = [(n, _full(a), _full(b)) for (n, a), (_, b) in zip(out_ref, out_built, strict=True)]  # one gather each
+    diffs = {n: _diff(a, b) for n, a, b in full}
+    bad = [n for n, a, b in full if not _close(b, a, rtol, atol)]
+    diffs, bad = ranks.agree(diffs, bad)
     if bad:
         module, diff = _first_divergence(ref, built, inputs, kwargs, seed, rtol, atol, ranks)
         where = (
@@ -312,10 +318,7 @@ def verify(
         grad_diffs[name] = _diff(g, gb)
         if not _close(gb, g, rtol, atol):
             bad_grads.append(name)
-    if ranks.active:
-        every_grad = ranks.gathered([(grad_diffs, bad_grads)])
-        grad_diffs = {n: max(d[n] for d, _ in every_grad) for n in grad_diffs}
-        bad_grads = [n for n in grad_diffs if any(n in b for _, b in every_grad)]
+    grad_diffs, bad_grads = ranks.agree(grad_diffs, bad_grads)
     if bad_grads:
         worst = max(grad_diffs[n] for n in bad_grads)
         raise VerificationError(

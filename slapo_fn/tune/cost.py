@@ -41,9 +41,12 @@ import contextlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .space import Config
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = ["Estimate", "ModelShape", "activation_bytes", "estimate", "fake_world"]
 
@@ -162,16 +165,18 @@ def _mesh(config: Config) -> Any:
     return init_device_mesh("cpu", tuple(s for _, s in axes), mesh_dim_names=tuple(n for n, _ in axes))
 
 
-def estimate(config: Config, model: str, *, world_size: int, seq: int) -> Estimate:
+def estimate(config: Config, model: str | nn.Module, *, world_size: int, seq: int) -> Estimate:
     """Schedule ``config`` for the preset (or ``config.json``) ``model`` on a fake process
     group and the meta device, and estimate the most loaded rank's memory (see the
-    module's docstring for the formula). Nothing is allocated and no process started."""
+    module's docstring for the formula). Nothing is allocated and no process started.
+    ``model`` may also be that preset already built on the meta device (scheduling never
+    changes it), so that many configurations share one."""
     from .. import create_schedule, recipes
     from ..memory import per_rank_memory
     from ..presets import build_model
     from ..recipes import Knobs
 
-    module = build_model(model, meta=True)
+    module = build_model(model, meta=True) if isinstance(model, str) else model
     dp = config.num("dp")
     knobs = Knobs(tp=config.num("tp"), sequence_parallel=bool(config.get("sp")),
                   checkpoint=config.get("checkpoint"),  # type: ignore[arg-type]

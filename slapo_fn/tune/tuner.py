@@ -88,7 +88,9 @@ class TuneResult:
 
 
 def _estimates(space: Space, points: tuple[Config, ...], seq: int) -> dict[Config, Estimate]:
-    model, world = str(space.fixed["model"]), int(space.fixed.get("world_size", 1))
+    from ..presets import build_model
+
+    model, world = build_model(str(space.fixed["model"]), meta=True), int(space.fixed.get("world_size", 1))
     with fake_world(world):
         return {c: estimate(c, model, world_size=world, seq=seq) for c in points}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 from collections.abc import Mapping, Sequence
@@ -19,6 +20,7 @@ from ...errors import Problem, ScheduleError, ScheduleTypeError
 from ...schedule import Schedule
 from ...select import Selection, select
 from ...tree import get_module, join, set_at, split, walk
+from .._common import contains
 from ._graph import has_hooks, rebuild
 
 __all__ = ["ExampleInputs", "trace"]
@@ -117,16 +119,31 @@ class _Binder:
     keywords: tuple[str, ...]
     in_spec: pytree.TreeSpec
 
+    @functools.cached_property
+    def _names(self) -> list[str]:
+        return list(self.signature.parameters)
+
+    @functools.cached_property
+    def _used(self) -> frozenset[str]:
+        """Parameters the exported graph takes."""
+        return frozenset(self._names[: self.positional]) | frozenset(self.keywords)
+
+    @functools.cached_property
+    def _var_keyword(self) -> str | None:
+        """The name of the ``**kwargs`` parameter, if ``forward`` has one."""
+        return next((n for n, p in self.signature.parameters.items() if p.kind is p.VAR_KEYWORD), None)
+
+    def _flat(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """``arguments`` with the ``**kwargs`` parameter's entries spread out."""
+        values = dict(arguments)
+        if self._var_keyword is not None:
+            values.update(values.pop(self._var_keyword, {}))
+        return values
+
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         bound = self.signature.bind(*args, **kwargs)
-        names = list(self.signature.parameters)
-        used = set(names[: self.positional]) | set(self.keywords)
-        extra = dict(bound.arguments)
-        for name, param in self.signature.parameters.items():
-            if param.kind is param.VAR_KEYWORD:
-                extra.update(extra.pop(name, {}))
-        for name, value in extra.items():
-            if name in used:
+        for name, value in self._flat(bound.arguments).items():
+            if name in self._used:
                 continue
             default = self.signature.parameters[name].default if name in self.signature.parameters else None
             if value is not None and value is not False and value is not default:
@@ -135,11 +152,8 @@ class _Binder:
                     "trace it again with example_inputs that include it"
                 )
         bound.apply_defaults()
-        values = dict(bound.arguments)
-        for name, param in self.signature.parameters.items():
-            if param.kind is param.VAR_KEYWORD:
-                values.update(values.pop(name, {}))
-        call = (tuple(values[n] for n in names[: self.positional]), {k: values.get(k) for k in self.keywords})
+        values = self._flat(bound.arguments)
+        call = (tuple(values[n] for n in self._names[: self.positional]), {k: values.get(k) for k in self.keywords})
         return fx._pytree.tree_flatten_spec(call, self.in_spec)  # type: ignore[attr-defined,no-any-return]
 
 
@@ -366,7 +380,7 @@ def trace(
                 for p in paths
             ],
         )
-    nested = [p for p in paths if any(q != p and (not q or p.startswith(q + ".")) for q in paths)]
+    nested = [p for p in paths if any(contains(q, p) for q in paths)]
     if nested:
         raise ScheduleError(
             "trace", [Problem(p, "is inside another selected module", "trace the outer module only") for p in nested]
