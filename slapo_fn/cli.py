@@ -205,9 +205,14 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any]:
     if world == 1:
         return device, None
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
-    axes = [(n, s) for n, s in (("dp", args.dp), ("pp", args.pp), ("tp", args.tp)) if s > 1]
+    axes = _axes(args)
     mesh = init_device_mesh(device.type, tuple(s for _, s in axes), mesh_dim_names=tuple(n for n, _ in axes))
     return device, mesh
+
+
+def _axes(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """The mesh axes of ``--dp/--pp/--tp`` larger than one, in mesh order."""
+    return [(n, s) for n, s in (("dp", args.dp), ("pp", args.pp), ("tp", args.tp)) if s > 1]
 
 
 def _teardown() -> None:
@@ -384,19 +389,16 @@ def _verify(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from . import create_schedule, recipes, verify
-    from .presets import build_model
+    from . import verify
     from .verify import VerificationError
 
     _device, mesh = _setup(args)
     if args.pp > 1:
         raise SystemExit("slapo-fn verify: pipelines are verified by their tests; use --tp/--dp")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    torch.manual_seed(args.seed if hasattr(args, "seed") else 0)
-    model = build_model(args.model)
-    knobs = _knobs(args)
-    sch = recipes.for_model(model)(create_schedule(model, mesh=mesh), knobs)
-    vocab = int(getattr(model, "config").vocab_size)  # noqa: B009 (nn.Module's __getattr__ types it as a Tensor)
+    torch.manual_seed(0)  # the model's random initialisation
+    sch = _schedule(args, mesh, meta=False)
+    vocab = int(sch.module.config.vocab_size)
     ids = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     code = 0
     try:
@@ -437,14 +439,14 @@ def _explain(args: argparse.Namespace) -> int:
     mesh = None
     started = False
     if world > 1:
-        axes = [(n, s) for n, s in (("dp", args.dp), ("pp", args.pp), ("tp", args.tp)) if s > 1]
+        axes = _axes(args)
         started = not dist.is_initialized()
         mesh = fake_mesh(*(s for _, s in axes), names=tuple(n for n, _ in axes))
     try:
         sch = _schedule(args, mesh, meta=True)
         shape = (args.batch // args.dp, args.seq)  # one data-parallel rank's batch: the bytes of its collectives
         info = explain(sch, torch.zeros(shape, dtype=torch.long, device="meta"))
-        axes_text = " x ".join(f"{n}{s}" for n, s in (("dp", args.dp), ("pp", args.pp), ("tp", args.tp)) if s > 1)
+        axes_text = " x ".join(f"{n}{s}" for n, s in _axes(args))
         print(f"{args.model}: {info.total_parameters:,} parameters; {axes_text or 'one process'} "
               f"({world} ranks); recipe knobs: {_knobs(args)}")
         text = str(info)

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..combinators import primitive
 from ..errors import LayoutError, Problem, ScheduleError
+from ..rewrites._common import contains
 from ..schedule import Schedule, path_exists
 from ..select import Selection
 from ..tree import get_module, walk
@@ -122,7 +123,7 @@ def data_parallel(
             ],
         )
     blocks = find_blocks(sch.module) if where is None else where.modules(sch.module)
-    nested = [b for b in blocks if any(b != o and (o == "" or b.startswith(o + ".")) for o in blocks)]
+    nested = [b for b in blocks if any(contains(o, b) for o in blocks)]
     if nested or "" in blocks:
         raise ScheduleError(
             "data_parallel",

@@ -56,7 +56,7 @@ from torch.distributed.pipelining.schedules import (
 from ..build import build
 from ..errors import Problem, ScheduleError, ScheduleTypeError
 from ..schedule import Schedule
-from .cut import KIND
+from .cut import pp_size
 from .split import Stage, split_stages
 
 __all__ = ["SCHEDULES", "Pipeline", "ScheduleName", "TiedGroup", "build_pipeline", "build_stages", "stage_ranks"]
@@ -156,9 +156,11 @@ def _install_io(module: nn.Module, first: bool) -> None:
     module.register_forward_hook(post, with_kwargs=True)
 
 
-def _pp_group(sch: Schedule, mesh_axis: str) -> tuple[dist.ProcessGroup, int, int]:
-    names = tuple(getattr(sch.mesh, "mesh_dim_names", None) or ())
-    if sch.mesh is None or mesh_axis not in names:
+def _pp_axis_size(sch: Schedule, mesh_axis: str) -> int:
+    """The size of the mesh's ``mesh_axis``; a :class:`ScheduleError` without one."""
+    pp = pp_size(sch, mesh_axis)
+    if pp is None:
+        names = tuple(getattr(sch.mesh, "mesh_dim_names", None) or ())
         raise ScheduleError(
             "build_pipeline",
             [
@@ -169,6 +171,13 @@ def _pp_group(sch: Schedule, mesh_axis: str) -> tuple[dist.ProcessGroup, int, in
                 )
             ],
         )
+    return pp
+
+
+def _pp_group(sch: Schedule, mesh_axis: str) -> tuple[dist.ProcessGroup, int, int]:
+    """The ``mesh_axis`` process group, this rank in it and its size (the axis exists:
+    :func:`_pp_axis_size` checked)."""
+    assert sch.mesh is not None
     group = sch.mesh.get_group(mesh_axis)
     return group, dist.get_rank(group), dist.get_world_size(group)
 
@@ -352,10 +361,15 @@ def build_stages(
         >>> torch.allclose(last(first(ids)), model(ids).logits, atol=1e-6)
         True
     """
+    return _build_stages(split_stages(sch), indices, init=init, device=device, seed=seed, copy=copy)
+
+
+def _build_stages(stages: tuple[Stage, ...], indices: tuple[int, ...] | None, **build_kw: Any) -> dict[int, nn.Module]:
+    """Build the stages whose index is in ``indices`` (all with ``None``)."""
     modules: dict[int, nn.Module] = {}
-    for stage in split_stages(sch):
+    for stage in stages:
         if indices is None or stage.index in indices:
-            module = build(stage.schedule, init=init, device=device, seed=seed, copy=copy)
+            module = build(stage.schedule, **build_kw)
             _install_io(module, stage.pre)
             modules[stage.index] = module
     return modules
@@ -398,11 +412,7 @@ def build_pipeline(
             [Problem("", f"expected a Schedule, got {type(sch).__name__}", "sf.build_pipeline(sch, ...)")],
         )
     stages = split_stages(sch)
-    problems: list[Problem] = []
-    names = tuple(getattr(sch.mesh, "mesh_dim_names", None) or ())
-    if sch.mesh is None or mesh_axis not in names:
-        _pp_group(sch, mesh_axis)  # raises
-    pp = int(sch.mesh.size(names.index(mesh_axis)))  # type: ignore[union-attr]
+    pp = _pp_axis_size(sch, mesh_axis)
     problems = _problems(stages, pp, schedule, microbatches, loss_fn)
     if problems:
         raise ScheduleError("build_pipeline", problems)
@@ -410,7 +420,7 @@ def build_pipeline(
     kind = SCHEDULES[schedule]
     placement = stage_ranks(len(stages), pp, kind.style)
     mine = tuple(s.index for s in stages if placement[s.index] == rank)
-    modules = build_stages(sch, indices=mine, init=init, device=device, seed=seed, copy=copy)
+    modules = _build_stages(stages, mine, init=init, device=device, seed=seed, copy=copy)
     pipeline_stages = []
     for index, module in modules.items():
         where = next((p.device for p in module.parameters()), torch.device("cpu"))
@@ -442,8 +452,3 @@ def build_pipeline(
         tied=tied,
         tied_groups=tied_groups,
     )
-
-
-def has_cuts(sch: Schedule) -> bool:
-    """Whether ``sch`` has pipeline stage cuts."""
-    return bool(sch.annotations.of_kind(KIND))

@@ -17,7 +17,7 @@ from ..errors import Problem, ScheduleError, ScheduleTypeError
 from ..schedule import Schedule
 from ..select import Selection
 from ..tree import get_module
-from ._common import reject_nested
+from ._common import contains, reject_nested
 
 if TYPE_CHECKING:
     from .graph.find import Match
@@ -117,7 +117,7 @@ def checkpoint(sch: Schedule, where: Selection, *, policy: object = None, subgra
             raise ScheduleError(
                 "checkpoint", [Problem(p, "a subgraph lives in one traced module", "select one") for p in paths]
             )
-        outer = [p for p in sch.annotations.of_kind(KIND) if p == paths[0] or not p or paths[0].startswith(p + ".")]
+        outer = [p for p in sch.annotations.of_kind(KIND) if p == paths[0] or contains(p, paths[0])]
         if outer:
             raise ScheduleError(
                 "checkpoint",

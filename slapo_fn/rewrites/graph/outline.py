@@ -20,6 +20,7 @@ from ._graph import (
     rebuild,
     region_graph,
     resolve_attr,
+    unique_name,
 )
 from .find import Match, nodes_of
 
@@ -102,16 +103,11 @@ def outline(
     region_gm = fx.GraphModule({t: resolve_attr(gm, t) for t in targets}, sub, "Subgraph")
     region_gm.training = gm.training
     made = make(Outlined(region_gm, tuple(all_inputs), tuple(all_outputs), len(inputs)))
-    target = name if name is not None else base_name
-    if name is not None and (not name.isidentifier() or name in gm._modules or hasattr(gm, name)):
+    if name is not None and (not name.isidentifier() or unique_name(gm, name) != name):
         raise ScheduleError(
             what, [Problem(join(path, name), f"{name!r} is taken or not an identifier", "choose another name=")]
         )
-    if name is None:
-        i = 0
-        while target in gm._modules or hasattr(gm, target):
-            i += 1
-            target = f"{base_name}_{i}"
+    target = name if name is not None else unique_name(gm, base_name)
     new_graph = contract(graph, inside, all_inputs, all_outputs, target, what, path)
     new_gm = rebuild(gm, new_graph, extra={target: made})
     if not inline_leaves:  # modules the subgraph called and nothing calls any more leave with it
