@@ -85,7 +85,6 @@ class _Optuna:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self._optuna = optuna
         self._left = list(candidates)
-        self._allowed = set(candidates)
         names = [k for k, _ in candidates[0].items]
         self._choices = {n: list(dict.fromkeys(c[n] for c in candidates)) for n in names}
         self._names = names

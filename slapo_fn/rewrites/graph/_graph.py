@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 import inspect
 import operator
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -332,13 +332,3 @@ def inline_module(
     node.replace_all_uses_with(result)
     graph.erase_node(node)
     return new_nodes, result
-
-
-def topo_sorted(nodes: Iterable[fx.Node], graph: fx.Graph) -> list[fx.Node]:
-    """``nodes`` in the graph's order."""
-    chosen = set(nodes)
-    return [n for n in graph.nodes if n in chosen]
-
-
-def call_nodes(graph: fx.Graph, pred: Callable[[fx.Node], bool]) -> list[fx.Node]:
-    return [n for n in graph.nodes if n.op not in ("placeholder", "output") and pred(n)]

@@ -115,7 +115,6 @@ _MODULE_OPS: dict[type, str] = {
 
 
 def _norm(name: str) -> str:
-    name = name.rstrip("_") if name not in ("__add__",) else name
     name = name.strip("_")
     return _ALIASES.get(name, name)
 
