@@ -58,3 +58,17 @@ def test_every_combination_of_two_layers(dist2) -> None:
     for rank_result in dist2.run(_combo, timeout=120):
         for combo, fwd_ok, bwd_ok, *detail in rank_result:
             assert fwd_ok and bwd_ok, (combo, detail)
+
+
+def _packed_norm(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.LayerNorm(6))
+    x = torch.randn(4, 6)
+    return parity(model, lambda s: sf.shard(s, "1.weight", axis=0, packed=3), (x,), shape=(world,))
+
+
+def test_a_packed_shard_of_a_plain_parameter_is_gathered_as_predicted(dist2) -> None:
+    # a _StridedShard placement (packed=3) is a shard too: gathered before the module runs
+    for r in dist2.run(_packed_norm, timeout=60):
+        assert r["grads"] == 4
+        assert r["fwd"] == r["predicted"]["forward"] and r["bwd"] == r["predicted"]["backward"]

@@ -510,7 +510,7 @@ def _generic(rt: _Runtime, m: nn.Module, mp: ModulePlan, forward: Callable[..., 
         for n in names:
             p = m._parameters[n]
             assert isinstance(p, DTensor)
-            if any(isinstance(pl, Shard) for pl in p.placements):
+            if any(isinstance(pl, Shard | _StridedShard) for pl in p.placements):
                 params[n] = p.redistribute(placements=[Replicate()] * len(p.placements)).to_local()
             elif mp.local_params:
                 params[n] = rt.partial_grad(ax, p)
