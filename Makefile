@@ -29,6 +29,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check slapo_fn tests benchmarks examples
+	$(BIN)/lint-imports
 	$(BIN)/mypy
 
 typecheck: $(STAMP)

@@ -22,7 +22,7 @@ from .explain import Explanation, explain
 from .pipelines import Pipeline, build_pipeline, cut_pipeline_stage
 from .rewrites import annotate, checkpoint, compile, hook, replace  # noqa: A004
 from .rewrites.graph import Match, decompose, find, fuse, trace
-from .schedule import Annotations, Schedule, View, create_schedule
+from .schedule import Annotations, Key, Schedule, View, create_schedule
 from .select import Selection, of_type, select, where_fn
 from .state import full_state_dict, load, save
 from .verify import VerifyReport, verified, verify
@@ -32,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Annotations",
     "Explanation",
+    "Key",
     "LayoutError",
     "Match",
     "Pipeline",

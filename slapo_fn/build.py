@@ -4,14 +4,13 @@ Whatever order the rewrites were written in, ``build`` applies them as:
 
 1. structural rewrites (already in the tree: ``replace``, graph rewrites);
 2. materialisation of meta-device tensors (``init``) and placement (``device``);
-3. tags and hooks;
-4. activation checkpointing;
-5. compilation.
+3. then :data:`PHASES`, in this fixed order: tensor and sequence parallelism (DTensor
+   parameters, local forwards, boundary collectives), tags, hooks, activation
+   checkpointing, compilation, data parallelism (FSDP2 / replicate over ``dp``).
 
-Tensor parallelism comes after 2 and data parallelism after 5 once those layers exist.
 Everything happens on a private structural copy of the schedule's tree, so PyTorch APIs
-that act in place (composable ``checkpoint``, ``Module.compile``) never touch a module
-a schedule owns.
+that act in place (``fully_shard``, composable ``checkpoint``, ``Module.compile``) never
+touch a module a schedule owns.
 """
 
 from __future__ import annotations
@@ -23,6 +22,8 @@ from typing import Literal, TypeAlias
 import torch
 from torch import nn
 
+from .dtensor.boundary import apply_tensor_parallel
+from .dtensor.data_parallel import apply_data_parallel
 from .errors import Problem, ScheduleError, ScheduleTypeError
 from .rewrites.annotate import apply_tags
 from .rewrites.checkpoint import apply_checkpoints
@@ -50,8 +51,6 @@ Phase: TypeAlias = Callable[[nn.Module, Schedule, BuildOptions], None]
 
 
 def _tensor_parallel(model: nn.Module, sch: Schedule, options: BuildOptions) -> None:
-    from .dtensor.boundary import apply_tensor_parallel
-
     apply_tensor_parallel(model, sch, strict=options.strict)
 
 
@@ -72,8 +71,6 @@ def _compile(model: nn.Module, sch: Schedule, _: BuildOptions) -> None:
 
 
 def _data_parallel(model: nn.Module, sch: Schedule, _: BuildOptions) -> None:
-    from .dtensor.data_parallel import apply_data_parallel
-
     apply_data_parallel(model, sch)
 
 

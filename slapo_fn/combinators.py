@@ -313,10 +313,11 @@ def primitive(impl: Callable[Concatenate[Schedule, Selection, P], Schedule]) -> 
     ``p(sch, where, ...)``, as a value with ``p.at(where, ...)``, recorded in the history.
 
     >>> import torch.nn as nn, slapo_fn as sf
+    >>> FROZEN: sf.Key[bool] = sf.Key("frozen")
     >>> @sf.primitive
     ... def freeze(sch, where):
     ...     for path in where.parameters(sch.module):
-    ...         sch = sch.annotate_path(path, "frozen", True)
+    ...         sch = sch.annotate_path(path, FROZEN, True)
     ...     return sch
     >>> sch = freeze(sf.create_schedule(nn.Sequential(nn.Linear(2, 2))), "0")
     >>> sorted(sch.annotations), sch.history

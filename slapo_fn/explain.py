@@ -10,117 +10,16 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
-from torch import nn
-
+from .dtensor.explain import TensorParallelExplanation, explain_tensor_parallel
+from .memory import MemoryTable, per_rank_memory
+from .pipelines.explain import stage_table
+from .render import format_bytes, format_dtype, format_param, render_tree
 from .schedule import Schedule
-from .tree import join
-
-if TYPE_CHECKING:
-    from .dtensor.explain import TensorParallelExplanation
-    from .memory import MemoryTable
+from .tree import walk
 
 __all__ = ["Explanation", "ModuleRow", "explain", "format_bytes", "format_dtype", "format_param", "render_tree"]
-
-_DTYPES = {
-    torch.float32: "f32",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.float64: "f64",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.bool: "bool",
-    torch.uint8: "u8",
-    torch.int8: "i8",
-}
-
-
-def format_dtype(dtype: torch.dtype) -> str:
-    """Short dtype names for layouts: ``f32``, ``bf16``, ``i64``…"""
-    return _DTYPES.get(dtype, str(dtype).removeprefix("torch."))
-
-
-def format_param(tensor: torch.Tensor, annotations: Mapping[str, Any] | None = None) -> str:
-    """``f32[4096, 1024]``; a ``"layout"`` annotation with ``format(shape, dtype)`` can
-    render its own form (``f32[4096@tp, 1024]``)."""
-    layout = (annotations or {}).get("layout")
-    if layout is not None and hasattr(layout, "format"):
-        return str(layout.format(tuple(tensor.shape), tensor.dtype))
-    dtype = format_dtype(tensor.dtype)
-    return f"{dtype}[{', '.join(str(d) for d in tensor.shape)}]"
-
-
-def _fmt_annotations(kinds: Mapping[str, Any]) -> str:
-    parts = []
-    for kind, value in kinds.items():
-        if kind == "layout":
-            continue
-        if isinstance(value, tuple):
-            parts += [str(v) for v in value]
-        elif isinstance(value, Mapping):
-            parts.append(f"{kind}({', '.join(f'{k}={v!r}' for k, v in value.items())})")
-        else:
-            parts.append(str(value))
-    return f"  [{'; '.join(parts)}]" if parts else ""
-
-
-def _signature(module: nn.Module, path: str, annotations: Mapping[str, Mapping[str, Any]]) -> object:
-    """A hashable summary of a subtree (types, parameter shapes, annotations) relative to
-    ``path``, used to fold identical siblings."""
-    own = tuple((n, tuple(p.shape), p.dtype) for n, p in module._parameters.items() if p is not None)
-    notes = tuple(
-        sorted((k[len(path) :], str(dict(v))) for k, v in annotations.items() if k == path or k.startswith(path + "."))
-    )
-    children = tuple((n, _signature(c, join(path, n), {})) for n, c in module._modules.items() if c is not None)
-    return (type(module), own, notes, children)
-
-
-def _fold(names: list[str]) -> str:
-    if [int(n) for n in names] == list(range(int(names[0]), int(names[0]) + len(names))):
-        return f"[{names[0]}-{names[-1]}]"
-    return "[" + ",".join(names) + "]"
-
-
-def render_tree(module: nn.Module, path: str, annotations: Mapping[str, Mapping[str, Any]]) -> str:
-    """The tree under ``module`` (at ``path``) with parameters and annotations."""
-    lines: list[str] = []
-
-    def param_lines(m: nn.Module, p_path: str, indent: str) -> None:
-        for name, p in m._parameters.items():
-            if p is not None:
-                full = join(p_path, name)
-                lines.append(
-                    f"{indent}· {name}: {format_param(p, annotations.get(full))}"
-                    f"{_fmt_annotations(annotations.get(full, {}))}"
-                )
-
-    def visit(m: nn.Module, m_path: str, label: str, indent: str, count: int) -> None:
-        times = f" ×{count}" if count > 1 else ""
-        lines.append(f"{indent}{label}: {type(m).__name__}{times}{_fmt_annotations(annotations.get(m_path, {}))}")
-        inner = indent + "  "
-        param_lines(m, m_path, inner)
-        children = [(n, c) for n, c in m._modules.items() if c is not None]
-        i = 0
-        while i < len(children):
-            name, child = children[i]
-            sig = _signature(child, join(m_path, name), annotations)
-            j = i + 1
-            while (
-                j < len(children)
-                and name.isdigit()
-                and children[j][0].isdigit()
-                and _signature(children[j][1], join(m_path, children[j][0]), annotations) == sig
-            ):
-                j += 1
-            group = [n for n, _ in children[i:j]]
-            visit(child, join(m_path, name), _fold(group) if len(group) > 1 else name, inner, len(group))
-            i = j
-
-    visit(module, path, path or "<root>", "", 1)
-    return "\n".join(lines)
-
 
 @dataclass(frozen=True)
 class ModuleRow:
@@ -184,16 +83,6 @@ def _fold_numbered(items: list[tuple[str, str]]) -> list[tuple[tuple[str, str], 
     return [(key if len(members) > 1 else members[0], len(members)) for key, members in groups.items()]
 
 
-def format_bytes(n: int) -> str:
-    """``1536`` → ``1.5 KiB``: byte counts as explain, the stage table and memory print them."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
-        size /= 1024
-    raise AssertionError
-
-
 def explain(sch: Schedule, *inputs: Any, kwargs: Mapping[str, Any] | None = None) -> Explanation:
     """Explain ``sch``: the folded tree, parameter counts and bytes per module (tied
     parameters counted once), annotations and the rewrite history; with a mesh, the
@@ -209,8 +98,6 @@ def explain(sch: Schedule, *inputs: Any, kwargs: Mapping[str, Any] | None = None
     seen: set[int] = set()
     rows = []
     total = total_bytes = 0
-    from .tree import walk
-
     for path, m in walk(sch.module):
         count = nbytes = 0
         for p in m._parameters.values():
@@ -242,18 +129,12 @@ def _tensor_parallel(
 ) -> TensorParallelExplanation | None:
     if sch.mesh is None:
         return None
-    from .dtensor.explain import explain_tensor_parallel
-
     return explain_tensor_parallel(sch, *inputs, kwargs=kwargs)
 
 
 def _memory(sch: Schedule) -> MemoryTable:
-    from .memory import per_rank_memory
-
     return per_rank_memory(sch)
 
 
 def _stages(sch: Schedule) -> str:
-    from .pipelines.explain import stage_table
-
     return str(stage_table(sch))

@@ -22,7 +22,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.profiler import ProfilerActivity, profile
+from torch.profiler._memory_profiler import Action
 
+from .dtensor.data_parallel import DATA_PARALLEL
+from .dtensor.shard import LAYOUT
+from .pipelines.cut import PIPELINE_CUT
+from .pipelines.split import split_stages
+from .render import format_bytes
 from .schedule import Schedule
 
 __all__ = ["MemoryRow", "MemoryTable", "per_rank_memory", "profiled_peak_bytes"]
@@ -51,8 +58,6 @@ class MemoryTable:
         return max((r.total_bytes for r in self.rows), default=0)
 
     def __str__(self) -> str:
-        from .explain import format_bytes
-
         header = ["stage", "parameters", "params", "grads", "optimizer", "total"]
         table = [[("-" if r.stage is None else str(r.stage)), f"{r.parameters:,}",
                   *map(format_bytes, (r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.total_bytes))]
@@ -64,7 +69,7 @@ class MemoryTable:
 
 
 def _dp_shards(sch: Schedule) -> int:
-    spec = sch.annotations.get_kind("", "data_parallel")
+    spec = sch.annotations.get("", DATA_PARALLEL)
     if spec is None or spec.mode == "ddp" or sch.mesh is None:
         return 1
     names = tuple(sch.mesh.mesh_dim_names or ())
@@ -80,7 +85,7 @@ def _row(sch: Schedule, stage: int | None, states: int) -> MemoryRow:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        layout = sch.annotations.get_kind(name, "layout")
+        layout = sch.annotations.get(name, LAYOUT)
         shape = list(layout.local_shape(tuple(p.shape)) if layout is not None else p.shape)
         if dp > 1 and shape:
             shape[0] = math.ceil(shape[0] / dp)
@@ -93,9 +98,7 @@ def _row(sch: Schedule, stage: int | None, states: int) -> MemoryRow:
 
 def per_rank_memory(sch: Schedule, *, states: int = 2) -> MemoryTable:
     """The per-rank memory of ``sch`` (one row per pipeline stage, or one row)."""
-    if sch.annotations.of_kind("pipeline_cut"):
-        from .pipelines import split_stages
-
+    if sch.annotations.of_kind(PIPELINE_CUT):
         return MemoryTable(tuple(_row(s.schedule, s.index, states) for s in split_stages(sch)), states)
     return MemoryTable((_row(sch, None, states),), states)
 
@@ -109,9 +112,6 @@ def profiled_peak_bytes(fn: Callable[[], Any]) -> int:
     >>> profiled_peak_bytes(lambda: torch.ones(1024, 1024).sum()) >= 4 * 2**20
     True
     """
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
-
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         fn()
     current = peak = 0

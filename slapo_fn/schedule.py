@@ -20,12 +20,14 @@ from collections.abc import Iterator, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import torch
 from torch import nn
 
-from .errors import SelectorError
+from .errors import Problem, ScheduleTypeError, SelectorError
+from .render import render_tree
+from .select import select
 from .tree import child_names, get_module, split, walk
 
 if TYPE_CHECKING:
@@ -33,14 +35,54 @@ if TYPE_CHECKING:
 
     from .combinators import Rewrite
 
-__all__ = ["Annotations", "Schedule", "View", "create_schedule"]
+__all__ = ["Annotations", "Key", "Schedule", "View", "create_schedule"]
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+D = TypeVar("D")
+
+
+@dataclass(frozen=True)
+class Key(Generic[T_co]):
+    """The typed name of one kind of annotation, declared once, next to the rewrite that
+    writes it (``LAYOUT: Key[Layout] = Key("layout")`` in :mod:`slapo_fn.dtensor.shard`).
+
+    Readers import the key instead of spelling its name, so a rename or a wrong value
+    type is a type error, not a silent ``None``. Your own primitives declare their own:
+
+    >>> import torch.nn as nn, slapo_fn as sf
+    >>> FROZEN: sf.Key[bool] = sf.Key("frozen")
+    >>> sch = sf.create_schedule(nn.Linear(2, 2)).annotate_path("weight", FROZEN, True)
+    >>> sch.annotations.get("weight", FROZEN), sch.annotations.of_kind(FROZEN)
+    (True, {'weight': True})
+    """
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"Key({self.name!r})"
+
+
+_NOT_A_KEY = (
+    "annotations are read and written by typed keys, not strings: got {got!r}. "
+    "Import the key from the rewrite that writes it (from slapo_fn.rewrites.checkpoint import CHECKPOINT; "
+    "sch.annotations.of_kind(CHECKPOINT)) or declare your own (FROZEN = sf.Key[bool]('frozen'))"
+)
+
+
+def _name(key: Key[Any]) -> str:
+    if not isinstance(key, Key):
+        raise TypeError(_NOT_A_KEY.format(got=key))
+    return key.name
 
 
 class Annotations(Mapping[str, Mapping[str, Any]]):
-    """An immutable map ``path -> {kind -> value}``.
+    """An immutable map ``path -> {kind name -> value}``, read and written by typed
+    :class:`Key` values.
 
     ``set``/``drop`` return new maps; the values stored should themselves be immutable
-    (frozen dataclasses, tuples, ``MappingProxyType``).
+    (frozen dataclasses, tuples, ``MappingProxyType``). As a mapping it is keyed by path
+    (``sch.annotations["layers.0"]["checkpoint"]``), for display and inspection.
     """
 
     __slots__ = ("_data",)
@@ -59,19 +101,38 @@ class Annotations(Mapping[str, Mapping[str, Any]]):
     def __len__(self) -> int:
         return len(self._data)
 
-    def get_kind(self, path: str, kind: str, default: Any = None) -> Any:
-        kinds = self._data.get(path)
-        return default if kinds is None else kinds.get(kind, default)
+    @overload  # type: ignore[override]
+    def get(self, path: str, key: Key[T], /) -> T | None: ...
+    @overload
+    def get(self, path: str, key: Key[T], default: D, /) -> T | D: ...
+    @overload
+    def get(self, path: str, /) -> Mapping[str, Any] | None: ...
+    @overload
+    def get(self, path: str, default: Mapping[str, Any], /) -> Mapping[str, Any]: ...
 
-    def of_kind(self, kind: str) -> dict[str, Any]:
-        """``{path: value}`` of every annotation of ``kind``, in insertion order."""
-        return {path: kinds[kind] for path, kinds in self._data.items() if kind in kinds}
+    def get(self, path: str, *args: Any) -> Any:
+        """``get(path, key[, default])``: the ``key`` annotation of ``path`` (typed by the
+        key); ``get(path[, default])``: every annotation of ``path``, as a mapping does."""
+        if args and isinstance(args[0], Key):
+            kinds = self._data.get(path)
+            default = args[1] if len(args) > 1 else None
+            return default if kinds is None else kinds.get(args[0].name, default)
+        return self._data.get(path, *args)
 
-    def set(self, path: str, kind: str, value: Any) -> Annotations:
+    def of_kind(self, key: Key[T]) -> dict[str, T]:
+        """``{path: value}`` of every ``key`` annotation, in insertion order."""
+        name = _name(key)
+        return {path: kinds[name] for path, kinds in self._data.items() if name in kinds}
+
+    def set(self, path: str, key: Key[T], value: T) -> Annotations:
         new = Annotations.__new__(Annotations)
         new._data = dict(self._data)
-        new._data[path] = MappingProxyType({**self._data.get(path, {}), kind: value})
+        new._data[path] = MappingProxyType({**self._data.get(path, {}), _name(key): value})
         return new
+
+    def without(self, key: Key[Any]) -> Annotations:
+        """The same map with every ``key`` annotation removed."""
+        return Annotations({p: {k: v for k, v in kinds.items() if k != key.name} for p, kinds in self._data.items()})
 
     def drop(self, paths: AbstractSet[str]) -> Annotations:
         new = Annotations.__new__(Annotations)
@@ -128,8 +189,6 @@ class View:
         )
 
     def __str__(self) -> str:
-        from .explain import render_tree
-
         return render_tree(self.module, self.path, _annotations_below(self.path, self.annotations))
 
 
@@ -167,12 +226,11 @@ class Schedule:
         }
         return self.evolve(module=module, annotations=self.annotations.drop(stale))
 
-    def annotate_path(self, path: str, kind: str, value: Any) -> Schedule:
-        return self.evolve(annotations=self.annotations.set(path, kind, value))
+    def annotate_path(self, path: str, key: Key[T], value: T) -> Schedule:
+        """A new schedule with the ``key`` annotation of ``path`` set to ``value``."""
+        return self.evolve(annotations=self.annotations.set(path, key, value))
 
     def __getitem__(self, path: str) -> View:
-        from .select import select
-
         found = select(path).modules(self.module)  # SelectorError with close matches if none
         if found != (path,):
             raise SelectorError(path, reason=f"a view needs one exact module path; this selects {len(found)}",
@@ -191,8 +249,6 @@ class Schedule:
         )
 
     def __str__(self) -> str:
-        from .explain import render_tree
-
         return render_tree(self.module, "", self.annotations)
 
 
@@ -207,15 +263,11 @@ def create_schedule(model: nn.Module, *, mesh: DeviceMesh | None = None) -> Sche
     Schedule(Linear, 0 rewrites, 0 annotated paths, mesh=None)
     """
     if not isinstance(model, nn.Module):
-        from .errors import Problem, ScheduleTypeError
-
         raise ScheduleTypeError(
             "create_schedule",
             [Problem("", f"expected an nn.Module, got {type(model).__name__}", "pass the model itself")],
         )
     if mesh is not None and not hasattr(mesh, "mesh_dim_names"):
-        from .errors import Problem, ScheduleTypeError
-
         raise ScheduleTypeError(
             "create_schedule",
             [

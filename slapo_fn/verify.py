@@ -8,10 +8,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import distribute_tensor
 
 from .build import _has_meta, build
 from .combinators import Rewrite
+from .dtensor.collectives import _all_gather
+from .dtensor.sequence import SEQ
+from .dtensor.shard import ROLE, mesh_dims
 from .errors import Problem, ScheduleTypeError, VerificationError
 from .schedule import Schedule, create_schedule
 from .tree import private_copy, walk
@@ -101,16 +106,10 @@ class _Ranks:
     collectives and all raise the same error)."""
 
     def __init__(self, sch: Schedule) -> None:
-        import torch.distributed as dist
-
         self.active = sch.mesh is not None and dist.is_initialized() and dist.get_world_size() > 1
         self.gather: Gather = _no_gather
         if not self.active or sch.mesh is None:
             return
-        from .dtensor.collectives import _all_gather
-        from .dtensor.sequence import SEQ
-        from .dtensor.shard import ROLE, mesh_dims
-
         axes = {r.mesh_axis for r in sch.annotations.of_kind(ROLE).values()}
         axes |= {q.mesh_axis for q in sch.annotations.of_kind(SEQ).values()}
         if len(axes) != 1:
@@ -136,8 +135,6 @@ class _Ranks:
         """``values`` of every rank (the local one alone outside a process group)."""
         if not self.active:
             return values
-        import torch.distributed as dist
-
         out: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(out, values)
         return [v for rank in out for v in rank]
@@ -335,8 +332,6 @@ def _like(cotangent: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
     placements = getattr(output, "placements", None)
     if placements is None:
         return cotangent
-    from torch.distributed.tensor import distribute_tensor
-
     return distribute_tensor(cotangent, output.device_mesh, placements)  # type: ignore[attr-defined]
 
 

@@ -7,6 +7,8 @@ import torch
 from torch import nn
 
 import slapo_fn as sf
+from slapo_fn.rewrites.annotate import TAGS
+from slapo_fn.rewrites.checkpoint import CHECKPOINT
 from tests.models import Net
 
 
@@ -35,7 +37,7 @@ def test_foreach_paths_are_relative_and_history_is_absolute() -> None:
     assert [repr(h) for h in sch.history] == [
         "checkpoint.at('blocks.0.mlp')", "annotate.at('blocks.0.norm.weight', 'decay', False)",
         "checkpoint.at('blocks.1.mlp')", "annotate.at('blocks.1.norm.weight', 'decay', False)"]
-    assert set(sch.annotations.of_kind("checkpoint")) == {"blocks.0.mlp", "blocks.1.mlp"}
+    assert set(sch.annotations.of_kind(CHECKPOINT)) == {"blocks.0.mlp", "blocks.1.mlp"}
 
 
 def test_history_replays_to_the_same_schedule() -> None:
@@ -51,7 +53,7 @@ def test_history_replays_to_the_same_schedule() -> None:
 def test_foreach_with_types_and_nested_scopes() -> None:
     sch = sf.foreach("blocks.*", sf.foreach(sf.of_type(nn.Linear), sf.annotate.at("weight", "kind", "linear")))(
         sf.create_schedule(Net(depth=2)))
-    assert sorted(sch.annotations.of_kind("tags")) == [f"blocks.{i}.mlp.fc{j}.weight" for i in (0, 1) for j in (1, 2)]
+    assert sorted(sch.annotations.of_kind(TAGS)) == [f"blocks.{i}.mlp.fc{j}.weight" for i in (0, 1) for j in (1, 2)]
 
 
 def test_scope_needs_exactly_one_match() -> None:
@@ -64,7 +66,7 @@ def test_scope_needs_exactly_one_match() -> None:
 def test_when_guards_by_view() -> None:
     even = lambda view: int(view.path.rsplit(".", 1)[-1]) % 2 == 0
     sch = sf.foreach("blocks.*", sf.when(even, sf.checkpoint.at("")))(sf.create_schedule(Net(depth=4)))
-    assert list(sch.annotations.of_kind("checkpoint")) == ["blocks.0", "blocks.2"]
+    assert list(sch.annotations.of_kind(CHECKPOINT)) == ["blocks.0", "blocks.2"]
 
 
 def test_combinator_type_errors() -> None:
@@ -88,14 +90,17 @@ def test_combinator_type_errors() -> None:
         sf.checkpoint.at("blocks.0", polcy=None)  # type: ignore[call-arg]
 
 
+FROZEN: sf.Key[bool] = sf.Key("frozen")
+
+
 def test_custom_primitives_compose_like_builtin_ones() -> None:
     @sf.primitive
     def freeze(sch: sf.Schedule, where: sf.Selection) -> sf.Schedule:
         for path in where.parameters(sch.module):
-            sch = sch.annotate_path(path, "frozen", True)
+            sch = sch.annotate_path(path, FROZEN, True)
         return sch
 
     sch = sf.foreach("blocks.*", freeze.at("norm"))(sf.create_schedule(Net(depth=2)))
-    assert sorted(sch.annotations.of_kind("frozen")) == [f"blocks.{i}.norm.{n}" for i in (0, 1) for n in ("bias",
+    assert sorted(sch.annotations.of_kind(FROZEN)) == [f"blocks.{i}.norm.{n}" for i in (0, 1) for n in ("bias",
                                                                                                           "weight")]
     assert repr(sch.history[0]) == "freeze.at('blocks.0.norm')"

@@ -13,6 +13,7 @@ from torch import nn
 import slapo_fn as sf
 from slapo_fn.pipelines import build_stages, split_stages, stage_table
 from slapo_fn.pipelines.families import NotInStage, ZeroPositions
+from slapo_fn.rewrites.checkpoint import CHECKPOINT
 
 
 def llama(layers: int = 4) -> nn.Module:
@@ -145,8 +146,8 @@ def test_other_annotations_follow_their_stage() -> None:
     sch = sf.checkpoint(sch, "model.layers.[0-3]")
     sch = sf.cut_pipeline_stage(sch, "model.layers.1")
     first, last = split_stages(sch)
-    assert set(first.schedule.annotations.of_kind("checkpoint")) == {"model.layers.0", "model.layers.1"}
-    assert set(last.schedule.annotations.of_kind("checkpoint")) == {"model.layers.2", "model.layers.3"}
+    assert set(first.schedule.annotations.of_kind(CHECKPOINT)) == {"model.layers.0", "model.layers.1"}
+    assert set(last.schedule.annotations.of_kind(CHECKPOINT)) == {"model.layers.2", "model.layers.3"}
 
 
 def test_cut_records_history_and_leaves_the_input_unchanged() -> None:

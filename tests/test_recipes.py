@@ -12,8 +12,11 @@ from torch import nn
 from tp_checks import parity
 
 import slapo_fn as sf
+from slapo_fn.dtensor.shard import LAYOUT
 from slapo_fn.dtensor.testing import fake_mesh
 from slapo_fn.recipes import Knobs
+from slapo_fn.rewrites.checkpoint import CHECKPOINT
+from slapo_fn.rewrites.compile import COMPILE
 
 
 def tiny_opt() -> nn.Module:
@@ -132,7 +135,7 @@ def test_recipe_checkpoint_and_kernels_keep_numbers(name: str) -> None:
     model = FACTORIES[name]()
     recipe = sf.recipes.for_model(model)
     sch = recipe(sf.create_schedule(model), Knobs(checkpoint=1.0, kernels=True))
-    assert len(sch.annotations.of_kind("checkpoint")) == 2
+    assert len(sch.annotations.of_kind(CHECKPOINT)) == 2
     sf.verify(sch, token_ids(), rtol=1e-4, atol=1e-4)
 
 
@@ -141,10 +144,10 @@ def test_knobs_choose_layers_and_cuts() -> None:
 
     model = tiny_llama(layers=4)
     sch = LLAMA(sf.create_schedule(model), checkpoint=0.5)
-    assert list(sch.annotations.of_kind("checkpoint")) == ["model.layers.0", "model.layers.1"]
+    assert list(sch.annotations.of_kind(CHECKPOINT)) == ["model.layers.0", "model.layers.1"]
     sch = LLAMA(sf.create_schedule(model), checkpoint=(1, 3), compile=True)
-    assert list(sch.annotations.of_kind("checkpoint")) == ["model.layers.1", "model.layers.3"]
-    assert len(sch.annotations.of_kind("compile")) == 4
+    assert list(sch.annotations.of_kind(CHECKPOINT)) == ["model.layers.1", "model.layers.3"]
+    assert len(sch.annotations.of_kind(COMPILE)) == 4
 
 
 def test_recipe_errors_are_reported_together() -> None:
@@ -172,8 +175,8 @@ def test_for_model_and_from_tp_plan() -> None:
         sf.recipes.for_model(nn.Linear(2, 2))
     model = tiny_llama()
     sch = sf.recipes.from_tp_plan(sf.create_schedule(model, mesh=fake_mesh(2)))
-    by_plan = sch.annotations.of_kind("layout")
-    by_recipe = sf.recipes.LLAMA(sf.create_schedule(model, mesh=fake_mesh(2)), tp=2).annotations.of_kind("layout")
+    by_plan = sch.annotations.of_kind(LAYOUT)
+    by_recipe = sf.recipes.LLAMA(sf.create_schedule(model, mesh=fake_mesh(2)), tp=2).annotations.of_kind(LAYOUT)
     assert {k: str(v) for k, v in by_plan.items()} == {k: str(v) for k, v in by_recipe.items()}
     with pytest.raises(sf.ScheduleError, match="style 'gather' has no slapo_fn equivalent"):
         sf.recipes.from_tp_plan(sf.create_schedule(model, mesh=fake_mesh(2)), {"layers.*.mlp": "gather"})

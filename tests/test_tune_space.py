@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from slapo_fn.dtensor.testing import fake_world
 from slapo_fn.errors import ScheduleError
 from slapo_fn.tune import (
     TPE,
@@ -26,7 +27,7 @@ from slapo_fn.tune import (
     train_args,
     tune,
 )
-from slapo_fn.tune.cost import ModelShape, activation_bytes, fake_world
+from slapo_fn.tune.cost import ModelShape, activation_bytes
 from slapo_fn.tune.report import table, to_json
 from slapo_fn.tune.space import batch_divides, heads_divisible, microbatches_at_least_pp
 from slapo_fn.tune.trial import _reason

@@ -47,7 +47,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from ..errors import LayoutError, Problem
 from ..rewrites._common import contains
-from ..schedule import Schedule
+from ..schedule import Key, Schedule
 from ..tree import child_names, get_module, join, split, walk
 from . import collectives as C
 from .layout import Layout, shard_axes
@@ -212,7 +212,7 @@ def plan(sch: Schedule) -> Plan:
             else:
                 module = get_module(sch.module, path)
                 for name in module._parameters:
-                    lay = sch.annotations.get_kind(join(path, name), LAYOUT)
+                    lay = sch.annotations.get(join(path, name), LAYOUT)
                     if isinstance(lay, Layout) and not lay.is_replicated:
                         n = sum(isinstance(p, Shard | _StridedShard) for p in lay.placements)
                         bounds.append(
@@ -283,9 +283,9 @@ def plan(sch: Schedule) -> Plan:
             if any(p is not None for p in module._parameters.values()):
                 modules[path] = ModulePlan(path, seq=seqs[root], local_params=True)
     # modules declared to run on this rank's shard (tp_local): replicated, Partial gradients
-    for path, spec in sch.annotations.of_kind(LOCAL).items():
+    for path, local_spec in sch.annotations.of_kind(LOCAL).items():
         if path not in modules:
-            modules[path] = ModulePlan(path, local_params=True, local_axis=spec.mesh_axis)
+            modules[path] = ModulePlan(path, local_params=True, local_axis=local_spec.mesh_axis)
     return Plan(modules, tuple(bounds))
 
 
@@ -526,7 +526,7 @@ def _distribute(model: nn.Module, sch: Schedule, rt: _Runtime, extra: Iterable[s
     """Parameters with layouts (and the replicated ones of SP regions) become DTensors;
     each rank keeps its own chunk (no communication: every rank holds the full value)."""
     memo: dict[int, nn.Parameter] = {}
-    targets: dict[str, Layout | None] = dict(sch.annotations.of_kind(LAYOUT))
+    targets: dict[str, Layout | None] = {**sch.annotations.of_kind(LAYOUT)}
     for path in extra:
         for n, p in get_module(model, path)._parameters.items():
             if p is not None:
@@ -584,7 +584,8 @@ def _adjust_head_counts(model: nn.Module, path: str, role: Role, rt: _Runtime, a
 
 def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False) -> None:
     """The ``tensor_parallel`` build phase (on build's private copy ``model``)."""
-    if not any(sch.annotations.of_kind(k) for k in (ROLE, SEQ, SYNC, RNG, LOCAL)):
+    keys: tuple[Key[Any], ...] = (ROLE, SEQ, SYNC, RNG, LOCAL)
+    if not any(sch.annotations.of_kind(k) for k in keys):
         return
     p = plan(sch)
     if strict:

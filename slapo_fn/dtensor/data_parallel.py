@@ -14,18 +14,20 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..combinators import primitive
 from ..errors import LayoutError, Problem, ScheduleError
 from ..rewrites._common import contains
-from ..schedule import Schedule, path_exists
+from ..schedule import Key, Schedule, path_exists
 from ..select import Selection
 from ..tree import get_module, walk
 from .shard import _problem_mesh
 
-__all__ = ["DataParallelSpec", "apply_data_parallel", "data_parallel", "find_blocks"]
+__all__ = ["DATA_PARALLEL", "DataParallelSpec", "apply_data_parallel", "data_parallel", "find_blocks"]
 
-KIND = "data_parallel"
+DATA_PARALLEL: Key[DataParallelSpec] = Key("data_parallel")
 Mode = Literal["fsdp", "ddp", "hsdp"]
 _MODES = ("fsdp", "ddp", "hsdp")
 
@@ -113,15 +115,10 @@ def data_parallel(
     problems += dict.fromkeys(p for p in (_problem_mesh(sch, "", a) for a in axes) if p is not None)
     if problems:
         raise LayoutError("data_parallel", problems)
-    if KIND in sch.annotations.get("", {}):
-        raise ScheduleError(
-            "data_parallel",
-            [
-                Problem(
-                    "", f"already data-parallel: {sch.annotations[''][KIND]}", "apply data_parallel once per schedule"
-                )
-            ],
-        )
+    existing = sch.annotations.get("", DATA_PARALLEL)
+    if existing is not None:
+        again = Problem("", f"already data-parallel: {existing}", "apply data_parallel once per schedule")
+        raise ScheduleError("data_parallel", [again])
     blocks = find_blocks(sch.module) if where is None else where.modules(sch.module)
     nested = [b for b in blocks if any(contains(o, b) for o in blocks)]
     if nested or "" in blocks:
@@ -137,22 +134,18 @@ def data_parallel(
             ],
         )
     spec = DataParallelSpec(mode, axes, tuple(blocks), param_dtype, reduce_dtype, reshard_after_forward)
-    return sch.annotate_path("", KIND, spec)
+    return sch.annotate_path("", DATA_PARALLEL, spec)
 
 
 def apply_data_parallel(model: nn.Module, sch: Schedule) -> None:
     """Wrap ``model`` (build's private copy) as the schedule says; a no-op without it."""
-    spec: DataParallelSpec | None = sch.annotations.get_kind("", KIND)
+    spec: DataParallelSpec | None = sch.annotations.get("", DATA_PARALLEL)
     if spec is None:
         return
     assert sch.mesh is not None
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     mesh = sch.mesh[spec.mesh_axes[0]] if len(spec.mesh_axes) == 1 else sch.mesh[spec.mesh_axes]
     mp = MixedPrecisionPolicy(param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype)
     if spec.mode == "ddp":
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
         replicate(model, mesh=mesh, mp_policy=mp)
         return
     for path in spec.blocks:

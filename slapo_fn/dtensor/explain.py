@@ -41,8 +41,10 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.stateless import _reparametrize_module
 
-from ..explain import format_bytes
+from ..render import format_bytes, format_param
 from ..schedule import Schedule
 from ..tree import join, private_copy, walk
 from .boundary import Boundary, plan
@@ -237,9 +239,6 @@ def activation_shapes(module: nn.Module, inputs: Sequence[Any], kwargs: Mapping[
     ``module`` is not touched: the run uses a private structural copy whose parameters
     and buffers are fake tensors. Raises what the model's forward raises.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.nn.utils.stateless import _reparametrize_module
-
     model = private_copy(module, copy_data=False)
     ins: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     outs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
@@ -282,10 +281,10 @@ def activation_shapes(module: nn.Module, inputs: Sequence[Any], kwargs: Mapping[
 def _origin(sch: Schedule, b: Boundary) -> Origin:
     if not b.explicit:
         return "implicit"
-    syncs: tuple[SyncSpec, ...] = sch.annotations.get_kind(b.path, SYNC, ())
+    syncs: tuple[SyncSpec, ...] = sch.annotations.get(b.path, SYNC, ())
     if any(_SIDE_OF_MODE[s.mode] == b.side for s in syncs):
         return "sync"
-    if sch.annotations.get_kind(b.path, SEQ) is not None and sch.annotations.get_kind(b.path, ROLE) is None:
+    if sch.annotations.get(b.path, SEQ) is not None and sch.annotations.get(b.path, ROLE) is None:
         return "sequence_parallel"
     return "shard"
 
@@ -317,8 +316,6 @@ def parameter_layouts(sch: Schedule) -> tuple[tuple[ParamLayout, ...], dict[str,
 
 
 def _plain(shape: tuple[int, ...], dtype: torch.dtype) -> str:
-    from ..explain import format_param
-
     return format_param(torch.empty(shape, dtype=dtype, device="meta"))
 
 

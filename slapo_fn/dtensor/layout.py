@@ -26,6 +26,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from ..render import format_dtype
+
 __all__ = ["Layout", "describe", "from_spec", "packed_shard", "shard_axes"]
 
 def packed_shard(axis: int, packed: int) -> Placement:
@@ -75,8 +77,6 @@ class Layout:
 
     def format(self, shape: Sequence[int], dtype: torch.dtype) -> str:
         """``f32[4096@tp, 1024]``; a packed dimension reads ``3072@tp×3``."""
-        from ..explain import format_dtype
-
         name = format_dtype(dtype)
         dims = []
         for d, size in enumerate(shape):

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 
 from ..combinators import primitive
 from ..errors import LayoutError, Problem
-from ..schedule import Schedule
+from ..schedule import Key, Schedule
 from ..select import Selection
 from .shard import LAYOUT, ROLE, _problem_mesh
 
 __all__ = ["LOCAL", "LocalSpec", "tp_local"]
 
-LOCAL = "tp_local"
+LOCAL: Key[LocalSpec] = Key("tp_local")
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,13 @@ import torch
 
 from ..combinators import primitive
 from ..errors import LayoutError
-from ..schedule import Schedule
+from ..schedule import Key, Schedule
 from ..select import Selection
 from .shard import _problem_mesh
 
 __all__ = ["RNG", "RngSpec", "fork_rng", "forked"]
 
-RNG = "rng"
+RNG: Key[RngSpec] = Key("rng")
 _STRIDE = 1_000_003
 
 

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from ..combinators import primitive
 from ..errors import LayoutError, Problem
 from ..rewrites._common import contains
-from ..schedule import Schedule
+from ..schedule import Key, Schedule
 from ..select import Selection
 from .shard import _problem_mesh
 
 __all__ = ["SEQ", "SeqSpec", "sequence_parallel"]
 
-SEQ = "sequence_parallel"
+SEQ: Key[SeqSpec] = Key("sequence_parallel")
 
 
 @dataclass(frozen=True)

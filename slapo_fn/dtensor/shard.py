@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -35,15 +36,15 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..combinators import primitive
 from ..errors import LayoutError, Problem
-from ..schedule import Schedule
+from ..schedule import Key, Schedule
 from ..select import Selection
 from ..tree import get_module, is_conv1d, join, split
 from .layout import Layout, from_spec, packed_shard
 
 __all__ = ["LAYOUT", "ROLE", "Role", "mesh_dims", "shard"]
 
-LAYOUT = "layout"
-ROLE = "tp"
+LAYOUT: Key[Layout] = Key("layout")
+ROLE: Key[Role] = Key("tp")
 
 RoleKind = Literal["column", "row", "vocab", "embed_dim", "param"]
 
@@ -148,7 +149,7 @@ def _check_param(
                     "or shard another axis",
                 )
             )
-    existing = sch.annotations.get_kind(path, LAYOUT)
+    existing = sch.annotations.get(path, LAYOUT)
     if existing is not None and existing != layout:
         problems.append(
             Problem(
@@ -159,9 +160,11 @@ def _check_param(
         )
 
 
-def _dtype(sch: Schedule, path: str) -> object:
+def _dtype(sch: Schedule, path: str) -> torch.dtype:
     tokens = split(path)
-    return getattr(get_module(sch.module, ".".join(tokens[:-1]))._parameters[tokens[-1]], "dtype", None)
+    param = get_module(sch.module, ".".join(tokens[:-1]))._parameters[tokens[-1]]
+    assert param is not None  # shard validated that the parameter exists
+    return param.dtype
 
 
 def _placement_from(
@@ -342,7 +345,7 @@ size 4 of mesh axis 'tp'
             )
             if h is not None:
                 problems.append(h)
-        existing = sch.annotations.get_kind(path, ROLE)
+        existing = sch.annotations.get(path, ROLE)
         if existing is not None and plan.role is not None and existing != plan.role:
             problems.append(
                 Problem(path, f"already sharded as {existing}; now asked for {plan.role}", "shard each module once")
@@ -353,7 +356,7 @@ size 4 of mesh axis 'tp'
     for plan in plans:
         if plan.role is not None:
             sch = sch.annotate_path(plan.module, ROLE, plan.role)
-        elif sch.annotations.get_kind(plan.module, ROLE) is None:
+        elif sch.annotations.get(plan.module, ROLE) is None:
             sch = sch.annotate_path(plan.module, ROLE, Role("param", mesh_axis))
         for name, lay in plan.params:
             sch = sch.annotate_path(join(plan.module, name), LAYOUT, lay)

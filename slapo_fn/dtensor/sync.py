@@ -32,14 +32,14 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..combinators import primitive
 from ..errors import LayoutError, Problem
-from ..schedule import Schedule
+from ..schedule import Key, Schedule
 from ..select import Selection
 from .layout import describe
 from .shard import _problem_mesh
 
 __all__ = ["SYNC", "SYNC_MODES", "SyncSpec", "collective_of", "sync"]
 
-SYNC = "sync"
+SYNC: Key[tuple[SyncSpec, ...]] = Key("sync")
 SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
 
 
@@ -111,5 +111,5 @@ def sync(
         raise LayoutError("sync", problems, src=src, dst=layout)
     spec = SyncSpec(mode, layout, src, mesh_axis)
     for path in paths:
-        sch = sch.annotate_path(path, SYNC, (*sch.annotations.get_kind(path, SYNC, ()), spec))
+        sch = sch.annotate_path(path, SYNC, (*sch.annotations.get(path, SYNC, ()), spec))
     return sch

@@ -25,6 +25,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 from ._common import fail
@@ -84,8 +85,6 @@ def fused_mlp(
 
 def _distributed(*layers: nn.Module) -> bool:
     """Whether any parameter is a DTensor (the layers then run their own, sharded forwards)."""
-    from torch.distributed.tensor import DTensor
-
     return any(isinstance(p, DTensor) for layer in layers for p in layer.parameters())
 
 

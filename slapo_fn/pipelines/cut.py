@@ -9,14 +9,14 @@ from torch import nn
 
 from ..combinators import primitive
 from ..errors import Problem, ScheduleError
-from ..schedule import Schedule
+from ..schedule import Key, Schedule
 from ..select import Selection
 from ..tree import get_module, join, split, walk
 from .families import family_of
 
-__all__ = ["KIND", "StageCut", "cut_pipeline_stage", "pp_size", "sequence_of"]
+__all__ = ["PIPELINE_CUT", "StageCut", "cut_pipeline_stage", "pp_size", "sequence_of"]
 
-KIND = "pipeline_cut"
+PIPELINE_CUT: Key[StageCut] = Key("pipeline_cut")
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def cut_pipeline_stage(sch: Schedule, where: Selection) -> Schedule:
     """
     paths = where.paths(sch.module)
     family_of(sch.module)  # a Hugging Face family without a stage adapter is refused now, not at build
-    existing = tuple(sch.annotations.of_kind(KIND))
+    existing = tuple(sch.annotations.of_kind(PIPELINE_CUT))
     problems: list[Problem] = []
     seen_sequence = sequence_of(existing[0]) if existing else None
     last_index = max((_index(sch.module, p) for p in existing), default=-1)
@@ -168,7 +168,7 @@ def cut_pipeline_stage(sch: Schedule, where: Selection) -> Schedule:
     if problems:
         raise ScheduleError("cut_pipeline_stage", problems)
     for path in new:
-        sch = sch.annotate_path(path, KIND, StageCut())
+        sch = sch.annotate_path(path, PIPELINE_CUT, StageCut())
     return sch
 
 

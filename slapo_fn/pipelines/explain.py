@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cut import KIND, pp_size
+from ..render import format_bytes
+from ..schedule import Schedule
+from .cut import PIPELINE_CUT, pp_size
 from .runner import stage_ranks
 from .split import split_stages
 
@@ -52,8 +54,6 @@ class StageTable:
     def __str__(self) -> str:
         if len(self.rows) < 2:
             return ""
-        from ..explain import format_bytes
-
         def fold(layers: tuple[str, ...]) -> str:
             if len(layers) == 1:
                 return layers[0]
@@ -86,9 +86,7 @@ class StageTable:
 
 def stage_table(sch: object) -> StageTable:
     """The :class:`StageTable` of ``sch`` (one row per stage; no rows without cuts)."""
-    from ..schedule import Schedule
-
-    if not isinstance(sch, Schedule) or not sch.annotations.of_kind(KIND):
+    if not isinstance(sch, Schedule) or not sch.annotations.of_kind(PIPELINE_CUT):
         return StageTable((), ())
     stages = split_stages(sch)
     size = pp_size(sch)

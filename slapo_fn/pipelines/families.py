@@ -42,6 +42,8 @@ from typing import Any, Literal, TypeAlias
 import torch
 from torch import nn
 
+from ..errors import Problem, ScheduleError
+
 __all__ = [
     "FAMILIES",
     "Family",
@@ -120,8 +122,6 @@ def family_of(model: Any) -> Family:
     if not isinstance(model_type, str):
         return Family()
     if model_type not in FAMILIES:
-        from ..errors import Problem, ScheduleError
-
         raise ScheduleError("cut_pipeline_stage", [Problem(
             "", f"no pipeline stage adapter for model_type {model_type!r} (known: {', '.join(sorted(FAMILIES))})",
             f"check what {type(model).__name__}.forward does with inputs_embeds and the modules before its layers, "

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..errors import Problem, ScheduleError
-from ..schedule import Annotations, Schedule
+from ..schedule import Schedule
 from ..tree import child_names, get_module, join, shallow_clone, split
-from .cut import KIND, sequence_of
+from .cut import PIPELINE_CUT, sequence_of
 from .families import Family, Role, default_later, family_of, later_stand_in
 
 __all__ = ["Stage", "roles", "split_stages"]
@@ -141,7 +141,7 @@ def split_stages(sch: Schedule, *, family: Family | None = None) -> tuple[Stage,
     Pure: the schedule and its modules are unchanged; each stage shares every kept
     module and parameter with the schedule. A schedule without cuts is one stage.
     """
-    cuts = tuple(sch.annotations.of_kind(KIND))
+    cuts = tuple(sch.annotations.of_kind(PIPELINE_CUT))
     if not cuts:
         return (Stage(0, "", (), True, True, sch),)
     sequence = sequence_of(cuts[0])
@@ -162,9 +162,6 @@ def split_stages(sch: Schedule, *, family: Family | None = None) -> tuple[Stage,
         keep = keys[bounds[s] : bounds[s + 1]]
         tree = _stage_tree(sch.module, sequence, keep, s, s == 0, s == last, found, family)
         stage_sch = sch.with_module(tree, replaced=("",))
-        notes = stage_sch.annotations
-        stage_sch = stage_sch.evolve(
-            annotations=Annotations({p: {k: v for k, v in notes[p].items() if k != KIND} for p in notes})
-        )
+        stage_sch = stage_sch.evolve(annotations=stage_sch.annotations.without(PIPELINE_CUT))
         stages.append(Stage(s, sequence, keep, s == 0, s == last, stage_sch))
     return tuple(stages)

@@ -7,12 +7,13 @@ Each family is a :class:`Recipe` value — data plus combinators — taking the 
 
 Example:
     >>> import slapo_fn as sf
+    >>> from slapo_fn.rewrites.checkpoint import CHECKPOINT
     >>> from transformers import LlamaConfig, LlamaForCausalLM
     >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     ...                                      num_attention_heads=4, vocab_size=128))
     >>> recipe = sf.recipes.for_model(model)
     >>> sch = recipe(sf.create_schedule(model), checkpoint=1.0, kernels=True)
-    >>> recipe.name, sorted(sch.annotations.of_kind("checkpoint"))
+    >>> recipe.name, sorted(sch.annotations.of_kind(CHECKPOINT))
     ('llama', ['model.layers.0', 'model.layers.1'])
 """
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
+from torch import nn
 from torch.distributed.tensor import Shard as DShard
 
 from ..dtensor import shard, sync
@@ -21,8 +22,6 @@ def _plan(*parts: tuple[str, dict[str, Shard]]) -> MappingProxyType[str, Shard]:
 
 
 def _position_bias(sch: Schedule) -> Schedule:
-    import torch.nn as nn
-
     bias = [p for p in sch.paths() if p.endswith("relative_attention_bias") and isinstance(sch[p].module,
                                                                                             nn.Embedding)]
     for path in bias:

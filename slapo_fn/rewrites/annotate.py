@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -10,13 +11,13 @@ from torch import nn
 
 from ..combinators import primitive
 from ..errors import Problem, ScheduleError
-from ..schedule import Schedule
+from ..schedule import Key, Schedule
 from ..select import Selection
 from ..tree import get_module, split
 
-__all__ = ["annotate", "apply_tags", "resolve_target"]
+__all__ = ["TAGS", "annotate", "apply_tags", "resolve_target"]
 
-KIND = "tags"
+TAGS: Key[MappingProxyType[str, Any]] = Key("tags")
 
 
 def resolve_target(root: nn.Module, path: str) -> nn.Module | torch.Tensor:
@@ -51,7 +52,7 @@ def annotate(sch: Schedule, where: Selection, key: str, value: Any) -> Schedule:
     problems = []
     for path in paths:
         target = resolve_target(sch.module, path)
-        tags = sch.annotations.get_kind(path, KIND, {})
+        tags: Mapping[str, Any] = sch.annotations.get(path, TAGS) or {}
         if not isinstance(key, str) or not key.isidentifier() or key.startswith("__"):
             problems.append(
                 Problem(
@@ -71,14 +72,14 @@ def annotate(sch: Schedule, where: Selection, key: str, value: Any) -> Schedule:
     if problems:
         raise ScheduleError("annotate", problems)
     for path in paths:
-        tags = sch.annotations.get_kind(path, KIND, {})
-        sch = sch.annotate_path(path, KIND, MappingProxyType({**tags, key: value}))
+        tags = sch.annotations.get(path, TAGS) or MappingProxyType({})
+        sch = sch.annotate_path(path, TAGS, MappingProxyType({**tags, key: value}))
     return sch
 
 
 def apply_tags(model: nn.Module, sch: Schedule) -> None:
     """Set the tags as attributes on ``model``'s parameters/modules (build's copy)."""
-    for path, tags in sch.annotations.of_kind(KIND).items():
+    for path, tags in sch.annotations.of_kind(TAGS).items():
         target = resolve_target(model, path)
         for key, value in tags.items():
             if isinstance(target, nn.Module):

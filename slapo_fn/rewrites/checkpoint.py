@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,17 +14,16 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from ..combinators import primitive
 from ..errors import Problem, ScheduleError, ScheduleTypeError
-from ..schedule import Schedule
+from ..schedule import Key, Schedule
 from ..select import Selection
 from ..tree import get_module
 from ._common import contains, reject_nested
+from .graph.find import Match
+from .graph.subgraph import checkpoint_subgraph
 
-if TYPE_CHECKING:
-    from .graph.find import Match
+__all__ = ["CHECKPOINT", "CheckpointSpec", "apply_checkpoints", "checkpoint"]
 
-__all__ = ["CheckpointSpec", "apply_checkpoints", "checkpoint"]
-
-KIND = "checkpoint"
+CHECKPOINT: Key[CheckpointSpec] = Key("checkpoint")
 PolicyFn = Callable[..., CheckpointPolicy]
 
 
@@ -111,13 +110,11 @@ def checkpoint(sch: Schedule, where: Selection, *, policy: object = None, subgra
     paths = where.modules(sch.module)
     spec = _spec(policy, paths)
     if subgraph is not None:
-        from .graph.subgraph import checkpoint_subgraph
-
         if len(paths) != 1:
             raise ScheduleError(
                 "checkpoint", [Problem(p, "a subgraph lives in one traced module", "select one") for p in paths]
             )
-        outer = [p for p in sch.annotations.of_kind(KIND) if p == paths[0] or contains(p, paths[0])]
+        outer = [p for p in sch.annotations.of_kind(CHECKPOINT) if p == paths[0] or contains(p, paths[0])]
         if outer:
             raise ScheduleError(
                 "checkpoint",
@@ -129,17 +126,17 @@ def checkpoint(sch: Schedule, where: Selection, *, policy: object = None, subgra
                     )
                 ],
             )
-        return checkpoint_subgraph(sch, paths[0], subgraph, KIND, spec)
-    existing = [p for p in sch.annotations.of_kind(KIND) if p not in paths]
+        return checkpoint_subgraph(sch, paths[0], subgraph, CHECKPOINT, spec)
+    existing = [p for p in sch.annotations.of_kind(CHECKPOINT) if p not in paths]
     reject_nested("checkpoint", paths, existing)
     for path in paths:
-        sch = sch.annotate_path(path, KIND, spec)
+        sch = sch.annotate_path(path, CHECKPOINT, spec)
     return sch
 
 
 def apply_checkpoints(model: nn.Module, sch: Schedule) -> None:
     """Install the schedule's checkpoint regions on ``model`` (build's private copy)."""
-    for path, spec in sch.annotations.of_kind(KIND).items():
+    for path, spec in sch.annotations.of_kind(CHECKPOINT).items():
         module = get_module(model, path)
         context_fn = spec.context_fn()
         if context_fn is None:

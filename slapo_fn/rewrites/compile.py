@@ -11,14 +11,14 @@ from torch import nn
 
 from ..combinators import primitive
 from ..errors import Problem, ScheduleError
-from ..schedule import Schedule
+from ..schedule import Key, Schedule
 from ..select import Selection
 from ..tree import get_module
 from ._common import reject_nested
 
-__all__ = ["apply_compile", "compile"]
+__all__ = ["COMPILE", "apply_compile", "compile"]
 
-KIND = "compile"
+COMPILE: Key[MappingProxyType[str, Any]] = Key("compile")
 _OPTIONS = tuple(n for n in inspect.signature(torch.compile).parameters if n != "model")
 
 
@@ -48,14 +48,14 @@ def compile(sch: Schedule, where: Selection, **options: Any) -> Schedule:  # noq
                 for p in paths
             ],
         )
-    existing = [p for p in sch.annotations.of_kind(KIND) if p not in paths]
+    existing = [p for p in sch.annotations.of_kind(COMPILE) if p not in paths]
     reject_nested("compile", paths, existing)
     for path in paths:
-        sch = sch.annotate_path(path, KIND, MappingProxyType(dict(options)))
+        sch = sch.annotate_path(path, COMPILE, MappingProxyType(dict(options)))
     return sch
 
 
 def apply_compile(model: nn.Module, sch: Schedule) -> None:
     """Compile the schedule's regions of ``model`` in place (build's private copy)."""
-    for path, options in sch.annotations.of_kind(KIND).items():
+    for path, options in sch.annotations.of_kind(COMPILE).items():
         get_module(model, path).compile(**options)

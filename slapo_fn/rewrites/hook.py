@@ -10,13 +10,13 @@ from torch import nn
 
 from ..combinators import primitive
 from ..errors import Problem, ScheduleError, ScheduleTypeError
-from ..schedule import Schedule
+from ..schedule import Key, Schedule
 from ..select import Selection
 from ..tree import get_module
 
-__all__ = ["HOOK_MODES", "HookSpec", "apply_hooks", "hook"]
+__all__ = ["HOOKS", "HOOK_MODES", "HookSpec", "apply_hooks", "hook"]
 
-KIND = "hooks"
+HOOKS: Key[tuple[HookSpec, ...]] = Key("hooks")
 HOOK_MODES = ("fwd_pre", "fwd_post", "bwd_pre", "bwd_post")
 
 
@@ -71,13 +71,13 @@ def hook(sch: Schedule, where: Selection, mode: str, fn: Callable[..., Any], *, 
         )
     spec = HookSpec(mode, fn, with_kwargs)
     for path in paths:
-        sch = sch.annotate_path(path, KIND, (*sch.annotations.get_kind(path, KIND, ()), spec))
+        sch = sch.annotate_path(path, HOOKS, (*sch.annotations.get(path, HOOKS, ()), spec))
     return sch
 
 
 def apply_hooks(model: nn.Module, sch: Schedule) -> None:
     """Register the schedule's hooks on ``model`` (build's private copy)."""
-    for path, specs in sch.annotations.of_kind(KIND).items():
+    for path, specs in sch.annotations.of_kind(HOOKS).items():
         module = get_module(model, path)
         for spec in specs:
             if spec.mode == "fwd_pre":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
@@ -13,9 +13,8 @@ from ..errors import Problem, ScheduleError, ScheduleTypeError
 from ..schedule import Schedule
 from ..select import Selection
 from ..tree import get_module, set_at
-
-if TYPE_CHECKING:
-    from .graph.find import Match
+from .graph.find import Match
+from .graph.subgraph import replace_subgraph
 
 __all__ = ["replace"]
 
@@ -104,8 +103,6 @@ def replace(
     """
     paths = where.modules(sch.module)
     if subgraph is not None:
-        from .graph.subgraph import replace_subgraph
-
         if len(paths) != 1:
             raise ScheduleError(
                 "replace", [Problem(p, "a subgraph lives in one traced module", "select one") for p in paths]

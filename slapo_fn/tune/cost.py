@@ -37,18 +37,21 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from ..dtensor.testing import fake_world
+from ..memory import per_rank_memory
+from ..presets import build_model
+from ..recipes import Knobs, for_model
+from ..schedule import create_schedule
 from .space import Config
 
-if TYPE_CHECKING:
-    from torch import nn
-
-__all__ = ["Estimate", "ModelShape", "activation_bytes", "estimate", "fake_world"]
+__all__ = ["Estimate", "ModelShape", "activation_bytes", "estimate"]
 
 
 @dataclass(frozen=True)
@@ -139,26 +142,7 @@ def activation_bytes(config: Config, shape: ModelShape, seq: int) -> int:
     return math.ceil(elements) * shape.element_size
 
 
-@contextlib.contextmanager
-def fake_world(world_size: int) -> Iterator[None]:
-    """A fake (single-process, no data moved) default process group of ``world_size``
-    ranks for the duration of the block, unless one is already initialised."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if world_size <= 1 or dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _mesh(config: Config) -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
-
     axes = [(n, config.num(n)) for n in ("dp", "pp", "tp") if config.num(n) > 1]
     if not axes:
         return None
@@ -171,11 +155,6 @@ def estimate(config: Config, model: str | nn.Module, *, world_size: int, seq: in
     module's docstring for the formula). Nothing is allocated and no process started.
     ``model`` may also be that preset already built on the meta device (scheduling never
     changes it), so that many configurations share one."""
-    from .. import create_schedule, recipes
-    from ..memory import per_rank_memory
-    from ..presets import build_model
-    from ..recipes import Knobs
-
     module = build_model(model, meta=True) if isinstance(model, str) else model
     dp = config.num("dp")
     knobs = Knobs(tp=config.num("tp"), sequence_parallel=bool(config.get("sp")),
@@ -183,7 +162,7 @@ def estimate(config: Config, model: str | nn.Module, *, world_size: int, seq: in
                   stages=config.num("pp"), dp_mode=config.get("dp_mode") if dp > 1 else None,  # type: ignore[arg-type]
                   kernels=bool(config.get("kernels")), compile=bool(config.get("compile")))
     with fake_world(world_size):
-        sch = recipes.for_model(module)(create_schedule(module, mesh=_mesh(config)), knobs)
+        sch = for_model(module)(create_schedule(module, mesh=_mesh(config)), knobs)
         table = per_rank_memory(sch)
     row = max(table.rows, key=lambda r: r.total_bytes)
     shape = ModelShape.of(module.config)  # type: ignore[union-attr]

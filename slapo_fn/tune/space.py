@@ -27,6 +27,8 @@ from types import MappingProxyType
 from typing import Any
 
 from ..errors import Problem, ScheduleError
+from ..presets import config_for
+from ..recipes import RECIPES
 
 __all__ = [
     "DEFAULTS",
@@ -365,9 +367,6 @@ def space_for(model: str, world_size: int, *, fixed: Mapping[str, Any] | None = 
     >>> len(space.valid()), space.fixed["model"]
     (12, 'llama-tiny')
     """
-    from ..presets import config_for
-    from ..recipes import RECIPES
-
     hf = config_for(model)
     recipe = next((r for r in RECIPES.values() if hf.model_type in r.model_types), None)
     if recipe is None:

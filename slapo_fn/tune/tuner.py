@@ -37,8 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..dtensor.testing import fake_world
 from ..errors import Problem
-from .cost import Estimate, estimate, fake_world
+from ..presets import build_model
+from .cost import Estimate, estimate
 from .space import Config, NoValidPointError, Space
 from .strategy import Grid, Strategy
 from .trial import Trial, reproduce_command, run_trial
@@ -88,8 +90,6 @@ class TuneResult:
 
 
 def _estimates(space: Space, points: tuple[Config, ...], seq: int) -> dict[Config, Estimate]:
-    from ..presets import build_model
-
     model, world = build_model(str(space.fixed["model"]), meta=True), int(space.fixed.get("world_size", 1))
     with fake_world(world):
         return {c: estimate(c, model, world_size=world, seq=seq) for c in points}

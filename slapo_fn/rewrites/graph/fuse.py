@@ -17,7 +17,7 @@ from ...kernels.dropout import CounterDropout, counter_dropout
 from ...schedule import Schedule
 from ...select import Selection
 from .._common import reject_nested
-from ..compile import KIND as COMPILE
+from ..compile import COMPILE
 from .find import Match
 from .outline import Outlined, outline
 

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ...errors import Problem, ScheduleError, ScheduleTypeError
-from ...schedule import Schedule
+from ...schedule import Key, Schedule
 from .find import Match
 from .outline import Outlined, outline
 
 __all__ = ["checkpoint_subgraph", "replace_subgraph"]
+
+T = TypeVar("T")
 
 
 class FunctionModule(nn.Module):
@@ -84,8 +87,6 @@ def _check(path: str, match: Match, new: nn.Module, o: Outlined) -> list[Problem
     outs = [_meta(n) for n in o.outputs]
     if any(m is None for m in metas) or any(m is None for m in outs):
         return problems  # no shapes recorded (trace with example_inputs to check them)
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             args = [mode.from_tensor(torch.empty(s, dtype=d)) for s, d in metas]  # type: ignore[misc]
@@ -128,7 +129,7 @@ def replace_subgraph(sch: Schedule, path: str, new: nn.Module | Callable[..., An
     return result
 
 
-def checkpoint_subgraph(sch: Schedule, path: str, match: Match, kind: str, spec: object) -> Schedule:
+def checkpoint_subgraph(sch: Schedule, path: str, match: Match, key: Key[T], spec: T) -> Schedule:
     """``checkpoint(sch, path, subgraph=match)``: the subgraph becomes a module, checkpointed."""
     result, new_path = outline(sch, path, match, "checkpoint", "checkpointed", lambda o: o.region)
-    return result.annotate_path(new_path, kind, spec)
+    return result.annotate_path(new_path, key, spec)
