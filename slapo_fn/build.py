@@ -25,6 +25,7 @@ from torch import nn
 from .dtensor.boundary import apply_tensor_parallel
 from .dtensor.data_parallel import apply_data_parallel
 from .errors import Problem, ScheduleError, ScheduleTypeError
+from .hf import clear_initialized_flags, init_owner, is_pretrained_model, reset_weights
 from .rewrites.annotate import apply_tags
 from .rewrites.checkpoint import apply_checkpoints
 from .rewrites.compile import apply_compile
@@ -131,28 +132,6 @@ def _has_meta(module: nn.Module) -> bool:
     return any(t is not None and t.is_meta for t in (*module._parameters.values(), *module._buffers.values()))
 
 
-def _hf_owner(owners: dict[str, nn.Module], path: str) -> nn.Module | None:
-    """The nearest Hugging Face ``PreTrainedModel`` at or above ``path``."""
-    tokens = path.split(".") if path else []
-    for i in range(len(tokens), -1, -1):
-        owner = owners.get(".".join(tokens[:i]))
-        if owner is not None:
-            return owner
-    return None
-
-
-def _reset(module: nn.Module, owner: nn.Module | None) -> bool:
-    init_weights = getattr(owner, "_init_weights", None)
-    if callable(init_weights):
-        init_weights(module)
-        return True
-    reset = getattr(module, "reset_parameters", None)
-    if callable(reset):
-        reset()
-        return True
-    return False
-
-
 def materialise(model: nn.Module, options: BuildOptions) -> None:
     """Give meta-device tensors of ``model`` real storage and initialise them (in place:
     ``model`` is build's private copy)."""
@@ -167,12 +146,9 @@ def materialise(model: nn.Module, options: BuildOptions) -> None:
             "build", [Problem("", f"unknown init {init!r}", "use init='reset', init='full' or init=fn(module, path)")]
         )
     _to_empty(model, options.device or torch.device("cpu"))
-    owners = {path: m for path, m in walk(model) if _is_hf_model(m)}
+    owners = {path: m for path, m in walk(model) if is_pretrained_model(m)}
     for _, m in pending:
-        m.__dict__.pop("_is_hf_initialized", None)
-        for t in (*m._parameters.values(), *m._buffers.values()):
-            if t is not None:
-                t.__dict__.pop("_is_hf_initialized", None)
+        clear_initialized_flags(m)
     if options.device is not None:
         model.to(options.device)
     uninitialised: list[str] = []
@@ -183,7 +159,7 @@ def materialise(model: nn.Module, options: BuildOptions) -> None:
             for path, m in pending:
                 if callable(init):
                     init(m, path)
-                elif not _reset(m, _hf_owner(owners, path)):
+                elif not reset_weights(m, init_owner(owners, path)):
                     uninitialised.append(path)
     if uninitialised:
         raise ScheduleError(
@@ -223,9 +199,3 @@ def _to_empty(model: nn.Module, device: torch.device) -> None:
         for name, b in m._buffers.items():
             if b is not None and b.is_meta:
                 m._buffers[name] = empty(b)
-
-
-def _is_hf_model(module: nn.Module) -> bool:
-    return any(
-        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in type(module).__mro__
-    )

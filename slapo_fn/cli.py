@@ -246,7 +246,7 @@ def _train(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from . import build, build_pipeline, load, save
+    from . import build, build_pipeline, hf, load, save
     from .data import Arithmetic, ByteText
 
     base_mem = _peak_memory(None)
@@ -254,9 +254,8 @@ def _train(args: argparse.Namespace) -> int:
     device, mesh = _setup(args)
     rank = dist.get_rank() if dist.is_initialized() else 0
     sch = _schedule(args, mesh, meta=True)
-    data = ByteText.from_file(args.data, args.seed) if args.data else Arithmetic(sch.module.config.vocab_size,
-                                                                                 args.seed)
-    vocab = sch.module.config.vocab_size
+    vocab = hf.vocab_size(sch.module)
+    data = ByteText.from_file(args.data, args.seed) if args.data else Arithmetic(vocab, args.seed)
     if data.vocab > vocab:
         raise SystemExit(f"slapo-fn: the data has {data.vocab} symbols, the model's vocabulary {vocab}")
 
@@ -392,7 +391,7 @@ def _verify(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from . import verify
+    from . import hf, verify
     from .verify import VerificationError
 
     _device, mesh = _setup(args)
@@ -401,7 +400,7 @@ def _verify(args: argparse.Namespace) -> int:
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(0)  # the model's random initialisation
     sch = _schedule(args, mesh, meta=False)
-    vocab = int(sch.module.config.vocab_size)
+    vocab = hf.vocab_size(sch.module)
     ids = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     code = 0
     try:

@@ -23,7 +23,6 @@ from torch import nn
 __all__ = [
     "child_names",
     "get_module",
-    "is_conv1d",
     "join",
     "private_copy",
     "set_at",
@@ -145,9 +144,3 @@ def private_copy(root: nn.Module, *, copy_data: bool) -> nn.Module:
         return clone
 
     return module(root)
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """Hugging Face ``Conv1D`` (GPT-2's linear layer, ``x @ weight + bias`` with the weight
-    stored (in, out)), recognised without importing transformers."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")

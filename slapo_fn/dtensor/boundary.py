@@ -46,6 +46,9 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.nn.utils.stateless import _reparametrize_module
 
 from ..errors import LayoutError, Problem
+from ..hf import HEAD_COUNT_ATTRS as _HEAD_COUNTS
+from ..hf import HEAD_DIM_ATTRS as _HEAD_DIMS
+from ..hf import is_conv1d
 from ..rewrites._common import contains
 from ..schedule import Key, Schedule
 from ..tree import child_names, get_module, join, split, walk
@@ -54,7 +57,7 @@ from .layout import Layout, shard_axes
 from .local import LOCAL
 from .rng import RNG, RngSpec, forked
 from .sequence import SEQ, SeqSpec
-from .shard import LAYOUT, ROLE, Role, is_conv1d, mesh_dims
+from .shard import LAYOUT, ROLE, Role, mesh_dims
 from .sync import SYNC, SyncSpec, collective_of
 
 __all__ = ["Boundary", "ModulePlan", "Plan", "apply_tensor_parallel", "plan"]
@@ -556,10 +559,6 @@ def _adjust_packed_parent(model: nn.Module, path: str, role: Role, rt: _Runtime)
     chunk = out // role.packed
     if getattr(parent, "split_size", None) == chunk:
         object.__setattr__(parent, "split_size", chunk // rt.size(role.mesh_axis))
-
-
-_HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_key_value_heads")
-_HEAD_DIMS = ("head_dim", "key_value_proj_dim", "attention_head_size")
 
 
 def _adjust_head_counts(model: nn.Module, path: str, role: Role, rt: _Runtime, adjusted: set[tuple[int, str]]) -> None:

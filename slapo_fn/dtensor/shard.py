@@ -36,9 +36,10 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..combinators import primitive
 from ..errors import LayoutError, Problem
+from ..hf import head_dim_of, is_conv1d
 from ..schedule import Key, Schedule
 from ..select import Selection
-from ..tree import get_module, is_conv1d, join, split
+from ..tree import get_module, join, split
 from .layout import Layout, from_spec, packed_shard
 
 __all__ = ["LAYOUT", "ROLE", "Role", "mesh_dims", "shard"]
@@ -87,8 +88,9 @@ def _problem_mesh(sch: Schedule, path: str, mesh_axis: str) -> Problem | None:
 
 def _heads_problem(root: nn.Module, path: str, dim: int, packed: int, size: int, mesh_axis: str) -> Problem | None:
     parent = get_module(root, ".".join(split(path)[:-1]))
-    head_dim = getattr(parent, "head_dim", None)
-    if not isinstance(head_dim, int) or head_dim <= 0 or (dim // packed) % head_dim:
+    # only ``head_dim`` (LLaMA, GPT-2, OPT …): BERT's 6 heads over 4 ranks build and match
+    head_dim = head_dim_of(parent, ("head_dim",))
+    if head_dim is None or (dim // packed) % head_dim:
         return None
     heads = dim // packed // head_dim
     if heads % size:

@@ -37,12 +37,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal, TypeAlias
+from typing import Any, TypeAlias
 
 import torch
 from torch import nn
 
 from ..errors import Problem, ScheduleError
+from ..hf import PIPELINE_STAGES, StageRole, StageStandIn, model_type
 
 __all__ = [
     "FAMILIES",
@@ -56,8 +57,8 @@ __all__ = [
     "later_stand_in",
 ]
 
-Role: TypeAlias = Literal["pre", "post", "shared"]
-Later: TypeAlias = Literal["absent", "identity", "zeros", "inputs"]
+Role: TypeAlias = StageRole
+Later: TypeAlias = StageStandIn
 
 
 @dataclass(frozen=True)
@@ -80,33 +81,11 @@ class Family:
         return hash((tuple(sorted(self.roles.items())), tuple(sorted(self.later.items()))))
 
 
-def _family(roles: dict[str, Role] | None = None, later: dict[str, Later] | None = None) -> Family:
-    return Family(MappingProxyType(dict(roles or {})), MappingProxyType(dict(later or {})))
-
-
-_BERT = _family(later={"embeddings": "inputs"})
-
 #: Hugging Face model types whose stage split is known to be right: the structural
-#: defaults (LLaMA-like forwards feed inputs_embeds straight to the layers), or more.
+#: defaults (LLaMA-like forwards feed inputs_embeds straight to the layers), or more
+#: (the per-family data lives in :data:`slapo_fn.hf.PIPELINE_STAGES`).
 FAMILIES: Mapping[str, Family] = MappingProxyType(
-    {
-        "llama": Family(),
-        "mistral": Family(),
-        "qwen2": Family(),
-        "qwen3": Family(),
-        # GPT2Model.forward adds wpe(position_ids) to inputs_embeds, then dropout.
-        "gpt2": _family(later={"wpe": "zeros", "drop": "identity"}),
-        # OPTDecoder registers final_layer_norm/project_out *before* its layers, adds
-        # embed_positions(...) and applies project_in to inputs_embeds.
-        "opt": _family(
-            roles={"final_layer_norm": "post", "project_out": "post"},
-            later={"embed_positions": "zeros", "project_in": "identity"},
-        ),
-        # BertModel always calls self.embeddings(..., inputs_embeds=...) (adds position and
-        # token-type embeddings and a LayerNorm): later stages pass the hidden states on.
-        "bert": _BERT,
-        "roberta": _BERT,
-    }
+    {name: Family(roles, later) for name, (roles, later) in PIPELINE_STAGES.items()}
 )
 
 
@@ -118,16 +97,16 @@ def family_of(model: Any) -> Family:
     forward may transform ``inputs_embeds`` (Gemma scales them by sqrt(hidden)), which the
     later stages would then apply again, silently.
     """
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if not isinstance(model_type, str):
+    kind = model_type(model)
+    if kind is None:
         return Family()
-    if model_type not in FAMILIES:
+    if kind not in FAMILIES:
         raise ScheduleError("cut_pipeline_stage", [Problem(
-            "", f"no pipeline stage adapter for model_type {model_type!r} (known: {', '.join(sorted(FAMILIES))})",
+            "", f"no pipeline stage adapter for model_type {kind!r} (known: {', '.join(sorted(FAMILIES))})",
             f"check what {type(model).__name__}.forward does with inputs_embeds and the modules before its layers, "
             "then pass family=Family(...) to split_stages, or add the model type to "
             "slapo_fn.pipelines.families.FAMILIES")])
-    return FAMILIES[model_type]
+    return FAMILIES[kind]
 
 
 class NotInStage(nn.Module):

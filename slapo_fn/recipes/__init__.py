@@ -26,6 +26,7 @@ from torch import nn
 
 from ..dtensor import shard
 from ..errors import Problem, ScheduleError
+from ..hf import model_type as model_type_of
 from ..schedule import Schedule
 from ._recipe import Knobs, Recipe, Shard, Stack
 from .bert import BERT
@@ -43,7 +44,7 @@ RECIPES: Mapping[str, Recipe] = MappingProxyType({r.name: r for r in (LLAMA, QWE
 
 def for_model(model: nn.Module) -> Recipe:
     """The recipe for ``model``'s family, from its Hugging Face ``config.model_type``."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    model_type = model_type_of(model)
     for recipe in RECIPES.values():
         if model_type in recipe.model_types:
             return recipe

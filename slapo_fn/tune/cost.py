@@ -45,6 +45,16 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..dtensor.testing import fake_world
+from ..hf import (
+    CONFIG_HEAD_COUNT_ATTRS,
+    FFN_SIZE_ATTRS,
+    GATED_MLP_MODEL_TYPES,
+    HIDDEN_SIZE_ATTRS,
+    LAYER_COUNT_ATTRS,
+    config_of,
+    config_value,
+    model_type,
+)
 from ..memory import per_rank_memory
 from ..presets import build_model
 from ..recipes import Knobs, for_model
@@ -68,22 +78,14 @@ class ModelShape:
 
     @staticmethod
     def of(config: Any) -> ModelShape:
-        def first(*names: str) -> int:
-            for name in names:
-                value = getattr(config, name, None)
-                if value is not None:
-                    return int(value)
-            raise AttributeError(f"config has none of {names}")
-
-        hidden = first("hidden_size", "n_embd", "d_model")
+        hidden = int(config_value(config, *HIDDEN_SIZE_ATTRS))
         return ModelShape(
             hidden=hidden,
-            ffn=next((int(v) for v in (getattr(config, n, None) for n in ("intermediate_size", "ffn_dim", "n_inner",
-                                                                           "d_ff")) if v is not None), 4 * hidden),
-            layers=first("num_hidden_layers", "n_layer", "num_layers"),
-            heads=first("num_attention_heads", "n_head", "num_heads"),
-            vocab=first("vocab_size"),
-            gated=config.model_type in {"llama", "qwen2", "qwen3", "mistral"},
+            ffn=int(config_value(config, *FFN_SIZE_ATTRS, default=4 * hidden)),
+            layers=int(config_value(config, *LAYER_COUNT_ATTRS)),
+            heads=int(config_value(config, *CONFIG_HEAD_COUNT_ATTRS)),
+            vocab=int(config_value(config, "vocab_size")),
+            gated=model_type(config) in GATED_MLP_MODEL_TYPES,
         )
 
 
@@ -165,6 +167,6 @@ def estimate(config: Config, model: str | nn.Module, *, world_size: int, seq: in
         sch = for_model(module)(create_schedule(module, mesh=_mesh(config)), knobs)
         table = per_rank_memory(sch)
     row = max(table.rows, key=lambda r: r.total_bytes)
-    shape = ModelShape.of(module.config)  # type: ignore[union-attr]
+    shape = ModelShape.of(config_of(module))
     return Estimate(config, row.param_bytes, row.grad_bytes, row.optimizer_bytes,
                     activation_bytes(config, shape, seq))

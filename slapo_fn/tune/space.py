@@ -27,6 +27,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..errors import Problem, ScheduleError
+from ..hf import LAYER_COUNT_ATTRS, config_value, model_type
 from ..presets import config_for
 from ..recipes import RECIPES
 
@@ -368,13 +369,13 @@ def space_for(model: str, world_size: int, *, fixed: Mapping[str, Any] | None = 
     (12, 'llama-tiny')
     """
     hf = config_for(model)
-    recipe = next((r for r in RECIPES.values() if hf.model_type in r.model_types), None)
+    recipe = next((r for r in RECIPES.values() if model_type(hf) in r.model_types), None)
     if recipe is None:
-        raise ScheduleError("tune.space_for", [Problem(model, f"no recipe for model_type {hf.model_type!r}",
+        raise ScheduleError("tune.space_for", [Problem(model, f"no recipe for model_type {model_type(hf)!r}",
                                                        "build the Space by hand")])
     heads = int(getattr(hf, recipe.heads))
     kv = getattr(hf, recipe.kv_heads, None) if recipe.kv_heads else None
-    layers = int(getattr(hf, "num_hidden_layers", None) or getattr(hf, "n_layer", None) or hf.num_layers)
+    layers = int(config_value(hf, *LAYER_COUNT_ATTRS))
     divisors = _divisors(world_size)
     defaults: dict[str, Sequence[Value]] = {
         "dp": divisors,

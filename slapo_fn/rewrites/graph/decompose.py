@@ -12,9 +12,10 @@ from torch import nn
 
 from ...combinators import primitive
 from ...errors import Problem, ScheduleError
+from ...hf import is_conv1d
 from ...schedule import Schedule
 from ...select import Selection
-from ...tree import get_module, is_conv1d, join, set_at, split
+from ...tree import get_module, join, set_at, split
 from ._graph import copy_graph, has_hooks, rebuild
 
 __all__ = ["decompose"]

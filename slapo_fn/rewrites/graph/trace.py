@@ -17,6 +17,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from ...combinators import primitive
 from ...errors import Problem, ScheduleError, ScheduleTypeError
+from ...hf import is_transformers_module
 from ...schedule import Schedule
 from ...select import Selection, select
 from ...tree import get_module, join, set_at, split, walk
@@ -27,11 +28,6 @@ __all__ = ["ExampleInputs", "trace"]
 
 ExampleInputs: TypeAlias = "tuple[Any, ...] | Mapping[str, Any] | tuple[tuple[Any, ...], Mapping[str, Any]]"
 Tracer: TypeAlias = "Literal['fx', 'export'] | fx.Tracer | None"
-
-
-def is_hf(module: nn.Module) -> bool:
-    """Whether ``module`` is a Hugging Face transformers module."""
-    return any(c.__module__.startswith("transformers.") for c in type(module).__mro__)
 
 
 def _split_inputs(example: ExampleInputs | None) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -391,7 +387,7 @@ def trace(
     gm: nn.Module
     for path in paths:
         module = get_module(sch.module, path)
-        hf = is_hf(module)
+        hf = is_transformers_module(module)
         kind = tracer if tracer is not None else ("export" if hf else "fx")
         try:
             leaf_set = _leaf_paths(module, path, leaves, sch, hf)

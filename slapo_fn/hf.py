@@ -1,0 +1,282 @@
+"""Everything the package knows about Hugging Face ``transformers`` models, in one place.
+
+``transformers`` is an optional extra: nothing here imports it. Its classes are
+recognised by name and module (``type(m).__mro__``), its configs and modules read by the
+attribute names below. Other modules ask these functions instead of guessing attribute
+names or checking class names themselves; only ``recipes/`` (per-family data) and
+``kernels/`` (drop-ins for specific Hugging Face modules) read family attributes directly.
+
+* what a module is: :func:`is_pretrained_model`, :func:`is_transformers_module`,
+  :func:`is_conv1d`;
+* its config: :func:`config_of`, :func:`model_type`, :func:`vocab_size`,
+  :func:`config_value` with the name tuples ``*_ATTRS``;
+* weight initialisation: :func:`init_owner`, :func:`reset_weights`,
+  :func:`clear_initialized_flags`;
+* attention heads: :data:`HEAD_COUNT_ATTRS`, :data:`HEAD_DIM_ATTRS`, :func:`head_dim_of`;
+* pipeline stages: :data:`PIPELINE_STAGES` (per model type, what the stage split needs).
+
+Example:
+    >>> import torch.nn as nn
+    >>> is_pretrained_model(nn.Linear(2, 2)), model_type(nn.Linear(2, 2))
+    (False, None)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Literal, TypeAlias
+
+from torch import nn
+
+__all__ = [
+    "CONFIG_HEAD_COUNT_ATTRS",
+    "FFN_SIZE_ATTRS",
+    "GATED_MLP_MODEL_TYPES",
+    "HEAD_COUNT_ATTRS",
+    "HEAD_DIM_ATTRS",
+    "HIDDEN_SIZE_ATTRS",
+    "LAYER_COUNT_ATTRS",
+    "PIPELINE_STAGES",
+    "StageRole",
+    "StageStandIn",
+    "clear_initialized_flags",
+    "config_of",
+    "config_value",
+    "head_dim_of",
+    "init_owner",
+    "is_conv1d",
+    "is_pretrained_model",
+    "is_transformers_module",
+    "model_type",
+    "reset_weights",
+    "vocab_size",
+]
+
+
+# -- what a module is ---------------------------------------------------------------------
+def is_pretrained_model(module: nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face *model*: a subclass of transformers'
+    ``PreTrainedModel`` (it has a ``config`` and owns ``_init_weights``). Its layers and
+    attention modules are not.
+
+    >>> import torch.nn as nn
+    >>> is_pretrained_model(nn.Linear(2, 2))
+    False
+    """
+    return any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in type(module).__mro__
+    )
+
+
+def is_transformers_module(module: nn.Module) -> bool:
+    """Whether ``module``'s class (or a base class) comes from the ``transformers``
+    package: any Hugging Face module — a whole model, a decoder layer, an attention block
+    or a ``Conv1D`` — whose code ``torch.fx`` cannot trace.
+
+    >>> import torch.nn as nn
+    >>> is_transformers_module(nn.Linear(2, 2))
+    False
+    """
+    return any(c.__module__.startswith("transformers.") for c in type(module).__mro__)
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face ``Conv1D`` (GPT-2's linear layer, ``x @ weight + bias`` with the weight
+    stored (in, out)), recognised without importing transformers.
+
+    >>> import torch.nn as nn
+    >>> is_conv1d(nn.Linear(2, 2))
+    False
+    """
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+# -- config -------------------------------------------------------------------------------
+#: Config attributes holding the hidden size, in the order they are tried (LLaMA/OPT/BERT,
+#: GPT-2, T5).
+HIDDEN_SIZE_ATTRS = ("hidden_size", "n_embd", "d_model")
+#: Config attributes holding the MLP width (GPT-2's ``n_inner`` may be ``None``: 4 × hidden).
+FFN_SIZE_ATTRS = ("intermediate_size", "ffn_dim", "n_inner", "d_ff")
+#: Config attributes holding the number of layers.
+LAYER_COUNT_ATTRS = ("num_hidden_layers", "n_layer", "num_layers")
+#: Config attributes holding the number of attention heads.
+CONFIG_HEAD_COUNT_ATTRS = ("num_attention_heads", "n_head", "num_heads")
+#: Model types whose MLP is gated (``down(act(gate(x)) * up(x))``: three projections).
+GATED_MLP_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+
+_MISSING: Any = object()
+
+
+def config_of(model: Any) -> Any | None:
+    """The Hugging Face config of ``model`` (its ``config`` attribute), or ``None``.
+
+    >>> import torch.nn as nn
+    >>> config_of(nn.Linear(2, 2)) is None
+    True
+    """
+    return getattr(model, "config", None)
+
+
+def model_type(model: Any) -> str | None:
+    """``config.model_type`` of a Hugging Face model, or of a config itself (``"llama"``,
+    ``"gpt2"`` …); ``None`` for anything else.
+
+    >>> from types import SimpleNamespace
+    >>> model_type(SimpleNamespace(config=SimpleNamespace(model_type="gpt2")))
+    'gpt2'
+    >>> model_type(SimpleNamespace(model_type="opt")), model_type(object())
+    ('opt', None)
+    """
+    config = config_of(model)
+    value = getattr(model if config is None else config, "model_type", None)
+    return value if isinstance(value, str) else None
+
+
+def config_value(config: Any, *names: str, default: Any = _MISSING) -> Any:
+    """The first of the attributes ``names`` of ``config`` that is not ``None`` (different
+    families name the same size differently: pass one of the ``*_ATTRS`` tuples); else
+    ``default``, or ``AttributeError`` without one.
+
+    >>> from types import SimpleNamespace
+    >>> config_value(SimpleNamespace(n_embd=64), *HIDDEN_SIZE_ATTRS)
+    64
+    >>> config_value(SimpleNamespace(n_inner=None), *FFN_SIZE_ATTRS, default=None) is None
+    True
+    """
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    if default is _MISSING:
+        raise AttributeError(f"config has none of {names}")
+    return default
+
+
+def vocab_size(model: Any) -> int:
+    """The vocabulary size of a Hugging Face model (``config.vocab_size``).
+
+    >>> from types import SimpleNamespace
+    >>> vocab_size(SimpleNamespace(config=SimpleNamespace(vocab_size=256)))
+    256
+    """
+    return int(config_value(config_of(model), "vocab_size"))
+
+
+# -- weight initialisation ----------------------------------------------------------------
+def init_owner(owners: Mapping[str, nn.Module], path: str) -> nn.Module | None:
+    """The nearest Hugging Face ``PreTrainedModel`` at or above ``path``, among ``owners``
+    (``{path: model}`` of the tree's pretrained models): the one whose ``_init_weights``
+    initialises the module at ``path``.
+
+    >>> import torch.nn as nn
+    >>> root = nn.Linear(2, 2)
+    >>> init_owner({"": root}, "a.b") is root, init_owner({"x": root}, "a.b")
+    (True, None)
+    """
+    tokens = path.split(".") if path else []
+    for i in range(len(tokens), -1, -1):
+        owner = owners.get(".".join(tokens[:i]))
+        if owner is not None:
+            return owner
+    return None
+
+
+def reset_weights(module: nn.Module, owner: nn.Module | None) -> bool:
+    """Initialise ``module``'s own tensors in place: by ``owner._init_weights(module)``
+    (Hugging Face's per-model initialisation) where ``owner`` has it, else by
+    ``module.reset_parameters()``. ``False`` when neither exists.
+
+    >>> import torch.nn as nn
+    >>> reset_weights(nn.Linear(2, 2), None), reset_weights(nn.ReLU(), None)
+    (True, False)
+    """
+    init_weights = getattr(owner, "_init_weights", None)
+    if callable(init_weights):
+        init_weights(module)
+        return True
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+        return True
+    return False
+
+
+def clear_initialized_flags(module: nn.Module) -> None:
+    """Forget that Hugging Face initialised ``module`` and its own parameters and buffers
+    (the ``_is_hf_initialized`` flags ``_init_weights`` skips on), so that it initialises
+    them again (after meta tensors got new storage).
+
+    >>> import torch.nn as nn
+    >>> m = nn.Linear(2, 2)
+    >>> m._is_hf_initialized = True
+    >>> clear_initialized_flags(m); hasattr(m, "_is_hf_initialized")
+    False
+    """
+    module.__dict__.pop("_is_hf_initialized", None)
+    for t in (*module._parameters.values(), *module._buffers.values()):
+        if t is not None:
+            t.__dict__.pop("_is_hf_initialized", None)
+
+
+# -- attention heads ----------------------------------------------------------------------
+#: Attention-module attributes that count heads (query or key/value heads).
+HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_key_value_heads")
+#: Attention-module attributes that hold the size of one head (LLaMA/GPT-2, T5, BERT).
+HEAD_DIM_ATTRS = ("head_dim", "key_value_proj_dim", "attention_head_size")
+
+
+def head_dim_of(module: nn.Module, names: Sequence[str] = HEAD_DIM_ATTRS) -> int | None:
+    """The size of one attention head of a Hugging Face attention ``module``: the first of
+    the attributes ``names`` (default :data:`HEAD_DIM_ATTRS`) it has as a positive int;
+    ``None`` for other modules.
+
+    >>> import torch.nn as nn
+    >>> m = nn.Module()
+    >>> m.head_dim = 8
+    >>> head_dim_of(m), head_dim_of(nn.Linear(2, 2))
+    (8, None)
+    """
+    return next((v for a in names if isinstance(v := getattr(module, a, None), int) and v > 0), None)
+
+
+# -- pipeline stages ----------------------------------------------------------------------
+#: Where a child on the path to the cut sequence runs: before it (embeddings), after it
+#: (final norm, head) or in every stage (see :mod:`slapo_fn.pipelines.families`).
+StageRole: TypeAlias = Literal["pre", "post", "shared"]
+#: What stands in for a ``pre`` module in the stages after the first.
+StageStandIn: TypeAlias = Literal["absent", "identity", "zeros", "inputs"]
+
+_Stages: TypeAlias = tuple[Mapping[str, StageRole], Mapping[str, StageStandIn]]
+
+
+def _stages(roles: dict[str, StageRole] | None = None, later: dict[str, StageStandIn] | None = None) -> _Stages:
+    return MappingProxyType(dict(roles or {})), MappingProxyType(dict(later or {}))
+
+
+_BERT = _stages(later={"embeddings": "inputs"})
+
+#: Hugging Face model types whose stage split is known to be right, each with ``(roles,
+#: later)``: roles that override the structural default (by child name) and what stands
+#: in for a ``pre`` module in later stages. Empty for the structural defaults (LLaMA-like
+#: forwards feed inputs_embeds straight to the layers).
+PIPELINE_STAGES: Mapping[str, _Stages] = MappingProxyType(
+    {
+        "llama": _stages(),
+        "mistral": _stages(),
+        "qwen2": _stages(),
+        "qwen3": _stages(),
+        # GPT2Model.forward adds wpe(position_ids) to inputs_embeds, then dropout.
+        "gpt2": _stages(later={"wpe": "zeros", "drop": "identity"}),
+        # OPTDecoder registers final_layer_norm/project_out *before* its layers, adds
+        # embed_positions(...) and applies project_in to inputs_embeds.
+        "opt": _stages(
+            roles={"final_layer_norm": "post", "project_out": "post"},
+            later={"embed_positions": "zeros", "project_in": "identity"},
+        ),
+        # BertModel always calls self.embeddings(..., inputs_embeds=...) (adds position and
+        # token-type embeddings and a LayerNorm): later stages pass the hidden states on.
+        "bert": _BERT,
+        "roberta": _BERT,
+    }
+)
