@@ -57,7 +57,7 @@ from .layout import Layout, shard_axes
 from .local import LOCAL
 from .rng import RNG, RngSpec, forked
 from .sequence import SEQ, SeqSpec
-from .shard import LAYOUT, ROLE, Role, mesh_dims
+from .shard import LAYOUT, ROLE, Role, mesh_dims, tied_paths
 from .sync import SYNC, SyncSpec, collective_of
 
 __all__ = ["Boundary", "ModulePlan", "Plan", "apply_tensor_parallel", "plan"]
@@ -363,12 +363,14 @@ def _map_input(
     return args, kwargs
 
 
-_CACHE = 4
+#: How many recent entries a forward pass remembers (siblings read their input in a row).
+_RECENT = 4
 
 
 class _Runtime:
-    """Per-build state: the mesh, and the caches that make sibling column modules reading
-    the same input tensor enter the TP region once (one backward collective)."""
+    """Per-build state: the mesh, and the entries of the forward pass under way, which
+    make sibling column modules reading the same input tensor enter the TP region once
+    (one backward collective)."""
 
     def __init__(self, sch: Schedule) -> None:
         assert sch.mesh is not None
@@ -383,7 +385,7 @@ class _Runtime:
         used |= {q.mesh_axis for q in sch.annotations.of_kind(LOCAL).values()}
         self.param_dims = tuple(d for d in self.dims if d in used) or self.dims
         self.param_mesh = self.mesh if self.param_dims == self.dims else self.mesh[self.param_dims]
-        self.caches: dict[tuple[str, int | None], dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.entries: list[tuple[torch.Tensor, str, int | None, torch.Tensor]] | None = None
 
     def axis(self, name: str) -> C.Axis:
         return (self.mesh, self.dims.index(name))
@@ -394,31 +396,87 @@ class _Runtime:
     def partial_grad(self, name: str, p: torch.Tensor) -> torch.Tensor:
         assert isinstance(p, DTensor)
         grads = tuple(Partial() if d == name else pl for d, pl in zip(self.param_dims, p.placements, strict=True))
-        return p.to_local(grad_placements=grads)
+        return _constant(p, local=True) if _in_transform() else p.to_local(grad_placements=grads)
+
+    def scoped(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """``forward`` run as one pass: the entries it makes are shared by the modules it
+        calls and forgotten when it returns (the outermost scoped call owns them; the root
+        and every parent of column modules are scoped, so a checkpointed layer's
+        recomputation, which runs outside the root's pass, has its own)."""
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if self.entries is not None:
+                return forward(*args, **kwargs)
+            self.entries = []
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self.entries = None
+
+        return run
 
     def enter(self, x: torch.Tensor, name: str, seq: int | None) -> torch.Tensor:
-        """Enter the TP region once per input *value*: aliases of one tensor (module
-        backward hooks hand each module its own alias) share one entry, so autograd sums
-        the sibling modules' input gradients before a single collective. The cache holds
-        the input itself next to the entered tensor (an all-gathered one is new memory), so
-        the storage stays alive and a key (address, offset, shape, stride, dtype, version)
-        never names other data — a freed input's address reused by the next one would
-        otherwise hit on one rank and not another, skipping a collective there (a hang).
-        It keeps the last few."""
-        cache = self.caches.setdefault((name, seq), {})
-        key = (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x._version)
-        hit = cache.get(key)
-        if hit is not None:
-            return hit[1]
+        """Enter the TP region once per input tensor within a pass: siblings handed the same
+        tensor share one entry, so autograd sums their input gradients before a single
+        collective. Tensors are matched by identity or as whole aliases of one base (module
+        backward hooks hand each module its own alias), never by storage address, so
+        ``torch.func`` transforms and ``torch.compile`` see plain code; every rank runs the
+        same module code, so every rank hits or misses alike. Anything else enters again:
+        one more collective, the same numbers."""
+        if self.entries is not None:
+            for prev, prev_name, prev_seq, entered in self.entries:
+                if prev_name == name and prev_seq == seq and _same_tensor(prev, x):
+                    return entered
         entered = C.enter(x, self.axis(name)) if seq is None else C.gather_rs(x, seq, self.axis(name))
-        cache[key] = (x, entered)
-        while len(cache) > _CACHE:
-            del cache[next(iter(cache))]
+        if self.entries is not None:
+            self.entries.append((x, name, seq, entered))
+            del self.entries[:-_RECENT]
         return entered
 
 
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a is b``, or both whole-tensor aliases (``view_as``) of one base tensor."""
+    if a is b:
+        return True
+    base_a = a if a._base is None else a._base
+    base_b = b if b._base is None else b._base
+    return (
+        base_a is base_b
+        and a.shape == b.shape == base_a.shape
+        and a.stride() == b.stride() == base_a.stride()
+        and a.dtype == b.dtype
+    )
+
+
+def _in_transform() -> bool:
+    return bool(torch._C._are_functorch_transforms_active())
+
+
+def _constant(p: DTensor, *, local: bool) -> torch.Tensor:
+    """A parameter's value inside a ``torch.func`` transform (grad, vjp with respect to the
+    model's inputs), where parameters are constants: this rank's shard (``local``) or the
+    full tensor, read without DTensor's ``to_local``/``redistribute``, autograd Functions
+    without ``setup_context`` that transforms refuse."""
+    with torch.no_grad():
+        t = p._local_tensor
+        if local:
+            return t
+        for mesh_dim in reversed(range(p.device_mesh.ndim)):
+            placement = p.placements[mesh_dim]
+            if isinstance(placement, _StridedShard):
+                raise NotImplementedError(
+                    "a packed (_StridedShard) parameter of a module run on gathered parameters cannot be "
+                    "gathered inside a torch.func transform; shard it with packed=1 or call the model outside it"
+                )
+            if isinstance(placement, Shard):
+                t = C._all_gather(t, placement.dim, (p.device_mesh, mesh_dim))
+        return t
+
+
 def _local(p: torch.Tensor | None) -> torch.Tensor | None:
-    return p.to_local() if isinstance(p, DTensor) else p
+    if not isinstance(p, DTensor):
+        return p
+    return _constant(p, local=True) if _in_transform() else p.to_local()
 
 
 def _column(rt: _Runtime, m: nn.Module, mp: ModulePlan) -> Callable[..., Any]:
@@ -514,11 +572,15 @@ def _generic(rt: _Runtime, m: nn.Module, mp: ModulePlan, forward: Callable[..., 
             p = m._parameters[n]
             assert isinstance(p, DTensor)
             if any(isinstance(pl, Shard | _StridedShard) for pl in p.placements):
-                params[n] = p.redistribute(placements=[Replicate()] * len(p.placements)).to_local()
+                params[n] = (
+                    _constant(p, local=False)
+                    if _in_transform()
+                    else p.redistribute(placements=[Replicate()] * len(p.placements)).to_local()
+                )
             elif mp.local_params:
                 params[n] = rt.partial_grad(ax, p)
             else:
-                params[n] = p.to_local()
+                params[n] = _local(p)  # type: ignore[assignment]
         with _reparametrize_module(m, params):
             return forward(*args, **kwargs)
 
@@ -587,6 +649,9 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
     if not any(sch.annotations.of_kind(k) for k in keys):
         return
     p = plan(sch)
+    half_tied = _half_sharded_ties(sch)
+    if half_tied:
+        raise LayoutError("build", half_tied)
     if strict:
         problems = implicit(p)
         if problems:
@@ -616,6 +681,29 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
     for parent, (ax, seq_axis) in _sp_parents(p).items():
         pm = get_module(model, parent)
         pm.forward = _gathering(rt, pm.forward, ax, seq_axis)  # type: ignore[method-assign]
+    # one pass per forward of the root, and of each parent of column modules (see _Runtime.scoped)
+    column_parents = {_parent(mp.path) for mp in p.modules.values() if mp.role is not None and mp.role.kind == "column"}
+    for path in ("", *sorted(column_parents - {""})):
+        pm = get_module(model, path)
+        pm.forward = rt.scoped(pm.forward)  # type: ignore[method-assign]
+
+
+def _half_sharded_ties(sch: Schedule) -> list[Problem]:
+    """A tied parameter sharded at one of its paths and not at another would come apart in
+    the build (two tensors where the model has one): refused, naming both paths."""
+    layouts = sch.annotations.of_kind(LAYOUT)
+    problems = []
+    for path, group in tied_paths(sch.module).items():
+        sharded = next((q for q in group if q in layouts), None)
+        if sharded is not None and path not in layouts:
+            problems.append(Problem(
+                path,
+                f"is the same parameter as {sharded!r} (tied), which is sharded as {layouts[sharded]}; "
+                "this path is not, so the tie would come apart",
+                f"shard both alike, e.g. sf.shard(sch, [{_parent(sharded)!r}, {_parent(path)!r}], axis=0), "
+                "or untie them first",
+            ))
+    return problems
 
 
 def _sp_parents(p: Plan) -> dict[str, tuple[str, int]]:

@@ -37,6 +37,12 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return funcol.wait_tensor(t) if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
+# The functional collectives run under no_grad: the Functions below define every gradient
+# themselves, and the ops' own autograd wrappers (autograd.Functions without setup_context)
+# would otherwise refuse to run inside a torch.func transform's backward.
+
+
+@torch.no_grad()
 def _all_reduce(t: torch.Tensor, axis: Axis, op: str = "sum") -> torch.Tensor:
     return _wait(funcol.all_reduce(t.contiguous(), op, axis))
 
@@ -46,6 +52,7 @@ _gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather
 _scatter_single = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
+@torch.no_grad()
 def _all_gather(t: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
     dim %= t.dim()
     if dim == 0:
@@ -56,6 +63,7 @@ def _all_gather(t: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
     return _wait(_gather_single(moved, 0, axis)).movedim(0, dim).contiguous()
 
 
+@torch.no_grad()
 def _reduce_scatter(t: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
     dim %= t.dim()
     if dim == 0:
@@ -71,11 +79,18 @@ def _split(t: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
     return t.chunk(size, dim=dim % t.dim())[rank].contiguous()
 
 
+# Every Function has a ``setup_context`` (forward does not take ``ctx``), as ``torch.func``
+# transforms require; the saved state is plain Python values, never tensors.
+
+
 class _Enter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, axis: Axis) -> torch.Tensor:
-        ctx.axis = axis
+    def forward(x: torch.Tensor, axis: Axis) -> torch.Tensor:
         return x.view_as(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.axis = inputs[1]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -84,8 +99,12 @@ class _Enter(torch.autograd.Function):
 
 class _Reduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    def forward(x: torch.Tensor, axis: Axis) -> torch.Tensor:
         return _all_reduce(x, axis)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -94,9 +113,12 @@ class _Reduce(torch.autograd.Function):
 
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, axis: Axis, scatter_back: bool) -> torch.Tensor:
-        ctx.dim, ctx.axis, ctx.scatter_back = dim, axis, scatter_back
+    def forward(x: torch.Tensor, dim: int, axis: Axis, scatter_back: bool) -> torch.Tensor:
         return _all_gather(x, dim, axis)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        _, ctx.dim, ctx.axis, ctx.scatter_back = inputs
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
@@ -107,9 +129,12 @@ class _Gather(torch.autograd.Function):
 
 class _Split(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
-        ctx.dim, ctx.axis = dim, axis
+    def forward(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
         return _split(x, dim, axis)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        _, ctx.dim, ctx.axis = inputs
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -118,9 +143,12 @@ class _Split(torch.autograd.Function):
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
-        ctx.dim, ctx.axis = dim, axis
+    def forward(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
         return _reduce_scatter(x, dim, axis)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        _, ctx.dim, ctx.axis = inputs
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:

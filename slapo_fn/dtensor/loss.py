@@ -22,8 +22,13 @@ __all__ = ["vocab_parallel_cross_entropy"]
 
 
 class _VocabParallelCE(torch.autograd.Function):
+    """Forward returns the loss and what backward needs, as extra non-differentiable
+    outputs that ``setup_context`` saves (the form ``torch.func`` needs)."""
+
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, axis: Axis, ignore_index: int) -> torch.Tensor:
+    def forward(  # type: ignore[override]
+        logits: torch.Tensor, labels: torch.Tensor, axis: Axis, ignore_index: int
+    ) -> tuple[torch.Tensor, ...]:
         mesh, dim = axis
         vocab = logits.shape[-1]
         lo = mesh.get_local_rank(dim) * vocab
@@ -40,12 +45,18 @@ class _VocabParallelCE(torch.autograd.Function):
         valid = y != ignore_index
         count = valid.sum().clamp(min=1)
         loss = ((total.log() - picked) * valid).sum() / count
-        ctx.save_for_backward(exp, total, inside, local, valid, count)
-        ctx.shape, ctx.dtype = logits.shape, logits.dtype
-        return loss.to(logits.dtype)
+        return loss.to(logits.dtype), exp, total, inside, local, valid, count
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        logits = inputs[0]
+        saved = output[1:]
+        ctx.mark_non_differentiable(*saved)
+        ctx.save_for_backward(*saved)
+        ctx.shape, ctx.dtype = logits.shape, logits.dtype
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
         exp, total, inside, local, valid, count = ctx.saved_tensors
         g = exp / total.unsqueeze(-1)
         g[torch.arange(g.shape[0]), local] -= inside.to(g.dtype)
@@ -73,4 +84,4 @@ def vocab_parallel_cross_entropy(
         loss = sf.vocab_parallel_cross_entropy(built(ids), labels, mesh)
     """
     axis = (mesh, mesh_dims(mesh).index(mesh_axis))
-    return _VocabParallelCE.apply(logits, labels, axis, ignore_index)  # type: ignore[no-any-return]
+    return _VocabParallelCE.apply(logits, labels, axis, ignore_index)[0]  # type: ignore[no-any-return]

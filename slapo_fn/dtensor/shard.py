@@ -42,7 +42,7 @@ from ..select import Selection
 from ..tree import get_module, join, split
 from .layout import Layout, from_spec, packed_shard
 
-__all__ = ["LAYOUT", "ROLE", "Role", "mesh_dims", "shard"]
+__all__ = ["LAYOUT", "ROLE", "Role", "mesh_dims", "shard", "tied_paths"]
 
 LAYOUT: Key[Layout] = Key("layout")
 ROLE: Key[Role] = Key("tp")
@@ -353,6 +353,7 @@ size 4 of mesh axis 'tp'
                 Problem(path, f"already sharded as {existing}; now asked for {plan.role}", "shard each module once")
             )
         plans.append(plan)
+    problems += _tie_problems(sch, {join(p.module, n): lay for p in plans for n, lay in p.params})
     if problems:
         raise LayoutError("shard", problems)
     for plan in plans:
@@ -363,3 +364,31 @@ size 4 of mesh axis 'tp'
         for name, lay in plan.params:
             sch = sch.annotate_path(join(plan.module, name), LAYOUT, lay)
     return sch
+
+
+def tied_paths(root: nn.Module) -> dict[str, tuple[str, ...]]:
+    """``{path: every path of the same Parameter}`` for parameters reachable at two or more
+    paths (a tied embedding and LM head); untied parameters are left out."""
+    groups: dict[int, list[str]] = {}
+    for path, p in root.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(path)
+    return {path: tuple(paths) for paths in groups.values() if len(paths) > 1 for path in paths}
+
+
+def _tie_problems(sch: Schedule, new: dict[str, Layout]) -> list[Problem]:
+    """A tied parameter has one layout: asking for another at one of its paths than the
+    one it has (or is given now) at another path is refused, naming both paths."""
+    ties = tied_paths(sch.module) if new else {}
+    problems = []
+    for path, lay in new.items():
+        for other in ties.get(path, ()):
+            if other == path:
+                continue
+            theirs = new.get(other, sch.annotations.get(other, LAYOUT))
+            if theirs is not None and theirs != lay and (other not in new or path < other):
+                problems.append(Problem(
+                    path,
+                    f"is the same parameter as {other!r} (tied), which is sharded as {theirs}; now asked for {lay}",
+                    f"shard {path!r} and {other!r} alike (one layout for the tied tensor), or untie them first",
+                ))
+    return problems

@@ -60,9 +60,12 @@ def default_chunk_size(vocab: int) -> int:
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
+    """The loss and, in the same pass over the chunks, the gradients of its inputs: forward
+    returns them as extra non-differentiable outputs that ``setup_context`` saves (the form
+    ``torch.func`` needs); ``wants`` says which of hidden, weight, bias need one."""
+
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
@@ -70,8 +73,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ignore_index: int,
         reduction: Reduction,
         chunk_size: int,
-        need_grad: bool,
-    ) -> torch.Tensor:
+        wants: tuple[bool, bool, bool],
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         device = hidden.device.type
         compute = torch.promote_types(hidden.dtype, weight.dtype)
         if torch.is_autocast_enabled(device):  # matmuls in the autocast dtype, as F.linear would run
@@ -79,7 +82,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         acc = torch.promote_types(compute, torch.float32)
         valid = target != ignore_index
         denominator = valid.sum().to(acc) if reduction == "mean" else torch.ones((), dtype=acc, device=hidden.device)
-        want_h, want_w, want_b = (need_grad and n for n in ctx.needs_input_grad[:3])
+        want_h, want_w, want_b = wants
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
         grad_b = (
@@ -110,12 +113,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
                         grad_w.addmm_(g.t(), h)
                     else:  # a low-precision product, accumulated in float32 across chunks
                         grad_w += torch.mm(g.t(), h)
-        ctx.grad_dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.save_for_backward(grad_h, grad_w, grad_b)
-        return total / denominator
+        return total / denominator, grad_h, grad_w, grad_b
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        hidden, weight, bias = inputs[:3]
+        _, grad_h, grad_w, grad_b = output
+        ctx.grad_dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.mark_non_differentiable(*(g for g in (grad_h, grad_w, grad_b) if g is not None))
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         # Scaled in place: the buffers were made for this call and are not needed again,
         # so backward allocates nothing weight-sized beyond them (a dtype cast aside).
         grads = []
@@ -172,12 +181,11 @@ def linear_cross_entropy(
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_t = target.reshape(-1)
     chunk = chunk_size or default_chunk_size(weight.shape[0])
-    need_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (hidden, weight, bias)
-    )
+    grad_on = torch.is_grad_enabled()
+    wants = tuple(grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias))
     loss: torch.Tensor = _LinearCrossEntropy.apply(
-        flat_h, weight, bias, flat_t, ignore_index, reduction, chunk, need_grad
-    )
+        flat_h, weight, bias, flat_t, ignore_index, reduction, chunk, wants
+    )[0]
     return loss
 
 
