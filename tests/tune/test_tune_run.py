@@ -14,7 +14,7 @@ import pytest
 from slapo_fn.processes import alive
 from slapo_fn.tune import Config, estimate, run_trial, space_for, tune
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "slapo_fn.cli"]
 
 
