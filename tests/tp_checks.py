@@ -93,6 +93,8 @@ def parity(
         "grads": checked,
         "dtensors": sorted(n for n, p in built.named_parameters() if isinstance(p, DTensor)),
         "placements": {n: tuple(map(str, p.placements)) for n, p in built.named_parameters() if isinstance(p, DTensor)},
+        "grad_placements": {n: tuple(map(str, p.grad.placements)) for n, p in built.named_parameters()
+                            if isinstance(p.grad, DTensor)},
         "meshes": {n: tuple(p.device_mesh.mesh_dim_names or ()) for n, p in built.named_parameters()
                    if isinstance(p, DTensor)},
     }

@@ -204,6 +204,10 @@ def plan(sch: Schedule) -> Plan:
                     bounds.append(Boundary(path, "input", "R", "S(-1)", ax, (), ("all_gather",), True))
                 # a fwd_pre sync to Shard(-1) is the input boundary itself (added with the syncs below)
                 bounds.append(_reduce_boundary(path, ax, seq, out_sync))
+                has_bias = get_module(sch.module, path)._parameters.get("bias") is not None
+                if has_bias and _sharded_output(seq if seq is not None and seq.mesh_axis == ax else None, out_sync):
+                    grad = Boundary(path, "param grad bias", "P", "R", ax, (), ("all_reduce",), True, "param:bias")
+                    bounds.append(grad)
             elif role.kind == "vocab":
                 bounds.append(_reduce_boundary(path, ax, seq, out_sync))
             elif role.kind == "embed_dim":
@@ -289,7 +293,29 @@ def plan(sch: Schedule) -> Plan:
     for path, local_spec in sch.annotations.of_kind(LOCAL).items():
         if path not in modules:
             modules[path] = ModulePlan(path, local_params=True, local_axis=local_spec.mesh_axis)
+    for mp in modules.values():
+        if mp.local_params:
+            bounds += _param_grad_boundaries(sch, mp)
     return Plan(modules, tuple(bounds))
+
+
+def _sharded_output(seq: int | SeqSpec | None, out_sync: SyncSpec | None) -> bool:
+    """Whether a row module's output leaves it sharded (sequence parallel, or a stated
+    ``Shard`` output), so that a bias added to it gets a partial gradient."""
+    return seq is not None or (out_sync is not None and isinstance(out_sync.layout, Shard))
+
+
+def _param_grad_boundaries(sch: Schedule, mp: ModulePlan) -> list[Boundary]:
+    """The backward all-reduce of each replicated parameter of a module that runs on
+    activation shards (see ``_Runtime.reduced_grad``)."""
+    ax = mp.role.mesh_axis if mp.role is not None else (mp.seq.mesh_axis if mp.seq is not None else mp.local_axis)
+    layouts = sch.annotations.of_kind(LAYOUT)
+    module = get_module(sch.module, mp.path)
+    return [
+        Boundary(mp.path, f"param grad {n}", "P", "R", ax, (), ("all_reduce",), True, f"param:{n}")
+        for n, p in module._parameters.items()
+        if p is not None and not (join(mp.path, n) in layouts and not layouts[join(mp.path, n)].is_replicated)
+    ]
 
 
 def _d(p: Placement) -> str:
@@ -393,10 +419,15 @@ class _Runtime:
     def size(self, name: str) -> int:
         return int(self.mesh.size(self.dims.index(name)))
 
-    def partial_grad(self, name: str, p: torch.Tensor) -> torch.Tensor:
+    def reduced_grad(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        """The local value of a replicated parameter used on this rank's shard of the
+        activations (sequence positions, heads): its local gradient is a partial sum, all-
+        reduced over ``name`` in backward, so the parameter's gradient is ``Replicate`` like
+        the parameter (an optimizer step or a norm then needs no collective)."""
         assert isinstance(p, DTensor)
-        grads = tuple(Partial() if d == name else pl for d, pl in zip(self.param_dims, p.placements, strict=True))
-        return _constant(p, local=True) if _in_transform() else p.to_local(grad_placements=grads)
+        if _in_transform():
+            return _constant(p, local=True)
+        return C.enter(p.to_local(grad_placements=p.placements), self.axis(name))
 
     def scoped(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         """``forward`` run as one pass: the entries it makes are shared by the modules it
@@ -519,6 +550,7 @@ def _row(rt: _Runtime, m: nn.Module, mp: ModulePlan) -> Callable[..., Any]:
     conv, emb = is_conv1d(m), isinstance(m, nn.Embedding)
     full_in = _in_features(m)
     out_sync = next((s for s in mp.syncs if s.mode == "fwd_post"), None)
+    sharded_out = _sharded_output(seq, out_sync)
     size = rt.size(ax)
 
     def reduce(y: torch.Tensor) -> torch.Tensor:
@@ -530,11 +562,8 @@ def _row(rt: _Runtime, m: nn.Module, mp: ModulePlan) -> Callable[..., Any]:
         b = m._parameters.get("bias")
         if b is None:
             return None
-        return (
-            rt.partial_grad(ax, b)
-            if (seq is not None or out_sync is not None) and isinstance(b, DTensor)
-            else _local(b)
-        )
+        # added to a sharded output (sequence shards), the bias sees part of the gradient
+        return rt.reduced_grad(ax, b) if sharded_out and isinstance(b, DTensor) else _local(b)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         w = _local(m.weight)  # type: ignore[arg-type]
@@ -578,7 +607,7 @@ def _generic(rt: _Runtime, m: nn.Module, mp: ModulePlan, forward: Callable[..., 
                     else p.redistribute(placements=[Replicate()] * len(p.placements)).to_local()
                 )
             elif mp.local_params:
-                params[n] = rt.partial_grad(ax, p)
+                params[n] = rt.reduced_grad(ax, p)
             else:
                 params[n] = _local(p)  # type: ignore[assignment]
         with _reparametrize_module(m, params):

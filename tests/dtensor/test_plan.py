@@ -244,15 +244,24 @@ def test_a_sequence_parallel_chain_enters_once_gathers_reduce_scatters_and_leave
         "0 input: R→S(1)@tp  fwd: -  bwd: all_gather",
         "0.mlp.fc1 input: S(1)→R@tp  fwd: all_gather  bwd: reduce_scatter",
         "0.mlp.fc2 output: P→S(1)@tp  fwd: reduce_scatter  bwd: all_gather",
+        "0.mlp.fc2 param grad bias: P→R@tp  fwd: -  bwd: all_reduce",
         "1.mlp.fc1 input: S(1)→R@tp  fwd: all_gather  bwd: reduce_scatter",
         "1.mlp.fc2 output: P→S(1)@tp  fwd: reduce_scatter  bwd: all_gather",
+        "1.mlp.fc2 param grad bias: P→R@tp  fwd: -  bwd: all_reduce",
         "2 output: S(1)→R@tp  fwd: all_gather  bwd: -",
+        "2 param grad weight: P→R@tp  fwd: -  bwd: all_reduce",
+        "2 param grad bias: P→R@tp  fwd: -  bwd: all_reduce",
+        "0.norm param grad weight: P→R@tp  fwd: -  bwd: all_reduce",
+        "0.norm param grad bias: P→R@tp  fwd: -  bwd: all_reduce",
+        "1.norm param grad weight: P→R@tp  fwd: -  bwd: all_reduce",
+        "1.norm param grad bias: P→R@tp  fwd: -  bwd: all_reduce",
     ]
     assert all(b.explicit for b in p.boundaries) and implicit(p) == []
-    # all-gathers and reduce-scatters only: no all-reduce inside the chain
+    # activations: all-gathers and reduce-scatters only; the replicated parameters that saw
+    # sequence shards (norms, row biases) get their gradients all-reduced, so they are Replicate
     assert p.counts() == {
         "forward": {"all_gather": 3, "reduce_scatter": 2},
-        "backward": {"all_gather": 3, "reduce_scatter": 2},
+        "backward": {"all_gather": 3, "reduce_scatter": 2, "all_reduce": 8},
     }
 
 
@@ -261,7 +270,7 @@ def test_sequence_parallel_entry_exit_and_replicated_norms() -> None:
     assert p.modules["0"].entry is not None and p.modules["0"].exit is None
     assert p.modules["1"].entry is None and p.modules["1"].exit is None
     assert p.modules["2"].exit is not None and p.modules["2"].local_params  # the final norm
-    for norm in ("0.norm", "1.norm"):  # replicated parameters, Partial gradients
+    for norm in ("0.norm", "1.norm"):  # replicated parameters, all-reduced (Replicate) gradients
         assert p.modules[norm].local_params and p.modules[norm].role is None
         assert p.modules[norm].seq is not None and p.modules[norm].seq.seq_axis == 1
     assert p.modules["0.mlp.fc1"].seq is not None and p.modules["0.mlp.fc1"].partnered
@@ -274,7 +283,10 @@ def test_a_chain_of_norm_column_row_modules() -> None:
         "0 input: R→S(1)@tp  fwd: -  bwd: all_gather",
         "1 input: S(1)→R@tp  fwd: all_gather  bwd: reduce_scatter",
         "2 output: P→S(1)@tp  fwd: reduce_scatter  bwd: all_gather",
+        "2 param grad bias: P→R@tp  fwd: -  bwd: all_reduce",
         "2 output: S(1)→R@tp  fwd: all_gather  bwd: -",
+        "0 param grad weight: P→R@tp  fwd: -  bwd: all_reduce",
+        "0 param grad bias: P→R@tp  fwd: -  bwd: all_reduce",
     ]
 
 
@@ -286,6 +298,10 @@ def test_sequence_parallel_on_another_seq_axis_and_mesh_axis() -> None:
         "0 output: S(0)→R@dp  fwd: all_gather  bwd: -",
         "1 input: R→S(1)@tp  fwd: -  bwd: all_gather",
         "1 output: S(1)→R@tp  fwd: all_gather  bwd: -",
+        "0 param grad weight: P→R@dp  fwd: -  bwd: all_reduce",
+        "0 param grad bias: P→R@dp  fwd: -  bwd: all_reduce",
+        "1 param grad weight: P→R@tp  fwd: -  bwd: all_reduce",
+        "1 param grad bias: P→R@tp  fwd: -  bwd: all_reduce",
     ]
 
 
@@ -295,6 +311,8 @@ def test_a_sync_after_the_chain_replaces_its_exit() -> None:
     assert listing(p) == [
         "0 input: R→S(1)@tp  fwd: -  bwd: all_gather",
         "0 output: S(1)→R@tp  fwd: all_gather  bwd: -",
+        "0 param grad weight: P→R@tp  fwd: -  bwd: all_reduce",
+        "0 param grad bias: P→R@tp  fwd: -  bwd: all_reduce",
     ]
     assert p.modules["0"].exit is None  # the sync is the exit
 
@@ -398,13 +416,16 @@ def test_sync_bwd_post_to_a_shard_is_refused() -> None:
 # ----------------------------------------------------------------------------- other annotations
 
 
-def test_fork_rng_and_tp_local_are_planned_without_boundaries() -> None:
+def test_fork_rng_is_planned_without_boundaries_and_tp_local_all_reduces_its_gradients() -> None:
     sch = megatron(schedule(nn.Sequential(nn.Linear(8, 16), nn.Dropout(), nn.Linear(16, 8))))
     p = plan(sf.fork_rng(sch, "1"))
     assert p.modules["1"].rng is not None and p.modules["1"].rng.mesh_axis == "tp"
     assert p.counts() == plan(sch).counts()
     local = plan(sf.tp_local(schedule(mlp()), "0"))
-    assert local.boundaries == ()
+    assert listing(local) == [
+        "0 param grad weight: P→R@tp  fwd: -  bwd: all_reduce",
+        "0 param grad bias: P→R@tp  fwd: -  bwd: all_reduce",
+    ]
     assert local.modules["0"].local_params and local.modules["0"].local_axis == "tp"
 
 

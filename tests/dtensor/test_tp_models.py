@@ -139,13 +139,15 @@ def _sp(rank: int, world: int) -> dict:
                   loss=lambda out, _: out.last_hidden_state.pow(2).mean())
 
 
-def test_sequence_parallel_llama_all_gathers_and_reduce_scatters_only(dist2) -> None:
+def test_sequence_parallel_llama_all_gathers_and_reduce_scatters_activations(dist2) -> None:
     for r in dist2.run(_sp, timeout=120):
         assert set(r["fwd"]) <= {"all_gather", "reduce_scatter"}, r["fwd"]
-        assert set(r["bwd"]) <= {"all_gather", "reduce_scatter"}, r["bwd"]
         # per layer: 2 all-gathers (block inputs) + 2 reduce-scatters (block outputs); + the exit all-gather
         assert r["fwd"] == {"all_gather": 5, "reduce_scatter": 4}
-        assert r["bwd"] == {"all_gather": 5, "reduce_scatter": 4}
+        # backward mirrors them, and all-reduces the gradient of each norm weight (2 per layer + the
+        # final norm) that saw only this rank's sequence positions, so every gradient is Replicate
+        assert r["bwd"] == {"all_gather": 5, "reduce_scatter": 4, "all_reduce": 5}
+        assert all(p == ("R",) for n, p in r["grad_placements"].items() if "norm" in n), r["grad_placements"]
         assert r["predicted"] == {"forward": r["fwd"], "backward": r["bwd"]}
 
 
