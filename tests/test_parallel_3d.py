@@ -55,7 +55,8 @@ def _train(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...]
     dp_rank = m.get_local_rank("dp") if "dp" in names else 0
     pipelined = "pp" in names
     model = sf.build_pipeline(sch, microbatches=2, schedule="1f1b", loss_fn=ce) if pipelined else sf.build(sch)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # foreach=True, AdamW's default on CUDA: every parameter is a DTensor, none plain
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     losses = []
     for step in range(STEPS):
         ids, target = (t.chunk(dp)[dp_rank] for t in batch(step))

@@ -34,7 +34,7 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,9 +50,10 @@ from ..hf import HEAD_COUNT_ATTRS as _HEAD_COUNTS
 from ..hf import HEAD_DIM_ATTRS as _HEAD_DIMS
 from ..hf import is_conv1d
 from ..rewrites._common import contains
-from ..schedule import Key, Schedule
+from ..schedule import Key, Schedule, path_exists
 from ..tree import child_names, get_module, join, split, walk
 from . import collectives as C
+from .data_parallel import DATA_PARALLEL
 from .layout import Layout, shard_axes
 from .local import LOCAL
 from .rng import RNG, RngSpec, forked
@@ -616,15 +617,14 @@ def _generic(rt: _Runtime, m: nn.Module, mp: ModulePlan, forward: Callable[..., 
     return run
 
 
-def _distribute(model: nn.Module, sch: Schedule, rt: _Runtime, extra: Iterable[str]) -> None:
-    """Parameters with layouts (and the replicated ones of SP regions) become DTensors;
-    each rank keeps its own chunk (no communication: every rank holds the full value)."""
+def _distribute(model: nn.Module, sch: Schedule, rt: _Runtime) -> None:
+    """Every parameter becomes a DTensor on the parameter mesh: its layout where it has
+    one, ``Replicate`` elsewhere, so optimizers (foreach, fused) and ``clip_grad_norm_``
+    see one kind of tensor. Each rank keeps its own chunk (no communication: every rank
+    holds the full value); a tied parameter stays one tensor."""
     memo: dict[int, nn.Parameter] = {}
-    targets: dict[str, Layout | None] = {**sch.annotations.of_kind(LAYOUT)}
-    for path in extra:
-        for n, p in get_module(model, path)._parameters.items():
-            if p is not None:
-                targets.setdefault(join(path, n), None)
+    targets: dict[str, Layout | None] = dict.fromkeys(n for n, _ in model.named_parameters(remove_duplicate=False))
+    targets.update(sch.annotations.of_kind(LAYOUT))
     replicate = [Replicate()] * len(rt.param_dims)
     for path, lay in targets.items():
         tokens = split(path)
@@ -686,7 +686,7 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
         if problems:
             raise LayoutError("build(strict=True)", problems)
     rt = _Runtime(sch)
-    _distribute(model, sch, rt, [mp.path for mp in p.modules.values() if mp.local_params])
+    _distribute(model, sch, rt)
     adjusted: set[tuple[int, str]] = set()
     for path, mp in p.modules.items():
         m = get_module(model, path)
@@ -705,6 +705,7 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
         if mp.rng is not None:
             forward = forked(forward, rt.mesh.get_local_rank(rt.dims.index(mp.rng.mesh_axis)))
         m.forward = forward  # type: ignore[method-assign]
+    _localise_replicated(model, sch, p)
     # sequence parallel: a column group's parent (attention, MLP) all-gathers its input along the
     # sequence, so that model code reading the input's shape (HF attention's view) sees the full length
     for parent, (ax, seq_axis) in _sp_parents(p).items():
@@ -733,6 +734,63 @@ def _half_sharded_ties(sch: Schedule) -> list[Problem]:
                 "or untie them first",
             ))
     return problems
+
+
+_OWN_FORWARDS = ("column", "embed_dim", "row", "vocab")
+
+
+def _localise_replicated(model: nn.Module, sch: Schedule, p: Plan) -> None:
+    """Modules the plan does not give a forward of their own compute on local tensors:
+    each module on the way to a planned one (attention, MLP, a decoder layer, the root)
+    swaps in, for the length of its forward, the local values of its own replicated
+    parameters and of every parameter in its subtrees that hold nothing planned (norms,
+    embeddings, rotary tables, a child whose weight it reads directly, as
+    ``nn.MultiheadAttention`` reads ``out_proj.weight``). Their gradients are
+    ``Replicate``: every rank computes the same ones on replicated activations.
+
+    An FSDP block sets its own parameters in its pre-forward hook, so a block with
+    nothing planned in it localises its own subtree instead of its parent doing so."""
+    spec = sch.annotations.get("", DATA_PARALLEL)
+    blocks = set(spec.blocks) if spec is not None else set()
+    planned = set(p.modules)
+    on_the_way = {join(*split(q)[:i]) for q in planned for i in range(len(split(q)) + 1)}
+
+    def subtree(path: str, module: nn.Module, prefix: str) -> list[str]:
+        names = [join(prefix, n) for n, t in module._parameters.items() if t is not None]
+        for name, child in module._modules.items():
+            cp = join(path, name)
+            if child is not None and cp not in blocks:
+                names += subtree(cp, child, join(prefix, name))
+        return names
+
+    def install(path: str, names: list[str]) -> None:
+        if names:
+            m = get_module(model, path)
+            m.forward = _replicated(m, tuple(names), m.forward)  # type: ignore[method-assign]
+
+    for path in sorted(on_the_way, key=lambda q: len(split(q))):
+        m = get_module(model, path)
+        mp = p.modules.get(path)
+        # a role's forward (or _generic's) reads its module's own parameters itself
+        own = mp is None or not (mp.local_params or (mp.role is not None and mp.role.kind in (*_OWN_FORWARDS, "param")))
+        names = [n for n, t in m._parameters.items() if t is not None] if own else []
+        for name, child in m._modules.items():
+            cp = join(path, name)
+            if child is not None and cp not in on_the_way and cp not in blocks:
+                names += subtree(cp, child, name)
+        install(path, names)
+    for path in sorted(blocks - on_the_way):
+        if path_exists(model, path):  # a pipeline stage holds only its own blocks
+            install(path, subtree(path, get_module(model, path), ""))
+
+
+def _replicated(m: nn.Module, names: tuple[str, ...], forward: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        local = {n: _local(m.get_parameter(n)) for n in names}
+        with _reparametrize_module(m, local):  # type: ignore[arg-type]
+            return forward(*args, **kwargs)
+
+    return run
 
 
 def _sp_parents(p: Plan) -> dict[str, tuple[str, int]]:
