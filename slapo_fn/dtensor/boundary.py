@@ -190,11 +190,12 @@ def plan(sch: Schedule) -> Plan:
                     )
                 else:
                     bounds.append(Boundary(path, "input", "R", "R", ax, (), ("all_reduce",) if leader else ()))
+                out = "S(-1)" if role.packed == 1 else f"S(-1)×{role.packed}"
                 if out_sync is not None:
                     fwd, bwd = collective_of(Shard(-1), out_sync.layout)
-                    bounds.append(Boundary(path, "output", "S(-1)", _d(out_sync.layout), ax, fwd, bwd, True, "output"))
+                    bounds.append(Boundary(path, "output", out, _d(out_sync.layout), ax, fwd, bwd, True, "output"))
                 elif not partnered:
-                    bounds.append(Boundary(path, "output", "S(-1)", "R", ax, ("all_gather",), (), False, "output"))
+                    bounds.append(Boundary(path, "output", out, "R", ax, ("all_gather",), (), False, "output"))
             elif role.kind == "row":
                 partnered = any(roles[s].kind == "column" for s in sib[:me])
                 pre = next((s for s in spec_syncs if s.mode == "fwd_pre"), None)
@@ -518,6 +519,7 @@ def _column(rt: _Runtime, m: nn.Module, mp: ModulePlan) -> Callable[..., Any]:
     conv, emb = is_conv1d(m), isinstance(m, nn.Embedding)
     full_in = _in_features(m)
     out_sync = next((s for s in mp.syncs if s.mode == "fwd_post"), None)
+    packed = role.packed
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if emb:
@@ -534,13 +536,28 @@ def _column(rt: _Runtime, m: nn.Module, mp: ModulePlan) -> Callable[..., Any]:
                 y = (torch.addmm(b, flat, w) if b is not None else flat @ w).view(*x.shape[:-1], w.shape[1])
             else:
                 y = F.linear(x, w, b)  # type: ignore[arg-type]
+        kept_local = out_sync is None and mp.partnered and not emb
+        if packed > 1 and not kept_local and not _is_last_dim_shard(out_sync, y.dim()):
+            # this rank's output is [Q_r|K_r|V_r]: gathered, the chunks are put back in order
+            full = _unpack(C.gather(y, -1, rt.axis(ax)), packed, rt.size(ax))
+            return full if out_sync is None else C.redistribute(full, Replicate(), out_sync.layout, rt.axis(ax))
         if out_sync is not None:
             return C.redistribute(y, Shard(y.dim() - 1), out_sync.layout, rt.axis(ax))
-        if mp.partnered and not emb:
+        if kept_local:
             return y
         return C.gather(y, -1, rt.axis(ax))
 
     return forward
+
+
+def _is_last_dim_shard(sync: SyncSpec | None, ndim: int) -> bool:
+    return sync is not None and isinstance(sync.layout, Shard) and sync.layout.dim % ndim == ndim - 1
+
+
+def _unpack(gathered: torch.Tensor, packed: int, size: int) -> torch.Tensor:
+    """``[A_0 B_0 C_0 | A_1 B_1 C_1]`` (each rank's packed chunks, all-gathered) →
+    ``[A_0 A_1 | B_0 B_1 | C_0 C_1]`` (the unsharded module's order)."""
+    return gathered.unflatten(-1, (size, packed, -1)).transpose(-3, -2).flatten(-3)
 
 
 def _row(rt: _Runtime, m: nn.Module, mp: ModulePlan) -> Callable[..., Any]:
@@ -826,8 +843,9 @@ def _wrap_boundaries(rt: _Runtime, mp: ModulePlan, forward: Callable[..., Any]) 
             args, kwargs = _map_input(args, kwargs, convert(Replicate(), Shard(e.seq_axis), e.mesh_axis))
         for s in pre:
             args, kwargs = _map_input(args, kwargs, convert(s.src or Replicate(), s.layout, s.mesh_axis))
-        for s in bwd:
-            args, kwargs = _map_input(args, kwargs, functools.partial(C.enter, axis=rt.axis(s.mesh_axis)))
+        for s in bwd:  # sync validated these: Partial → Replicate (all-reduce) or nothing to do
+            if isinstance(s.src, Partial):
+                args, kwargs = _map_input(args, kwargs, functools.partial(C.enter, axis=rt.axis(s.mesh_axis)))
         out = forward(*args, **kwargs)
         for s in post:
             src = s.src or (Shard(mp.seq.seq_axis) if mp.seq is not None and (mp.entry or mp.exit) else Replicate())

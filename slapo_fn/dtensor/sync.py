@@ -107,6 +107,15 @@ def sync(
         ]
     if mode == "bwd_post" and src is None:
         problems += [Problem(p, "bwd_post needs src= (the gradient's layout)", "pass src=Partial()") for p in paths]
+    elif mode == "bwd_post" and src is not None and not (
+        isinstance(layout, Replicate) and isinstance(src, Partial | Replicate)
+    ):
+        # an input gradient keeps the input's shape: it can only be summed (Partial → Replicate)
+        problems += [
+            Problem(p, f"an input gradient cannot go {describe(src)}→{describe(layout)}: it keeps the input's shape",
+                    "state bwd_post as Replicate() from src=Partial() (an all-reduce of the gradient)")
+            for p in paths
+        ]
     if problems:
         raise LayoutError("sync", problems, src=src, dst=layout)
     spec = SyncSpec(mode, layout, src, mesh_axis)

@@ -198,12 +198,6 @@ def test_a_packed_column_paired_with_a_row_keeps_its_heads_local() -> None:
     assert p.modules[f"{attn}.c_attn"].role == Role("column", "tp", packed=3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the output boundary of a lone packed column says S(-1), a plain shard: "
-    "its local output is [Q_r|K_r|V_r], so the plain all-gather the build follows it with "
-    "interleaves the chunks (numbers wrong: test_plan_parity.py::test_plan_holds[packed-column])",
-)
 def test_a_lone_packed_column_output_boundary_names_its_packed_layout() -> None:
     p = plan(sf.shard(schedule(nn.Sequential(nn.Linear(8, 24))), "0", axis=0, packed=3))
     assert p.boundaries[1].src == "S(-1)×3"
@@ -402,11 +396,6 @@ def test_sync_bwd_post_of_a_replicated_gradient_moves_nothing() -> None:
     assert plan(sch).counts() == NONE
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sync accepts bwd_post to Shard(d): the plan then predicts a reduce-scatter of the input "
-    "gradient, which must keep the input's full shape (the build all-reduces it instead)",
-)
 def test_sync_bwd_post_to_a_shard_is_refused() -> None:
     sch = schedule(nn.Sequential(nn.Linear(4, 4)))
     with pytest.raises(sf.LayoutError):

@@ -164,10 +164,6 @@ def xfail(reason: str) -> pytest.MarkDecorator:
 
 
 KNOWN = {
-    "packed-column": xfail(
-        "a lone packed column all-gathers [Q_r|K_r|V_r] shards as plain ones: the gathered "
-        "output interleaves the packed chunks (loss wrong)"
-    ),
     "sp-flat-chain": xfail(
         "the columns' parent is outside the chain (here the root): the build all-gathers the "
         "parent's replicated input along the sequence, and the input gradient is wrong"
@@ -175,10 +171,6 @@ KNOWN = {
     "sp-vocab-first": xfail(
         "a vocab embedding first in the chain has its ids split and its output "
         "reduce-scattered: half the sequence comes out"
-    ),
-    "bwd-post-replicated": xfail(
-        "sync bwd_post with src=Replicate(): the plan predicts nothing, the build "
-        "all-reduces the replicated gradient anyway (input gradient x world size)"
     ),
     "column-chain-equal-widths": xfail(
         "the plan predicts one backward all-reduce for two columns of equal "
