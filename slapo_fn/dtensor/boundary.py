@@ -241,13 +241,16 @@ def plan(sch: Schedule) -> Plan:
         if path in seqs:
             spec = seqs[path]
             same = [r for r in seq_roots if seqs[r].mesh_axis == spec.mesh_axis]
-            if path == same[0]:
+            own = role.kind if role is not None and role.mesh_axis == spec.mesh_axis else None
+            # a vocab embedding or a row layer first in the chain enters it by reduce-scattering its
+            # partial output along the sequence; a column last leaves it by all-gathering its input
+            if path == same[0] and own not in ("vocab", "row"):
                 entry = spec
                 # the chain's entry and exit are what sequence_parallel states: explicit
                 bounds.append(
                     Boundary(path, "input", "R", f"S({spec.seq_axis})", spec.mesh_axis, (), ("all_gather",), True)
                 )
-            if path == same[-1] and out_sync is None:
+            if path == same[-1] and out_sync is None and own != "column":
                 exit_ = spec
                 bounds.append(
                     Boundary(
@@ -512,7 +515,9 @@ def _local(p: torch.Tensor | None) -> torch.Tensor | None:
     return _constant(p, local=True) if _in_transform() else p.to_local()
 
 
-def _column(rt: _Runtime, m: nn.Module, mp: ModulePlan) -> Callable[..., Any]:
+def _column(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> Callable[..., Any]:
+    """``member``: the column is itself a member of a sequence-parallel chain, so it
+    all-gathers its own input along the sequence (otherwise its parent does)."""
     role = mp.role
     assert role is not None
     ax, seq = role.mesh_axis, (mp.seq.seq_axis if mp.seq is not None and mp.seq.mesh_axis == role.mesh_axis else None)
@@ -529,6 +534,8 @@ def _column(rt: _Runtime, m: nn.Module, mp: ModulePlan) -> Callable[..., Any]:
                 x = C.gather(x, -1, rt.axis(ax))
             if seq is None:  # with sequence parallelism the parent gathered the input (its own shape then fits)
                 x = rt.enter(x, ax, None)
+            elif member:
+                x = rt.enter(x, ax, seq)
             w, b = _local(m.weight), _local(m.bias)  # type: ignore[arg-type]
             if conv:
                 assert w is not None
@@ -695,21 +702,22 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
     if not any(sch.annotations.of_kind(k) for k in keys):
         return
     p = plan(sch)
-    half_tied = _half_sharded_ties(sch)
-    if half_tied:
-        raise LayoutError("build", half_tied)
+    refused = _half_sharded_ties(sch) + _unsharded_twins(sch, p)
+    if refused:
+        raise LayoutError("build", refused)
     if strict:
         problems = implicit(p)
         if problems:
             raise LayoutError("build(strict=True)", problems)
     rt = _Runtime(sch)
+    seq_roots = set(sch.annotations.of_kind(SEQ))
     _distribute(model, sch, rt)
     adjusted: set[tuple[int, str]] = set()
     for path, mp in p.modules.items():
         m = get_module(model, path)
         forward: Callable[..., Any] = m.forward
         if mp.role is not None and mp.role.kind in ("column", "embed_dim"):
-            forward = _column(rt, m, mp)
+            forward = _column(rt, m, mp, path in seq_roots)
             if mp.role.packed > 1:
                 _adjust_packed_parent(model, path, mp.role, rt)
             if mp.role.kind == "column" and mp.partnered:
@@ -725,7 +733,7 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
     _localise_replicated(model, sch, p)
     # sequence parallel: a column group's parent (attention, MLP) all-gathers its input along the
     # sequence, so that model code reading the input's shape (HF attention's view) sees the full length
-    for parent, (ax, seq_axis) in _sp_parents(p).items():
+    for parent, (ax, seq_axis) in _sp_parents(p, seq_roots).items():
         pm = get_module(model, parent)
         pm.forward = _gathering(rt, pm.forward, ax, seq_axis)  # type: ignore[method-assign]
     # one pass per forward of the root, and of each parent of column modules (see _Runtime.scoped)
@@ -733,6 +741,39 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
     for path in ("", *sorted(column_parents - {""})):
         pm = get_module(model, path)
         pm.forward = rt.scoped(pm.forward)  # type: ignore[method-assign]
+
+
+def _out_features(module: nn.Module) -> int | None:
+    if isinstance(module, nn.Linear):
+        return module.out_features
+    if is_conv1d(module):
+        return int(vars(module)["nf"])
+    return None
+
+
+def _unsharded_twins(sch: Schedule, p: Plan) -> list[Problem]:
+    """A column kept sharded for its row partner (Megatron's pair) whose parent also holds
+    an unsharded twin — a linear layer of the same shape, which reads the same input in
+    every model seen (LLaMA's gate/up, q/k/v) — would meet that twin's full output inside
+    the parent's forward: refused, naming both, instead of a shape error or a wrong sum."""
+    roles = sch.annotations.of_kind(ROLE)
+    problems = []
+    for path, mp in p.modules.items():
+        if mp.role is None or mp.role.kind != "column" or not mp.partnered or mp.role.packed > 1:
+            continue
+        module = get_module(sch.module, path)
+        shape = (_in_features(module), _out_features(module))
+        for twin in _siblings(sch.module, path):
+            other = get_module(sch.module, twin)
+            if twin != path and twin not in roles and (_in_features(other), _out_features(other)) == shape:
+                problems.append(Problem(
+                    twin,
+                    f"is not sharded, while its twin {path!r} (same shape, same parent) keeps its output sharded "
+                    f"for the row-parallel layer after it; their outputs would meet in {_parent(path) or '<root>'!r}",
+                    f"shard it like {path!r} (sf.shard(sch, {twin!r}, axis=0)), or leave {path!r} and its row "
+                    "partner unsharded",
+                ))
+    return problems
 
 
 def _half_sharded_ties(sch: Schedule) -> list[Problem]:
@@ -810,10 +851,12 @@ def _replicated(m: nn.Module, names: tuple[str, ...], forward: Callable[..., Any
     return run
 
 
-def _sp_parents(p: Plan) -> dict[str, tuple[str, int]]:
+def _sp_parents(p: Plan, members: set[str]) -> dict[str, tuple[str, int]]:
     out: dict[str, tuple[str, int]] = {}
     for mp in p.modules.values():
         role, seq = mp.role, mp.seq
+        if mp.path in members:
+            continue  # a chain member gathers its own input
         if role is not None and role.kind == "column" and seq is not None and seq.mesh_axis == role.mesh_axis:
             out.setdefault(_parent(mp.path), (role.mesh_axis, seq.seq_axis))
     return out

@@ -164,14 +164,6 @@ def xfail(reason: str) -> pytest.MarkDecorator:
 
 
 KNOWN = {
-    "sp-flat-chain": xfail(
-        "the columns' parent is outside the chain (here the root): the build all-gathers the "
-        "parent's replicated input along the sequence, and the input gradient is wrong"
-    ),
-    "sp-vocab-first": xfail(
-        "a vocab embedding first in the chain has its ids split and its output "
-        "reduce-scattered: half the sequence comes out"
-    ),
     "column-chain-equal-widths": xfail(
         "the plan predicts one backward all-reduce for two columns of equal "
         "in_features (taken as q/k/v siblings); the build does two"
