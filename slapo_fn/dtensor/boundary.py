@@ -702,7 +702,7 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
     if not any(sch.annotations.of_kind(k) for k in keys):
         return
     p = plan(sch)
-    refused = _half_sharded_ties(sch) + _unsharded_twins(sch, p)
+    refused = _half_sharded_ties(sch) + _unsharded_twins(sch, p) + _stray_token_shards(sch)
     if refused:
         raise LayoutError("build", refused)
     if strict:
@@ -774,6 +774,75 @@ def _unsharded_twins(sch: Schedule, p: Plan) -> list[Problem]:
                     "partner unsharded",
                 ))
     return problems
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _stray_token_shards(sch: Schedule) -> list[Problem]:
+    """A ``sync`` that shards an activation along a token dimension (``Shard(d)``, ``d`` not
+    the last) outside a sequence-parallel chain hands a module with parameters a part of
+    the tokens: its parameters' gradients would be partial sums taken for whole ones.
+    Refused, naming the module, unless a ``fwd_pre`` sync gathers the activation back
+    before any such module (feature shards, ``Shard(-1)``, are the roles' business)."""
+    seqs = sch.annotations.of_kind(SEQ)
+    syncs = sch.annotations.of_kind(SYNC)
+    order = list(sch.paths())
+
+    def in_chain(path: str, axis: str) -> bool:
+        return any(s.mesh_axis == axis and (r == path or contains(r, path)) for r, s in seqs.items())
+
+    def gathers_back(path: str, axis: str) -> bool:
+        return any(s.mode == "fwd_pre" and s.mesh_axis == axis and isinstance(s.layout, Replicate)
+                   for s in syncs.get(path, ()))
+
+    problems = []
+    for path, specs in syncs.items():
+        for s in specs:
+            token = isinstance(s.layout, Shard) and s.layout.dim >= 0 and s.mode in ("fwd_pre", "fwd_post")
+            if not token or in_chain(path, s.mesh_axis):
+                continue
+            what = f"{s.mode} sync of {path or '<root>'!r} to {_d(s.layout)} over {s.mesh_axis!r}"
+            if s.mode == "fwd_pre":
+                if _has_params(get_module(sch.module, path)):
+                    problems.append(Problem(path, f"receives a token shard from the {what}, outside a "
+                                            "sequence_parallel chain: its parameters' gradients would be partial",
+                                            f"run it in a chain, sf.sequence_parallel(sch, {path!r}), instead"))
+                continue
+            found = _first_consumer(sch, path, s.mesh_axis, in_chain, gathers_back)
+            if found is not None:
+                q, why = found
+                problems.append(Problem(
+                    q, f"receives a token shard from the {what}, outside a sequence_parallel chain: {why}",
+                    f"gather it back first, sf.sync(sch, {q!r}, 'fwd_pre', Replicate(), src={_d(s.layout)}), "
+                    "or make the modules a chain with sf.sequence_parallel instead of the sync",
+                ))
+    return sorted(set(problems), key=lambda pr: order.index(pr.path) if pr.path in order else 0)
+
+
+def _first_consumer(
+    sch: Schedule,
+    path: str,
+    axis: str,
+    in_chain: Callable[[str, str], bool],
+    gathers_back: Callable[[str, str], bool],
+) -> tuple[str, str] | None:
+    """Of the modules that run after ``path`` (its later siblings, then its ancestors'),
+    the first that would take its token-sharded output wrongly, with why; ``None`` if a
+    ``fwd_pre`` sync gathers it back first or nothing with parameters follows."""
+    tokens = split(path)
+    for depth in range(len(tokens), 0, -1):
+        here = ".".join(tokens[:depth])
+        siblings = _siblings(sch.module, here)
+        for q in siblings[siblings.index(here) + 1 :]:
+            if gathers_back(q, axis):
+                return None
+            if in_chain(q, axis):
+                return q, "a sequence_parallel chain splits its input itself: it would be split twice"
+            if _has_params(get_module(sch.module, q)):
+                return q, "its parameters' gradients would be partial sums taken for whole ones"
+    return None
 
 
 def _half_sharded_ties(sch: Schedule) -> list[Problem]:

@@ -1,0 +1,120 @@
+"""The cases of the issue "Layouts that are right for every plan", each either equal to
+the unsharded model (forward, every gradient; tp_checks.parity) or a LayoutError before
+it runs — never a silent wrong number or a raw error from inside model code."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from models import tiny_llama, token_ids
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from tp_checks import parity
+
+import slapo_fn as sf
+from slapo_fn.dtensor.testing import fake_mesh
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
+
+
+class NormHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.body(x)))
+
+
+class EmbedNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.norm = nn.LayerNorm(8)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(self.embed(ids)))
+
+
+class ShardThenLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _weighted(out: Any, _: Any) -> torch.Tensor:
+    out = out if isinstance(out, torch.Tensor) else out.logits
+    return (out.float() * torch.linspace(0.5, 1.5, out.shape[-1])).pow(2).mean()
+
+
+X = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(1))
+IDS = torch.randint(0, 16, (2, 4), generator=torch.Generator().manual_seed(2))
+
+CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[sf.Schedule], sf.Schedule], tuple[Any, ...]]] = {
+    # PyTorch's own SP layout for the LM head after the final norm
+    "sp-norm-then-column-head": (
+        NormHead,
+        lambda s: sf.sequence_parallel(sf.shard(s, "head", axis=0), ["norm", "head"]),
+        (X,),
+    ),
+    "vocab-embedding-first-in-sp-chain": (
+        EmbedNorm,
+        lambda s: sf.sequence_parallel(sf.shard(s, "embed", axis=0), ["embed", "norm"]),
+        (IDS,),
+    ),
+    "sequence-shard-before-an-unsharded-linear": (
+        ShardThenLinear,
+        lambda s: sf.sync(s, "a", "fwd_post", Shard(1)),
+        (X,),
+    ),
+    "root-sync-with-child-syncs": (
+        ShardThenLinear,
+        lambda s: sf.sync(sf.sync(sf.shard(s, "b", axis=0), "a", "fwd_pre", Shard(1)), "", "fwd_post", Replicate(),
+                          src=Shard(1)),
+        (X,),
+    ),
+}
+
+
+def _case(rank: int, world: int, name: str) -> str:
+    make, rewrite, inputs = CASES[name]
+    torch.manual_seed(0)
+    try:
+        parity(make(), rewrite, inputs, shape=(world,), loss=_weighted)
+    except sf.LayoutError as e:
+        return f"refused: {str(e).splitlines()[0]}"
+    return "equal"
+
+
+EXPECTED = {
+    "sp-norm-then-column-head": "equal",
+    "vocab-embedding-first-in-sp-chain": "equal",
+    # the Linear after the sync would see half the tokens: its gradients would be partial
+    "sequence-shard-before-an-unsharded-linear": "refused: build: 'b': receives a token shard",
+    "root-sync-with-child-syncs": "refused: build: 'a': receives a token shard",
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_plan_is_right_or_refused(dist2, name: str) -> None:
+    for verdict in dist2.run(_case, name, timeout=120):
+        assert verdict.startswith(EXPECTED[name]), verdict
+
+
+def test_a_sharded_up_proj_with_an_unsharded_gate_is_refused_naming_both() -> None:
+    model = tiny_llama(layers=1)
+    sch = sf.create_schedule(model, mesh=fake_mesh(2))
+    sch = sf.shard(sf.shard(sch, "model.layers.0.mlp.up_proj", axis=0), "model.layers.0.mlp.down_proj", axis=1)
+    with pytest.raises(sf.LayoutError, match=r"(?s)'model.layers.0.mlp.gate_proj'.*is not sharded.*up_proj.*axis=0"):
+        sf.build(sch)
+    assert token_ids() is not None
