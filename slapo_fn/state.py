@@ -15,6 +15,21 @@ A save writes a new step directory under a temporary name, renames it when every
 done, and only then replaces ``LATEST`` (an atomic ``os.replace``): a save interrupted
 part-way leaves the previous checkpoint loadable.
 
+Packed parameters (``sf.shard(..., packed=k)``: a ``_StridedShard`` placement, each of
+``k`` fused chunks sharded separately) are a layout DCP cannot describe: its planner gives
+each rank one box of the full tensor, but a packed shard is ``k`` boxes, so a save fails
+("overlapping chunks") and a load reads the wrong elements without an error. ``save``
+therefore redistributes every such tensor (parameters and optimizer state alike) to the
+plain ``Shard`` of the same tensor dimension before handing it to DCP, and ``load`` reads
+into that plain layout and redistributes back. The checkpoint holds the true full tensor
+in its original element order, chunked like any column-parallel one, so it loads under
+any layout (packed or not, other TP degrees, FSDP, a single process). FSDP2 over a packed
+dimension (a packed bias under ``data_parallel`` on a dp×tp mesh) is undone too: its
+chunks are gathered over dp first, and saved replicated over dp (DCP writes one copy).
+The cost is a redistribution per packed tensor at save and load, and while it runs one
+extra copy of 1/tp of each packed tensor per rank (the redistribution itself may gather
+one full tensor at a time).
+
 Example:
     >>> import tempfile, torch, torch.nn as nn, slapo_fn as sf
     >>> model = nn.Linear(2, 2)
@@ -30,23 +45,28 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.tensor as dtensor
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .errors import Problem, ScheduleError
 
@@ -103,6 +123,151 @@ def _map_optim(optim: dict[str, Any], rename: Any) -> dict[str, Any]:
     return {"state": {rename(k): v for k, v in optim.get("state", {}).items()}, "param_groups": groups}
 
 
+# -- packed (_StridedShard) tensors: a DCP-safe layout with the same values -----------------
+_Where = tuple[object, ...]  # a value's place in a (nested) state dict: the keys / indices down to it
+
+
+def _sharded_dim(p: Placement) -> int | None:
+    return p.dim if isinstance(p, Shard | _StridedShard) else None
+
+
+@dataclass(frozen=True)
+class _Relayout:
+    """How a DTensor that DCP cannot describe is saved: its own layout, and the DCP-safe
+    one with the same values (``safe``: each packed ``_StridedShard(d, k)`` -> ``Shard(d)``,
+    each FSDP2 ``_StridedShard`` over a packed dimension -> ``Replicate``).
+
+    DCP describes a rank's part of a tensor as one box. A ``_StridedShard(d, split_factor=s)``
+    on mesh dimension ``i`` is one box only when ``s`` is the product of the sizes of the
+    later mesh dimensions that also shard ``d``: then it is how FSDP2 shards the local
+    tensor of a TP layout, and DCP reads it right. Any other is *packed* (``sf.shard(...,
+    packed=k)``: ``k`` boxes per rank). FSDP2 over a packed dimension (``fully_shard`` of a
+    packed bias: ``(_StridedShard(0, 2), _StridedShard(0, 3))``) is a layout that DTensor's
+    own ``redistribute``/``full_tensor`` get wrong too, so its FSDP2 chunks are gathered by
+    hand (:meth:`gather`, :meth:`scatter`) from the local tensor of the packed layout.
+    Everything here depends on the layout only, never on the rank: every rank agrees.
+    """
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+    safe: tuple[Placement, ...]
+    outer: tuple[int, ...]  # mesh dims of FSDP2 _StridedShards over a packed tensor dimension
+    packed: tuple[int, ...]  # mesh dims of packed _StridedShards
+
+    @staticmethod
+    def of(t: DTensor, name: str = "") -> _Relayout | None:
+        """The relayout ``t`` (state-dict key ``name``) needs, or ``None`` when DCP handles
+        its layout as it is. Raises :class:`ScheduleError` for a packed layout it cannot undo."""
+        mesh, placements = t.device_mesh, tuple(t.placements)
+        dims = [_sharded_dim(p) for p in placements]
+
+        def inner(i: int) -> int:  # how many parts the later mesh dims cut tensor dim dims[i] into
+            return math.prod(mesh.size(j) for j in range(i + 1, len(dims)) if dims[j] == dims[i])
+
+        packed = tuple(i for i, p in enumerate(placements)
+                       if isinstance(p, _StridedShard) and p.split_factor != inner(i))
+        if not packed:
+            return None
+        packed_dims = {dims[i] for i in packed}
+        outer = tuple(i for i, p in enumerate(placements)
+                      if isinstance(p, _StridedShard) and i not in packed and dims[i] in packed_dims)
+        for i in packed:
+            uses = [j for j, d in enumerate(dims) if d == dims[i] and j != i]
+            if inner(i) != 1 or any(j not in outer for j in uses) or len(uses) > 1:
+                raise ScheduleError("save/load", [Problem(
+                    name, f"cannot checkpoint a tensor of layout {placements} on mesh {tuple(mesh.shape)}: tensor "
+                        f"dimension {dims[i]} is sharded packed and also by other mesh dimensions",
+                    "shard a packed dimension over one mesh axis only (FSDP2 over it is fine)")])
+        safe = tuple(Shard(dims[i]) if i in packed else Replicate() if i in outer else p  # type: ignore[arg-type]
+                     for i, p in enumerate(placements))
+        return _Relayout(mesh, placements, t.shape, tuple(t.stride()), safe, outer, packed)
+
+    def _fsdp_views(self) -> tuple[torch.Size, tuple[Placement, ...], tuple[Placement, ...]]:
+        """The packed layout's local tensor as a global one (its shape), chunked by FSDP2
+        (each outer mesh dim -> ``Shard``), and gathered (-> ``Replicate``)."""
+        shape = list(self.shape)
+        for i in self.packed:
+            if any(_sharded_dim(self.placements[j]) == _sharded_dim(self.placements[i]) for j in self.outer):
+                shape[_sharded_dim(self.placements[i])] //= self.mesh.size(i)  # type: ignore[index]
+        dims = [_sharded_dim(p) for p in self.placements]
+        chunked = tuple(Shard(dims[i]) if i in self.outer else Replicate() if i in self.packed else p  # type: ignore[arg-type]
+                        for i, p in enumerate(self.placements))
+        gathered = tuple(Replicate() if i in self.outer or i in self.packed else p
+                         for i, p in enumerate(self.placements))
+        return torch.Size(shape), chunked, gathered
+
+    def _unfsdp(self) -> tuple[Placement, ...]:
+        return tuple(Replicate() if i in self.outer else p for i, p in enumerate(self.placements))
+
+    def gather(self, t: DTensor) -> DTensor:
+        """``t`` (this layout) in the safe layout, same values."""
+        with torch.no_grad():
+            if self.outer:
+                shape, chunked, gathered = self._fsdp_views()
+                part = DTensor.from_local(t.to_local(), self.mesh, chunked, run_check=False, shape=shape,
+                                          stride=_contiguous(shape))
+                local = part.redistribute(self.mesh, gathered).to_local()  # FSDP2's chunks, all-gathered
+                t = DTensor.from_local(local, self.mesh, self._unfsdp(), run_check=False, shape=self.shape,
+                                       stride=self.stride)
+            return t.redistribute(self.mesh, self.safe)
+
+    def empty(self, dtype: torch.dtype) -> DTensor:
+        """An unfilled DTensor of the safe layout: a target for DCP to read into."""
+        return dtensor.empty(self.shape, dtype=dtype, device_mesh=self.mesh, placements=self.safe)
+
+    def scatter(self, t: DTensor) -> DTensor:
+        """``t`` (the safe layout) back in this layout, same values: the inverse of :meth:`gather`."""
+        with torch.no_grad():
+            t = t.redistribute(self.mesh, self._unfsdp())
+            if self.outer:
+                shape, chunked, gathered = self._fsdp_views()
+                whole = DTensor.from_local(t.to_local(), self.mesh, gathered, run_check=False, shape=shape,
+                                           stride=_contiguous(shape))
+                local = whole.redistribute(self.mesh, chunked).to_local()  # FSDP2's chunk of it
+                t = DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape,
+                                       stride=self.stride)
+            return t
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, out = 1, []
+    for n in reversed(shape):
+        out.append(stride)
+        stride *= n
+    return tuple(reversed(out))
+
+
+def _unpack(tree: Any, relayouts: dict[_Where, _Relayout], *, read: bool, at: _Where = ()) -> Any:
+    """``tree`` (a state dict, nested) with every DTensor that DCP cannot handle replaced
+    by one with the same values in a DCP-safe layout (:class:`_Relayout`), noted in
+    ``relayouts`` by place. ``read``: the new tensors are targets of a load (unfilled)."""
+    if isinstance(tree, DTensor):
+        relayout = _Relayout.of(tree, ".".join(map(str, at)))
+        if relayout is None:
+            return tree
+        relayouts[at] = relayout
+        return relayout.empty(tree.dtype) if read else relayout.gather(tree)
+    if isinstance(tree, Mapping):
+        return {k: _unpack(v, relayouts, read=read, at=(*at, k)) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_unpack(v, relayouts, read=read, at=(*at, i)) for i, v in enumerate(tree))
+    return tree
+
+
+def _repack(tree: Any, relayouts: dict[_Where, _Relayout], at: _Where = ()) -> Any:
+    """After a load, the inverse of :func:`_unpack`: each replaced tensor, now filled, back
+    in the layout it had (so that its local shards land right)."""
+    if at in relayouts and isinstance(tree, DTensor):
+        return relayouts[at].scatter(tree)
+    if isinstance(tree, Mapping):
+        return {k: _repack(v, relayouts, (*at, k)) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_repack(v, relayouts, (*at, i)) for i, v in enumerate(tree))
+    return tree
+
+
 def latest(path: str | os.PathLike[str]) -> Path | None:
     """The newest complete checkpoint under ``path`` (or ``path`` itself if it is one)."""
     root = Path(path)
@@ -136,7 +301,7 @@ def save(
     _barrier()
     with warnings.catch_warnings():  # without a process group DCP warns that it saves in one process
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(_states(model, optimizer), checkpoint_id=str(partial))
+        dcp.save(_unpack(_states(model, optimizer), {}, read=False), checkpoint_id=str(partial))
     _barrier()
     if _rank() == 0:
         if final.exists():
@@ -164,10 +329,12 @@ def load(model: object, optimizer: torch.optim.Optimizer | None, path: str | os.
     if found is None:
         raise ScheduleError("load", [Problem(str(path), "no checkpoint here (no LATEST, no .metadata)",
                                              "pass the directory given to sf.save")])
-    state = _states(model, optimizer)
+    relayouts: dict[_Where, _Relayout] = {}
+    state = _unpack(_states(model, optimizer), relayouts, read=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(found))
+    state = _repack(state, relayouts)
     modules = _modules(model)
     if optimizer is None:
         for m in modules:
@@ -190,11 +357,17 @@ def _subset(state: dict[str, Any], module: nn.Module) -> dict[str, Any]:
 
 def full_state_dict(model: object) -> dict[str, torch.Tensor]:
     """The full (unsharded) state dict on every rank, with the original FQNs: loadable by
-    the unscheduled model (e.g. a Hugging Face model's ``load_state_dict``)."""
+    the unscheduled model (e.g. a Hugging Face model's ``load_state_dict``). Packed
+    tensors go through the same DCP-safe layout as in :func:`save` first (DTensor's own
+    ``full_tensor`` is wrong for FSDP2 over a packed dimension)."""
     out: dict[str, torch.Tensor] = {}
     for m in _modules(model):
-        for key, value in get_model_state_dict(m, options=StateDictOptions(full_state_dict=True)).items():
+        for key, value in get_model_state_dict(m).items():
             assert isinstance(value, torch.Tensor)
+            if isinstance(value, DTensor):
+                relayout = _Relayout.of(value, key)
+                with torch.no_grad():
+                    value = (relayout.gather(value) if relayout else value).full_tensor()
             out[key] = value.detach().clone()
     return out
 
