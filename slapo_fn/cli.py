@@ -2,7 +2,8 @@
 
 * ``slapo-fn train --model llama-small --dp 2 --tp 2 --steps 40`` builds the model from a
   named config (or a local Hugging Face ``config.json``), schedules it with its family's
-  recipe for the requested ``--dp/--tp/--pp``, starts the local processes itself through
+  recipe for the requested ``--dp/--tp/--pp`` (a family without one: with the model's own
+  ``base_model_tp_plan``, ``slapo_fn.recipes.from_model_plan``), starts the local processes itself through
   ``torchrun`` (gloo on CPU, NCCL on GPUs), trains on a synthetic task (or ``--data
   file.txt``, byte-level) with a progress bar, writes distributed checkpoints
   (``--checkpoint-dir``, ``--save-every``) and resumes from them (``--resume``).
@@ -235,10 +236,41 @@ def _knobs(args: argparse.Namespace) -> Any:
 
 def _schedule(args: argparse.Namespace, mesh: Any, *, meta: bool) -> Any:
     from . import create_schedule, recipes
+    from .hf import model_type
     from .presets import build_model
 
     model = build_model(args.model, meta=meta)
-    return recipes.for_model(model)(create_schedule(model, mesh=mesh), _knobs(args))
+    plan = _fallback_plan(model, args)
+    if plan is None:
+        return recipes.for_model(model)(create_schedule(model, mesh=mesh), _knobs(args))
+    sch = recipes.from_model_plan(model)(create_schedule(model, mesh=mesh), _knobs(args))
+    if os.environ.get("RANK", "0") == "0":
+        print(f"slapo-fn: no recipe for model_type {model_type(model)!r}: scheduled by the model's own "
+              f"base_model_tp_plan ({len(plan)} entries), not a recipe", flush=True)
+    return sch
+
+
+def _fallback_plan(model: Any, args: argparse.Namespace) -> dict[str, str] | None:
+    """``None`` where the family of ``model`` (a model or its config) has a recipe; else the
+    model's own ``base_model_tp_plan``, checked against the knobs. A model with neither, or
+    knobs its plan cannot serve, is bad input: a ValueError (a ScheduleError) saying why."""
+    from . import recipes
+    from .hf import model_type
+
+    kind = model_type(model)
+    if any(kind in r.model_types for r in recipes.RECIPES.values()):
+        return None
+    plan = recipes.tp_plan_of(model)
+    if not plan:
+        known = sorted(t for r in recipes.RECIPES.values() for t in r.model_types)
+        raise ValueError(f"model_type {kind!r} has neither a recipe ({', '.join(known)}) nor a base_model_tp_plan: "
+                         "write a recipe for it (slapo_fn.recipes) or add a base_model_tp_plan to its config.json")
+    if args.sp:
+        raise ValueError(f"--sp needs a recipe; model_type {kind!r} has only a base_model_tp_plan, which does not "
+                         "say which modules may run on sequence shards")
+    if args.tp > 1:
+        recipes.check_tp_plan(plan)
+    return plan
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -561,6 +593,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "tune":
             return _tune(args)
         if _world(args) > 1 and not _in_worker():
+            from .presets import config_for
+
+            _fallback_plan(config_for(args.model), args)  # bad input is refused here, once, before any process starts
             return launch(argv, _world(args), getattr(args, "run_dir", None))
         if args.command == "train":
             return _train(args)

@@ -3,7 +3,9 @@
 Each family is a :class:`Recipe` value — data plus combinators — taking the same
 :class:`Knobs`: ``tp``, ``sequence_parallel``, ``checkpoint``, ``stages``, ``dp_mode``,
 ``kernels``, ``compile``. :func:`for_model` picks one from the model's config;
-:func:`from_tp_plan` schedules any model that carries a ``base_model_tp_plan``.
+:func:`from_tp_plan` schedules any model that carries a ``base_model_tp_plan``, and
+:func:`from_model_plan` makes a whole :class:`Recipe` around it (tensor parallelism by the
+plan, the other knobs on the plan's repeated layers) for a family that has no recipe.
 
 Example:
     >>> import slapo_fn as sf
@@ -24,8 +26,9 @@ from types import MappingProxyType
 
 from torch import nn
 
-from ..dtensor import shard
-from ..errors import Problem, ScheduleError
+from ..dtensor import shard, tp_local
+from ..errors import LayoutError, Problem, ScheduleError
+from ..hf import config_of
 from ..hf import model_type as model_type_of
 from ..schedule import Schedule
 from ._recipe import Knobs, Recipe, Shard, Stack
@@ -35,8 +38,8 @@ from .llama import LLAMA, QWEN3
 from .opt import OPT
 from .t5 import T5
 
-__all__ = ["BERT", "GPT2", "LLAMA", "OPT", "QWEN3", "RECIPES", "T5", "Knobs", "Recipe", "Shard", "Stack", "for_model",
-           "from_tp_plan"]
+__all__ = ["BERT", "GPT2", "LLAMA", "OPT", "QWEN3", "RECIPES", "T5", "Knobs", "Recipe", "Shard", "Stack",
+           "check_tp_plan", "for_model", "from_model_plan", "from_tp_plan", "tp_plan_of"]
 
 #: Every recipe, by name.
 RECIPES: Mapping[str, Recipe] = MappingProxyType({r.name: r for r in (LLAMA, QWEN3, GPT2, BERT, OPT, T5)})
@@ -49,33 +52,111 @@ def for_model(model: nn.Module) -> Recipe:
         if model_type in recipe.model_types:
             return recipe
     known = sorted(t for r in RECIPES.values() for t in r.model_types)
+    has_plan = " (it has one)" if tp_plan_of(model) else ""
     raise ScheduleError("recipes.for_model", [Problem("", f"no recipe for model_type {model_type!r}",
-                                                      f"known: {', '.join(known)}; or use from_tp_plan(sch) when "
-                                                      "the model has a base_model_tp_plan")])
+                                                      f"known: {', '.join(known)}; or use from_model_plan(model) / "
+                                                      f"from_tp_plan(sch) when the model has a base_model_tp_plan"
+                                                      f"{has_plan}")])
+
+
+def tp_plan_of(model: object) -> dict[str, str]:
+    """The Hugging Face tensor-parallel plan of a model or of its config
+    (``config.base_model_tp_plan``, paths relative to the base model), or ``{}``."""
+    config = config_of(model)
+    plan = getattr(model if config is None else config, "base_model_tp_plan", None)
+    return dict(plan) if plan else {}
+
+
+def _base(model: nn.Module) -> str:
+    """Where the base model sits in ``model`` (``"model"`` for a causal LM; ``""`` when it
+    is the base model)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    return prefix if prefix and prefix in model._modules else ""
+
+
+def from_model_plan(model: nn.Module) -> Recipe:
+    """A :class:`Recipe` for a model whose family has none, made from its own
+    ``base_model_tp_plan``: tensor parallelism is :func:`from_tp_plan`; the repeated
+    layers the plan names (``layers.*`` of ``"layers.*.mlp.up_proj"``) are the layers that
+    ``checkpoint``, ``compile`` and ``stages`` act on; ``dp_mode`` applies as in any recipe.
+    It has no kernels and no sequence-parallel plan (``sequence_parallel`` is refused).
+
+    >>> from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    >>> model = GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    ...                                          intermediate_size=128, vocab_size=128))
+    >>> recipe = from_model_plan(model)
+    >>> recipe.name, [s.layers for s in recipe.stacks]
+    ('gpt_neox (base_model_tp_plan)', ['gpt_neox.layers.*'])
+    """
+    model_type = model_type_of(model)
+    plan = tp_plan_of(model)
+    if not plan:
+        raise ScheduleError("recipes.from_model_plan", [Problem(
+            "", f"model_type {model_type!r} has no recipe and no base_model_tp_plan",
+            "write a Recipe for the family (slapo_fn.recipes), or give the model a base_model_tp_plan "
+            "(e.g. in its config.json) or pass one to from_tp_plan(sch, plan)")])
+    base = _base(model)
+    stacks: list[str] = []
+    for path in plan:
+        tokens = path.split(".")
+        if "*" in tokens:
+            layers = ".".join(tokens[: tokens.index("*") + 1])
+            layers = f"{base}.{layers}" if base else layers
+            if layers not in stacks:
+                stacks.append(layers)
+    if not stacks:
+        raise ScheduleError("recipes.from_model_plan", [Problem(
+            "", f"the base_model_tp_plan of model_type {model_type!r} names no repeated layers ('layers.*.…')",
+            "shard it with from_tp_plan(sch) and the other rewrites by hand")])
+    return _PlanRecipe(name=f"{model_type} (base_model_tp_plan)", model_types=(str(model_type),),
+                       stacks=tuple(Stack(layers) for layers in stacks),
+                       extra_tp=lambda sch: from_tp_plan(sch, plan))
+
+
+class _PlanRecipe(Recipe):
+    """A recipe made by :func:`from_model_plan`: it refuses ``sequence_parallel`` by name
+    (a Hugging Face plan does not say which modules may run on sequence shards)."""
+
+    def _check(self, sch: Schedule, knobs: Knobs) -> None:
+        super()._check(sch, knobs)
+        if knobs.sequence_parallel:
+            raise LayoutError(f"recipes.{self.name}", [Problem(
+                "", "sequence_parallel needs a recipe: a base_model_tp_plan does not say which modules may run "
+                    "on sequence shards", "drop sequence_parallel (--sp), or write a Recipe with its sp modules")])
 
 
 _STYLES = {"colwise": 0, "local_colwise": 0, "colwise_rep": 0, "rowwise": 1, "local_rowwise": 1, "rowwise_rep": 1}
+#: Replicated parameters of modules that see this rank's shard (per-head q/k norms): sf.tp_local.
+_LOCAL_STYLES = frozenset({"replicated_with_grad_allreduce"})
+
+
+def check_tp_plan(plan: Mapping[str, str]) -> None:
+    """Refuse, by path, every style of a Hugging Face tensor-parallel plan that
+    :func:`from_tp_plan` has no equivalent for (a ``ScheduleError``)."""
+    bad = [Problem(path, f"tensor-parallel style {style!r} has no slapo_fn equivalent here",
+                   "colwise/rowwise/replicated_with_grad_allreduce only, or write the layout with sf.shard/sf.sync")
+           for path, style in plan.items() if style not in _STYLES and style not in _LOCAL_STYLES]
+    if bad:
+        raise ScheduleError("from_tp_plan", bad)
 
 
 def from_tp_plan(sch: Schedule, plan: Mapping[str, str] | None = None) -> Schedule:
     """Shard ``sch`` by a Hugging Face tensor-parallel plan (``{"layers.*.self_attn.q_proj":
     "colwise", …}``; default: the model's ``config.base_model_tp_plan``), over mesh axis
     ``"tp"``. Paths are relative to the base model (``model.`` is prefixed for a causal
-    LM). Styles other than column/row-wise are refused by name.
+    LM). Column/row-wise styles shard; ``replicated_with_grad_allreduce`` (per-head norms)
+    is :func:`~slapo_fn.dtensor.tp_local`; other styles are refused by name.
     """
     model = sch.module
     if plan is None:
-        plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+        plan = tp_plan_of(model)
     if not plan:
         raise ScheduleError("from_tp_plan", [Problem("", "the model has no base_model_tp_plan",
                                                      "pass plan={path: 'colwise' | 'rowwise'}")])
-    prefix = getattr(model, "base_model_prefix", "")
-    base = prefix if prefix and prefix in model._modules else ""
-    bad = [Problem(path, f"tensor-parallel style {style!r} has no slapo_fn equivalent here",
-                   "colwise/rowwise only, or write the layout with sf.shard/sf.sync")
-           for path, style in plan.items() if style not in _STYLES]
-    if bad:
-        raise ScheduleError("from_tp_plan", bad)
+    check_tp_plan(plan)
+    base = _base(model)
     for path, style in plan.items():
-        sch = shard(sch, f"{base}.{path}" if base else path, axis=_STYLES[style])
-    return sch
+        if style in _STYLES:
+            sch = shard(sch, f"{base}.{path}" if base else path, axis=_STYLES[style])
+    local = [f"{base}.{path}" if base else path for path, style in plan.items() if style in _LOCAL_STYLES]
+    return tp_local(sch, local) if local else sch
