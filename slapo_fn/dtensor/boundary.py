@@ -244,7 +244,7 @@ def plan(sch: Schedule) -> Plan:
             own = role.kind if role is not None and role.mesh_axis == spec.mesh_axis else None
             # a vocab embedding or a row layer first in the chain enters it by reduce-scattering its
             # partial output along the sequence; a column last leaves it by all-gathering its input
-            if path == same[0] and own not in ("vocab", "row"):
+            if path == same[0] and own not in ("vocab", "row") and not spec.sharded_input:
                 entry = spec
                 # the chain's entry and exit are what sequence_parallel states: explicit
                 bounds.append(
@@ -711,13 +711,17 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
             raise LayoutError("build(strict=True)", problems)
     rt = _Runtime(sch)
     seq_roots = set(sch.annotations.of_kind(SEQ))
+    # a column whose parent is strictly inside a chain member (attention, MLP) has its input
+    # gathered by that parent, so that model code reshaping it sees the whole sequence; any
+    # other (a member itself, or a direct child of one, beside the residual stream) gathers its own
+    gathers_own = {q for q in p.modules if not any(contains(r, _parent(q)) for r in seq_roots)}
     _distribute(model, sch, rt)
     adjusted: set[tuple[int, str]] = set()
     for path, mp in p.modules.items():
         m = get_module(model, path)
         forward: Callable[..., Any] = m.forward
         if mp.role is not None and mp.role.kind in ("column", "embed_dim"):
-            forward = _column(rt, m, mp, path in seq_roots)
+            forward = _column(rt, m, mp, path in gathers_own)
             if mp.role.packed > 1:
                 _adjust_packed_parent(model, path, mp.role, rt)
             if mp.role.kind == "column" and mp.partnered:
@@ -733,7 +737,7 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
     _localise_replicated(model, sch, p)
     # sequence parallel: a column group's parent (attention, MLP) all-gathers its input along the
     # sequence, so that model code reading the input's shape (HF attention's view) sees the full length
-    for parent, (ax, seq_axis) in _sp_parents(p, seq_roots).items():
+    for parent, (ax, seq_axis) in _sp_parents(p, gathers_own).items():
         pm = get_module(model, parent)
         pm.forward = _gathering(rt, pm.forward, ax, seq_axis)  # type: ignore[method-assign]
     # one pass per forward of the root, and of each parent of column modules (see _Runtime.scoped)
@@ -839,7 +843,11 @@ def _first_consumer(
             if gathers_back(q, axis):
                 return None
             if in_chain(q, axis):
-                return q, "a sequence_parallel chain splits its input itself: it would be split twice"
+                chain = sch.annotations.get(q, SEQ)
+                if chain is not None and chain.sharded_input:
+                    return None  # the chain was told its input arrives split
+                return q, ("a sequence_parallel chain splits its input itself: it would be split twice (state "
+                           "sf.sequence_parallel(..., input_layout=Shard(1)) if the split is meant)")
             if _has_params(get_module(sch.module, q)):
                 return q, "its parameters' gradients would be partial sums taken for whole ones"
     return None

@@ -6,12 +6,15 @@ Example:
     >>> model = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8))
     >>> sch = sf.sequence_parallel(sf.create_schedule(model, mesh=fake_mesh(2)), "0")
     >>> sch["0"].annotations["sequence_parallel"]
-    SeqSpec(mesh_axis='tp', seq_axis=1)
+    SeqSpec(mesh_axis='tp', seq_axis=1, sharded_input=False)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from ..combinators import primitive
 from ..errors import LayoutError, Problem
@@ -29,13 +32,24 @@ SEQ: Key[SeqSpec] = Key("sequence_parallel")
 class SeqSpec:
     mesh_axis: str
     seq_axis: int
+    #: The chain's input arrives already split along ``seq_axis`` (PyTorch's
+    #: ``input_layouts=Shard(1)``): the chain does not split it again.
+    sharded_input: bool = False
 
     def __str__(self) -> str:
-        return f"seq@{self.mesh_axis}(axis {self.seq_axis})"
+        given = ", input sharded" if self.sharded_input else ""
+        return f"seq@{self.mesh_axis}(axis {self.seq_axis}{given})"
 
 
 @primitive
-def sequence_parallel(sch: Schedule, where: Selection, *, mesh_axis: str = "tp", seq_axis: int = 1) -> Schedule:
+def sequence_parallel(
+    sch: Schedule,
+    where: Selection,
+    *,
+    mesh_axis: str = "tp",
+    seq_axis: int = 1,
+    input_layout: Placement | None = None,
+) -> Schedule:
     """Run the selected modules on sequence shards over ``mesh_axis``.
 
     The selected modules (in tree order) form a chain — each one's output feeds the
@@ -44,9 +58,15 @@ def sequence_parallel(sch: Schedule, where: Selection, *, mesh_axis: str = "tp",
     all-gathered. Inside, column-parallel modules all-gather their input along the
     sequence (reduce-scatter backward) and row-parallel / vocab-parallel ones
     reduce-scatter their output (all-gather backward): all-gathers and reduce-scatters
-    only. Other parameters inside (norm weights) become replicated DTensors whose
-    gradients are ``Partial`` (each rank saw its own tokens), summed when read — by the
-    optimizer step or ``full_tensor()``. Returns a new schedule; the input is unchanged.
+    only. Other parameters inside (norm weights) stay replicated; each rank sees only its
+    own tokens, so their gradients are all-reduced in backward (``Replicate``, like the
+    parameters: an optimizer step needs no collective).
+
+    ``input_layout=Shard(seq_axis)`` states that what enters the chain is already split
+    along the sequence (as PyTorch's ``input_layouts``): a vocab-parallel embedding whose
+    output is reduce-scattered (``sf.sync(sch, "embed", "fwd_post", Shard(1))``), or a
+    batch sharded on ``seq_axis=0``. The default, ``Replicate()``, splits it.
+    Returns a new schedule; the input is unchanged.
 
     >>> import torch.nn as nn, slapo_fn as sf
     >>> from slapo_fn.dtensor.testing import fake_mesh
@@ -67,8 +87,13 @@ def sequence_parallel(sch: Schedule, where: Selection, *, mesh_axis: str = "tp",
                     )
                 )
                 break
+    sharded = isinstance(input_layout, Shard) and input_layout.dim == seq_axis
+    if input_layout is not None and not isinstance(input_layout, Replicate) and not sharded:
+        problems += [Problem(path, f"input_layout {input_layout!r} is neither Replicate() nor Shard({seq_axis})",
+                             f"pass input_layout=Shard({seq_axis}) for an input already split along the sequence")
+                     for path in paths[:1]]
     if problems:
         raise LayoutError("sequence_parallel", problems)
     for path in paths:
-        sch = sch.annotate_path(path, SEQ, SeqSpec(mesh_axis, seq_axis))
+        sch = sch.annotate_path(path, SEQ, SeqSpec(mesh_axis, seq_axis, sharded))
     return sch

@@ -118,3 +118,61 @@ def test_a_sharded_up_proj_with_an_unsharded_gate_is_refused_naming_both() -> No
     with pytest.raises(sf.LayoutError, match=r"(?s)'model.layers.0.mlp.gate_proj'.*is not sharded.*up_proj.*axis=0"):
         sf.build(sch)
     assert token_ids() is not None
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+def _embedded_stack() -> nn.Module:
+    return nn.Sequential(nn.Embedding(16, 8), Block(), Block(), nn.LayerNorm(8))
+
+
+def _megatron_blocks(s: sf.Schedule) -> sf.Schedule:
+    return sf.shard(sf.shard(s, "[1-2].up", axis=0), "[1-2].down", axis=1)
+
+
+INPUT_LAYOUTS: dict[str, tuple[Callable[[sf.Schedule], sf.Schedule], str]] = {
+    # PyTorch's RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)) on the embedding,
+    # then a chain stated to receive a sequence shard: one reduce-scatter in, nothing split twice
+    "embedding-reduce-scatters-into-a-chain": (
+        lambda s: sf.sequence_parallel(
+            sf.sync(sf.shard(_megatron_blocks(s), "0", axis=0), "0", "fwd_post", Shard(1)),
+            ["1", "2", "3"], input_layout=Shard(1)),
+        "equal",
+    ),
+    "the-same-without-input-layout-is-refused": (
+        lambda s: sf.sequence_parallel(
+            sf.sync(sf.shard(_megatron_blocks(s), "0", axis=0), "0", "fwd_post", Shard(1)), ["1", "2", "3"]),
+        "refused: build: '1': receives a token shard",
+    ),
+}
+
+
+def _input_layout(rank: int, world: int, name: str) -> str:
+    rewrite, _ = INPUT_LAYOUTS[name]
+    torch.manual_seed(0)
+    try:
+        r = parity(_embedded_stack(), rewrite, (IDS,), shape=(world,), loss=_weighted)
+    except sf.LayoutError as e:
+        return f"refused: {str(e).splitlines()[0]}"
+    assert r["fwd"] == r["predicted"]["forward"] and r["bwd"] == r["predicted"]["backward"], r
+    assert r["fwd"].get("reduce_scatter") == 3, r["fwd"]  # the embedding's and each block's down
+    return "equal"
+
+
+@pytest.mark.parametrize("name", list(INPUT_LAYOUTS))
+def test_a_chain_can_state_that_its_input_arrives_sharded(dist2, name: str) -> None:
+    for verdict in dist2.run(_input_layout, name, timeout=120):
+        assert verdict.startswith(INPUT_LAYOUTS[name][1]), verdict
+
+
+def test_input_layout_must_be_replicate_or_a_shard_of_the_sequence() -> None:
+    sch = sf.create_schedule(_embedded_stack(), mesh=fake_mesh(2))
+    with pytest.raises(sf.LayoutError, match=r"input_layout Shard\(dim=2\) is neither Replicate\(\) nor Shard\(1\)"):
+        sf.sequence_parallel(sch, ["1", "2"], input_layout=Shard(2))
