@@ -22,8 +22,8 @@ from typing import Literal, TypeAlias
 import torch
 from torch import nn
 
-from .dtensor.boundary import apply_tensor_parallel
 from .dtensor.data_parallel import apply_data_parallel
+from .dtensor.runtime import apply_tensor_parallel
 from .errors import Problem, ScheduleError, ScheduleTypeError
 from .hf import clear_initialized_flags, init_owner, is_pretrained_model, reset_weights
 from .rewrites.annotate import apply_tags

@@ -6,17 +6,18 @@
 * :func:`fork_rng` — per-TP-rank randomness;
 * :func:`tp_local` — replicated parameters of modules that see this rank's shard;
 * :func:`vocab_parallel_cross_entropy` — the loss on vocab-sharded logits;
-* :func:`~slapo_fn.dtensor.boundary.plan` — the boundary contracts and collectives.
+* :func:`~slapo_fn.dtensor.plan.plan` — the boundary contracts and collectives (pure);
 
-The ``tensor_parallel`` build phase (:func:`~slapo_fn.dtensor.boundary.apply_tensor_parallel`)
+The ``tensor_parallel`` build phase (:func:`~slapo_fn.dtensor.runtime.apply_tensor_parallel`)
 turns the annotations into DTensor parameters and local-tensor forwards.
 """
 
-from .boundary import Boundary, Plan, apply_tensor_parallel, plan
 from .layout import Layout
 from .local import tp_local
 from .loss import vocab_parallel_cross_entropy
+from .plan import Boundary, Plan, plan
 from .rng import fork_rng
+from .runtime import apply_tensor_parallel
 from .sequence import sequence_parallel
 from .shard import Role, shard
 from .sync import sync

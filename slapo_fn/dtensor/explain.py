@@ -47,8 +47,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 from ..render import format_bytes, format_param
 from ..schedule import Schedule
 from ..tree import join, private_copy, walk
-from .boundary import Boundary, plan
 from .layout import Layout
+from .plan import Boundary, plan
 from .sequence import SEQ
 from .shard import LAYOUT, ROLE, mesh_dims
 from .sync import SYNC, SyncSpec
@@ -212,7 +212,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def _first_input(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tensor | None:
     """The tensor the boundary runtime converts: the first tensor positional argument,
-    else the first tensor keyword argument (as ``boundary._map_input``)."""
+    else the first tensor keyword argument (as ``runtime._map_input``)."""
     for a in args:
         if isinstance(a, torch.Tensor):
             return a

@@ -4,7 +4,7 @@ The primitive only records annotations — kind ``"layout"`` on each parameter p
 :class:`~slapo_fn.dtensor.layout.Layout`) and kind ``"tp"`` on the module path (a
 :class:`Role`: column, row, vocab, embed_dim or param) — and validates eagerly. The
 ``tensor_parallel`` build phase turns them into DTensor parameters and boundary
-resharding (see :mod:`slapo_fn.dtensor.boundary`).
+resharding (see :mod:`slapo_fn.dtensor.plan`).
 
 Example:
     >>> import torch.nn as nn, slapo_fn as sf

@@ -1,0 +1,488 @@
+"""Boundary contracts: which layout each sharded module needs and produces, and the
+collectives that reconcile neighbours — as a plan (for ``explain`` and ``strict``) and
+as forwards installed on build's private copy.
+
+Contracts, per role (over the role's mesh axis):
+
+=========== ============================= =====================================
+role        input                         output
+=========== ============================= =====================================
+column      Replicate (enter: all-reduce  Shard(-1): kept local when a row-
+            of the input gradient, once   parallel sibling follows (Megatron
+            per distinct input tensor)    pair), else all-gathered
+row         Shard(-1) (split locally if   Partial → all-reduce (bias added once)
+            it arrives replicated)
+vocab       Replicate ids                 Partial → all-reduce
+embed_dim   Replicate ids                 Shard(-1) → all-gathered
+param       any                           the module runs on gathered parameters
+=========== ============================= =====================================
+
+Inside a :func:`~slapo_fn.sequence_parallel` chain the residual stream is
+``Shard(seq)``: column inputs are all-gathered (reduce-scatter backward), row and vocab
+outputs reduce-scattered. Activations are plain local tensors throughout.
+
+Example:
+    >>> import torch.nn as nn, slapo_fn as sf
+    >>> from slapo_fn.dtensor.testing import fake_mesh
+    >>> sch = sf.create_schedule(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)), mesh=fake_mesh(2))
+    >>> sch = sf.shard(sf.shard(sch, "0", axis=0), "2", axis=1)
+    >>> for b in plan(sch).boundaries: print(b)
+    0 input: R→R@tp  fwd: -  bwd: all_reduce
+    2 output: P→R@tp  fwd: all_reduce  bwd: -
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from ..errors import Problem
+from ..hf import is_conv1d
+from ..rewrites._common import contains
+from ..schedule import Schedule
+from ..tree import child_names, get_module, join, split, walk
+from .layout import Layout
+from .local import LOCAL
+from .rng import RNG, RngSpec
+from .sequence import SEQ, SeqSpec
+from .shard import LAYOUT, ROLE, Role, tied_paths
+from .sync import SYNC, SyncSpec, collective_of
+
+__all__ = ["Boundary", "ModulePlan", "Plan", "implicit", "plan", "refusals"]
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """One module boundary where layouts meet: ``src``→``dst`` over ``mesh_axis``, the
+    collectives it costs in one forward and one backward, and whether the user asked
+    for it (``explicit``: stated by ``shard``'s own contract or by ``sync``)."""
+
+    path: str
+    side: str
+    src: str
+    dst: str
+    mesh_axis: str
+    forward: tuple[str, ...] = ()
+    backward: tuple[str, ...] = ()
+    explicit: bool = True
+    tensor: str = "input"  # which tensor's full size the collective moves: input, output, param:<name>
+
+    def __str__(self) -> str:
+        flag = "" if self.explicit else "  (implicit)"
+        return (
+            f"{self.path or '<root>'} {self.side}: {self.src}→{self.dst}@{self.mesh_axis}  "
+            f"fwd: {', '.join(self.forward) or '-'}  bwd: {', '.join(self.backward) or '-'}{flag}"
+        )
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    """What the tensor-parallel build phase installs on one module."""
+
+    path: str
+    role: Role | None = None
+    seq: SeqSpec | None = None
+    partnered: bool = False
+    entry: SeqSpec | None = None
+    exit: SeqSpec | None = None
+    syncs: tuple[SyncSpec, ...] = ()
+    rng: RngSpec | None = None
+    local_params: bool = False  # SP region / tp_local: replicated params with Partial gradients
+    local_axis: str = ""  # tp_local: the mesh axis of those Partial gradients
+
+
+@dataclass(frozen=True)
+class Plan:
+    modules: Mapping[str, ModulePlan]
+    boundaries: tuple[Boundary, ...] = field(default=())
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """``{"forward": {op: n}, "backward": {op: n}}`` for one step (each module called once)."""
+        out: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
+        for b in self.boundaries:
+            for op in b.forward:
+                out["forward"][op] = out["forward"].get(op, 0) + 1
+            for op in b.backward:
+                out["backward"][op] = out["backward"].get(op, 0) + 1
+        return out
+
+
+def _parent(path: str) -> str:
+    return ".".join(split(path)[:-1])
+
+
+def _siblings(root: nn.Module, path: str) -> list[str]:
+    """``path`` and the other children of its parent, in order (the root is alone)."""
+    if not path:
+        return [path]
+    parent = _parent(path)
+    return [join(parent, n) for n in child_names(get_module(root, parent))]
+
+
+def _in_features(module: nn.Module) -> int | None:
+    if isinstance(module, nn.Linear):
+        return module.in_features
+    if is_conv1d(module):
+        return int(vars(module)["nx"])
+    return None
+
+
+def plan(sch: Schedule) -> Plan:
+    """The boundary plan of ``sch``: per-module contracts and the boundaries with their
+    collectives (what ``explain`` prints and ``build(strict=True)`` checks)."""
+    roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
+    seqs: dict[str, SeqSpec] = sch.annotations.of_kind(SEQ)
+    syncs: dict[str, tuple[SyncSpec, ...]] = sch.annotations.of_kind(SYNC)
+    rngs: dict[str, RngSpec] = sch.annotations.of_kind(RNG)
+    order = {p: i for i, p in enumerate(sch.paths())}
+    seq_roots = sorted(seqs, key=lambda p: order.get(p, 0))
+
+    def region(path: str) -> SeqSpec | None:
+        for root in seq_roots:
+            if root == path or contains(root, path):
+                return seqs[root]
+        return None
+
+    modules: dict[str, ModulePlan] = {}
+    bounds: list[Boundary] = []
+    fused: set[tuple[str, str, int | None]] = set()
+    for path in sorted(set(roles) | set(seqs) | set(syncs) | set(rngs), key=lambda p: order.get(p, 0)):
+        role = roles.get(path)
+        seq = region(path)
+        spec_syncs = syncs.get(path, ())
+        out_sync = next((s for s in spec_syncs if s.mode == "fwd_post"), None)
+        partnered = False
+        if role is not None:
+            ax = role.mesh_axis
+            sib = [s for s in _siblings(sch.module, path) if s in roles and roles[s].mesh_axis == ax]
+            me = sib.index(path)
+            if role.kind == "column":
+                partnered = any(roles[s].kind == "row" for s in sib[me + 1 :])
+                in_seq = seq is not None and seq.mesh_axis == ax
+                key = (_parent(path), ax, _in_features(get_module(sch.module, path)))
+                leader = key not in fused
+                fused.add(key)
+                if in_seq:
+                    assert seq is not None
+                    bounds.append(
+                        Boundary(
+                            path,
+                            "input",
+                            f"S({seq.seq_axis})",
+                            "R",
+                            ax,
+                            ("all_gather",) if leader else (),
+                            ("reduce_scatter",) if leader else (),
+                        )
+                    )
+                else:
+                    bounds.append(Boundary(path, "input", "R", "R", ax, (), ("all_reduce",) if leader else ()))
+                out = "S(-1)" if role.packed == 1 else f"S(-1)×{role.packed}"
+                if out_sync is not None:
+                    fwd, bwd = collective_of(Shard(-1), out_sync.layout)
+                    bounds.append(Boundary(path, "output", out, _d(out_sync.layout), ax, fwd, bwd, True, "output"))
+                elif not partnered:
+                    bounds.append(Boundary(path, "output", out, "R", ax, ("all_gather",), (), False, "output"))
+            elif role.kind == "row":
+                partnered = any(roles[s].kind == "column" for s in sib[:me])
+                pre = next((s for s in spec_syncs if s.mode == "fwd_pre"), None)
+                if not partnered and pre is None:
+                    bounds.append(Boundary(path, "input", "R", "S(-1)", ax, (), ("all_gather",), False))
+                elif not partnered and isinstance(pre, SyncSpec) and isinstance(pre.layout, Replicate):
+                    # stated replicated: the module splits it locally (all-gather of the gradient)
+                    bounds.append(Boundary(path, "input", "R", "S(-1)", ax, (), ("all_gather",), True))
+                # a fwd_pre sync to Shard(-1) is the input boundary itself (added with the syncs below)
+                bounds.append(_reduce_boundary(path, ax, seq, out_sync))
+                has_bias = get_module(sch.module, path)._parameters.get("bias") is not None
+                if has_bias and _sharded_output(seq if seq is not None and seq.mesh_axis == ax else None, out_sync):
+                    grad = Boundary(path, "param grad bias", "P", "R", ax, (), ("all_reduce",), True, "param:bias")
+                    bounds.append(grad)
+            elif role.kind == "vocab":
+                bounds.append(_reduce_boundary(path, ax, seq, out_sync))
+            elif role.kind == "embed_dim":
+                if out_sync is not None:
+                    fwd, bwd = collective_of(Shard(-1), out_sync.layout)
+                    bounds.append(Boundary(path, "output", "S(-1)", _d(out_sync.layout), ax, fwd, bwd, True, "output"))
+                else:
+                    bounds.append(Boundary(path, "output", "S(-1)", "R", ax, ("all_gather",), (), False, "output"))
+            else:
+                module = get_module(sch.module, path)
+                for name in module._parameters:
+                    lay = sch.annotations.get(join(path, name), LAYOUT)
+                    if isinstance(lay, Layout) and not lay.is_replicated:
+                        n = sum(isinstance(p, Shard | _StridedShard) for p in lay.placements)
+                        bounds.append(
+                            Boundary(
+                                path,
+                                f"param {name}",
+                                str(lay),
+                                "R",
+                                ax,
+                                ("all_gather",) * n,
+                                (),
+                                False,
+                                f"param:{name}",
+                            )
+                        )
+        entry = exit_ = None
+        if path in seqs:
+            spec = seqs[path]
+            same = [r for r in seq_roots if seqs[r].mesh_axis == spec.mesh_axis]
+            own = role.kind if role is not None and role.mesh_axis == spec.mesh_axis else None
+            # a vocab embedding or a row layer first in the chain enters it by reduce-scattering its
+            # partial output along the sequence; a column last leaves it by all-gathering its input
+            if path == same[0] and own not in ("vocab", "row") and not spec.sharded_input:
+                entry = spec
+                # the chain's entry and exit are what sequence_parallel states: explicit
+                bounds.append(
+                    Boundary(path, "input", "R", f"S({spec.seq_axis})", spec.mesh_axis, (), ("all_gather",), True)
+                )
+            if path == same[-1] and out_sync is None and own != "column":
+                exit_ = spec
+                bounds.append(
+                    Boundary(
+                        path, "output", f"S({spec.seq_axis})", "R", spec.mesh_axis, ("all_gather",), (), True, "output"
+                    )
+                )
+        for s in spec_syncs:
+            if role is not None and s.mode == "fwd_post" and role.kind != "param":
+                continue  # folded into the role's output boundary above
+            src = s.src or (Shard(seq.seq_axis) if (s.mode == "fwd_post" and path in seqs and seq) else Replicate())
+            fwd, bwd = collective_of(src, s.layout)
+            if s.mode == "bwd_post":
+                fwd, bwd = (), fwd
+            side = {"fwd_pre": "input", "fwd_post": "output", "bwd_post": "input grad"}[s.mode]
+            bounds.append(
+                Boundary(
+                    path,
+                    side,
+                    _d(src),
+                    _d(s.layout),
+                    s.mesh_axis,
+                    fwd,
+                    bwd,
+                    True,
+                    "output" if s.mode == "fwd_post" else "input",
+                )
+            )
+        local = (
+            seq is not None
+            and role is None
+            and any(
+                p is not None and join(path, n) not in sch.annotations.of_kind(LAYOUT)
+                for n, p in get_module(sch.module, path)._parameters.items()
+            )
+        )
+        modules[path] = ModulePlan(path, role, seq, partnered, entry, exit_, spec_syncs, rngs.get(path), local)
+    # modules with parameters inside a sequence-parallel chain (norms): replicated, Partial gradients
+    for root in seq_roots:
+        for path, module in walk(get_module(sch.module, root), root):
+            if path in modules or path in roles:
+                continue
+            if any(p is not None for p in module._parameters.values()):
+                modules[path] = ModulePlan(path, seq=seqs[root], local_params=True)
+    # modules declared to run on this rank's shard (tp_local): replicated, Partial gradients
+    for path, local_spec in sch.annotations.of_kind(LOCAL).items():
+        if path not in modules:
+            modules[path] = ModulePlan(path, local_params=True, local_axis=local_spec.mesh_axis)
+    for mp in modules.values():
+        if mp.local_params:
+            bounds += _param_grad_boundaries(sch, mp)
+    return Plan(modules, tuple(bounds))
+
+
+def _sharded_output(seq: int | SeqSpec | None, out_sync: SyncSpec | None) -> bool:
+    """Whether a row module's output leaves it sharded (sequence parallel, or a stated
+    ``Shard`` output), so that a bias added to it gets a partial gradient."""
+    return seq is not None or (out_sync is not None and isinstance(out_sync.layout, Shard))
+
+
+def _param_grad_boundaries(sch: Schedule, mp: ModulePlan) -> list[Boundary]:
+    """The backward all-reduce of each replicated parameter of a module that runs on
+    activation shards (see ``_Runtime.reduced_grad``)."""
+    ax = mp.role.mesh_axis if mp.role is not None else (mp.seq.mesh_axis if mp.seq is not None else mp.local_axis)
+    layouts = sch.annotations.of_kind(LAYOUT)
+    module = get_module(sch.module, mp.path)
+    return [
+        Boundary(mp.path, f"param grad {n}", "P", "R", ax, (), ("all_reduce",), True, f"param:{n}")
+        for n, p in module._parameters.items()
+        if p is not None and not (join(mp.path, n) in layouts and not layouts[join(mp.path, n)].is_replicated)
+    ]
+
+
+def _d(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    return "P" if isinstance(p, Partial) else "R"
+
+
+def _reduce_boundary(path: str, ax: str, seq: SeqSpec | None, out_sync: SyncSpec | None) -> Boundary:
+    if out_sync is not None:
+        fwd, bwd = collective_of(Partial(), out_sync.layout)
+        return Boundary(path, "output", "P", _d(out_sync.layout), ax, fwd, bwd, True, "output")
+    if seq is not None and seq.mesh_axis == ax:
+        return Boundary(
+            path, "output", "P", f"S({seq.seq_axis})", ax, ("reduce_scatter",), ("all_gather",), True, "output"
+        )
+    return Boundary(path, "output", "P", "R", ax, ("all_reduce",), (), True, "output")
+
+
+def _fix(b: Boundary) -> str:
+    if b.tensor.startswith("param:"):
+        return (
+            f"shard {b.path!r} as a whole (axis=0 or 1 on a Linear/Embedding/Conv1D) so that it computes on "
+            "its shard, or leave the parameter unsharded"
+        )
+    if b.side == "output":
+        stated = f"sf.sync(sch, {b.path!r}, 'fwd_post', Replicate())"
+    else:
+        stated = f"sf.sync(sch, {b.path!r}, 'fwd_pre', Shard(-1))"
+    return f"state it with {stated}, or shard the neighbouring module so that the layouts agree (a Megatron pair)"
+
+
+def implicit(p: Plan) -> list[Problem]:
+    """Problems for every implicit boundary that moves data (for ``build(strict=True)``)."""
+    return [
+        Problem(
+            b.path,
+            f"{b.side} needs implicit resharding {b.src}→{b.dst} over {b.mesh_axis!r} "
+            f"(forward: {', '.join(b.forward) or '-'}, backward: {', '.join(b.backward) or '-'})",
+            _fix(b),
+        )
+        for b in p.boundaries
+        if not b.explicit and (b.forward or b.backward)
+    ]
+
+
+def _out_features(module: nn.Module) -> int | None:
+    if isinstance(module, nn.Linear):
+        return module.out_features
+    if is_conv1d(module):
+        return int(vars(module)["nf"])
+    return None
+
+
+def _unsharded_twins(sch: Schedule, p: Plan) -> list[Problem]:
+    """A column kept sharded for its row partner (Megatron's pair) whose parent also holds
+    an unsharded twin — a linear layer of the same shape, which reads the same input in
+    every model seen (LLaMA's gate/up, q/k/v) — would meet that twin's full output inside
+    the parent's forward: refused, naming both, instead of a shape error or a wrong sum."""
+    roles = sch.annotations.of_kind(ROLE)
+    problems = []
+    for path, mp in p.modules.items():
+        if mp.role is None or mp.role.kind != "column" or not mp.partnered or mp.role.packed > 1:
+            continue
+        module = get_module(sch.module, path)
+        shape = (_in_features(module), _out_features(module))
+        for twin in _siblings(sch.module, path):
+            other = get_module(sch.module, twin)
+            if twin != path and twin not in roles and (_in_features(other), _out_features(other)) == shape:
+                problems.append(Problem(
+                    twin,
+                    f"is not sharded, while its twin {path!r} (same shape, same parent) keeps its output sharded "
+                    f"for the row-parallel layer after it; their outputs would meet in {_parent(path) or '<root>'!r}",
+                    f"shard it like {path!r} (sf.shard(sch, {twin!r}, axis=0)), or leave {path!r} and its row "
+                    "partner unsharded",
+                ))
+    return problems
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _stray_token_shards(sch: Schedule) -> list[Problem]:
+    """A ``sync`` that shards an activation along a token dimension (``Shard(d)``, ``d`` not
+    the last) outside a sequence-parallel chain hands a module with parameters a part of
+    the tokens: its parameters' gradients would be partial sums taken for whole ones.
+    Refused, naming the module, unless a ``fwd_pre`` sync gathers the activation back
+    before any such module (feature shards, ``Shard(-1)``, are the roles' business)."""
+    seqs = sch.annotations.of_kind(SEQ)
+    syncs = sch.annotations.of_kind(SYNC)
+    order = list(sch.paths())
+
+    def in_chain(path: str, axis: str) -> bool:
+        return any(s.mesh_axis == axis and (r == path or contains(r, path)) for r, s in seqs.items())
+
+    def gathers_back(path: str, axis: str) -> bool:
+        return any(s.mode == "fwd_pre" and s.mesh_axis == axis and isinstance(s.layout, Replicate)
+                   for s in syncs.get(path, ()))
+
+    problems = []
+    for path, specs in syncs.items():
+        for s in specs:
+            token = isinstance(s.layout, Shard) and s.layout.dim >= 0 and s.mode in ("fwd_pre", "fwd_post")
+            if not token or in_chain(path, s.mesh_axis):
+                continue
+            what = f"{s.mode} sync of {path or '<root>'!r} to {_d(s.layout)} over {s.mesh_axis!r}"
+            if s.mode == "fwd_pre":
+                if _has_params(get_module(sch.module, path)):
+                    problems.append(Problem(path, f"receives a token shard from the {what}, outside a "
+                                            "sequence_parallel chain: its parameters' gradients would be partial",
+                                            f"run it in a chain, sf.sequence_parallel(sch, {path!r}), instead"))
+                continue
+            found = _first_consumer(sch, path, s.mesh_axis, in_chain, gathers_back)
+            if found is not None:
+                q, why = found
+                problems.append(Problem(
+                    q, f"receives a token shard from the {what}, outside a sequence_parallel chain: {why}",
+                    f"gather it back first, sf.sync(sch, {q!r}, 'fwd_pre', Replicate(), src={_d(s.layout)}), "
+                    "or make the modules a chain with sf.sequence_parallel instead of the sync",
+                ))
+    return sorted(set(problems), key=lambda pr: order.index(pr.path) if pr.path in order else 0)
+
+
+def _first_consumer(
+    sch: Schedule,
+    path: str,
+    axis: str,
+    in_chain: Callable[[str, str], bool],
+    gathers_back: Callable[[str, str], bool],
+) -> tuple[str, str] | None:
+    """Of the modules that run after ``path`` (its later siblings, then its ancestors'),
+    the first that would take its token-sharded output wrongly, with why; ``None`` if a
+    ``fwd_pre`` sync gathers it back first or nothing with parameters follows."""
+    tokens = split(path)
+    for depth in range(len(tokens), 0, -1):
+        here = ".".join(tokens[:depth])
+        siblings = _siblings(sch.module, here)
+        for q in siblings[siblings.index(here) + 1 :]:
+            if gathers_back(q, axis):
+                return None
+            if in_chain(q, axis):
+                chain = sch.annotations.get(q, SEQ)
+                if chain is not None and chain.sharded_input:
+                    return None  # the chain was told its input arrives split
+                return q, ("a sequence_parallel chain splits its input itself: it would be split twice (state "
+                           "sf.sequence_parallel(..., input_layout=Shard(1)) if the split is meant)")
+            if _has_params(get_module(sch.module, q)):
+                return q, "its parameters' gradients would be partial sums taken for whole ones"
+    return None
+
+
+def _half_sharded_ties(sch: Schedule) -> list[Problem]:
+    """A tied parameter sharded at one of its paths and not at another would come apart in
+    the build (two tensors where the model has one): refused, naming both paths."""
+    layouts = sch.annotations.of_kind(LAYOUT)
+    problems = []
+    for path, group in tied_paths(sch.module).items():
+        sharded = next((q for q in group if q in layouts), None)
+        if sharded is not None and path not in layouts:
+            problems.append(Problem(
+                path,
+                f"is the same parameter as {sharded!r} (tied), which is sharded as {layouts[sharded]}; "
+                "this path is not, so the tie would come apart",
+                f"shard both alike, e.g. sf.shard(sch, [{_parent(sharded)!r}, {_parent(path)!r}], axis=0), "
+                "or untie them first",
+            ))
+    return problems
+
+
+def refusals(sch: Schedule, p: Plan) -> list[Problem]:
+    """Every layout of ``sch`` the build would get silently wrong or fail on inside model
+    code, as problems naming the module and the fix (``build`` raises them at once)."""
+    return _half_sharded_ties(sch) + _unsharded_twins(sch, p) + _stray_token_shards(sch)

@@ -1,0 +1,525 @@
+"""The tensor-parallel build phase: the forwards that :func:`~slapo_fn.dtensor.plan.plan`
+describes, installed on build's private copy of the model.
+
+Parameters become DTensors (every one: its layout, or ``Replicate``); sharded modules
+run on local tensors through the autograd-aware collectives of :mod:`.collectives`;
+every other module sees local values of its parameters for the length of its forward.
+Nothing here decides a layout: that is the plan's (``explain`` and ``build(strict=True)``
+read the same one).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.nn.utils.stateless import _reparametrize_module
+
+from ..errors import LayoutError
+from ..hf import HEAD_COUNT_ATTRS as _HEAD_COUNTS
+from ..hf import HEAD_DIM_ATTRS as _HEAD_DIMS
+from ..hf import is_conv1d
+from ..rewrites._common import contains
+from ..schedule import Key, Schedule, path_exists
+from ..tree import get_module, join, split
+from . import collectives as C
+from .data_parallel import DATA_PARALLEL
+from .layout import Layout, shard_axes
+from .local import LOCAL
+from .plan import ModulePlan, Plan, _in_features, _parent, _sharded_output, implicit, plan, refusals
+from .rng import RNG, forked
+from .sequence import SEQ
+from .shard import LAYOUT, ROLE, Role, mesh_dims
+from .sync import SYNC, SyncSpec
+
+__all__ = ["apply_tensor_parallel"]
+
+
+def _first_tensor(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple | list) and value:
+        for i, v in enumerate(value):
+            if isinstance(v, torch.Tensor):
+                items = list(value)
+                items[i] = fn(v)
+                return type(value)(items) if isinstance(value, list) else tuple(items)
+    return value
+
+
+def _map_input(
+    args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            return (*args[:i], fn(a), *args[i + 1 :]), kwargs
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            return args, {**kwargs, k: fn(v)}
+    return args, kwargs
+
+
+#: How many recent entries a forward pass remembers (siblings read their input in a row).
+_RECENT = 4
+
+
+class _Runtime:
+    """Per-build state: the mesh, and the entries of the forward pass under way, which
+    make sibling column modules reading the same input tensor enter the TP region once
+    (one backward collective)."""
+
+    def __init__(self, sch: Schedule) -> None:
+        assert sch.mesh is not None
+        self.mesh = sch.mesh
+        self.dims = mesh_dims(sch.mesh)
+        # Parameters live on the sub-mesh of the axes the schedule shards over (usually just
+        # "tp"), replicated implicitly over the others, as FSDP2's 2-D composition expects
+        # (it concatenates its dp mesh with the parameters' mesh).
+        used = {n for lay in sch.annotations.of_kind(LAYOUT).values() for n in shard_axes(lay)}
+        used |= {r.mesh_axis for r in sch.annotations.of_kind(ROLE).values()}
+        used |= {q.mesh_axis for q in sch.annotations.of_kind(SEQ).values()}
+        used |= {q.mesh_axis for q in sch.annotations.of_kind(LOCAL).values()}
+        self.param_dims = tuple(d for d in self.dims if d in used) or self.dims
+        self.param_mesh = self.mesh if self.param_dims == self.dims else self.mesh[self.param_dims]
+        self.entries: list[tuple[torch.Tensor, str, int | None, torch.Tensor]] | None = None
+
+    def axis(self, name: str) -> C.Axis:
+        return (self.mesh, self.dims.index(name))
+
+    def size(self, name: str) -> int:
+        return int(self.mesh.size(self.dims.index(name)))
+
+    def reduced_grad(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        """The local value of a replicated parameter used on this rank's shard of the
+        activations (sequence positions, heads): its local gradient is a partial sum, all-
+        reduced over ``name`` in backward, so the parameter's gradient is ``Replicate`` like
+        the parameter (an optimizer step or a norm then needs no collective)."""
+        assert isinstance(p, DTensor)
+        if _in_transform():
+            return _constant(p, local=True)
+        return C.enter(p.to_local(grad_placements=p.placements), self.axis(name))
+
+    def scoped(self, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """``forward`` run as one pass: the entries it makes are shared by the modules it
+        calls and forgotten when it returns (the outermost scoped call owns them; the root
+        and every parent of column modules are scoped, so a checkpointed layer's
+        recomputation, which runs outside the root's pass, has its own)."""
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if self.entries is not None:
+                return forward(*args, **kwargs)
+            self.entries = []
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self.entries = None
+
+        return run
+
+    def enter(self, x: torch.Tensor, name: str, seq: int | None) -> torch.Tensor:
+        """Enter the TP region once per input tensor within a pass: siblings handed the same
+        tensor share one entry, so autograd sums their input gradients before a single
+        collective. Tensors are matched by identity or as whole aliases of one base (module
+        backward hooks hand each module its own alias), never by storage address, so
+        ``torch.func`` transforms and ``torch.compile`` see plain code; every rank runs the
+        same module code, so every rank hits or misses alike. Anything else enters again:
+        one more collective, the same numbers."""
+        if self.entries is not None:
+            for prev, prev_name, prev_seq, entered in self.entries:
+                if prev_name == name and prev_seq == seq and _same_tensor(prev, x):
+                    return entered
+        entered = C.enter(x, self.axis(name)) if seq is None else C.gather_rs(x, seq, self.axis(name))
+        if self.entries is not None:
+            self.entries.append((x, name, seq, entered))
+            del self.entries[:-_RECENT]
+        return entered
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a is b``, or both whole-tensor aliases (``view_as``) of one base tensor."""
+    if a is b:
+        return True
+    base_a = a if a._base is None else a._base
+    base_b = b if b._base is None else b._base
+    return (
+        base_a is base_b
+        and a.shape == b.shape == base_a.shape
+        and a.stride() == b.stride() == base_a.stride()
+        and a.dtype == b.dtype
+    )
+
+
+def _in_transform() -> bool:
+    return bool(torch._C._are_functorch_transforms_active())
+
+
+def _constant(p: DTensor, *, local: bool) -> torch.Tensor:
+    """A parameter's value inside a ``torch.func`` transform (grad, vjp with respect to the
+    model's inputs), where parameters are constants: this rank's shard (``local``) or the
+    full tensor, read without DTensor's ``to_local``/``redistribute``, autograd Functions
+    without ``setup_context`` that transforms refuse."""
+    with torch.no_grad():
+        t = p._local_tensor
+        if local:
+            return t
+        for mesh_dim in reversed(range(p.device_mesh.ndim)):
+            placement = p.placements[mesh_dim]
+            if isinstance(placement, _StridedShard):
+                raise NotImplementedError(
+                    "a packed (_StridedShard) parameter of a module run on gathered parameters cannot be "
+                    "gathered inside a torch.func transform; shard it with packed=1 or call the model outside it"
+                )
+            if isinstance(placement, Shard):
+                t = C._all_gather(t, placement.dim, (p.device_mesh, mesh_dim))
+        return t
+
+
+def _local(p: torch.Tensor | None) -> torch.Tensor | None:
+    if not isinstance(p, DTensor):
+        return p
+    return _constant(p, local=True) if _in_transform() else p.to_local()
+
+
+def _column(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> Callable[..., Any]:
+    """``member``: the column is itself a member of a sequence-parallel chain, so it
+    all-gathers its own input along the sequence (otherwise its parent does)."""
+    role = mp.role
+    assert role is not None
+    ax, seq = role.mesh_axis, (mp.seq.seq_axis if mp.seq is not None and mp.seq.mesh_axis == role.mesh_axis else None)
+    conv, emb = is_conv1d(m), isinstance(m, nn.Embedding)
+    full_in = _in_features(m)
+    out_sync = next((s for s in mp.syncs if s.mode == "fwd_post"), None)
+    packed = role.packed
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if emb:
+            y = F.embedding(x, _local(m.weight), m.padding_idx, m.max_norm, m.norm_type, m.scale_grad_by_freq, m.sparse)  # type: ignore[arg-type]
+        else:
+            if full_in is not None and x.shape[-1] != full_in:  # arrived sharded (a column chain)
+                x = C.gather(x, -1, rt.axis(ax))
+            if seq is None:  # with sequence parallelism the parent gathered the input (its own shape then fits)
+                x = rt.enter(x, ax, None)
+            elif member:
+                x = rt.enter(x, ax, seq)
+            w, b = _local(m.weight), _local(m.bias)  # type: ignore[arg-type]
+            if conv:
+                assert w is not None
+                flat = x.reshape(-1, x.shape[-1])
+                y = (torch.addmm(b, flat, w) if b is not None else flat @ w).view(*x.shape[:-1], w.shape[1])
+            else:
+                y = F.linear(x, w, b)  # type: ignore[arg-type]
+        kept_local = out_sync is None and mp.partnered and not emb
+        if packed > 1 and not kept_local and not _is_last_dim_shard(out_sync, y.dim()):
+            # this rank's output is [Q_r|K_r|V_r]: gathered, the chunks are put back in order
+            full = _unpack(C.gather(y, -1, rt.axis(ax)), packed, rt.size(ax))
+            return full if out_sync is None else C.redistribute(full, Replicate(), out_sync.layout, rt.axis(ax))
+        if out_sync is not None:
+            return C.redistribute(y, Shard(y.dim() - 1), out_sync.layout, rt.axis(ax))
+        if kept_local:
+            return y
+        return C.gather(y, -1, rt.axis(ax))
+
+    return forward
+
+
+def _is_last_dim_shard(sync: SyncSpec | None, ndim: int) -> bool:
+    return sync is not None and isinstance(sync.layout, Shard) and sync.layout.dim % ndim == ndim - 1
+
+
+def _unpack(gathered: torch.Tensor, packed: int, size: int) -> torch.Tensor:
+    """``[A_0 B_0 C_0 | A_1 B_1 C_1]`` (each rank's packed chunks, all-gathered) →
+    ``[A_0 A_1 | B_0 B_1 | C_0 C_1]`` (the unsharded module's order)."""
+    return gathered.unflatten(-1, (size, packed, -1)).transpose(-3, -2).flatten(-3)
+
+
+def _row(rt: _Runtime, m: nn.Module, mp: ModulePlan) -> Callable[..., Any]:
+    role = mp.role
+    assert role is not None
+    ax = role.mesh_axis
+    seq = mp.seq.seq_axis if mp.seq is not None and mp.seq.mesh_axis == ax else None
+    conv, emb = is_conv1d(m), isinstance(m, nn.Embedding)
+    full_in = _in_features(m)
+    out_sync = next((s for s in mp.syncs if s.mode == "fwd_post"), None)
+    sharded_out = _sharded_output(seq, out_sync)
+    size = rt.size(ax)
+
+    def reduce(y: torch.Tensor) -> torch.Tensor:
+        if out_sync is not None:
+            return C.redistribute(y, Partial(), out_sync.layout, rt.axis(ax))
+        return C.reduce(y, rt.axis(ax)) if seq is None else C.reduce_scatter(y, seq, rt.axis(ax))
+
+    def bias() -> torch.Tensor | None:
+        b = m._parameters.get("bias")
+        if b is None:
+            return None
+        # added to a sharded output (sequence shards), the bias sees part of the gradient
+        return rt.reduced_grad(ax, b) if sharded_out and isinstance(b, DTensor) else _local(b)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        w = _local(m.weight)  # type: ignore[arg-type]
+        assert w is not None
+        if emb:
+            v = w.shape[0]
+            lo = rt.mesh.get_local_rank(rt.dims.index(ax)) * v
+            outside = (x < lo) | (x >= lo + v)
+            ids = (x - lo).masked_fill(outside, 0)
+            pidx = getattr(m, "padding_idx", None)
+            pad = pidx - lo if isinstance(pidx, int) and lo <= pidx < lo + v else None
+            y = F.embedding(ids, w, pad).masked_fill(outside.unsqueeze(-1), 0.0)
+            return reduce(y)
+        if full_in is not None and size > 1 and x.shape[-1] == full_in:  # arrived replicated
+            x = C.split(x, -1, rt.axis(ax))
+        if conv:
+            flat = x.reshape(-1, x.shape[-1])
+            y = (flat @ w).view(*x.shape[:-1], w.shape[1])
+        else:
+            y = F.linear(x, w)
+        y = reduce(y)
+        b = bias()
+        return y if b is None else y + b
+
+    return forward
+
+
+def _generic(rt: _Runtime, m: nn.Module, mp: ModulePlan, forward: Callable[..., Any]) -> Callable[..., Any]:
+    names = [n for n, p in m._parameters.items() if isinstance(p, DTensor)]
+    ax = mp.role.mesh_axis if mp.role is not None else (mp.seq.mesh_axis if mp.seq is not None else mp.local_axis)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        params: dict[str, torch.Tensor] = {}
+        for n in names:
+            p = m._parameters[n]
+            assert isinstance(p, DTensor)
+            if any(isinstance(pl, Shard | _StridedShard) for pl in p.placements):
+                params[n] = (
+                    _constant(p, local=False)
+                    if _in_transform()
+                    else p.redistribute(placements=[Replicate()] * len(p.placements)).to_local()
+                )
+            elif mp.local_params:
+                params[n] = rt.reduced_grad(ax, p)
+            else:
+                params[n] = _local(p)  # type: ignore[assignment]
+        with _reparametrize_module(m, params):
+            return forward(*args, **kwargs)
+
+    return run
+
+
+def _distribute(model: nn.Module, sch: Schedule, rt: _Runtime) -> None:
+    """Every parameter becomes a DTensor on the parameter mesh: its layout where it has
+    one, ``Replicate`` elsewhere, so optimizers (foreach, fused) and ``clip_grad_norm_``
+    see one kind of tensor. Each rank keeps its own chunk (no communication: every rank
+    holds the full value); a tied parameter stays one tensor."""
+    memo: dict[int, nn.Parameter] = {}
+    targets: dict[str, Layout | None] = dict.fromkeys(n for n, _ in model.named_parameters(remove_duplicate=False))
+    targets.update(sch.annotations.of_kind(LAYOUT))
+    replicate = [Replicate()] * len(rt.param_dims)
+    for path, lay in targets.items():
+        tokens = split(path)
+        owner = get_module(model, ".".join(tokens[:-1]))
+        p = owner._parameters[tokens[-1]]
+        if p is None or isinstance(p, DTensor):
+            continue
+        if id(p) not in memo:
+            placements = replicate if lay is None else [lay.placements[rt.dims.index(d)] for d in rt.param_dims]
+            dt = distribute_tensor(p.detach(), rt.param_mesh, placements, src_data_rank=None)
+            new = nn.Parameter(dt, requires_grad=p.requires_grad)
+            new.__dict__.update({k: v for k, v in p.__dict__.items() if k != "grad"})
+            memo[id(p)] = new
+        owner._parameters[tokens[-1]] = memo[id(p)]
+
+
+def _adjust_packed_parent(model: nn.Module, path: str, role: Role, rt: _Runtime) -> None:
+    """A packed column module's parent that splits its output by a full-size attribute
+    (GPT-2 attention's ``split_size``) gets the local size on build's copy."""
+    m = get_module(model, path)
+    out = int(vars(m)["nf"]) if is_conv1d(m) else int(getattr(m, "out_features", 0))
+    parent = get_module(model, _parent(path))
+    chunk = out // role.packed
+    if getattr(parent, "split_size", None) == chunk:
+        object.__setattr__(parent, "split_size", chunk // rt.size(role.mesh_axis))
+
+
+def _adjust_head_counts(model: nn.Module, path: str, role: Role, rt: _Runtime, adjusted: set[tuple[int, str]]) -> None:
+    """The parent (attention) of a column module whose output stays sharded runs on this
+    rank's heads: a head count it reshapes by (OPT's ``view(bsz, -1, self.num_heads,
+    head_dim)``) becomes the local count on build's copy, as Megatron's per-partition head
+    count does. Only an attribute that, times the head size, equals the module's output
+    size is touched (so q/k/v of GQA adjust their own counts)."""
+    m = get_module(model, path)
+    parent = get_module(model, _parent(path))
+    out = int(vars(m)["nf"]) if is_conv1d(m) else int(getattr(m, "out_features", 0))
+    head_dim = next((v for a in _HEAD_DIMS if isinstance(v := vars(parent).get(a), int) and v > 0), None)
+    if head_dim is None:
+        return
+    for attr in _HEAD_COUNTS:
+        count = vars(parent).get(attr)
+        key = (id(parent), attr)
+        if type(count) is int and key not in adjusted and count * head_dim * role.packed == out:
+            object.__setattr__(parent, attr, count // rt.size(role.mesh_axis))
+            adjusted.add(key)
+
+
+def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False) -> None:
+    """The ``tensor_parallel`` build phase (on build's private copy ``model``)."""
+    keys: tuple[Key[Any], ...] = (ROLE, SEQ, SYNC, RNG, LOCAL)
+    if not any(sch.annotations.of_kind(k) for k in keys):
+        return
+    p = plan(sch)
+    refused = refusals(sch, p)
+    if refused:
+        raise LayoutError("build", refused)
+    if strict:
+        problems = implicit(p)
+        if problems:
+            raise LayoutError("build(strict=True)", problems)
+    rt = _Runtime(sch)
+    seq_roots = set(sch.annotations.of_kind(SEQ))
+    # a column whose parent is strictly inside a chain member (attention, MLP) has its input
+    # gathered by that parent, so that model code reshaping it sees the whole sequence; any
+    # other (a member itself, or a direct child of one, beside the residual stream) gathers its own
+    gathers_own = {q for q in p.modules if not any(contains(r, _parent(q)) for r in seq_roots)}
+    _distribute(model, sch, rt)
+    adjusted: set[tuple[int, str]] = set()
+    for path, mp in p.modules.items():
+        m = get_module(model, path)
+        forward: Callable[..., Any] = m.forward
+        if mp.role is not None and mp.role.kind in ("column", "embed_dim"):
+            forward = _column(rt, m, mp, path in gathers_own)
+            if mp.role.packed > 1:
+                _adjust_packed_parent(model, path, mp.role, rt)
+            if mp.role.kind == "column" and mp.partnered:
+                _adjust_head_counts(model, path, mp.role, rt, adjusted)
+        elif mp.role is not None and mp.role.kind in ("row", "vocab"):
+            forward = _row(rt, m, mp)
+        elif (mp.role is not None and mp.role.kind == "param") or mp.local_params:
+            forward = _generic(rt, m, mp, forward)
+        forward = _wrap_boundaries(rt, mp, forward)
+        if mp.rng is not None:
+            forward = forked(forward, rt.mesh.get_local_rank(rt.dims.index(mp.rng.mesh_axis)))
+        m.forward = forward  # type: ignore[method-assign]
+    _localise_replicated(model, sch, p)
+    # sequence parallel: a column group's parent (attention, MLP) all-gathers its input along the
+    # sequence, so that model code reading the input's shape (HF attention's view) sees the full length
+    for parent, (ax, seq_axis) in _sp_parents(p, gathers_own).items():
+        pm = get_module(model, parent)
+        pm.forward = _gathering(rt, pm.forward, ax, seq_axis)  # type: ignore[method-assign]
+    # one pass per forward of the root, and of each parent of column modules (see _Runtime.scoped)
+    column_parents = {_parent(mp.path) for mp in p.modules.values() if mp.role is not None and mp.role.kind == "column"}
+    for path in ("", *sorted(column_parents - {""})):
+        pm = get_module(model, path)
+        pm.forward = rt.scoped(pm.forward)  # type: ignore[method-assign]
+
+
+_OWN_FORWARDS = ("column", "embed_dim", "row", "vocab")
+
+
+def _localise_replicated(model: nn.Module, sch: Schedule, p: Plan) -> None:
+    """Modules the plan does not give a forward of their own compute on local tensors:
+    each module on the way to a planned one (attention, MLP, a decoder layer, the root)
+    swaps in, for the length of its forward, the local values of its own replicated
+    parameters and of every parameter in its subtrees that hold nothing planned (norms,
+    embeddings, rotary tables, a child whose weight it reads directly, as
+    ``nn.MultiheadAttention`` reads ``out_proj.weight``). Their gradients are
+    ``Replicate``: every rank computes the same ones on replicated activations.
+
+    An FSDP block sets its own parameters in its pre-forward hook, so a block with
+    nothing planned in it localises its own subtree instead of its parent doing so."""
+    spec = sch.annotations.get("", DATA_PARALLEL)
+    blocks = set(spec.blocks) if spec is not None else set()
+    planned = set(p.modules)
+    on_the_way = {join(*split(q)[:i]) for q in planned for i in range(len(split(q)) + 1)}
+
+    def subtree(path: str, module: nn.Module, prefix: str) -> list[str]:
+        names = [join(prefix, n) for n, t in module._parameters.items() if t is not None]
+        for name, child in module._modules.items():
+            cp = join(path, name)
+            if child is not None and cp not in blocks:
+                names += subtree(cp, child, join(prefix, name))
+        return names
+
+    def install(path: str, names: list[str]) -> None:
+        if names:
+            m = get_module(model, path)
+            m.forward = _replicated(m, tuple(names), m.forward)  # type: ignore[method-assign]
+
+    for path in sorted(on_the_way, key=lambda q: len(split(q))):
+        m = get_module(model, path)
+        mp = p.modules.get(path)
+        # a role's forward (or _generic's) reads its module's own parameters itself
+        own = mp is None or not (mp.local_params or (mp.role is not None and mp.role.kind in (*_OWN_FORWARDS, "param")))
+        names = [n for n, t in m._parameters.items() if t is not None] if own else []
+        for name, child in m._modules.items():
+            cp = join(path, name)
+            if child is not None and cp not in on_the_way and cp not in blocks:
+                names += subtree(cp, child, name)
+        install(path, names)
+    for path in sorted(blocks - on_the_way):
+        if path_exists(model, path):  # a pipeline stage holds only its own blocks
+            install(path, subtree(path, get_module(model, path), ""))
+
+
+def _replicated(m: nn.Module, names: tuple[str, ...], forward: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        local = {n: _local(m.get_parameter(n)) for n in names}
+        with _reparametrize_module(m, local):  # type: ignore[arg-type]
+            return forward(*args, **kwargs)
+
+    return run
+
+
+def _sp_parents(p: Plan, members: set[str]) -> dict[str, tuple[str, int]]:
+    out: dict[str, tuple[str, int]] = {}
+    for mp in p.modules.values():
+        role, seq = mp.role, mp.seq
+        if mp.path in members:
+            continue  # a chain member gathers its own input
+        if role is not None and role.kind == "column" and seq is not None and seq.mesh_axis == role.mesh_axis:
+            out.setdefault(_parent(mp.path), (role.mesh_axis, seq.seq_axis))
+    return out
+
+
+def _gathering(rt: _Runtime, forward: Callable[..., Any], ax: str, seq_axis: int) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _map_input(args, kwargs, functools.partial(rt.enter, name=ax, seq=seq_axis))
+        return forward(*args, **kwargs)
+
+    return run
+
+
+def _wrap_boundaries(rt: _Runtime, mp: ModulePlan, forward: Callable[..., Any]) -> Callable[..., Any]:
+    pre = [s for s in mp.syncs if s.mode == "fwd_pre"]
+    bwd = [s for s in mp.syncs if s.mode == "bwd_post"]
+    post = [s for s in mp.syncs if s.mode == "fwd_post"] if mp.role is None or mp.role.kind == "param" else []
+    if not (pre or bwd or post or mp.entry or mp.exit):
+        return forward
+
+    def convert(src: Placement, dst: Placement, mesh_axis: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        return functools.partial(C.redistribute, src=src, dst=dst, axis=rt.axis(mesh_axis))
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if mp.entry is not None:
+            e = mp.entry
+            args, kwargs = _map_input(args, kwargs, convert(Replicate(), Shard(e.seq_axis), e.mesh_axis))
+        for s in pre:
+            args, kwargs = _map_input(args, kwargs, convert(s.src or Replicate(), s.layout, s.mesh_axis))
+        for s in bwd:  # sync validated these: Partial → Replicate (all-reduce) or nothing to do
+            if isinstance(s.src, Partial):
+                args, kwargs = _map_input(args, kwargs, functools.partial(C.enter, axis=rt.axis(s.mesh_axis)))
+        out = forward(*args, **kwargs)
+        for s in post:
+            src = s.src or (Shard(mp.seq.seq_axis) if mp.seq is not None and (mp.entry or mp.exit) else Replicate())
+            out = _first_tensor(out, convert(src, s.layout, s.mesh_axis))
+        if mp.exit is not None and not post:
+            x = mp.exit
+            out = _first_tensor(out, convert(Shard(x.seq_axis), Replicate(), x.mesh_axis))
+        return out
+
+    return run
