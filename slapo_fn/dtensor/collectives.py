@@ -28,6 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from ..errors import LayoutError, Problem
+
 __all__ = ["Axis", "enter", "gather", "gather_rs", "redistribute", "reduce", "reduce_scatter", "split"]
 
 Axis = tuple[DeviceMesh, int]
@@ -176,13 +178,31 @@ def gather_rs(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
     return _Gather.apply(x, dim, axis, True)  # type: ignore[no-any-return]
 
 
+def _even(x: torch.Tensor, dim: int, axis: Axis, what: str) -> None:
+    """Refuse, on every rank alike (shapes are the same everywhere), a dimension that does
+    not divide over the mesh axis: uneven shards would make the ranks' next collectives
+    disagree in size, which aborts the process group instead of raising."""
+    mesh, mdim = axis
+    size, n = mesh.size(mdim), x.shape[dim % x.dim()]
+    if n % size:
+        name = (mesh.mesh_dim_names or ())[mdim] if mesh.mesh_dim_names else str(mdim)
+        raise LayoutError(what, [Problem(
+            "", f"dimension {dim} of an activation of shape {tuple(x.shape)} has {n} elements, which do not split "
+            f"evenly over the {size} ranks of mesh axis {name!r}",
+            f"pad that dimension (the sequence) to a multiple of {size}, or leave the module out of "
+            "sequence parallelism",
+        )])
+
+
 def split(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
     """This rank's chunk along ``dim`` forward (no communication); all-gather backward."""
+    _even(x, dim, axis, "split")
     return _Split.apply(x, dim, axis)  # type: ignore[no-any-return]
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
     """Reduce-scatter along ``dim`` forward (a partial sum becomes sharded); all-gather backward."""
+    _even(x, dim, axis, "reduce_scatter")
     return _ReduceScatter.apply(x, dim, axis)  # type: ignore[no-any-return]
 
 

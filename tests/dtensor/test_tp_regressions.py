@@ -77,6 +77,12 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[sf.Schedule], sf.Sched
         lambda s: sf.sync(s, "a", "fwd_post", Shard(1)),
         (X,),
     ),
+    # 5 tokens over 2 ranks: uneven shards would abort the process group on the next collective
+    "uneven-sequence": (
+        NormHead,
+        lambda s: sf.sequence_parallel(sf.shard(s, "head", axis=0), ["body", "norm", "head"]),
+        (torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(3)),),
+    ),
     "root-sync-with-child-syncs": (
         ShardThenLinear,
         lambda s: sf.sync(sf.sync(sf.shard(s, "b", axis=0), "a", "fwd_pre", Shard(1)), "", "fwd_post", Replicate(),
@@ -102,6 +108,7 @@ EXPECTED = {
     # the Linear after the sync would see half the tokens: its gradients would be partial
     "sequence-shard-before-an-unsharded-linear": "refused: build: 'b': receives a token shard",
     "root-sync-with-child-syncs": "refused: build: 'a': receives a token shard",
+    "uneven-sequence": "refused: split: <root>: dimension 1 of an activation of shape (2, 5, 8) has 5 elements",
 }
 
 

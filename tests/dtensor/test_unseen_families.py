@@ -1,0 +1,317 @@
+"""Families slapo_fn has no recipe for, at tp=2: a hand-written Megatron plan (and the
+family's own ``base_model_tp_plan`` through ``sf.recipes.from_tp_plan`` where it has one)
+gives a model equal to the unsharded one (loss, input and every parameter gradient) or
+is refused with a ``LayoutError`` before it runs — never wrong numbers, never a raw
+error from inside model code. Tiny random models from configs, no hub."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from tp_checks import parity
+
+import slapo_fn as sf
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+VOCAB = 128
+Plan = Callable[[sf.Schedule], sf.Schedule]
+
+
+def _ids(seq: int = 8, seed: int = 0) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (2, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _lm_kw() -> dict[str, Any]:
+    return {"vocab_size": VOCAB, "num_hidden_layers": 2, "use_cache": False, "attn_implementation": "eager"}
+
+
+# ----------------------------------------------------------------------------- models and plans
+
+
+def _column(*names: str, packed: int = 1) -> sf.Rewrite:
+    rw = sf.shard.at(names[0], axis=0, packed=packed)
+    for name in names[1:]:
+        rw = rw >> sf.shard.at(name, axis=0, packed=packed)
+    return rw
+
+
+def _row(name: str) -> sf.Rewrite:
+    return sf.shard.at(name, axis=1)
+
+
+def _llama_like(layers: str) -> sf.Rewrite:
+    attn = sf.scope("self_attn", _column("q_proj", "k_proj", "v_proj") >> _row("o_proj"))
+    return sf.foreach(layers, attn >> sf.scope("mlp", _column("gate_proj", "up_proj") >> _row("down_proj")))
+
+
+def _mistral() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                        **_lm_kw())
+    return MistralForCausalLM(cfg), (_ids(),), _llama_like("model.layers.*")
+
+
+def _phi3(hidden: int, kv_heads: int) -> Callable[[], tuple[nn.Module, tuple[Any, ...], Plan]]:
+    def make() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+        from transformers import Phi3Config, Phi3ForCausalLM
+
+        cfg = Phi3Config(hidden_size=hidden, intermediate_size=128, num_attention_heads=4, num_key_value_heads=kv_heads,
+                         pad_token_id=0, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                         attention_dropout=0.0, **_lm_kw())
+        plan = sf.foreach("model.layers.*",
+                          sf.scope("self_attn", _column("qkv_proj", packed=3) >> _row("o_proj"))
+                          >> sf.scope("mlp", _column("gate_up_proj", packed=2) >> _row("down_proj")))
+        return Phi3ForCausalLM(cfg), (_ids(),), plan
+
+    return make
+
+
+def _gemma2() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, sliding_window=4, **_lm_kw())
+    return Gemma2ForCausalLM(cfg), (_ids(),), _llama_like("model.layers.*")
+
+
+def _fused_block(layers: str, attn: str, qkv: str, packed: int) -> Plan:
+    """q|k|v fused in ``attn.qkv`` (column, ``packed``), ``attn.dense`` row; ``mlp.dense_h_to_4h`` column,
+    ``mlp.dense_4h_to_h`` row (the GPT-NeoX / Falcon / BLOOM names)."""
+    return sf.foreach(layers,
+                      sf.scope(attn, _column(qkv, packed=packed) >> _row("dense"))
+                      >> sf.scope("mlp", _column("dense_h_to_4h") >> _row("dense_4h_to_h")))
+
+
+def _neox(packed: int) -> Callable[[], tuple[nn.Module, tuple[Any, ...], Plan]]:
+    # query_key_value's rows are per head [q_h | k_h | v_h]: a plain column shard keeps whole heads;
+    # packed=3 cuts it as if it were [Q | K | V] (GPT-2's layout), which it is not
+    def make() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+        from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+        cfg = GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, hidden_dropout=0.0,
+                            attention_dropout=0.0, **_lm_kw())
+        plan = _fused_block("gpt_neox.layers.*", "attention", "query_key_value", packed)
+        return GPTNeoXForCausalLM(cfg), (_ids(),), plan
+
+    return make
+
+
+def _falcon() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    from transformers import FalconConfig, FalconForCausalLM
+
+    # the new decoder architecture with 2 kv heads: query_key_value rows are per kv group [q q | k | v]
+    cfg = FalconConfig(hidden_size=64, num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
+                       hidden_dropout=0.0, attention_dropout=0.0, **_lm_kw())
+    return FalconForCausalLM(cfg), (_ids(),), _fused_block("transformer.h.*", "self_attention", "query_key_value", 1)
+
+
+def _bloom() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    from transformers import BloomConfig, BloomForCausalLM
+
+    kw = _lm_kw()
+    cfg = BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, hidden_dropout=0.0,
+                      attention_dropout=0.0, use_cache=False, attn_implementation=kw["attn_implementation"])
+    return BloomForCausalLM(cfg), (_ids(),), _fused_block("transformer.h.*", "self_attention", "query_key_value", 1)
+
+
+def _seq2seq_plan() -> Plan:
+    def attn(name: str) -> sf.Rewrite:
+        return sf.scope(name, _column("q_proj", "k_proj", "v_proj") >> _row("out_proj"))
+
+    mlp = _column("fc1") >> _row("fc2")
+    return sf.foreach("encoder.layers.*", attn("self_attn") >> mlp) >> sf.foreach(
+        "decoder.layers.*", attn("self_attn") >> attn("encoder_attn") >> mlp)
+
+
+def _bart() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    from transformers import BartConfig, BartModel
+
+    cfg = BartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=32,
+                     dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, use_cache=False,
+                     attn_implementation="eager")
+    ids = _ids()
+    return BartModel(cfg), (ids, torch.ones_like(ids), _ids(seed=1)), _seq2seq_plan()
+
+
+class _Whisper(nn.Module):
+    """``WhisperModel`` fed ``input_features`` and ``decoder_input_ids`` positionally."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, features: torch.Tensor, decoder_ids: torch.Tensor) -> Any:
+        return self.model(input_features=features, decoder_input_ids=decoder_ids)
+
+
+def _whisper() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    from transformers import WhisperConfig, WhisperModel
+
+    cfg = WhisperConfig(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16,
+                        max_source_positions=16, max_target_positions=32, dropout=0.0, attention_dropout=0.0,
+                        activation_dropout=0.0, use_cache=False, attn_implementation="eager", pad_token_id=0,
+                        bos_token_id=0, eos_token_id=0, decoder_start_token_id=0)
+    model = _Whisper(WhisperModel(cfg))
+    # frozen sinusoidal positions: parity wants a gradient on every parameter; the forward is unchanged
+    model.model.encoder.embed_positions.weight.requires_grad_(True)
+    features = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(2))
+
+    def plan(sch: sf.Schedule) -> sf.Schedule:
+        return sf.scope("model", _seq2seq_plan())(sch)
+
+    return model, (features, _ids()), plan
+
+
+def _vit() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    from transformers import ViTConfig, ViTModel
+
+    cfg = ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, image_size=16,
+                    patch_size=4, num_channels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                    attn_implementation="eager")
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    plan = sf.foreach("layers.*", sf.scope("attention", _column("q_proj", "k_proj", "v_proj") >> _row("o_proj"))
+                      >> sf.scope("mlp", _column("fc1") >> _row("fc2")))
+    return ViTModel(cfg, add_pooling_layer=False), (pixels,), plan
+
+
+def _torch_encoder() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(4))
+    # in_proj_weight/bias are [Q | K | V] parameters of MultiheadAttention (no Linear of their own);
+    # out_proj is a Linear that F.multi_head_attention_forward reads functionally
+    attn = (sf.shard.at("self_attn.in_proj_weight", axis=0, packed=3)
+            >> sf.shard.at("self_attn.in_proj_bias", axis=0, packed=3) >> _row("self_attn.out_proj"))
+    return model, (x,), sf.foreach("layers.*", attn >> _column("linear1") >> _row("linear2"))
+
+
+def _torch_encoder_attn_replicated() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    """The same, out_proj left replicated (in_proj gathered per use, the MLP Megatron)."""
+    model, inputs, _ = _torch_encoder()
+    attn = sf.shard.at("self_attn.in_proj_weight", axis=0, packed=3) >> sf.shard.at("self_attn.in_proj_bias", axis=0,
+                                                                                     packed=3)
+    return model, inputs, sf.foreach("layers.*", attn >> _column("linear1") >> _row("linear2"))
+
+
+@dataclass(frozen=True)
+class Case:
+    make: Callable[[], tuple[nn.Module, tuple[Any, ...], Plan]]
+    sp: tuple[str, ...] = ()  # also sf.sequence_parallel over these (then from_tp_plan is not tried)
+
+
+CASES: dict[str, Case] = {
+    "mistral": Case(_mistral),
+    "mistral+sp": Case(_mistral, ("model.layers.*", "model.norm")),
+    "phi3": Case(_phi3(64, 4)),
+    "phi3+sp": Case(_phi3(64, 4), ("model.layers.*", "model.norm")),
+    "phi3-gqa": Case(_phi3(48, 2)),  # q|k|v = 48|24|24: unequal packed chunks
+    "phi3-gqa-h64": Case(_phi3(64, 2)),  # q|k|v = 64|32|32: 128 rows, not divisible by packed=3
+    "gemma2": Case(_gemma2),
+    "gemma2+sp": Case(_gemma2, ("model.layers.*", "model.norm")),
+    "gpt-neox": Case(_neox(1)),
+    "gpt-neox+sp": Case(_neox(1), ("gpt_neox.layers.*", "gpt_neox.final_layer_norm")),
+    "gpt-neox-packed3": Case(_neox(3)),
+    "falcon": Case(_falcon),
+    "bloom": Case(_bloom),
+    "bart": Case(_bart),
+    "bart+sp": Case(_bart, ("encoder.layers.*", "decoder.layers.*")),
+    "bart+sp-decoder": Case(_bart, ("decoder.layers.*",)),
+    "whisper": Case(_whisper),
+    "whisper+sp": Case(_whisper, ("model.encoder.layers.*", "model.decoder.layers.*")),
+    "vit": Case(_vit),
+    "torch-encoder": Case(_torch_encoder),
+    "torch-encoder-out-replicated": Case(_torch_encoder_attn_replicated),
+    "torch-encoder-out-replicated+sp": Case(_torch_encoder_attn_replicated, ("layers.*",)),
+    # 17 tokens (CLS + 16 patches) do not split over 2 ranks: refused before any collective
+    "vit+sp": Case(_vit, ("layers.*", "layernorm")),
+}
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def _weighted(out: Any, _: sf.Schedule) -> torch.Tensor:
+    """A loss that weights output features unevenly (a feature permutation cannot cancel out);
+    encoder-decoders add the encoder's output."""
+    if isinstance(out, torch.Tensor):
+        outs = [out]
+    elif getattr(out, "logits", None) is not None:
+        outs = [out.logits]
+    else:
+        outs = [t for t in (out.last_hidden_state, getattr(out, "encoder_last_hidden_state", None))
+                if t is not None]
+    return sum((o * torch.linspace(0.5, 1.5, o.shape[-1])).float().pow(2).mean() for o in outs)  # type: ignore[return-value]
+
+
+def _outcome(run: Callable[[], Any], refusal: type[Exception] = sf.LayoutError) -> str:
+    try:
+        run()
+    except refusal as e:
+        return f"refused ({type(e).__name__}): " + str(e).splitlines()[0]
+    except Exception as e:  # wrong numbers (AssertionError) or an error from inside model code
+        lines = [line for line in str(e).splitlines() if line.strip()]
+        return f"bug: {type(e).__name__}: " + " | ".join(lines[:4])[:600]
+    return "equal"
+
+
+def _family(rank: int, world: int, name: str) -> dict[str, str]:
+    case = CASES[name]
+    torch.manual_seed(0)
+    model, inputs, plan = case.make()
+
+    def check(rewrite: Plan) -> Callable[[], Any]:
+        return lambda: parity(model, rewrite, inputs, shape=(world,), loss=_weighted, tracker=False)
+
+    if case.sp:
+        return {"hand+sp": _outcome(check(lambda s: sf.sequence_parallel(plan(s), list(case.sp))))}
+    results = {"hand": _outcome(check(plan))}
+    if sf.recipes.tp_plan_of(model):
+        # from_tp_plan refuses a style it has no equivalent for with a ScheduleError, by name, before running
+        results["from_tp_plan"] = _outcome(check(sf.recipes.from_tp_plan), refusal=sf.ScheduleError)
+    return results
+
+
+# ----------------------------------------------------------------------------- the test
+
+_DECODER_SP = ("raw RuntimeError in eager_attention_forward of decoder.layers.0.self_attn under sequence_parallel: "
+               "'attn_weights + attention_mask': the size of tensor a (16) must match the size of tensor b (8) at "
+               "dimension 3 (keys 2x the 8 decoder tokens); encoder-only sp is equal")
+#: Bugs of the library today (strict: a fix turns these into XPASS).
+XFAIL: dict[str, str] = {
+    "gpt-neox-packed3": "silent wrong numbers: packed=3 is accepted on NeoX's per-head [q_h|k_h|v_h] query_key_value; "
+                        "loss 0.026978 vs 0.025432 unsharded (6% relative)",
+    "falcon": "raw RuntimeError in FalconAttention.forward (modeling_falcon.py:319, reshape(batch, self.num_heads, "
+              "...) with the global 4 heads): shape '[2, 4, 8, 16]' is invalid for input of size 512",
+    "bloom": "raw RuntimeError in BloomAttention._reshape (fused_qkv.view(b, s, self.num_heads, 3, head_dim) with "
+             "the global 4 heads): shape '[2, 8, 4, 3, 16]' is invalid for input of size 1536",
+    "bart+sp": _DECODER_SP,
+    "bart+sp-decoder": "silent wrong gradients: sequence_parallel over decoder.layers.* only: shared.weight's gradient "
+                       "off on ~12% of its elements (max abs 1e-3, relative up to 50x), and different on each rank",
+    "whisper+sp": _DECODER_SP,
+    "torch-encoder": "raw RuntimeError: a row-sharded self_attn.out_proj is read functionally by "
+                     "F.multi_head_attention_forward (functional.py, linear(attn_output, out_proj_weight, ...)): "
+                     "aten.addmm.default got mixed torch.Tensor and DTensor",
+    "torch-encoder-out-replicated+sp": "raw RuntimeError: the same addmm mixed torch.Tensor and DTensor at "
+                                       "F.multi_head_attention_forward's out_proj under sequence_parallel (equal "
+                                       "without sp)",
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=XFAIL[n])) if n in XFAIL else n for n in CASES],
+)
+def test_unseen_family_is_equal_or_refused(dist2, name: str) -> None:
+    results = dist2.run(_family, name, timeout=150)
+    assert results[0] == results[1], results
+    bad = {plan: what for plan, what in results[0].items() if what != "equal" and not what.startswith("refused")}
+    assert not bad, f"{name}: {bad}"
