@@ -197,10 +197,6 @@ def plan(sch: Schedule) -> Plan:
                     bounds.append(Boundary(path, "input", "R", "S(-1)", ax, (), ("all_gather",), True))
                 # a fwd_pre sync to Shard(-1) is the input boundary itself (added with the syncs below)
                 bounds.append(_reduce_boundary(path, ax, seq, out_sync))
-                has_bias = get_module(sch.module, path)._parameters.get("bias") is not None
-                if has_bias and _sharded_output(seq if seq is not None and seq.mesh_axis == ax else None, out_sync):
-                    grad = Boundary(path, "param grad bias", "P", "R", ax, (), ("all_reduce",), True, "param:bias")
-                    bounds.append(grad)
             elif role.kind == "vocab":
                 bounds.append(_reduce_boundary(path, ax, seq, out_sync))
             elif role.kind == "embed_dim":
@@ -297,7 +293,7 @@ def plan(sch: Schedule) -> Plan:
 
 def _sharded_output(seq: int | SeqSpec | None, out_sync: SyncSpec | None) -> bool:
     """Whether a row module's output leaves it sharded (sequence parallel, or a stated
-    ``Shard`` output), so that a bias added to it gets a partial gradient."""
+    ``Shard`` output): a reduce-scatter, before which its bias is added in shares."""
     return seq is not None or (out_sync is not None and isinstance(out_sync.layout, Shard))
 
 

@@ -256,10 +256,7 @@ def _row(rt: _Runtime, m: nn.Module, mp: ModulePlan) -> Callable[..., Any]:
 
     def bias() -> torch.Tensor | None:
         b = m._parameters.get("bias")
-        if b is None:
-            return None
-        # added to a sharded output (sequence shards), the bias sees part of the gradient
-        return rt.reduced_grad(ax, b) if sharded_out and isinstance(b, DTensor) else _local(b)
+        return None if b is None else _local(b)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         w = _local(m.weight)  # type: ignore[arg-type]
@@ -280,11 +277,35 @@ def _row(rt: _Runtime, m: nn.Module, mp: ModulePlan) -> Callable[..., Any]:
             y = (flat @ w).view(*x.shape[:-1], w.shape[1])
         else:
             y = F.linear(x, w)
-        y = reduce(y)
         b = bias()
+        if b is not None and sharded_out:
+            # each rank adds its share before the reduce-scatter, which adds the bias once; its
+            # gradient is then the whole one on every rank (see _BiasShare): no collective
+            return reduce(y + _BiasShare.apply(b, size))
+        y = reduce(y)
         return y if b is None else y + b
 
     return forward
+
+
+class _BiasShare(torch.autograd.Function):
+    """``b / n`` forward: this rank's share of a bias that the reduction after it sums once.
+    The gradient passes unscaled: the reduce-scatter's backward all-gathers, so every
+    rank's gradient before the reduction is the whole one, and so is the bias gradient
+    (``Replicate``, like the bias, with no collective: PyTorch's RowwiseParallel gets the
+    same from adding a replicated bias to a Partial output)."""
+
+    @staticmethod
+    def forward(b: torch.Tensor, n: int) -> torch.Tensor:  # type: ignore[override]
+        return b / n
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
 
 
 def _generic(rt: _Runtime, m: nn.Module, mp: ModulePlan, forward: Callable[..., Any]) -> Callable[..., Any]:

@@ -151,8 +151,8 @@ EXPECTED = {
     "pre_post": ({"all_reduce": 1}, {"all_gather": 1}),
     "bwd_post": ({"all_reduce": 1}, {"all_reduce": 1}),
     "column_post": ({"all_gather": 1}, {"all_reduce": 1}),
-    # backward: the entry's all-reduce, and the row bias's gradient (added on sequence shards)
-    "row_rs": ({"reduce_scatter": 1, "all_gather": 1}, {"all_gather": 1, "all_reduce": 2}),
+    # backward: the entry's all-reduce (the row's bias, added before the reduce-scatter, needs none)
+    "row_rs": ({"reduce_scatter": 1, "all_gather": 1}, {"all_gather": 1, "all_reduce": 1}),
     "row_pre": ({"all_reduce": 1}, {"all_gather": 1}),
 }
 
