@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.nn.utils.stateless import _reparametrize_module
 
-from ..errors import LayoutError
+from ..errors import LayoutError, Problem
 from ..hf import HEAD_COUNT_ATTRS as _HEAD_COUNTS
 from ..hf import HEAD_DIM_ATTRS as _HEAD_DIMS
 from ..hf import is_conv1d
@@ -432,6 +432,12 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
     for parent, (ax, seq_axis) in _sp_parents(p, gathers_own).items():
         pm = get_module(model, parent)
         pm.forward = _gathering(rt, pm.forward, ax, seq_axis)  # type: ignore[method-assign]
+    # a parent that runs on this rank's heads and fails on their shapes (a head count it takes
+    # from its config, a fused projection it splits by full sizes) says so as a LayoutError
+    for parent in sorted({_parent(mp.path) for mp in p.modules.values()
+                          if mp.role is not None and mp.role.kind == "column" and mp.partnered}):
+        pm = get_module(model, parent)
+        pm.forward = _explained(parent, pm.forward)  # type: ignore[method-assign]
     # one pass per forward of the root, and of each parent of column modules (see _Runtime.scoped)
     column_parents = {_parent(mp.path) for mp in p.modules.values() if mp.role is not None and mp.role.kind == "column"}
     for path in ("", *sorted(column_parents - {""})):
@@ -492,6 +498,30 @@ def _replicated(m: nn.Module, names: tuple[str, ...], forward: Callable[..., Any
         local = {n: _local(m.get_parameter(n)) for n in names}
         with _reparametrize_module(m, local):  # type: ignore[arg-type]
             return forward(*args, **kwargs)
+
+    return run
+
+
+_SHAPE_ERRORS = ("shape '", "must match the size of tensor", "invalid for input of size", "size mismatch")
+
+
+def _explained(path: str, forward: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return forward(*args, **kwargs)
+        except RuntimeError as e:
+            if not any(text in str(e) for text in _SHAPE_ERRORS):
+                raise
+            raise LayoutError("tensor parallel forward", [Problem(
+                path,
+                "runs on this rank's share of its column-parallel outputs (heads) and failed on their shapes "
+                f"({str(e).splitlines()[0]}): it reshapes or splits them by sizes slapo_fn could not adjust (a "
+                "head count read from its config, a fused projection in another order, a mask built for the "
+                "whole sequence while sequence parallelism gathered only part of it)",
+                "keep this module's projections unsharded (or out of sequence_parallel), replace it by a module "
+                "whose local head counts are attributes (sf.replace), or gather the columns' outputs: "
+                "sf.sync(sch, '<column>', 'fwd_post', Replicate())",
+            )]) from e
 
     return run
 
