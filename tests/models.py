@@ -56,6 +56,17 @@ class MLP(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
+class PreNormLayer(nn.Module):
+    """A pre-norm residual layer, as in LLaMA: ``x + mlp(norm(x))``."""
+
+    def __init__(self, dim: int = 8, hidden: int = 16) -> None:
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(dim), MLP(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
 class Block(nn.Module):
     def __init__(self, dim: int = 8) -> None:
         super().__init__()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import PreNormLayer as Layer
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -206,24 +207,8 @@ def test_a_lone_packed_column_output_boundary_names_its_packed_layout() -> None:
 # ----------------------------------------------------------------------------- sequence parallel
 
 
-class Mlp(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
 
 
-class Layer(nn.Module):
-    """A pre-norm residual layer: the norm and the column → row MLP inside, as in LLaMA."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm, self.mlp = nn.LayerNorm(8), Mlp()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(self.norm(x))
 
 
 def sp_layers(n: int = 2) -> sf.Schedule:

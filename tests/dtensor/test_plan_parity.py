@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from models import PreNormLayer as Layer
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from tp_checks import parity
@@ -42,22 +43,8 @@ class Attention(nn.Module):
         return self.o(self.q(x) * self.k(x) + self.v(x))
 
 
-class Mlp(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
 
 
-class Layer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm, self.mlp = nn.LayerNorm(8), Mlp()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(self.norm(x))
 
 
 def megatron(col: str | list[str], row: str | list[str], **kw: Any) -> Callable[[sf.Schedule], sf.Schedule]:
