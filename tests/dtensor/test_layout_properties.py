@@ -1,0 +1,1240 @@
+"""A differential property test of the layout engine, on 2 gloo ranks.
+
+The promise (DESIGN.md, "Layouts and automatic resharding"): *any* combination of
+``sf.shard``, ``sf.sync`` and ``sf.sequence_parallel`` either raises ``sf.LayoutError``
+before it runs (at schedule time or in ``sf.build``) or gives a model equal to the
+single-process one — the forward output, the input gradient, every parameter gradient
+and the parameters after one ``torch.optim.AdamW(foreach=True)`` step — and, for the
+cases that run, ``plan(sch).counts()`` equals the collectives counted in one forward and
+one backward.
+
+Hypothesis draws random small module trees (chains of Linears, residual blocks, LLaMA's
+gated MLP, attention that reshapes by heads, a tied embedding and head, LayerNorms, a
+module that reads a child's weight functionally) and random plans over them. Each case is
+plain data (:class:`Case`): the test process draws a batch and ships it to the ranks,
+which rebuild the model with a fixed seed and apply the plan (:func:`_run_cases`). A
+failing case prints its tree, its plan as ``sf`` calls, a ``Case(...)`` repr that
+:func:`check_case` takes, and what diverged.
+
+* CI (profile ``gate``, derandomised): ``BATCHES`` × ``BATCH`` cases, a fixed set.
+* More: ``SLAPO_PROPERTY_EXAMPLES=200 HYPOTHESIS_PROFILE=explore pytest ...`` (batches).
+* ``SLAPO_PROPERTY_KNOWN=1`` keeps the known defects in the generation (to see them).
+
+Known defects of the library are excluded from the generation by :data:`KNOWN_DEFECTS`
+(one named predicate per failure class) and pinned by one strict xfail each
+(``test_known_defect``): once a defect is fixed, its xfail passes (XPASS fails the run) —
+then delete its entry and the generation covers it again.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar, NamedTuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from tp_checks import CountCollectives
+
+import slapo_fn as sf
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
+
+#: Cases per pool call, and pool calls (Hypothesis examples) in CI: BATCHES * BATCH >= 300.
+BATCH = 12
+BATCHES = int(os.environ.get("SLAPO_PROPERTY_EXAMPLES", "30"))
+MIN_CASES = 300
+VOCAB, BATCH_SIZE, SEQ = 16, 2, 4
+
+# ----------------------------------------------------------------------------- case description
+
+
+@dataclass(frozen=True)
+class Block:
+    """One top-level block of the tree (see :func:`make_blocks` for what each kind builds)."""
+
+    kind: str  # mlp | gated | attn | layer | branches | functional | chain | norm
+    hidden: int = 0  # mlp / gated / layer: hidden width
+    act: str = "gelu"
+    bias: bool = True
+    heads: int = 0  # attn / layer
+    style: str = ""  # attn / layer: hf | infer | fixed; branches: add | mul
+    norm: bool = False  # a LayerNorm child applied first
+    residual: bool = False  # x + f(x)
+    widths: tuple[int, ...] = ()  # chain: the widths between its Linears
+    flat: bool = False  # chain: spliced into the root instead of an nn.Sequential
+    extra: bool = False  # functional: a Linear after the functional one; layer: gated MLP
+
+    def __repr__(self) -> str:  # the fields that differ from the defaults
+        fields = [f"{k}={v!r}" for k, v in vars(self).items() if k != "kind" and v != getattr(Block, k)]
+        return f"Block({', '.join([repr(self.kind), *fields])})"
+
+
+@dataclass(frozen=True)
+class Case:
+    dim: int
+    ids: bool  # token ids in (an Embedding first) or hidden states (B, S, dim)
+    head: str  # "" | tied | untied (a Linear dim -> VOCAB last; tied shares the embedding's weight)
+    blocks: tuple[Block, ...]
+    plan: tuple[tuple[Any, ...], ...] = field(default=())
+
+
+# Ops of a plan, as plain tuples:
+#   ("shard", path, axis, packed)              sf.shard(sch, path, axis=axis, packed=packed)
+#   ("sync", path, mode, layout, src)           sf.sync(sch, path, mode, <layout>, src=<src>)
+#   ("sp", (path, ...), input_layout)            sf.sequence_parallel(sch, [paths], input_layout=...)
+# Placements as text: "R", "P", "S(1)", "S(-1)"; src None means the default.
+
+
+def placement(text: str | None) -> Any:
+    if text is None:
+        return None
+    if text == "R":
+        return Replicate()
+    if text == "P":
+        return Partial()
+    return Shard(int(text[2:-1]))
+
+
+def _ptext(text: str | None) -> str:
+    if text is None:
+        return "None"
+    return {"R": "Replicate()", "P": "Partial()"}.get(text, f"Shard({text[2:-1]})")
+
+
+def op_source(op: tuple[Any, ...]) -> str:
+    if op[0] == "shard":
+        packed = f", packed={op[3]}" if op[3] != 1 else ""
+        return f"sch = sf.shard(sch, {op[1]!r}, axis={op[2]}{packed})"
+    if op[0] == "sync":
+        src = f", src={_ptext(op[4])}" if op[4] is not None else ""
+        return f"sch = sf.sync(sch, {op[1]!r}, {op[2]!r}, {_ptext(op[3])}{src})"
+    given = f", input_layout={_ptext(op[2])}" if len(op) > 2 and op[2] is not None else ""
+    return f"sch = sf.sequence_parallel(sch, {list(op[1])!r}{given})"
+
+
+def describe(case: Case) -> str:
+    """The tree (module paths), the plan as ``sf`` calls, and the ``Case`` repr."""
+    model = make_model(case, device="meta")
+    given = f"token ids (2, 4) < {VOCAB}" if case.ids else f"hidden states (2, 4, {case.dim})"
+    lines = [f"input: {given}" + (", head tied to the embedding" if case.head == "tied" else ""), "tree:"]
+    for path, m in model.named_modules():
+        depth = path.count(".") + 1 if path else 0
+        text = m.extra_repr()
+        lines.append(f"  {'  ' * depth}{path or '<root>'}: {type(m).__name__}({text})")
+    lines.append("plan:")
+    lines += [f"  {op_source(op)}" for op in case.plan] or ["  (none)"]
+    lines.append(f"repro (a test with the dist_pool fixture): check_case({case!r}, lambda: dist_pool(2))")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the modules
+
+
+def _act(name: str) -> nn.Module:
+    return nn.GELU() if name == "gelu" else nn.ReLU()
+
+
+class Mlp(nn.Module):
+    FLOW: ClassVar[dict[str, tuple[str, ...]]] = {"fc2": ("fc1",)}
+
+    def __init__(self, d: int, b: Block) -> None:
+        super().__init__()
+        self.residual = b.residual
+        if b.norm:
+            self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, b.hidden, bias=b.bias)
+        self.act = _act(b.act)
+        self.fc2 = nn.Linear(b.hidden, d, bias=b.bias)
+
+    def extra_repr(self) -> str:
+        return "fc2(act(fc1(x)))" + (" + x" if self.residual else "")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x) if "norm" in self._modules else x
+        y = self.fc2(self.act(self.fc1(h)))
+        return x + y if self.residual else y
+
+
+class Gated(nn.Module):
+    """LLaMA's MLP: ``down(act(gate(x)) * up(x))``."""
+
+    FLOW: ClassVar[dict[str, tuple[str, ...]]] = {"down": ("gate", "up")}
+    SHARED = ("gate", "up")  # Linears that read one input
+
+    def __init__(self, d: int, b: Block) -> None:
+        super().__init__()
+        self.residual = b.residual
+        if b.norm:
+            self.norm = nn.LayerNorm(d)
+        self.gate = nn.Linear(d, b.hidden, bias=b.bias)
+        self.up = nn.Linear(d, b.hidden, bias=b.bias)
+        self.down = nn.Linear(b.hidden, d, bias=b.bias)
+        self.act = _act(b.act)
+
+    def extra_repr(self) -> str:
+        return "down(act(gate(x)) * up(x))" + (" + x" if self.residual else "")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x) if "norm" in self._modules else x
+        y = self.down(self.act(self.gate(h)) * self.up(h))
+        return x + y if self.residual else y
+
+
+class Attention(nn.Module):
+    """q/k/v/o and softmax attention, reshaping by heads. ``style``: ``hf`` reads
+    ``self.num_heads``/``self.head_dim`` (Hugging Face's names); ``infer`` views as
+    ``(B, S, -1, self.hd)``; ``fixed`` views as ``(B, S, self.nh, self.hd)`` (names that no
+    library can guess)."""
+
+    FLOW: ClassVar[dict[str, tuple[str, ...]]] = {"o": ("q", "k", "v")}
+    SHARED = ("q", "k", "v")
+
+    def __init__(self, d: int, b: Block) -> None:
+        super().__init__()
+        self.residual, self.style = b.residual, b.style
+        if b.norm:
+            self.norm = nn.LayerNorm(d)
+        hd = d // b.heads
+        if b.style == "hf":
+            self.num_heads, self.head_dim = b.heads, hd
+        else:
+            self.nh, self.hd = b.heads, hd
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=b.bias) for _ in range(4))
+
+    def extra_repr(self) -> str:
+        view = {"hf": "(B, S, self.num_heads, self.head_dim)", "infer": "(B, S, -1, self.hd)"}
+        heads = getattr(self, "num_heads", getattr(self, "nh", 0))
+        return f"{heads} heads, view{view.get(self.style, '(B, S, self.nh, self.hd)')}" + (
+            ", + x" if self.residual else "")
+
+    def _split(self, t: torch.Tensor) -> torch.Tensor:
+        bsz, s = t.shape[:2]
+        if self.style == "hf":
+            t = t.view(bsz, s, self.num_heads, self.head_dim)
+        elif self.style == "infer":
+            t = t.view(bsz, s, -1, self.hd)
+        else:
+            t = t.view(bsz, s, self.nh, self.hd)
+        return t.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x) if "norm" in self._modules else x
+        q, k, v = self._split(self.q(h)), self._split(self.k(h)), self._split(self.v(h))
+        att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1)
+        y = self.o((att @ v).transpose(1, 2).reshape(*h.shape[:2], -1))
+        return x + y if self.residual else y
+
+
+class Layer(nn.Module):
+    """A pre-norm decoder layer: ``x + attn(ln1(x))``, then ``+ mlp(ln2(x))``."""
+
+    def extra_repr(self) -> str:
+        return "x + attn(ln1(x)), then + mlp(ln2(x))"
+
+    def __init__(self, d: int, b: Block) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = Attention(d, replace(b, norm=False, residual=False))
+        self.ln2 = nn.LayerNorm(d)
+        mlp = replace(b, norm=False, residual=False)
+        self.mlp = Gated(d, mlp) if b.extra else Mlp(d, mlp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Branches(nn.Module):
+    """Two parallel Linears combined elementwise (``a(x) + b(x)`` or ``a(x) * b(x)``)."""
+
+    SHARED = ("a", "b")
+
+    def __init__(self, d: int, b: Block) -> None:
+        super().__init__()
+        self.residual, self.style = b.residual, b.style
+        if b.norm:
+            self.norm = nn.LayerNorm(d)
+        self.a = nn.Linear(d, d, bias=b.bias)
+        self.b = nn.Linear(d, d, bias=b.bias)
+
+    def extra_repr(self) -> str:
+        return f"a(x) {'+' if self.style == 'add' else '*'} b(x)" + (" + x" if self.residual else "")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x) if "norm" in self._modules else x
+        y = self.a(h) + self.b(h) if self.style == "add" else self.a(h) * self.b(h)
+        return x + y if self.residual else y
+
+
+class Functional(nn.Module):
+    """Calls its child's parameters functionally: ``F.linear(x, self.proj.weight, self.proj.bias)``
+    (then, with ``extra``, a Linear ``out`` called as a module)."""
+
+    FLOW: ClassVar[dict[str, tuple[str, ...]]] = {"out": ("proj",)}
+
+    def __init__(self, d: int, b: Block) -> None:
+        super().__init__()
+        self.residual = b.residual
+        self.proj = nn.Linear(d, d, bias=b.bias)
+        self.act = _act(b.act)
+        if b.extra:
+            self.out = nn.Linear(d, d, bias=b.bias)
+
+    def extra_repr(self) -> str:
+        out = "out(...)" if "out" in self._modules else "..."
+        return out.replace("...", "act(F.linear(x, self.proj.weight, self.proj.bias))") + (
+            " + x" if self.residual else "")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.act(F.linear(x, self.proj.weight, self.proj.bias))
+        if "out" in self._modules:
+            y = self.out(y)
+        return x + y if self.residual else y
+
+
+class Residual(nn.Module):
+    """``x + body(x)`` around an ``nn.Sequential`` body (a chain block made residual)."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def extra_repr(self) -> str:
+        return "x + body(x)"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.body(x)
+
+
+def _chain(d: int, b: Block) -> list[nn.Module]:
+    widths = (d, *b.widths, d)
+    mods: list[nn.Module] = []
+    for i in range(len(widths) - 1):
+        if i:
+            mods.append(_act(b.act))
+        mods.append(nn.Linear(widths[i], widths[i + 1], bias=b.bias))
+    return mods
+
+
+def make_blocks(d: int, b: Block) -> list[nn.Module]:
+    """The top-level module(s) a block adds to the root ``nn.Sequential``."""
+    if b.kind == "chain":
+        mods = _chain(d, b)
+        if b.flat:
+            return mods
+        seq = nn.Sequential(*mods)
+        return [Residual(seq) if b.residual else seq]
+    if b.kind == "norm":
+        return [nn.LayerNorm(d)]
+    cls: dict[str, Callable[[int, Block], nn.Module]] = {
+        "mlp": Mlp, "gated": Gated, "attn": Attention, "layer": Layer, "branches": Branches, "functional": Functional,
+    }
+    return [cls[b.kind](d, b)]
+
+
+def make_model(case: Case, device: str = "cpu") -> nn.Sequential:
+    with torch.device(device):
+        mods: list[nn.Module] = []
+        if case.ids:
+            mods.append(nn.Embedding(VOCAB, case.dim))
+        for b in case.blocks:
+            mods += make_blocks(case.dim, b)
+        if case.head:
+            head = nn.Linear(case.dim, VOCAB, bias=False)
+            if case.head == "tied":
+                head.weight = mods[0].weight  # type: ignore[assignment]
+            mods.append(head)
+        return nn.Sequential(*mods)
+
+
+def make_input(case: Case) -> torch.Tensor:
+    g = torch.Generator().manual_seed(11)
+    if case.ids:
+        return torch.randint(0, VOCAB, (BATCH_SIZE, SEQ), generator=g)
+    return torch.randn(BATCH_SIZE, SEQ, case.dim, generator=g)
+
+
+def apply_plan(sch: sf.Schedule, ops: tuple[tuple[Any, ...], ...]) -> sf.Schedule:
+    for op in ops:
+        if op[0] == "shard":
+            sch = sf.shard(sch, op[1], axis=op[2], packed=op[3])
+        elif op[0] == "sync":
+            sch = sf.sync(sch, op[1], op[2], placement(op[3]), src=placement(op[4]))
+        else:
+            given = {"input_layout": placement(op[2])} if len(op) > 2 and op[2] is not None else {}
+            sch = sf.sequence_parallel(sch, list(op[1]), **given)
+    return sch
+
+
+# ----------------------------------------------------------------------------- what a case means
+#
+# The data flow of the trees above, known from the module classes (not from the library):
+# which Linear siblings feed a Linear through elementwise ops only (``FLOW``, and
+# consecutive Linears of an ``nn.Sequential``), and which modules' outputs are the model's.
+
+
+def _parent(path: str) -> str:
+    return path.rpartition(".")[0]
+
+
+def _name(path: str) -> str:
+    return path.rpartition(".")[2]
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a}.{b}" if a else b
+
+
+def producers(model: nn.Module, path: str) -> tuple[str, ...]:
+    """The sibling Linears whose outputs are the input of Linear ``path`` (through
+    activations and elementwise products only)."""
+    parent = model.get_submodule(_parent(path))
+    flow: dict[str, tuple[str, ...]] = getattr(parent, "FLOW", {})
+    if isinstance(parent, nn.Sequential):
+        names = list(parent._modules)
+        i = names.index(_name(path)) - 1
+        while i >= 0 and isinstance(parent._modules[names[i]], nn.GELU | nn.ReLU):
+            i -= 1
+        if i >= 0 and isinstance(parent._modules[names[i]], nn.Linear):
+            return (_join(_parent(path), names[i]),)
+        return ()
+    return tuple(_join(_parent(path), n) for n in flow.get(_name(path), ()))
+
+
+def output_paths(model: nn.Module) -> list[str]:
+    """The modules whose output is the model's output, outermost first."""
+    out, path, m = [""], "", model
+    while True:
+        last: str | None = None
+        if isinstance(m, nn.Sequential) and m._modules:
+            last = list(m._modules)[-1]
+        elif isinstance(m, Mlp | Gated | Attention | Functional) and not m.residual:
+            last = {Mlp: "fc2", Gated: "down", Attention: "o"}.get(type(m), "out" if "out" in m._modules else "act")
+        if last is None:
+            return out
+        path, m = _join(path, last), m._modules[last]
+        out.append(path)
+
+
+def stated_output(case: Case, model: nn.Module) -> str | None:
+    """The layout that ``fwd_post`` syncs state for the model's output, or ``None`` for
+    Replicate: a sharded output is then compared all-gathered. Innermost module first; a
+    sharded module's output takes its first such sync (from its own layout), any other
+    module's each in turn (one from ``src`` to the same layout converts nothing)."""
+    roles = {op[1] for op in case.plan if op[0] == "shard"}
+    layout = "R"
+    for path in reversed(output_paths(model)):
+        posts = [op for op in case.plan if op[0] == "sync" and op[1] == path and op[2] == "fwd_post"]
+        for op in posts[:1] if path in roles else posts:
+            if path in roles or op[4] != op[3]:
+                layout = op[3]
+    return None if layout == "R" else layout
+
+
+@dataclass(frozen=True)
+class Facts:
+    """A case's plan as the test reads it: roles by path, the sequence-parallel run, syncs."""
+
+    model: nn.Module
+    roles: dict[str, tuple[str, int]]  # path -> (column | row | vocab | embed_dim, packed)
+    sp: tuple[str, ...]
+    sp_input: str | None
+    syncs: tuple[tuple[Any, ...], ...]
+    ops: tuple[tuple[Any, ...], ...]
+
+    @staticmethod
+    def of(case: Case) -> Facts:
+        model = make_model(case, device="meta")
+        roles: dict[str, tuple[str, int]] = {}
+        sp: tuple[str, ...] = ()
+        sp_input = None
+        for op in case.plan:
+            if op[0] == "shard":
+                m = model.get_submodule(op[1])
+                if isinstance(m, nn.Embedding):
+                    roles[op[1]] = ("vocab" if op[2] == 0 else "embed_dim", op[3])
+                else:
+                    roles[op[1]] = ("column" if op[2] == 0 else "row", op[3])
+            elif op[0] == "sp":
+                sp, sp_input = op[1], (op[2] if len(op) > 2 else None)
+        return Facts(model, roles, sp, sp_input, tuple(op for op in case.plan if op[0] == "sync"), case.plan)
+
+    def kind(self, path: str) -> str | None:
+        return self.roles.get(path, (None, 1))[0]
+
+    def in_sp(self, path: str) -> bool:
+        return any(path == p or path.startswith(p + ".") for p in self.sp)
+
+    def siblings(self, path: str) -> list[str]:
+        parent = self.model.get_submodule(_parent(path))
+        return [_join(_parent(path), n) for n in parent._modules]
+
+    def columns(self) -> list[str]:
+        return [p for p, (k, _) in self.roles.items() if k == "column"]
+
+    def rows(self) -> list[str]:
+        return [p for p, (k, _) in self.roles.items() if k == "row"]
+
+    def partnered(self, column: str) -> bool:
+        """The library's rule: a column keeps its output sharded when a row sibling follows."""
+        sib = self.siblings(column)
+        return any(self.kind(s) == "row" for s in sib[sib.index(column) + 1 :])
+
+
+# ----------------------------------------------------------------------------- strategies
+
+ACTS = st.sampled_from(["gelu", "relu"])
+WIDTHS = st.sampled_from([8, 16])
+
+
+@st.composite
+def blocks(draw: Any, d: int) -> Block:
+    kind = draw(st.sampled_from(["mlp", "gated", "attn", "layer", "branches", "functional", "chain", "norm"]))
+    bias, act = draw(st.booleans()), draw(ACTS)
+    norm, residual = draw(st.booleans()), draw(st.booleans())
+    if kind in ("mlp", "gated"):
+        return Block(kind, hidden=draw(WIDTHS), act=act, bias=bias, norm=norm, residual=residual)
+    if kind in ("attn", "layer"):
+        heads = draw(st.sampled_from([1, 2, 4]))
+        style = draw(st.sampled_from(["hf", "infer", "fixed"]))
+        if kind == "layer":
+            return Block(kind, hidden=draw(WIDTHS), act=act, bias=bias, heads=heads, style=style,
+                         extra=draw(st.booleans()))
+        return Block(kind, bias=bias, heads=heads, style=style, norm=norm, residual=residual)
+    if kind == "branches":
+        return Block(kind, bias=bias, style=draw(st.sampled_from(["add", "mul"])), norm=norm, residual=residual)
+    if kind == "functional":
+        return Block(kind, act=act, bias=bias, residual=residual, extra=draw(st.booleans()))
+    if kind == "chain":
+        widths = tuple(draw(st.lists(WIDTHS, max_size=2)))
+        flat = draw(st.booleans())
+        return Block(kind, act=act, bias=bias, widths=widths, flat=flat, residual=residual and not flat)
+    return Block(kind)
+
+
+def _megatron(model: nn.Module) -> list[tuple[Any, ...]]:
+    """The standard pattern per module: Megatron pairs (columns then a row), vocab
+    embedding + column head, a lone column."""
+    ops: list[tuple[Any, ...]] = []
+    for path, m in model.named_modules():
+        if isinstance(m, Mlp):
+            ops += [("shard", f"{path}.fc1", 0, 1), ("shard", f"{path}.fc2", 1, 1)]
+        elif isinstance(m, Gated):
+            ops += [("shard", f"{path}.{n}", 0, 1) for n in ("gate", "up")] + [("shard", f"{path}.down", 1, 1)]
+        elif isinstance(m, Attention):
+            ops += [("shard", f"{path}.{n}", 0, 1) for n in "qkv"] + [("shard", f"{path}.o", 1, 1)]
+        elif isinstance(m, Branches):
+            ops += [("shard", f"{path}.a", 0, 1), ("shard", f"{path}.b", 0, 1)]
+        elif isinstance(m, Functional) and "out" in m._modules:
+            ops += [("shard", f"{path}.out", 1, 1)]
+        elif isinstance(m, nn.Sequential) and path:
+            lin = [f"{path}.{n}" for n, c in m.named_children() if isinstance(c, nn.Linear)]
+            ops += [("shard", p, i % 2, 1) for i, p in enumerate(lin)]
+        elif isinstance(m, nn.Embedding) or (path == str(len(model) - 1) and isinstance(m, nn.Linear)):
+            ops.append(("shard", path, 0, 1))  # vocab embedding, column head
+    return ops
+
+
+SRCS = st.sampled_from([None, "R", "S(1)", "S(-1)", "P"])
+
+
+@st.composite
+def plans(draw: Any, model: nn.Module) -> tuple[tuple[Any, ...], ...]:
+    """A random plan over ``model``: shards of its Linears/Embeddings (axis 0 or 1, some
+    packed), syncs with random placements, a sequence-parallel run of top-level modules."""
+    shardable = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.Linear | nn.Embedding)]
+    ops: list[tuple[Any, ...]] = []
+    if draw(st.booleans()):  # start from the standard pattern, perturbed
+        for op in _megatron(model):
+            r = draw(st.integers(0, 9))
+            if r == 0:
+                continue  # dropped
+            if r == 1:
+                op = (*op[:2], 1 - op[2], 1)  # flipped axis
+            ops.append(op)
+    else:
+        for path, _ in shardable:
+            if draw(st.integers(0, 9)) < 4:
+                ops.append(("shard", path, draw(st.sampled_from([0, 1])), 1))
+    # packed=2 on a column whose out features allow it
+    for i, op in enumerate(ops):
+        m = model.get_submodule(op[1])
+        if isinstance(m, nn.Linear) and op[2] == 0 and m.out_features % 4 == 0 and draw(st.integers(0, 9)) == 0:
+            ops[i] = (*op[:3], 2)
+    paths = [p for p, _ in model.named_modules()]
+    for _ in range(draw(st.integers(0, 2))):
+        mode = draw(st.sampled_from(["fwd_pre", "fwd_post", "fwd_post", "bwd_post"]))
+        if mode == "bwd_post":
+            layout, src = "R", draw(st.sampled_from(["P", "R"]))
+        else:
+            layout, src = draw(st.sampled_from(["R", "S(1)", "S(-1)"])), draw(SRCS)
+        ops.append(("sync", draw(st.sampled_from(paths)), mode, layout, src))
+    top = len(model)
+    if draw(st.integers(0, 9)) < 3:
+        start = draw(st.integers(0, top - 1))
+        end = draw(st.integers(start + 1, top))
+        given = "S(1)" if draw(st.integers(0, 4)) == 0 else None
+        if given and start and draw(st.booleans()):  # the module before states its output split
+            ops.append(("sync", str(start - 1), "fwd_post", "S(1)", None))
+        ops.append(("sp", tuple(str(i) for i in range(start, end)), given))
+    if not ops:  # every case states something (a build without annotations is the plain model)
+        if shardable:
+            ops.append(("shard", draw(st.sampled_from(shardable))[0], draw(st.sampled_from([0, 1])), 1))
+        else:
+            ops.append(("sp", ("0",), None))
+    if len(ops) > 1 and draw(st.booleans()):
+        ops = list(draw(st.permutations(ops)))
+    return tuple(ops)
+
+
+@st.composite
+def cases(draw: Any) -> Case:
+    d = draw(WIDTHS)
+    ids = draw(st.booleans())
+    head = draw(st.sampled_from(["", "tied", "untied"])) if ids else ""
+    body = tuple(draw(st.lists(blocks(d), min_size=1, max_size=4)))
+    case = Case(d, ids, head, body)
+    return replace(case, plan=draw(plans(make_model(case, device="meta"))))
+
+
+# ----------------------------------------------------------------------------- known defects
+#
+# Each entry: a predicate over a Case that matches exactly one failure class of the library
+# (open defects), and why. The generation skips matching cases; test_known_defect pins one
+# minimal example per class as a strict xfail.
+
+def _functional_child(f: Facts) -> bool:
+    for path, m in f.model.named_modules():
+        if isinstance(m, Functional):
+            proj = _join(path, "proj")
+            if f.in_sp(path) or any(op[1] == proj for op in f.ops if op[0] in ("shard", "sync")):
+                return True
+    return False
+
+
+def _feature_sync(f: Facts) -> bool:
+    outputs = output_paths(f.model)
+    return any(
+        op[2] in ("fwd_pre", "fwd_post") and op[3] == "S(-1)" and op[4] != "S(-1)"
+        and (op[1] not in f.roles or (op[2] == "fwd_pre" and f.kind(op[1]) in ("vocab", "embed_dim")))
+        and not (op[2] == "fwd_post" and op[1] in outputs)
+        for op in f.syncs
+    )
+
+
+def _sibling_order(f: Facts) -> bool:
+    for c in f.columns():
+        sib = f.siblings(c)
+        for r in sib[sib.index(c) + 1 :]:
+            if f.kind(r) != "row":
+                continue
+            feeding = producers(f.model, r)
+            if c not in feeding or any(f.kind(q) not in (None, "column") for q in feeding):
+                return True
+    return False
+
+
+def _packed_kept_local(f: Facts) -> bool:
+    stated = {op[1] for op in f.syncs if op[2] == "fwd_post" and op[3] == "S(-1)"}
+    return any(f.roles[c][1] > 1 and (f.partnered(c) or c in stated) for c in f.columns())
+
+
+def _sp_lone_column(f: Facts) -> bool:
+    return any(f.in_sp(c) and not f.partnered(c) and c != f.sp[-1] for c in f.columns())
+
+
+def _sp_lone_row(f: Facts) -> bool:
+    for r in f.rows():
+        sib = f.siblings(r)
+        if f.in_sp(r) and r != f.sp[0] and not any(f.kind(s) == "column" for s in sib[: sib.index(r)]):
+            return True
+    return False
+
+
+def _head_attr(f: Facts) -> bool:
+    for path, m in f.model.named_modules():
+        qkv = [_join(path, n) for n in "qkv"]
+        hidden = m.style == "fixed" or (m.style == "infer" and m.nh % 2) if isinstance(m, Attention) else False
+        if hidden and m.style != "hf" and any(q in f.columns() and f.partnered(q) for q in qkv):
+            return True
+    return False
+
+
+def _equal_in_columns(f: Facts) -> bool:
+    cols = f.columns()
+    for a in cols:
+        for b in cols:
+            if a < b and _parent(a) == _parent(b):
+                ma, mb = f.model.get_submodule(a), f.model.get_submodule(b)
+                shared = getattr(f.model.get_submodule(_parent(a)), "SHARED", ())
+                if getattr(ma, "in_features", -1) == getattr(mb, "in_features", -2) and not (
+                    _name(a) in shared and _name(b) in shared
+                ):
+                    return True
+    return False
+
+
+def _sp_ids_entry(f: Facts) -> bool:
+    return "0" in f.sp and isinstance(f.model[0], nn.Embedding) and f.kind("0") != "vocab"
+
+
+def _natural(f: Facts, path: str, mode: str) -> str:
+    """The layout the plan has at a boundary (what a ``src`` should state)."""
+    kind = f.kind(path)
+    if mode == "bwd_post":
+        return "R"
+    if mode == "fwd_pre":
+        if kind == "row" and any(f.kind(s) == "column" for s in f.siblings(path)[: f.siblings(path).index(path)]):
+            return "S(-1)"
+        return "S(1)" if f.in_sp(path) else "R"
+    if kind in ("column", "embed_dim"):
+        return "S(-1)"
+    if kind in ("row", "vocab"):
+        return "P"
+    return "S(1)" if f.in_sp(path) else "R"
+
+
+def _src_unchecked(f: Facts) -> bool:
+    return any(
+        op[4] is not None and op[4] != _natural(f, op[1], op[2]) and (op[4] != op[3] or op[1] in f.sp)
+        and (op[1] not in f.roles or op[2] != "fwd_post")
+        for op in f.syncs
+    )
+
+
+def _sp_input_unchecked(f: Facts) -> bool:
+    if f.sp_input is None or f.kind(f.sp[0]) == "vocab":
+        return False
+    before = str(int(f.sp[0]) - 1)
+    return not any(op[1] == before and op[2] == "fwd_post" and op[3] == "S(1)" for op in f.syncs)
+
+
+def _sp_row_entry_split_input(f: Facts) -> bool:
+    return f.sp_input is not None and f.kind(f.sp[0]) == "row"
+
+
+def _sp_sync_default_src(f: Facts) -> bool:
+    for op in f.syncs:
+        if op[4] is not None or not f.in_sp(op[1]):
+            continue
+        if op[2] != "fwd_post" or op[1] not in f.sp or op[1] != f.sp[0]:
+            return True  # converted from Replicate where the activation is a sequence shard
+    return False
+
+
+def _stacked_syncs(f: Facts) -> bool:
+    for i, op in enumerate(f.syncs):
+        if op[2] != "fwd_post" or op[4] not in (None, "R") or op[1] in f.roles:
+            continue
+        inner = [_join(op[1], q) for q in output_paths(f.model.get_submodule(op[1]))[1:]]
+        earlier = [o for o in f.syncs[:i] if o[1] == op[1] and o[2] == "fwd_post"]
+        nested = [o for o in f.syncs if o[1] in inner and o[2] == "fwd_post"]
+        if any(o[3] != "R" and (o[3] != o[4] or o[1] in f.roles) for o in earlier + nested):
+            return True  # an earlier sync on this output already changed its layout
+    return False
+
+
+def _token_shard_unrefused(f: Facts) -> bool:
+    """A token shard (a sync to ``Shard(1)``) outside a chain that the build lets through:
+    into a module without parameters (``fwd_pre``: its consumers are never looked at), or
+    out of one (``fwd_post``) with no later module *in tree order* that has parameters,
+    though in data flow the shard meets full-length tensors (a branch combined with
+    another, an activation listed after its consumer)."""
+    outputs = output_paths(f.model)
+    for op in f.syncs:
+        if op[3] != "S(1)" or op[4] == "S(1)" or f.in_sp(op[1]) or op[2] == "bwd_post":
+            continue
+        if op[2] == "fwd_pre":
+            if not any(True for _ in f.model.get_submodule(op[1]).parameters()):
+                return True
+            continue
+        if op[1] in outputs:
+            continue
+        if op[1] == str(int(f.sp[0]) - 1 if f.sp else -1) and f.sp_input:
+            continue  # the chain after it was told its input arrives split
+        tokens = op[1].split(".")
+        later = []
+        for depth in range(len(tokens), 0, -1):
+            here = ".".join(tokens[:depth])
+            sib = f.siblings(here)
+            later += sib[sib.index(here) + 1 :]
+        if not any(any(True for _ in f.model.get_submodule(q).parameters()) for q in later):
+            return True
+    return False
+
+
+def _pair_gathered_counts(f: Facts) -> bool:
+    return any(op[2] == "fwd_post" and op[3] == "R" and f.kind(op[1]) == "column" and f.partnered(op[1])
+               for op in f.syncs)
+
+
+def _sp_member_attention(f: Facts) -> bool:
+    return any(isinstance(f.model.get_submodule(p), Attention) and any(f.kind(f"{p}.{n}") == "column" for n in "qkv")
+               for p in f.sp)
+
+
+def _sp_token_mixing(f: Facts) -> bool:
+    return any(
+        isinstance(m, Attention) and f.in_sp(path) and not any(f.kind(_join(path, n)) == "column" for n in "qkv")
+        for path, m in f.model.named_modules()
+    )
+
+
+def _role_output_sync(f: Facts) -> bool:
+    outputs = output_paths(f.model)
+    for op in f.syncs:
+        kind = f.kind(op[1])
+        if op[2] != "fwd_post" or kind is None or (op[1] in outputs and not f.in_sp(op[1])):
+            continue
+        if op[3] == "R":
+            # a partnered column gathered while the other columns feeding its row stay sharded
+            if kind == "column" and f.partnered(op[1]):
+                rows = [r for r in f.rows() if op[1] in producers(f.model, r)]
+                others = {q for r in rows for q in producers(f.model, r)} - {op[1]}
+                if any(q in f.columns() and not any(o[1] == q and o[2] == "fwd_post" for o in f.syncs)
+                       for q in others):
+                    return True
+            continue
+        before_chain = bool(f.sp) and f.sp_input is not None and op[1] == str(int(f.sp[0]) - 1)
+        natural = (kind == "column" and op[3] == "S(-1)" and f.partnered(op[1])) or (
+            kind in ("row", "vocab") and op[3] == "S(1)" and before_chain
+        )
+        if not natural:
+            return True
+    return False
+
+
+def _sp_inner_replicate(f: Facts) -> bool:
+    return any(
+        op[2] in ("fwd_pre", "fwd_post") and op[3] == "R" and f.in_sp(op[1])
+        and not (op[2] == "fwd_post" and op[1] == f.sp[-1]) and (op[4] != "R" or op[1] in f.sp)
+        for op in f.syncs
+    )
+
+
+def _feature_pre_sync_counts(f: Facts) -> bool:
+    return any(
+        op[2] == "fwd_pre" and op[3] == "S(-1)"
+        and (f.kind(op[1]) == "column" or (f.kind(op[1]) == "row" and op[4] == "S(-1)"))
+        for op in f.syncs
+    )
+
+
+class Defect(NamedTuple):
+    """An open failure class: which cases it takes (``predicate``), what goes wrong and
+    where (``reason``), and its smallest example (``minimal``, a strict xfail)."""
+
+    predicate: Callable[[Facts], bool]
+    reason: str
+    minimal: Case
+
+
+def _c(blocks: list[Block], *plan: tuple[Any, ...], dim: int = 8, ids: bool = False) -> Case:
+    return Case(dim, ids, "", tuple(blocks), plan)
+
+
+_MLP = Block("mlp", hidden=8, bias=False)
+_GATED = Block("gated", hidden=8, bias=False)
+_ATTN = Block("attn", heads=2, style="hf", bias=False)
+_ADD = Block("branches", style="add", bias=False)
+_NORM = Block("norm")
+_MEGATRON_ATTN = (("shard", "0.q", 0, 1), ("shard", "0.k", 0, 1), ("shard", "0.v", 0, 1), ("shard", "0.o", 1, 1))
+
+#: The open failure classes of the layout engine, excluded from the generation while open.
+KNOWN_DEFECTS: dict[str, Defect] = {
+    "functional-child": Defect(
+        _functional_child,
+        "a module that reads a child's parameters itself (F.linear(x, self.proj.weight, ...)) while the child is "
+        "sharded, synced or in a sequence-parallel chain: raw 'aten.mm got mixed torch.Tensor and DTensor' "
+        "RuntimeError in forward, not a LayoutError (dtensor/runtime.py _localise_replicated skips planned children)",
+        _c([Block("functional", bias=False)], ("shard", "0.proj", 0, 1)),
+    ),
+    "feature-sync": Defect(
+        _feature_sync,
+        "a fwd_pre/fwd_post sync to Shard(-1) on an unsharded module (or into an Embedding, whose ids' last "
+        "dimension is the sequence) splits the activation and hands the half to a consumer that needs it all: raw "
+        "shape error (mat1 and mat2 shapes cannot be multiplied); plan.refusals checks token shards only",
+        _c([_MLP], ("sync", "0.fc2", "fwd_pre", "S(-1)", None)),
+    ),
+    "sibling-order": Defect(
+        _sibling_order,
+        "a column keeps its output sharded because a row-sharded sibling comes after it in module order, though "
+        "that row does not consume it (gate column, up row, down row): shape error in the parent's forward "
+        "(dtensor/plan.py: partnered = any row sibling later, not data flow)",
+        _c([_GATED], ("shard", "0.gate", 0, 1), ("shard", "0.up", 1, 1), ("shard", "0.down", 1, 1)),
+    ),
+    "packed-kept-local": Defect(
+        _packed_kept_local,
+        "a packed column (packed=2) whose local output is kept (for its row partner, or stated Shard(-1) by a "
+        "sync): it is [A_r|B_r], not the contiguous slice the row or a Shard(-1) reader takes, so the result is "
+        "silently wrong (output max abs diff ~0.4 of 1; dtensor/runtime.py _column keeps packed output local)",
+        _c([_MLP], ("shard", "0.fc1", 0, 2), ("shard", "0.fc2", 1, 1)),
+    ),
+    "sp-lone-column": Defect(
+        _sp_lone_column,
+        "a column with no row partner inside a sequence-parallel chain: its input is gathered along the sequence "
+        "and its output gathered again by the chain's exit: output (2, 8, 8) for (2, 4, 8)",
+        _c([_MLP], ("shard", "0.fc1", 0, 1), ("sp", ("0",), None)),
+    ),
+    "sp-lone-row": Defect(
+        _sp_lone_row,
+        "a row with no column before it inside a chain (not its first member) reduce-scatters an activation that "
+        "is already a sequence shard: output (2, 2, 8) for (2, 4, 8), or a LayoutError from reduce_scatter in forward",
+        _c([_MLP], ("shard", "0.fc2", 1, 1), ("sp", ("0",), None)),
+    ),
+    "head-attr": Defect(
+        _head_attr,
+        "attention whose head geometry is in attributes slapo_fn does not know (self.nh/self.hd, or view(B, S, -1, "
+        "hd) with 1 head): not refused at shard time (shard.py _heads_problem reads only 'head_dim'); fails in "
+        "forward as 'LayoutError: tensor parallel forward ... shape [2, 4, 2, 4] is invalid'",
+        _c([Block("attn", heads=2, style="fixed", bias=False)], *_MEGATRON_ATTN),
+    ),
+    "equal-in-columns": Defect(
+        _equal_in_columns,
+        "plan counts: two columns of one parent with equal in_features are taken as reading one input (q/k/v), so "
+        "the plan predicts 1 backward all_reduce where the build does 2 (dtensor/plan.py 'fused' key)",
+        _c([Block("chain", widths=(8,), bias=False)], ("shard", "0.0", 0, 1), ("shard", "0.2", 0, 1)),
+    ),
+    "sp-ids-entry": Defect(
+        _sp_ids_entry,
+        "plan counts: a chain entered by token ids (an unsharded Embedding first) predicts the entry's backward "
+        "all_gather, but ids have no gradient: predicted backward {all_gather: 1, all_reduce: 1}, counted "
+        "{all_reduce: 1}",
+        _c([_NORM], ("sp", ("0",), None), ids=True),
+    ),
+    "src-unchecked": Defect(
+        _src_unchecked,
+        "a sync's src= is trusted though the plan knows the activation's layout: sync(fwd_post, Replicate(), "
+        "src=Partial()) on an unsharded module all-reduces a replicated value (output doubled, max abs diff 0.35 "
+        "of 1); src=Partial() on token ids made one rank raise IndexError while the other waited in a collective "
+        "(gloo timeout)",
+        _c([_MLP], ("sync", "0", "fwd_post", "R", "P")),
+    ),
+    "sp-input-unchecked": Defect(
+        _sp_input_unchecked,
+        "sequence_parallel(..., input_layout=Shard(1)) is believed although nothing before the chain splits its "
+        "input: the chain runs on the full sequence and its exit gathers it again: output (2, 8, 8) for (2, 4, 8)",
+        _c([_MLP], ("sp", ("0",), "S(1)")),
+    ),
+    "sp-row-entry-split-input": Defect(
+        _sp_row_entry_split_input,
+        "a row first in a chain whose input is stated split (input_layout=Shard(1), after a fwd_post Shard(1) "
+        "sync) still enters the chain by reduce-scattering: split twice, output (2, 2, 8) for (2, 4, 8)",
+        _c([_NORM, Block("chain", flat=True, bias=False)], ("shard", "1", 1, 1),
+           ("sync", "0", "fwd_post", "S(1)", None), ("sp", ("1",), "S(1)")),
+    ),
+    "sp-sync-default-src": Defect(
+        _sp_sync_default_src,
+        "a sync without src= inside a chain: the plan takes the sequence shard as src, the runtime Replicate "
+        "(except on the first member): sync(last member, fwd_post, Replicate()) skips the exit's gather, output "
+        "(2, 2, 8) for (2, 4, 8) (dtensor/runtime.py _wrap_boundaries vs plan.py)",
+        _c([_NORM, _NORM], ("sp", ("0", "1"), None), ("sync", "1", "fwd_post", "R", None)),
+    ),
+    "stacked-syncs": Defect(
+        _stacked_syncs,
+        "two fwd_post syncs on one output (or on a module and its last child): the later one converts from "
+        "Replicate though the earlier one changed the layout: sync(S(1)) then sync(Replicate()) leaves the output "
+        "split, (2, 2, 8) for (2, 4, 8)",
+        _c([_NORM], ("sync", "0", "fwd_post", "S(1)", None), ("sync", "0", "fwd_post", "R", None)),
+    ),
+    "token-shard-unrefused": Defect(
+        _token_shard_unrefused,
+        "a fwd_post Shard(1) sync outside a chain is refused only if a later module in module order has "
+        "parameters (plan.py _first_consumer); in data flow it meets full-length tensors (b in a(x) + b(x)): raw "
+        "'size of tensor a (4) must match the size of tensor b (2)' error",
+        _c([_ADD], ("sync", "0.b", "fwd_post", "S(1)", None)),
+    ),
+    "pair-gathered-counts": Defect(
+        _pair_gathered_counts,
+        "plan counts: sync(column, fwd_post, Replicate()) on a Megatron column gathers its output, and the row "
+        "after it splits it locally (a backward all_gather) that the plan leaves out: predicted backward "
+        "{all_reduce: 1}, counted {all_gather: 1, all_reduce: 1}",
+        _c([_MLP], ("shard", "0.fc1", 0, 1), ("shard", "0.fc2", 1, 1), ("sync", "0.fc1", "fwd_post", "R", None)),
+    ),
+    "sp-member-attention": Defect(
+        _sp_member_attention,
+        "an attention module that is itself a chain member, with column q/k/v: each column gathers its own input "
+        "(runtime gathers_own), but the module reshapes by its input's (sequence-shard) shape: output (2, 2, 8) "
+        "for (2, 4, 8)",
+        _c([_ATTN], *_MEGATRON_ATTN, ("sp", ("0",), None)),
+    ),
+    "sp-token-mixing": Defect(
+        _sp_token_mixing,
+        "attention inside a sequence-parallel chain with no column q/k/v: each rank attends over its own tokens "
+        "only; silently wrong (output max abs diff 0.3 of 1), neither gathered nor refused",
+        _c([_ATTN], ("sp", ("0",), None)),
+    ),
+    "role-output-sync": Defect(
+        _role_output_sync,
+        "a fwd_post sync that overrides a sharded module's output layout (row to Shard(-1), one of q/k/v to "
+        "Replicate()) where its consumer expects the role's own: raw 'size of tensor a (4) must match the size of "
+        "tensor b (8)' error",
+        _c([_ADD], ("shard", "0.a", 1, 1), ("sync", "0.a", "fwd_post", "S(-1)", None)),
+    ),
+    "sp-inner-replicate": Defect(
+        _sp_inner_replicate,
+        "a sync to Replicate() inside a chain (not its exit) gathers one branch to the full sequence while the "
+        "others stay split: raw 'size of tensor a (4) must match the size of tensor b (2)' error",
+        _c([_GATED], ("sync", "0.gate", "fwd_pre", "R", "S(1)"), ("sp", ("0",), None)),
+    ),
+    "feature-pre-sync-counts": Defect(
+        _feature_pre_sync_counts,
+        "plan counts: a fwd_pre Shard(-1) sync on a column (the column gathers it back) or on a row with "
+        "src=Shard(-1) (the row splits its replicated input locally): a collective the plan leaves out, predicted "
+        "backward {}, counted {all_gather: 1}",
+        _c([_ADD], ("shard", "0.b", 1, 1), ("sync", "0.b", "fwd_pre", "S(-1)", "S(-1)")),
+    ),
+}
+
+
+def known_defects(case: Case) -> list[str]:
+    facts = Facts.of(case)
+    return [name for name, defect in KNOWN_DEFECTS.items() if defect.predicate(facts)]
+
+
+def known_defect(case: Case) -> str | None:
+    if os.environ.get("SLAPO_PROPERTY_KNOWN"):
+        return None
+    return next(iter(known_defects(case)), None)
+
+
+# ----------------------------------------------------------------------------- the ranks
+
+
+def _full(t: torch.Tensor | None) -> torch.Tensor | None:
+    if isinstance(t, DTensor):
+        return t.full_tensor()
+    return t
+
+
+def _diff(name: str, got: torch.Tensor | None, want: torch.Tensor | None) -> str | None:
+    """``None`` if equal up to a tolerance relative to the reference's scale, else why."""
+    if want is None or got is None:
+        return None if got is None and want is None else f"{name}: gradient is {got} (reference: {want})"
+    if tuple(got.shape) != tuple(want.shape):
+        return f"{name}: shape {tuple(got.shape)} (reference {tuple(want.shape)})"
+    err = (got.detach().float() - want.detach().float()).abs().max().item()
+    scale = max(1.0, want.detach().abs().max().item())
+    if not err <= 1e-4 * scale:  # also NaN
+        return f"{name}: max abs diff {err:.3g} (reference max abs {scale:.3g})"
+    return None
+
+
+def _optim(params: Any) -> torch.optim.Optimizer:
+    # eps large enough that gradients equal up to rounding give updates equal up to rounding
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-3, foreach=True)
+
+
+def _run_one(case: Case, mesh: Any) -> dict[str, Any]:
+    from slapo_fn.dtensor.boundary import plan
+
+    torch.manual_seed(1234)
+    model = make_model(case)
+    x = make_input(case)
+    stage = "schedule"
+    try:
+        sch = apply_plan(sf.create_schedule(model, mesh=mesh), case.plan)
+        stage = "build"
+        built = sf.build(sch)
+        predicted = plan(sch).counts()
+    except sf.LayoutError as e:
+        return {"status": "refused", "stage": stage, "why": str(e).splitlines()[0]}
+    except Exception as e:  # any other error breaks the promise
+        return {"status": "error", "stage": stage, "why": _raw(e)}
+    # the reference: the original model (build copied it), on a copy of the input
+    xr = x.clone().requires_grad_(True) if x.is_floating_point() else x
+    xb = x.clone().requires_grad_(True) if x.is_floating_point() else x
+    out_ref = model(xr)
+    w = torch.randn(out_ref.shape, generator=torch.Generator().manual_seed(5))
+    (out_ref * w).sum().backward()
+    try:
+        stage = "forward"
+        with CountCollectives() as fwd:
+            out = built(xb)
+        stated = stated_output(case, model)
+        if stated is not None and isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
+            # the plan states the model's output sharded (vocab-parallel logits): compare it gathered
+            dim = placement(stated).dim % out.dim()
+            out = DTensor.from_local(out, mesh, [Shard(dim)]).full_tensor()
+        if isinstance(out, DTensor) or tuple(out.shape) != tuple(out_ref.shape):
+            return {"status": "mismatch", "stage": stage,
+                    "why": _diff("output", _full(out), out_ref) or f"output is a {type(out).__name__}"}
+        loss = (out * w).sum()
+        stage = "backward"
+        with CountCollectives() as bwd:
+            loss.backward()
+        stage = "compare"
+        problems = [_diff("output", out, out_ref)]
+        if x.is_floating_point():
+            problems.append(_diff("input grad", xb.grad, xr.grad))
+        ref_params = dict(model.named_parameters())
+        built_params = dict(built.named_parameters())
+        if sorted(ref_params) != sorted(built_params):
+            problems.append(f"parameter names {sorted(built_params)} (reference {sorted(ref_params)})")
+        for name, p in built_params.items():
+            if not isinstance(p, DTensor):
+                problems.append(f"{name}: not a DTensor ({type(p).__name__})")
+            problems.append(_diff(f"grad {name}", _full(p.grad), ref_params[name].grad))
+        stage = "optimizer step"
+        _optim(built.parameters()).step()
+        _optim(model.parameters()).step()
+        stage = "compare"
+        for name, p in built_params.items():
+            problems.append(_diff(f"param {name} after AdamW", _full(p.detach()), ref_params[name].detach()))
+    except Exception as e:
+        return {"status": "error", "stage": stage, "why": _raw(e)}
+    found = [p for p in problems if p is not None]
+    if found:
+        return {"status": "mismatch", "stage": "compare", "why": "; ".join(found[:4])}
+    counted = {"forward": dict(fwd.seen), "backward": dict(bwd.seen)}
+    if counted != predicted:
+        return {"status": "counts", "stage": "plan", "why": f"counted {counted}, plan predicted {predicted}"}
+    return {"status": "equal"}
+
+
+def _raw(e: BaseException) -> str:
+    """The exception and the innermost frame of the library that raised it."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "slapo_fn" in f.filename.replace(os.sep, "/")]
+    where = f" (at {frames[-1].filename.split('slapo_fn')[-1].lstrip('/')}:{frames[-1].lineno} " \
+            f"in {frames[-1].name})" if frames else ""
+    text = " ".join(str(e).split())[:300]
+    return f"{type(e).__name__}: {text}{where}"
+
+
+#: Statuses after which both ranks are known to have run the same collectives.
+_IN_STEP = ("equal", "refused", "counts")
+
+
+def _run_cases(rank: int, world: int, batch: list[Case]) -> list[dict[str, Any]]:
+    """Run ``batch`` on this rank; stop after a case that raised or diverged, since the
+    ranks may then be out of step (:func:`run_cases` resubmits the rest)."""
+    from dist import mesh
+
+    m = mesh((world,), ("tp",))
+    out = []
+    for case in batch:
+        out.append(_run_one(case, m))
+        if out[-1]["status"] not in _IN_STEP:
+            break
+    return out
+
+
+def run_cases(pool_of: Callable[[], Any], cases: list[Case]) -> list[list[dict[str, Any]]]:
+    """Per case, the results of every rank. ``pool_of()`` gives a live pool: one whose
+    ranks fell out of step (a case failed differently on different ranks, e.g. one rank
+    raised while the other waited in a collective) is killed and the next call starts a
+    fresh one."""
+    results: list[list[dict[str, Any]]] = []
+    todo = list(cases)
+    while todo:
+        pool = pool_of()
+        try:
+            per_rank = pool.run(_run_cases, todo, timeout=300)
+        except AssertionError as e:  # DistTimeout / RankError: the pool is gone or unusable
+            pool.kill()
+            error = {"status": "error", "stage": "pool", "why": " ".join(str(e).split())[:600]}
+            results.append([error] * pool.world_size)
+            todo = todo[1:]
+            continue
+        n = min(len(r) for r in per_rank)
+        results += [[r[i] for r in per_rank] for i in range(n)]
+        last = results[-1]
+        if any(len(r) != n for r in per_rank) or len({(x["status"], x.get("why")) for x in last}) > 1:
+            pool.kill()
+        todo = todo[n:]
+    return results
+
+
+def verdict(case: Case, results: list[dict[str, Any]]) -> str | None:
+    """``None`` if the case kept the promise on every rank, else a message to reproduce it."""
+    bad = [(r, res) for r, res in enumerate(results) if res["status"] not in ("equal", "refused")]
+    statuses = {res["status"] for res in results}
+    if not bad and len(statuses) == 1:
+        return None
+    what = "\n".join(f"  rank {r}: {res['status']} at {res.get('stage')}: {res.get('why', '')}"
+                     for r, res in enumerate(results))
+    return f"the promise does not hold:\n{what}\n{describe(case)}"
+
+
+def check_case(case: Case, pool_of: Callable[[], Any]) -> tuple[str, str]:
+    """Run one case; (status, why) of rank 0, raising AssertionError if it broke the promise."""
+    per_rank = run_cases(pool_of, [case])[0]
+    message = verdict(case, per_rank)
+    assert message is None, message
+    return per_rank[0]["status"], per_rank[0].get("why", "")
+
+
+def _settings(n: int) -> Callable[[Any], Any]:
+    # no shrinking: a failing batch reports each failing case whole (its repro), and
+    # shrinking a batch would cost a pool call per step
+    return settings(
+        max_examples=n,
+        deadline=None,
+        database=None,
+        phases=(Phase.explicit, Phase.reuse, Phase.generate),
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+    )
+
+
+def test_layouts_are_right_or_refused(dist_pool: Any) -> None:
+    """BATCHES pool calls of BATCH random cases each (the session's 2-rank pool, as ``dist2``;
+    taken per call, so a pool killed by a hang is restarted while Hypothesis shrinks)."""
+    stats: dict[str, int] = {}
+    t0 = time.monotonic()
+
+    @_settings(BATCHES)
+    @given(st.data())
+    def batch(data: st.DataObject) -> None:
+        todo: list[Case] = []
+        for _ in range(BATCH * 8):  # excluded cases are drawn again, a bounded number of times
+            if len(todo) == BATCH:
+                break
+            case = data.draw(cases())
+            name = known_defect(case)
+            if name is not None:
+                stats[f"skipped ({name})"] = stats.get(f"skipped ({name})", 0) + 1
+                continue
+            todo.append(case)
+        results = run_cases(lambda: dist_pool(2), todo)
+        failures = []
+        for case, per_rank in zip(todo, results, strict=True):
+            status = per_rank[0]["status"]
+            stats[status] = stats.get(status, 0) + 1
+            stats["cases"] = stats.get("cases", 0) + 1
+            message = verdict(case, per_rank)
+            if message is not None:
+                failures.append(message)
+        assert not failures, f"{len(failures)} of {len(todo)} cases broke the promise:\n" + "\n\n".join(failures)
+
+    batch()
+    print(f"\nlayout properties: {stats} in {time.monotonic() - t0:.1f} s")
+    assert stats.get("cases", 0) >= min(MIN_CASES, BATCHES * BATCH), stats
+    assert stats.get("equal", 0) >= stats["cases"] // 3, f"too few cases ran to the end: {stats}"
+
+
+def test_each_minimal_example_is_in_its_own_class_only() -> None:
+    """The exclusions are exact enough that each minimal example matches one class."""
+    for name, defect in KNOWN_DEFECTS.items():
+        assert known_defects(defect.minimal) == [name], (name, known_defects(defect.minimal))
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=d.reason))
+     for n, d in KNOWN_DEFECTS.items()],
+)
+def test_known_defect(dist_pool: Any, name: str) -> None:
+    """The minimal example of each open failure class still breaks the promise (strict
+    xfail). When it passes (XPASS fails the run), the defect is fixed: delete its
+    KNOWN_DEFECTS entry, and the generation covers that class again."""
+    check_case(KNOWN_DEFECTS[name].minimal, lambda: dist_pool(2))
