@@ -432,9 +432,12 @@ def stated_output(case: Case, model: nn.Module) -> str | None:
     sharded module's output takes its first such sync (from its own layout), any other
     module's each in turn (one from ``src`` to the same layout converts nothing)."""
     roles = {op[1] for op in case.plan if op[0] == "shard"}
+    chain = next((op[1] for op in case.plan if op[0] == "sp"), ())
     layout = "R"
     for path in reversed(output_paths(model)):
         posts = [op for op in case.plan if op[0] == "sync" and op[1] == path and op[2] == "fwd_post"]
+        if posts and chain and path == chain[-1]:
+            layout = "S(1)"  # a sync on a chain's last member takes the place of its exit's gather
         for op in posts[:1] if path in roles else posts:
             if path in roles or op[4] != op[3]:
                 layout = op[3]
@@ -773,6 +776,12 @@ def _token_shard_unrefused(f: Facts) -> bool:
     return False
 
 
+def _sp_exit_token_shard(f: Facts) -> bool:
+    outputs = output_paths(f.model)
+    return any(op[2] == "fwd_post" and op[3] == "S(1)" and f.sp and op[1] == f.sp[-1] and op[1] not in outputs
+               for op in f.syncs)
+
+
 def _pair_gathered_counts(f: Facts) -> bool:
     return any(op[2] == "fwd_post" and op[3] == "R" and f.kind(op[1]) == "column" and f.partnered(op[1])
                for op in f.syncs)
@@ -953,6 +962,14 @@ KNOWN_DEFECTS: dict[str, Defect] = {
         "parameters (plan.py _first_consumer); in data flow it meets full-length tensors (b in a(x) + b(x)): raw "
         "'size of tensor a (4) must match the size of tensor b (2)' error",
         _c([_ADD], ("sync", "0.b", "fwd_post", "S(1)", None)),
+    ),
+    "sp-exit-token-shard": Defect(
+        _sp_exit_token_shard,
+        "a fwd_post Shard(1) sync on a chain's last member keeps the stream split after the chain, and the "
+        "modules after it (with parameters) are not checked (plan.py _stray_token_shards skips syncs in chains): "
+        "the Linear after it runs on half the tokens, output (2, 2, 8) for (2, 4, 8)",
+        _c([Block("chain", widths=(8,), flat=True, bias=False)], ("sync", "1", "fwd_post", "S(1)", None),
+           ("sp", ("1",), None)),
     ),
     "pair-gathered-counts": Defect(
         _pair_gathered_counts,
