@@ -12,13 +12,15 @@ rewrites of its module tree, each returning a new :class:`Schedule`.
 >>> built = sf.build(sch)
 """
 
-from . import kernels, recipes
+from . import func, kernels, optim, recipes
 from .build import build
 from .combinators import Primitive, Rewrite, chain, foreach, primitive, scope, when
 from .dtensor import fork_rng, sequence_parallel, shard, sync, tp_local, vocab_parallel_cross_entropy
 from .dtensor.data_parallel import data_parallel
+from .dtensor.spec import P, Packed
 from .errors import LayoutError, Problem, ScheduleError, ScheduleTypeError, SelectorError, VerificationError
 from .explain import Explanation, explain
+from .func import clip_grad_norm_
 from .pipelines import Pipeline, build_pipeline, cut_pipeline_stage
 from .rewrites import annotate, checkpoint, compile, hook, replace  # noqa: A004
 from .rewrites.graph import Match, decompose, find, fuse, trace
@@ -35,6 +37,8 @@ __all__ = [
     "Key",
     "LayoutError",
     "Match",
+    "P",
+    "Packed",
     "Pipeline",
     "Primitive",
     "Problem",
@@ -52,6 +56,7 @@ __all__ = [
     "build_pipeline",
     "chain",
     "checkpoint",
+    "clip_grad_norm_",
     "compile",
     "create_schedule",
     "cut_pipeline_stage",
@@ -62,11 +67,13 @@ __all__ = [
     "foreach",
     "fork_rng",
     "full_state_dict",
+    "func",
     "fuse",
     "hook",
     "kernels",
     "load",
     "of_type",
+    "optim",
     "primitive",
     "recipes",
     "replace",

@@ -99,8 +99,52 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _states(model: object, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+#: Module-tree segments that wrappers add to parameter names (activation checkpointing,
+#: torch.compile, FSDP1): not part of the model's FQNs, so not of a checkpoint's keys.
+_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def _clean_fqns(tree: Any) -> Any:
+    """A functional optimizer state (``sf.optim``: nested dicts keyed by FQNs) with
+    wrapper segments removed from its keys, sharing the tensors."""
+    if isinstance(tree, Mapping):
+        out = {}
+        for k, v in tree.items():
+            key = k
+            if isinstance(k, str):
+                for seg in _WRAPPER_SEGMENTS:
+                    key = key.replace(seg, "")
+            out[key] = _clean_fqns(v)
+        return out
+    if isinstance(tree, list | tuple):
+        return type(tree)(_clean_fqns(v) for v in tree)
+    return tree
+
+
+def _copy_into(target: Any, loaded: Any) -> None:
+    """Write the values of ``loaded`` (a tree shaped like ``target``) into ``target``'s
+    tensors, in place, where they are not already the same tensors."""
+    if isinstance(target, torch.Tensor):
+        if loaded is not target:
+            with torch.no_grad():
+                dst = target.to_local() if isinstance(target, DTensor) else target
+                src = loaded.to_local() if isinstance(loaded, DTensor) else loaded
+                dst.copy_(src)
+    elif isinstance(target, Mapping):
+        for k, v in target.items():
+            _copy_into(v, loaded[k])
+    elif isinstance(target, list | tuple):
+        for v, w in zip(target, loaded, strict=True):
+            _copy_into(v, w)
+
+
+OptimizerState = torch.optim.Optimizer | Mapping[str, Any] | None
+
+
+def _states(model: object, optimizer: OptimizerState) -> dict[str, Any]:
     modules = _modules(model)
+    if isinstance(optimizer, Mapping):  # a functional optimizer's state (sf.optim): a pytree of tensors
+        return {**_states(model, None), "optim": _clean_fqns(optimizer)}
     if optimizer is None:
         merged: dict[str, Any] = {}
         for m in modules:
@@ -281,7 +325,7 @@ def latest(path: str | os.PathLike[str]) -> Path | None:
 
 def save(
     model: object,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: OptimizerState,
     path: str | os.PathLike[str],
     *,
     step: int = 0,
@@ -289,6 +333,9 @@ def save(
 ) -> Path:
     """Save model (and optimizer) state as checkpoint ``step`` under ``path``; every rank
     calls it. Keeps the newest ``keep`` checkpoints. Returns the checkpoint's directory.
+
+    ``optimizer`` is a ``torch.optim`` optimizer, the state of a functional optimizer
+    (:mod:`slapo_fn.optim`: a pytree of tensors keyed by FQNs), or ``None``.
 
     Keys are the original model's FQNs, so the checkpoint loads under any other layout.
     """
@@ -322,9 +369,12 @@ def _prune(root: Path, keep: int, newest: str) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def load(model: object, optimizer: torch.optim.Optimizer | None, path: str | os.PathLike[str]) -> int:
+def load(model: object, optimizer: OptimizerState, path: str | os.PathLike[str]) -> int:
     """Load the newest checkpoint under ``path`` into ``model`` (and ``optimizer``),
-    resharding to their current layout; every rank calls it. Returns the saved step."""
+    resharding to their current layout; every rank calls it. Returns the saved step.
+
+    A functional optimizer's state (:mod:`slapo_fn.optim`) is loaded in place into the
+    tensors of the tree given, which ``init(params)`` made in the current layout."""
     found = latest(path)
     if found is None:
         raise ScheduleError("load", [Problem(str(path), "no checkpoint here (no LATEST, no .metadata)",
@@ -336,7 +386,9 @@ def load(model: object, optimizer: torch.optim.Optimizer | None, path: str | os.
         dcp.load(state, checkpoint_id=str(found))
     state = _repack(state, relayouts)
     modules = _modules(model)
-    if optimizer is None:
+    if isinstance(optimizer, Mapping):
+        _copy_into(_clean_fqns(optimizer), state["optim"])
+    if optimizer is None or isinstance(optimizer, Mapping):
         for m in modules:
             set_state_dict(m, [], model_state_dict=_subset(state["model"], m), optim_state_dict={})
     elif len(modules) == 1:
@@ -370,5 +422,3 @@ def full_state_dict(model: object) -> dict[str, torch.Tensor]:
                     value = (relayout.gather(value) if relayout else value).full_tensor()
             out[key] = value.detach().clone()
     return out
-
-

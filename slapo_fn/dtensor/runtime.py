@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -100,9 +101,9 @@ class _Runtime:
         activations (sequence positions, heads): its local gradient is a partial sum, all-
         reduced over ``name`` in backward, so the parameter's gradient is ``Replicate`` like
         the parameter (an optimizer step or a norm then needs no collective)."""
-        assert isinstance(p, DTensor)
         if _in_transform():
-            return _constant(p, local=True)
+            return C.enter(_constant(p, local=True), self.axis(name))
+        assert isinstance(p, DTensor)
         return C.enter(p.to_local(grad_placements=p.placements), self.axis(name))
 
     def scoped(self, forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -159,31 +160,65 @@ def _in_transform() -> bool:
     return bool(torch._C._are_functorch_transforms_active())
 
 
-def _constant(p: DTensor, *, local: bool) -> torch.Tensor:
-    """A parameter's value inside a ``torch.func`` transform (grad, vjp with respect to the
-    model's inputs), where parameters are constants: this rank's shard (``local``) or the
-    full tensor, read without DTensor's ``to_local``/``redistribute``, autograd Functions
-    without ``setup_context`` that transforms refuse."""
-    with torch.no_grad():
-        t = p._local_tensor
-        if local:
-            return t
-        for mesh_dim in reversed(range(p.device_mesh.ndim)):
-            placement = p.placements[mesh_dim]
-            if isinstance(placement, _StridedShard):
-                raise NotImplementedError(
-                    "a packed (_StridedShard) parameter of a module run on gathered parameters cannot be "
-                    "gathered inside a torch.func transform; shard it with packed=1 or call the model outside it"
-                )
-            if isinstance(placement, Shard):
-                t = C._all_gather(t, placement.dim, (p.device_mesh, mesh_dim))
+class _ToLocal(torch.autograd.Function):
+    """``DTensor.to_local`` that ``torch.func`` transforms accept (DTensor's own is an
+    autograd Function without ``setup_context``): forward this rank's shard, backward the
+    local gradient as a DTensor of the parameter's layout (built directly, no Function)."""
+
+    @staticmethod
+    def forward(p: DTensor) -> torch.Tensor:  # type: ignore[override]
+        return p._local_tensor.view_as(p._local_tensor)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.spec = _underlying(inputs[0])._spec  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> DTensor:  # type: ignore[override]
+        spec = ctx.spec
+        meta = TensorMeta(spec.tensor_meta.shape, spec.tensor_meta.stride, grad.dtype)
+        out_spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
+        return DTensor(grad.contiguous(), out_spec, requires_grad=False)
+
+
+def _underlying(t: torch.Tensor) -> torch.Tensor:
+    """The tensor under ``torch.func``'s wrappers (a DTensor parameter is wrapped, not a DTensor)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t
+
+
+def _constant(p: torch.Tensor, *, local: bool) -> torch.Tensor:
+    """A parameter's value inside a ``torch.func`` transform: this rank's shard (``local``)
+    or the full tensor, differentiable (``torch.func.grad`` over the parameters), read
+    without DTensor's ``to_local``/``redistribute``, autograd Functions without
+    ``setup_context`` that transforms refuse."""
+    inner = _underlying(p)
+    assert isinstance(inner, DTensor)
+    t = _ToLocal.apply(p)
+    if local:
         return t
+    for mesh_dim in reversed(range(inner.device_mesh.ndim)):
+        placement = inner.placements[mesh_dim]
+        if isinstance(placement, _StridedShard):
+            raise NotImplementedError(
+                "a packed (_StridedShard) parameter of a module run on gathered parameters cannot be "
+                "gathered inside a torch.func transform; shard it with packed=1 or call the model outside it"
+            )
+        if isinstance(placement, Shard):
+            t = C.gather(t, placement.dim, (inner.device_mesh, mesh_dim))
+    return t
+
+
+def _is_dtensor(p: torch.Tensor | None) -> bool:
+    return isinstance(p, DTensor) or (p is not None and _in_transform() and isinstance(_underlying(p), DTensor))
 
 
 def _local(p: torch.Tensor | None) -> torch.Tensor | None:
-    if not isinstance(p, DTensor):
+    if not _is_dtensor(p):
         return p
-    return _constant(p, local=True) if _in_transform() else p.to_local()
+    assert p is not None
+    return _constant(p, local=True) if _in_transform() else p.to_local()  # type: ignore[attr-defined]
 
 
 def _column(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> Callable[..., Any]:
@@ -315,9 +350,10 @@ def _generic(rt: _Runtime, m: nn.Module, mp: ModulePlan, forward: Callable[..., 
     def run(*args: Any, **kwargs: Any) -> Any:
         params: dict[str, torch.Tensor] = {}
         for n in names:
-            p = m._parameters[n]
-            assert isinstance(p, DTensor)
-            if any(isinstance(pl, Shard | _StridedShard) for pl in p.placements):
+            p = getattr(m, n)  # the module's, or torch.func.functional_call's tensor in its place
+            inner = _underlying(p)
+            assert isinstance(inner, DTensor)
+            if any(isinstance(pl, Shard | _StridedShard) for pl in inner.placements):
                 params[n] = (
                     _constant(p, local=False)
                     if _in_transform()
@@ -493,9 +529,17 @@ def _localise_replicated(model: nn.Module, sch: Schedule, p: Plan) -> None:
             install(path, subtree(path, get_module(model, path), ""))
 
 
+def _attribute(m: nn.Module, name: str) -> torch.Tensor:
+    owner, _, leaf = name.rpartition(".")
+    value = getattr(m.get_submodule(owner) if owner else m, leaf)
+    assert isinstance(value, torch.Tensor)
+    return value
+
+
 def _replicated(m: nn.Module, names: tuple[str, ...], forward: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
-        local = {n: _local(m.get_parameter(n)) for n in names}
+        # getattr, not get_parameter: under torch.func.functional_call they are plain tensors
+        local = {n: _local(_attribute(m, n)) for n in names}
         with _reparametrize_module(m, local):  # type: ignore[arg-type]
             return forward(*args, **kwargs)
 
