@@ -222,11 +222,30 @@ def _loss_of(out: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
     return loss, aux
 
 
+def _graph_leaves(loss: torch.Tensor) -> dict[int, torch.Tensor]:
+    """The leaf tensors ``loss``'s backward would accumulate a gradient into, by id."""
+    leaves: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        variable = getattr(fn, "variable", None)  # an AccumulateGrad node
+        if isinstance(variable, torch.Tensor):
+            leaves[id(variable)] = variable
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return leaves
+
+
 def _gradients(loss: torch.Tensor, targets: list[torch.Tensor]) -> list[torch.Tensor]:
-    """d loss / d target for each target (zeros where unused). Parameters of a module
-    (leaves that require grad) get theirs by ``backward`` into ``.grad`` (what FSDP2 and
-    the pipeline hooks need), with their previous ``.grad`` put back afterwards; other
-    leaves by ``torch.autograd.grad``."""
+    """d loss / d target for each target (zeros where unused), leaving every ``.grad`` as
+    it was. Leaves made here get theirs by ``torch.autograd.grad``; the model's own
+    parameters by ``backward`` into ``.grad``: restricted to them (``inputs=``) when they
+    are in the graph, and otherwise (FSDP2 gathers each parameter into a new leaf and
+    reduces its gradient into the sharded one in its own hooks) a full ``backward`` with
+    the ``.grad`` of every other leaf in the graph put back afterwards."""
     params = [t for t in targets if isinstance(t, nn.Parameter)]
     others = [t for t in targets if not isinstance(t, nn.Parameter)]
     out: dict[int, torch.Tensor | None] = {}
@@ -234,15 +253,18 @@ def _gradients(loss: torch.Tensor, targets: list[torch.Tensor]) -> list[torch.Te
         got = torch.autograd.grad(loss, others, allow_unused=True, retain_graph=bool(params))
         out.update({id(t): g for t, g in zip(others, got, strict=True)})
     if params:
-        saved = [p.grad for p in params]
-        for p in params:
-            p.grad = None
+        in_graph = _graph_leaves(loss)
+        restricted = all(id(p) in in_graph for p in params)
+        touched = {id(p): p for p in params} | ({} if restricted else in_graph)
+        saved = {i: t.grad for i, t in touched.items()}
+        for t in touched.values():
+            t.grad = None
         try:
-            torch.autograd.backward(loss)
+            torch.autograd.backward(loss, inputs=params if restricted else None)
             out.update({id(p): p.grad for p in params})
         finally:
-            for p, g in zip(params, saved, strict=True):
-                p.grad = g
+            for i, t in touched.items():
+                t.grad = saved[i]
     return [g if (g := out[id(t)]) is not None else torch.zeros_like(t) for t in targets]
 
 
@@ -599,11 +621,7 @@ def clip_by_global_norm(grads: Tree, max_norm: float, *, norm_type: float = 2.0,
         _check_finite(norm, grads, "clip_by_global_norm")
     coef = _coefficient(norm, max_norm)
 
-    def scale(g: Any) -> Any:
-        if isinstance(g, DTensor):
-            local = g.to_local() * coef.to(g.device)
-            return DTensor.from_local(local, g.device_mesh, g.placements, run_check=False, shape=g.shape,
-                                      stride=g.stride())
+    def scale(g: Any) -> Any:  # a 0-d plain tensor is a scalar to DTensor: no from_local, no sync
         return g * coef.to(g.device) if isinstance(g, torch.Tensor) else g
 
     return pytree.tree_map(scale, grads), norm

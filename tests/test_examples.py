@@ -47,3 +47,18 @@ def test_gpu_throughput_benchmark_logic_in_smoke_mode() -> None:
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["hf_eager"]["last_loss"] == figures["recipe"]["last_loss"]  # same weights, same batches
     assert figures["flops_per_token"] > 0 and figures["speedup"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_functional_loop_example_gives_the_module_loops_losses_at_dp2_tp2() -> None:
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                             "examples/functional_loop.py", "--steps", "10"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=280)
+    assert result.returncode == 0, result.stderr[-4000:]
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith("step")]
+    assert len(rows) == 10
+    for row in rows:
+        assert abs(float(row[3]) - float(row[5])) <= 1e-5, row
+    assert float(rows[-1][3]) < float(rows[0][3])  # it trains

@@ -323,3 +323,15 @@ def test_a_pipeline_apply_fn_is_used_through_value_and_grad() -> None:
     apply_fn = PipelineApply(pipeline=None)  # type: ignore[arg-type]
     with pytest.raises(sf.ScheduleTypeError, match="value_and_grad"):
         apply_fn({}, torch.ones(1))
+
+
+def test_gradients_of_some_parameters_leave_the_others_grad_alone() -> None:
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(3, 8)
+    apply_fn, params, _ = sf.func.functional(model)
+    model.fc2.bias.grad = torch.ones_like(model.fc2.bias)
+    subset = {k: params[k] for k in ("fc1.weight", "fc1.bias")}
+    _, grads = sf.func.value_and_grad(lambda p: apply_fn(p, x).square().mean())(subset)
+    assert set(grads) == {"fc1.weight", "fc1.bias"}
+    assert model.fc2.weight.grad is None and torch.equal(model.fc2.bias.grad, torch.ones_like(model.fc2.bias))
+    assert all(p.grad is None for p in (model.fc1.weight, model.fc1.bias))

@@ -178,7 +178,9 @@ class _ToLocal(torch.autograd.Function):
         spec = ctx.spec
         meta = TensorMeta(spec.tensor_meta.shape, spec.tensor_meta.stride, grad.dtype)
         out_spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
-        return DTensor(grad.contiguous(), out_spec, requires_grad=False)
+        # the local gradient itself, not functorch's wrapper of it, whose storage ends with the
+        # transform (first-order gradients: a torch.func.grad over these is not supported)
+        return DTensor(_underlying(grad).contiguous(), out_spec, requires_grad=False)
 
 
 def _underlying(t: torch.Tensor) -> torch.Tensor:
