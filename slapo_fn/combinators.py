@@ -276,8 +276,8 @@ class Primitive(Generic[P]):
         self._bind(where, args, kwargs)
         try:
             selection = None if where is None else select(where)
-        except TypeError as e:
-            raise ScheduleTypeError(self.__name__, [Problem(repr(where), str(e), "")]) from None
+        except ScheduleTypeError as e:
+            raise ScheduleTypeError(self.__name__, e.problems) from None
         # None only reaches implementations whose `where` has a default (checked in _bind)
         result = self._impl(sch, selection, *args, **kwargs)  # type: ignore[arg-type]
         step = Call(self, where, tuple(args), tuple(kwargs.items()))

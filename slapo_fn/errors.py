@@ -102,7 +102,8 @@ class SelectorError(KeyError, ValueError):
 
     Attributes: ``key`` (the selector as written), ``prefix`` (the longest prefix that
     matched), ``token`` (the first token that failed), ``candidates`` (close matches among
-    the children at that level) and ``fix``.
+    the children at that level), ``fix`` and, for a malformed pattern, ``column`` (1-based,
+    where it goes wrong; else ``None``).
     """
 
     def __init__(
@@ -114,9 +115,11 @@ class SelectorError(KeyError, ValueError):
         token: str = "",
         candidates: Sequence[str] = (),
         fix: str = "",
+        column: int | None = None,
     ) -> None:
         self.key = key
         self.reason = reason
+        self.column = column
         self.prefix = prefix
         self.token = token
         self.candidates: tuple[str, ...] = tuple(candidates)

@@ -18,6 +18,7 @@ from .pipelines.explain import stage_table
 from .render import format_bytes, format_dtype, format_param, render_tree
 from .schedule import Schedule
 from .tree import walk
+from .verify import check_inputs
 
 __all__ = ["Explanation", "ModuleRow", "explain", "format_bytes", "format_dtype", "format_param", "render_tree"]
 
@@ -88,13 +89,17 @@ def explain(sch: Schedule, *inputs: Any, kwargs: Mapping[str, Any] | None = None
     parameters counted once), annotations and the rewrite history; with a mesh, the
     tensor-parallel section (``.tensor_parallel``: layouts, per-rank parameter bytes,
     the collectives of one step per module boundary). Optional example ``inputs`` /
-    ``kwargs`` (meta tensors suffice: only shapes matter) give those collectives their bytes.
+    ``kwargs`` (meta tensors suffice: only shapes matter) give those collectives their bytes;
+    they are checked against the model's forward first (:func:`slapo_fn.verify.check_inputs`:
+    float token ids for a language model, misspelt keywords, …).
 
     >>> import torch.nn as nn, slapo_fn as sf
     >>> sch = sf.checkpoint(sf.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))), "0")
     >>> sf.explain(sch).total_parameters
     40
     """
+    if inputs or kwargs:
+        check_inputs(sch.module, inputs, kwargs or {}, "explain")
     seen: set[int] = set()
     rows = []
     total = total_bytes = 0

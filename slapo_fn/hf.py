@@ -13,7 +13,8 @@ names or checking class names themselves; only ``recipes/`` (per-family data) an
 * weight initialisation: :func:`init_owner`, :func:`reset_weights`,
   :func:`clear_initialized_flags`;
 * attention heads: :data:`HEAD_COUNT_ATTRS`, :data:`HEAD_DIM_ATTRS`, :func:`head_dim_of`;
-* pipeline stages: :data:`PIPELINE_STAGES` (per model type, what the stage split needs).
+* pipeline stages: :data:`PIPELINE_STAGES` (per model type, what the stage split needs);
+* what a forward takes: :data:`TOKEN_ID_ARGS`, :func:`input_embedding`, :func:`extra_keywords`.
 
 Example:
     >>> import torch.nn as nn
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, Unpack, get_args, get_origin
 
 from torch import nn
 
@@ -38,13 +39,16 @@ __all__ = [
     "HIDDEN_SIZE_ATTRS",
     "LAYER_COUNT_ATTRS",
     "PIPELINE_STAGES",
+    "TOKEN_ID_ARGS",
     "StageRole",
     "StageStandIn",
     "clear_initialized_flags",
     "config_of",
     "config_value",
+    "extra_keywords",
     "head_dim_of",
     "init_owner",
+    "input_embedding",
     "is_conv1d",
     "is_pretrained_model",
     "is_transformers_module",
@@ -280,3 +284,43 @@ PIPELINE_STAGES: Mapping[str, _Stages] = MappingProxyType(
         "roberta": _BERT,
     }
 )
+
+
+# -- what a forward takes -----------------------------------------------------------------
+#: Arguments of a Hugging Face model's forward that carry token ids into its input
+#: embedding: integer tensors of shape (batch, sequence), each id below the vocabulary size.
+TOKEN_ID_ARGS = ("input_ids", "decoder_input_ids")
+
+#: Keywords every Hugging Face model's forward takes through ``**kwargs`` (decorators pop them).
+_DECORATOR_KEYWORDS = frozenset({"return_dict"})
+
+
+def input_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The embedding a Hugging Face model reads ``input_ids`` through, or ``None``."""
+    get = getattr(model, "get_input_embeddings", None)
+    if not is_pretrained_model(model) or not callable(get):
+        return None
+    try:
+        embedding = get()
+    except (NotImplementedError, AttributeError):
+        return None
+    return embedding if isinstance(embedding, nn.Embedding) else None
+
+
+def extra_keywords(model: nn.Module, annotation: Any) -> frozenset[str] | None:
+    """The names ``model.forward`` takes through its ``**kwargs`` (annotated ``annotation``):
+    the keys of an ``Unpack[TypedDict]`` annotation, or for a Hugging Face model with a bare
+    ``**kwargs`` those of ``transformers``' ``TransformersKwargs``; ``None`` where any name
+    goes (a plain module's ``**kwargs``). Hugging Face forwards swallow unknown keywords:
+    a misspelt ``atention_mask`` would be ignored without this list."""
+    typed = get_args(annotation)[0] if get_origin(annotation) is Unpack and get_args(annotation) else None
+    if typed is None and is_pretrained_model(model):
+        try:
+            from transformers.utils.generic import TransformersKwargs
+        except ImportError:
+            return None
+        typed = TransformersKwargs
+    keys = getattr(typed, "__required_keys__", frozenset()) | getattr(typed, "__optional_keys__", frozenset())
+    if not keys:
+        return None
+    return frozenset(keys) | (_DECORATOR_KEYWORDS if is_pretrained_model(model) else frozenset())

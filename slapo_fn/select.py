@@ -12,7 +12,10 @@ Every form lowers to one value, :class:`Selection`:
 * a list (or tuple) of any of these — the union, in tree order of first appearance.
 
 A selection that matches nothing raises :class:`~slapo_fn.errors.SelectorError` naming
-the key, the longest prefix that matched, the failing token and close matches.
+the key, the longest prefix that matched, the failing token and close matches; so does a
+numeric range or list that reaches past the children there (``"layers.[0-99]"`` on four
+layers), a parameter slot that is ``None`` (a ``Linear`` built with ``bias=False``), and,
+when the selector is made, a malformed pattern (``"layers.[0-"``: the column is named).
 
 Example:
     >>> import torch.nn as nn
@@ -36,7 +39,7 @@ from typing import TypeAlias
 
 from torch import nn
 
-from .errors import SelectorError
+from .errors import Problem, ScheduleTypeError, SelectorError
 from .tree import get_module, join, split, walk
 
 __all__ = ["Kind", "Selection", "Where", "of_type", "select", "where_fn"]
@@ -63,6 +66,88 @@ def _expand(token: str) -> list[str]:
     if m is None:
         return [token]
     return [x for alt in m.group(1).split(",") for x in _expand(token[: m.start()] + alt.strip() + token[m.end():])]
+
+
+_SYNTAX_FIX = "write a range as [0-3], a list as [0,2,5], alternatives as {a,b}, globs with * and ?"
+
+
+def _token_syntax(token: str) -> tuple[int, str] | None:
+    """``(offset in token, what is wrong)`` for a malformed token, else ``None``."""
+    if not token:
+        return 0, "an empty name (two dots in a row, or a dot at an end)"
+    bracket = -1  # offset of the open '[' (fnmatch classes do not nest)
+    braces: list[int] = []
+    for i, c in enumerate(token):
+        if bracket >= 0:
+            if c == "]" and i > bracket + 1:
+                inner = token[bracket + 1 : i]
+                numbers = re.fullmatch(r"(\d*)-(\d*)", inner)
+                if numbers and not (numbers.group(1) and numbers.group(2)):
+                    return bracket, f"the range [{inner}] needs a first and a last index, e.g. [0-3]"
+                if numbers and int(numbers.group(1)) > int(numbers.group(2)):
+                    return bracket, f"the range [{inner}] is empty (its first index is past its last)"
+                bracket = -1
+            continue
+        if c == "[":
+            if token[i + 1 : i + 2] == "]":
+                return i, "'[]' selects nothing"
+            bracket = i
+        elif c == "]":
+            return i, "']' without an opening '['"
+        elif c == "{":
+            braces.append(i)
+        elif c == "}":
+            if not braces:
+                return i, "'}' without an opening '{'"
+            braces.pop()
+    if bracket >= 0:
+        return bracket, "'[' is not closed"
+    if braces:
+        return braces[-1], "'{' is not closed"
+    return None
+
+
+def _check_syntax(pattern: str) -> None:
+    """Refuse a malformed path pattern, pointing at the column (1-based) where it goes wrong."""
+    if not pattern:
+        return
+    start = 0
+    for token in pattern.split("."):
+        found = _token_syntax(token)
+        if found is not None:
+            offset, what = found
+            column = start + offset + 1
+            raise SelectorError(
+                pattern,
+                reason=f"syntax error at column {column}: {what}\n    {pattern}\n    {' ' * (column - 1)}^",
+                token=token,
+                fix=_SYNTAX_FIX,
+                column=column,
+            )
+        start += len(token) + 1
+
+
+def _indices(token: str) -> list[int] | None:
+    """The indices a numeric range or list token asks for (``[0-3]``, ``[0,2]``), else ``None``."""
+    if m := _RANGE.match(token):
+        return list(range(int(m.group(1)), int(m.group(2)) + 1))
+    if m := _LIST.match(token):
+        return [int(x) for x in m.group(1).split(",")]
+    return None
+
+
+def _spans(numbers: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` → ``"0-2, 5"``."""
+    out: list[str] = []
+    ordered = sorted(set(numbers))
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ", ".join(out)
 
 
 def _token_matches(token: str, name: str) -> bool:
@@ -162,7 +247,8 @@ def of_type(*classes: type) -> Selection:
     ('0',)
     """
     if not classes or not all(isinstance(c, type) for c in classes):
-        raise TypeError(f"of_type takes classes, e.g. of_type(nn.Linear); got {classes!r}")
+        raise ScheduleTypeError("of_type", [Problem(repr(classes), f"of_type takes classes; got {classes!r}",
+                                                    "of_type(nn.Linear, nn.Embedding)")])
     return Selection((_Type(tuple(classes)),))
 
 
@@ -174,7 +260,8 @@ def where_fn(pred: Callable[[str, nn.Module], bool]) -> Selection:
     ('1',)
     """
     if not callable(pred):
-        raise TypeError(f"where_fn takes a callable pred(path, module) -> bool; got {pred!r}")
+        raise ScheduleTypeError("where_fn", [Problem(repr(pred), f"where_fn takes a callable; got {pred!r}",
+                                                     "where_fn(lambda path, module: path.endswith('mlp'))")])
     return Selection((_Pred(pred),))
 
 
@@ -188,6 +275,7 @@ def select(where: object) -> Selection:
     if isinstance(where, Selection):
         return where
     if isinstance(where, str):
+        _check_syntax(where.strip())
         return Selection((_Path(where.strip()),))
     if isinstance(where, _Path | _Type | _Pred):
         return Selection((where,))
@@ -196,13 +284,15 @@ def select(where: object) -> Selection:
         atoms: list[_Atom] = []
         for part in parts:
             if part.base:
-                raise TypeError("a list of selectors cannot mix relative (scoped) selections")
+                raise ScheduleTypeError("select", [Problem(str(part), "a list of selectors cannot mix relative "
+                                                                      "(scoped) selections",
+                                                           "scope the whole list: select([...]).under(base)")])
             atoms.extend(part.atoms)
         return Selection(tuple(atoms))
-    raise TypeError(
-        f"a selector is a path string, of_type(...), where_fn(...), or a non-empty list of them; "
-        f"got {type(where).__name__}: {where!r}"
-    )
+    raise ScheduleTypeError("select", [Problem(
+        repr(where), f"a selector is a path string, of_type(...), where_fn(...), or a non-empty list of them; "
+                     f"got {type(where).__name__}",
+        "e.g. 'model.layers.*.mlp', of_type(nn.Linear) or ['model.norm', 'lm_head']")])
 
 
 # -- resolution helpers ---------------------------------------------------------------
@@ -268,6 +358,10 @@ def _resolve_pattern(pattern: str, scope: nn.Module, base: str, kind: Kind) -> l
                     join(path, n) for n, p in module._parameters.items() if p is not None and _token_matches(token, n)
                 ]
         if not nxt and not params:
+            if last and kind is not Kind.MODULE and literal:
+                empty = next((p for p, m in frontier if token in m._parameters), None)
+                if empty is not None:
+                    raise _empty_slot_error(join(base, pattern), join(base, empty), token, scope, empty)
             if last and kind is Kind.MODULE and _names_parameter(frontier, token):
                 raise SelectorError(
                     join(base, pattern),
@@ -277,6 +371,9 @@ def _resolve_pattern(pattern: str, scope: nn.Module, base: str, kind: Kind) -> l
                     fix=f"select the module that owns it: {join(base, *tokens[:i])!r}",
                 )
             raise _token_error(frontier, base, tokens, i)
+        wanted = _indices(token)
+        if wanted is not None:
+            _check_indices(frontier, base, tokens, i, wanted)
         frontier = _dedup(nxt)
     if kind is Kind.PARAMETER:
         modules = [p for p, _ in frontier]
@@ -292,14 +389,59 @@ def _dedup(items: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
 
 
 def _names_parameter(frontier: list[tuple[str, nn.Module]], token: str) -> bool:
-    return any(_token_matches(token, n) for _, m in frontier for n in m._parameters)
+    return any(_token_matches(token, n) for _, m in frontier for n, p in m._parameters.items() if p is not None)
+
+
+def _empty_slot_error(key: str, owner: str, name: str, scope: nn.Module, local: str) -> SelectorError:
+    """``owner.name`` is a parameter slot holding ``None`` (``Linear(..., bias=False)``)."""
+    module = get_module(scope, local)
+    existing = [join(owner, n) for n, p in module._parameters.items() if p is not None]
+    fix = (f"select {owner!r} (its parameters: {', '.join(repr(e) for e in existing)})" if existing
+           else f"{owner!r} has no parameters at all: select a module that has some")
+    return SelectorError(
+        key,
+        reason=f"{owner!r} ({type(module).__name__}) has no {name!r}: it was built without one ({name}=None)",
+        prefix=owner,
+        token=name,
+        fix=fix,
+    )
+
+
+def _check_indices(frontier: list[tuple[str, nn.Module]], base: str, tokens: list[str], i: int,
+                   wanted: list[int]) -> None:
+    """A numeric range or list must not reach past the numbered children there: ``[0-99]``
+    on four layers is refused, not read as ``[0-3]``."""
+    present = {int(n) for _, m in frontier for n, c in m._modules.items() if c is not None and n.isdigit()}
+    missing = [w for w in wanted if w not in present]
+    if not missing:
+        return
+    prefix = join(base, *tokens[:i])
+    where = repr(prefix) if prefix else "the root"
+    kept = sorted(w for w in set(wanted) if w in present) or sorted(present)
+    if len(kept) == 1:
+        shown = str(kept[0])
+    elif kept[-1] - kept[0] + 1 == len(kept):
+        shown = f"[{kept[0]}-{kept[-1]}]"
+    else:
+        shown = f"[{','.join(map(str, kept))}]"
+    suggestion = join(prefix, shown, ".".join(tokens[i + 1 :]))
+    raise SelectorError(
+        join(base, *tokens),
+        reason=f"{where} has children {_spans(present)}; {tokens[i]!r} also asks for {_spans(missing)}, "
+               "which do not exist",
+        prefix=prefix,
+        token=tokens[i],
+        fix=f"select only existing indices, e.g. {suggestion!r} (or '*' for all)",
+    )
 
 
 def _token_error(frontier: list[tuple[str, nn.Module]], base: str, tokens: list[str], i: int) -> SelectorError:
     token = tokens[i]
     names: list[str] = []
     for _, module in frontier:
-        for name in list(module._modules) + list(module._parameters):
+        present = [n for n, c in module._modules.items() if c is not None]
+        present += [n for n, p in module._parameters.items() if p is not None]
+        for name in present:
             if name not in names:
                 names.append(name)
     prefix = join(base, *tokens[:i])

@@ -59,6 +59,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.tensor as dtensor
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -339,6 +340,7 @@ def save(
 
     Keys are the original model's FQNs, so the checkpoint loads under any other layout.
     """
+    _check_save_target(path)
     root = Path(path)
     name = f"step-{step:08d}"
     final, partial = root / name, root / f".partial-{name}"
@@ -375,6 +377,7 @@ def load(model: object, optimizer: OptimizerState, path: str | os.PathLike[str])
 
     A functional optimizer's state (:mod:`slapo_fn.optim`) is loaded in place into the
     tensors of the tree given, which ``init(params)`` made in the current layout."""
+    _check_checkpoint(model, optimizer, path)
     found = latest(path)
     if found is None:
         raise ScheduleError("load", [Problem(str(path), "no checkpoint here (no LATEST, no .metadata)",
@@ -421,4 +424,90 @@ def full_state_dict(model: object) -> dict[str, torch.Tensor]:
                 with torch.no_grad():
                     value = (relayout.gather(value) if relayout else value).full_tensor()
             out[key] = value.detach().clone()
+    return out
+
+
+# -- checks before any work: a short error naming the path, not a DCP traceback -------------
+def _check_save_target(path: str | os.PathLike[str]) -> None:
+    """``path`` must be a directory or not exist yet, under a writable directory."""
+    root = Path(path)
+    if root.exists() and not root.is_dir():
+        raise ScheduleError("save", [Problem(str(root), "is a file, not a directory; a checkpoint is a directory "
+                                                        "(LATEST and one folder per step)",
+                                             "pass a directory path (new or one that sf.save wrote)")])
+    ancestor = next((a for a in (root, *root.parents) if a.exists()), None)
+    if ancestor is not None and not ancestor.is_dir():
+        raise ScheduleError("save", [Problem(str(root), f"{str(ancestor)!r} on its way is a file, not a directory",
+                                             "pass a path under a directory")])
+    if ancestor is not None and not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ScheduleError("save", [Problem(str(root), f"{str(ancestor)!r} is not writable",
+                                             "pass a directory you may write to")])
+
+
+def _check_checkpoint(model: object, optimizer: object, path: str | os.PathLike[str]) -> None:
+    """The checkpoint under ``path`` is readable and was written from this model: every
+    key this model's state has is saved with its shape (a checkpoint may hold more: a
+    pipeline stage loads its own part), and optimizer state is there if one is loaded.
+    A missing, truncated or corrupted file, or another model's checkpoint, is a short
+    :class:`ScheduleError` naming the path instead of DCP's multi-screen exception."""
+    root = Path(path)
+    if root.is_file():
+        raise ScheduleError("load", [Problem(str(root), "is a file, not a checkpoint directory",
+                                             "pass the directory given to sf.save")])
+    found = latest(path)
+    if found is None:
+        return  # load says: no checkpoint here
+    if not (found / ".metadata").is_file():
+        raise ScheduleError("load", [Problem(str(found), f"{root / _LATEST} names it, but it is missing or "
+                                                         "incomplete (no .metadata)",
+                                             "point LATEST at a complete step directory, or save again")])
+    try:
+        metadata = dcp.FileSystemReader(str(found)).read_metadata()
+    except Exception as e:
+        raise ScheduleError("load", [Problem(str(found), f"is corrupted: its .metadata cannot be read "
+                                                         f"({type(e).__name__}: {str(e)[:120]})",
+                                             "load another checkpoint (an earlier step), or save again")]) from None
+    short = _short_files(found, metadata)
+    if short:
+        raise ScheduleError("load", [Problem(str(found / name), why, "load another checkpoint (an earlier step), or "
+                                                                    "save again") for name, why in short[:4]])
+    saved = metadata.state_dict_metadata
+    expected = {f"model.{k}": v for k, v in _states(model, None)["model"].items()}
+    missing = [k for k in expected if k not in saved]
+    shapes = [(k, tuple(info.size), tuple(v.shape)) for k, v in expected.items()
+              if isinstance(info := saved.get(k), TensorStorageMetadata) and isinstance(v, torch.Tensor)
+              and tuple(info.size) != tuple(v.shape)]
+    reasons = []
+    if missing:
+        shown = ", ".join(repr(k.removeprefix("model.")) for k in missing[:3])
+        reasons.append(f"{len(missing)} of this model's {len(expected)} tensors are not in it ({shown}"
+                       f"{', …' if len(missing) > 3 else ''})")
+    if shapes:
+        k, was, now = shapes[0]
+        reasons.append(f"{len(shapes)} have another shape ({k.removeprefix('model.')!r}: saved {was}, here {now}"
+                       f"{', …' if len(shapes) > 1 else ''})")
+    if reasons:
+        raise ScheduleError("load", [Problem(str(found), "was written from another model: " + "; ".join(reasons),
+                                             "load the checkpoint this model wrote, or build the model that wrote "
+                                             "this one")])
+    if optimizer is not None and not any(k.startswith("optim.") for k in saved):
+        raise ScheduleError("load", [Problem(str(found), "holds no optimizer state (saved with optimizer=None)",
+                                             "load it with optimizer=None, or save with the optimizer")])
+
+
+def _short_files(found: Path, metadata: Any) -> list[tuple[str, str]]:
+    """Data files the metadata points into that are missing or shorter than it says."""
+    need: dict[str, int] = {}
+    for info in getattr(metadata, "storage_data", None) or {}:
+        item = metadata.storage_data[info]
+        name = getattr(item, "relative_path", None)
+        if isinstance(name, str):
+            need[name] = max(need.get(name, 0), int(getattr(item, "offset", 0)) + int(getattr(item, "length", 0)))
+    out = []
+    for name, size in sorted(need.items()):
+        file = found / name
+        if not file.is_file():
+            out.append((name, "is missing: the checkpoint's metadata points into it"))
+        elif file.stat().st_size < size:
+            out.append((name, f"is truncated: {file.stat().st_size} bytes where the metadata needs {size}"))
     return out

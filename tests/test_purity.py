@@ -3,6 +3,7 @@ untouched subtrees are shared; rewrites on disjoint paths commute."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -91,7 +92,8 @@ def apply_sequence(model: nn.Module, steps: list[tuple[int, int]], *, mesh: Any 
         for old_sch, print_ in earlier:
             assert same_schedule(print_, old_sch)
         assert same(original, fingerprint(model))
-    sf.build(sch)
+    with contextlib.suppress(sf.LayoutError):  # a refused build (an SP chain nothing gathers for) changes nothing
+        sf.build(sch)
     assert same(original, fingerprint(model))
     for old_sch, print_ in earlier:
         assert same_schedule(print_, old_sch)

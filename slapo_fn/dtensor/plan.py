@@ -478,7 +478,37 @@ def _half_sharded_ties(sch: Schedule) -> list[Problem]:
     return problems
 
 
+def _ungathered_chain_members(sch: Schedule) -> list[Problem]:
+    """A member of a sequence-parallel chain that holds modules, none of them a column over
+    the chain's mesh axis, has nothing that gathers the sequence for it (a column's parent
+    does): attention or any other code in it that mixes tokens would see only this rank's
+    tokens — a shape error inside model code (LLaMA's rotary embedding) or a silently wrong
+    attention. Refused, naming the member. Leaf members (norms, dropout) work token by token."""
+    roles = sch.annotations.of_kind(ROLE)
+    problems = []
+    for path, spec in sch.annotations.of_kind(SEQ).items():
+        module = get_module(sch.module, path)
+        if not any(True for _ in module.children()):
+            continue
+        if any(r.mesh_axis == spec.mesh_axis and r.kind in ("column", "embed_dim") and (q == path or contains(path, q))
+               for q, r in roles.items()):
+            continue
+        linear = next((join(path, q) for q, m in walk(module) if q and (isinstance(m, nn.Linear) or is_conv1d(m))),
+                      None)
+        example = f"sf.shard(sch, {linear!r}, axis=...)" if linear else "sf.shard"
+        problems.append(Problem(
+            path,
+            f"runs on sequence shards over {spec.mesh_axis!r} (sequence_parallel), but no column-parallel layer "
+            f"inside it is sharded over {spec.mesh_axis!r}, so nothing gathers the sequence for it: attention or "
+            "other code in it that mixes tokens would see only this rank's tokens",
+            f"shard its linear layers over {spec.mesh_axis!r} first ({example}, or a recipe with tp=...), or leave "
+            "it out of sequence_parallel",
+        ))
+    return problems
+
+
 def refusals(sch: Schedule, p: Plan) -> list[Problem]:
     """Every layout of ``sch`` the build would get silently wrong or fail on inside model
     code, as problems naming the module and the fix (``build`` raises them at once)."""
-    return _half_sharded_ties(sch) + _unsharded_twins(sch, p) + _stray_token_shards(sch)
+    return (_half_sharded_ties(sch) + _unsharded_twins(sch, p) + _stray_token_shards(sch)
+            + _ungathered_chain_members(sch))

@@ -35,11 +35,11 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..combinators import primitive
-from ..errors import LayoutError, Problem
+from ..errors import LayoutError, Problem, ScheduleTypeError
 from ..hf import head_dim_of, is_conv1d
 from ..schedule import Key, Schedule
 from ..select import Selection
-from ..tree import get_module, join, split
+from ..tree import get_module, join, split, walk
 from .layout import Layout, from_spec, packed_shard
 
 __all__ = ["LAYOUT", "ROLE", "Role", "mesh_dims", "shard", "tied_paths"]
@@ -221,15 +221,8 @@ def _module_plan(
     problems: list[Problem],
 ) -> _Plan | None:
     weight = module._parameters.get("weight")
-    known = isinstance(module, nn.Linear | nn.Embedding) or is_conv1d(module)
-    if not known or weight is None:
-        problems.append(
-            Problem(
-                path,
-                f"cannot shard a {type(module).__name__} as a whole (known: Linear, Embedding, Conv1D)",
-                f"shard its parameters by path, e.g. shard(sch, {path + '.weight'!r}, axis=0)",
-            )
-        )
+    if not _shardable(module) or weight is None:
+        problems.append(_whole_module_problem(sch.module, path, module))
         return None
     if layout is not None:
         lay = _placement_from(sch, path + ".weight", weight.dim(), layout, problems)
@@ -262,6 +255,56 @@ def _module_plan(
     bias = _layout(sch, packed_shard(0, packed), mesh_axis) if column else _layout(sch, Replicate(), mesh_axis)
     params = (("weight", w), ("bias", bias)) if has_bias else (("weight", w),)
     return _Plan(path, Role("column" if column else "row", mesh_axis, packed), params)
+
+
+def _check_arguments(axis: object, mesh_axis: object, packed: object, layout: object) -> None:
+    """Arguments of the wrong type or meaningless values, refused before any path is read."""
+    typed = []
+    if axis is not None and (isinstance(axis, bool) or not isinstance(axis, int)):
+        typed.append(Problem("axis", f"expected an int (a tensor dimension), got {type(axis).__name__} {axis!r}",
+                             "axis=0 (column-parallel) or axis=1 (row-parallel)"))
+    if not isinstance(mesh_axis, str):
+        typed.append(Problem("mesh_axis", f"expected a mesh-axis name, got {type(mesh_axis).__name__}",
+                             "mesh_axis='tp'"))
+    if isinstance(packed, bool) or not isinstance(packed, int):
+        typed.append(Problem("packed", f"expected an int, got {type(packed).__name__} {packed!r}",
+                             "packed=3 for a fused [Q|K|V]; 1 otherwise"))
+    if layout is not None and (isinstance(layout, str) or not isinstance(layout, Sequence)):
+        typed.append(Problem("layout", f"expected a sequence of placements or mesh-axis names, got "
+                                       f"{type(layout).__name__}", "layout=('tp', None) or (Shard(0),)"))
+    if typed:
+        raise ScheduleTypeError("shard", typed)
+    if isinstance(packed, int) and packed < 1:
+        raise LayoutError("shard", [Problem("packed", f"is {packed}; it counts fused chunks, at least 1",
+                                            "packed=1, or the number of fused chunks (3 for [Q|K|V])")])
+
+
+def _shardable(module: nn.Module) -> bool:
+    return (isinstance(module, nn.Linear | nn.Embedding) or is_conv1d(module)) and module._parameters.get(
+        "weight"
+    ) is not None
+
+
+def _whole_module_problem(root: nn.Module, path: str, module: nn.Module) -> Problem:
+    """Why ``module`` cannot be sharded as a whole, with a fix naming only paths that exist:
+    its own parameters, else the shardable modules inside it, else those beside it."""
+    kind = type(module).__name__
+    reason = f"cannot shard a {kind} as a whole (known: Linear, Embedding, Conv1D)"
+    own = [join(path, n) for n, p in module._parameters.items() if p is not None]
+    if own:
+        return Problem(path, reason, f"shard its parameters by path, e.g. shard(sch, {own[0]!r}, axis=0)")
+    inside = [join(path, q) for q, m in walk(module) if q and _shardable(m)]
+    if inside:
+        return Problem(path, reason, f"shard the layers inside it, e.g. {', '.join(repr(q) for q in inside[:3])}")
+    tokens = split(path)
+    parent_path = ".".join(tokens[:-1])
+    beside = [join(parent_path, n) for n, m in get_module(root, parent_path)._modules.items()
+              if m is not None and tokens and n != tokens[-1] and _shardable(m)]
+    inner = " (nor does anything inside it)" if any(True for _ in module.children()) else ""
+    reason = f"a {kind} has no parameters to shard{inner}"
+    if beside:
+        return Problem(path, reason, f"shard a layer beside it, e.g. {', '.join(repr(q) for q in beside[:3])}")
+    return Problem(path, reason, "select a Linear, Embedding or Conv1D module (print(sch) shows the tree)")
 
 
 @primitive
@@ -301,6 +344,7 @@ def shard(
 size 4 of mesh axis 'tp'
           fix: pad the dimension to a multiple of 4, use a smaller mesh axis, or shard another axis
     """
+    _check_arguments(axis, mesh_axis, packed, layout)
     paths = where.paths(sch.module)
     problems: list[Problem] = []
     for path in paths:

@@ -11,8 +11,9 @@ in here knows a model class: model-specific knowledge is the recipe's data.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Literal
 
@@ -22,7 +23,7 @@ from torch.distributed.tensor import Shard as DShard
 from ..combinators import Rewrite, chain, foreach
 from ..dtensor import sequence_parallel, shard, sync, tp_local
 from ..dtensor.data_parallel import data_parallel
-from ..errors import LayoutError, Problem, ScheduleError
+from ..errors import LayoutError, Problem, ScheduleError, ScheduleTypeError
 from ..pipelines import cut_pipeline_stage
 from ..rewrites import checkpoint, compile, replace  # noqa: A004
 from ..schedule import Schedule
@@ -105,7 +106,7 @@ class Recipe:
     def __call__(self, sch: Schedule, knobs: Knobs | None = None, **overrides: object) -> Schedule:
         """Schedule ``sch`` with ``knobs`` (a :class:`Knobs`, or its fields as keywords).
         Returns a new schedule; the input is unchanged."""
-        knobs = Knobs(**{**(vars(knobs) if knobs else {}), **overrides})  # type: ignore[arg-type]
+        knobs = _knobs(self.name, knobs, overrides)
         self._check(sch, knobs)
         stacks = self.layer_paths(sch)
         steps: list[Rewrite] = []
@@ -152,13 +153,71 @@ class Recipe:
                 if isinstance(count, int) and count % knobs.tp:
                     problems.append(Problem("", f"{attr}={count} is not divisible by tp={knobs.tp}",
                                             f"choose tp among the divisors of {count}"))
+        if knobs.tp < 1:
+            problems.append(Problem("", f"tp={knobs.tp}: a tensor-parallel degree is at least 1", "tp=1 is off"))
         if knobs.sequence_parallel and knobs.tp == 1:
             problems.append(Problem("", "sequence_parallel needs tp > 1", "set tp=2 (or more) or drop it"))
         if isinstance(knobs.checkpoint, float) and not 0.0 <= knobs.checkpoint <= 1.0:
             problems.append(Problem("", f"checkpoint ratio {knobs.checkpoint} is not in [0, 1]",
                                     "checkpoint=1.0 checkpoints every layer"))
+        problems += _stage_problems(sch, knobs, self)
         if problems:
             raise LayoutError(f"recipes.{self.name}", problems)
+
+
+_KNOB_TYPES: dict[str, tuple[type, ...]] = {
+    "tp": (int,), "sequence_parallel": (bool,), "checkpoint": (float, int, tuple, type(None)), "stages": (int, tuple),
+    "dp_mode": (str, type(None)), "kernels": (bool,), "compile": (bool,),
+}
+
+
+def _knobs(name: str, knobs: Knobs | None, overrides: Mapping[str, object]) -> Knobs:
+    """``knobs`` with ``overrides``; unknown names and values of the wrong type are refused
+    together, naming each knob and listing the valid ones."""
+    if knobs is not None and not isinstance(knobs, Knobs):
+        raise ScheduleTypeError(f"recipes.{name}", [Problem(
+            "knobs", f"expected a Knobs value, got {type(knobs).__name__}",
+            "pass Knobs(tp=2, ...) or the knobs as keywords: recipe(sch, tp=2, checkpoint=1.0)")])
+    valid = [f.name for f in fields(Knobs)]
+    problems = []
+    for key, value in overrides.items():
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            problems.append(Problem(key, "is not a recipe knob", f"{hint}valid knobs: {', '.join(valid)}"))
+        elif not isinstance(value, _KNOB_TYPES[key]) or (isinstance(value, bool) and bool not in _KNOB_TYPES[key]):
+            problems.append(Problem(key, f"expects {' or '.join(t.__name__ for t in _KNOB_TYPES[key])}, got "
+                                         f"{type(value).__name__} {value!r}", f"see help(Knobs) for what {key} means"))
+    if problems:
+        raise ScheduleTypeError(f"recipes.{name}", problems)
+    merged = {**(vars(knobs) if knobs else {}), **overrides}
+    if isinstance(merged.get("checkpoint"), int) and not isinstance(merged["checkpoint"], bool):
+        merged["checkpoint"] = float(merged["checkpoint"])  # checkpoint=1 is the ratio 1.0
+    return Knobs(**merged)  # type: ignore[arg-type]
+
+
+def _stage_problems(sch: Schedule, knobs: Knobs, recipe: Recipe) -> list[Problem]:
+    """Pipeline stages need a ``pp`` mesh axis (``stages=3`` on a mesh without one is
+    refused) and, cut evenly, at most one stage per layer."""
+    stages = knobs.stages
+    many = stages > 1 if isinstance(stages, int) else bool(stages)
+    names = tuple(getattr(sch.mesh, "mesh_dim_names", None) or ())
+    problems = []
+    if many and "pp" not in names:
+        problems.append(Problem("", f"stages={stages} needs a mesh with a 'pp' axis; the schedule's mesh is "
+                                    f"{names or 'missing'}",
+                                'sf.create_schedule(model, mesh=init_device_mesh("cpu", (pp,), '
+                                'mesh_dim_names=("pp",))) (or add "pp" to the mesh\'s axes), or drop stages'))
+    layers = len(recipe.layer_paths(sch)[0])
+    if isinstance(stages, int) and not 1 <= stages <= layers:
+        problems.append(Problem("", f"stages={stages} for {layers} layers", f"use 1..{layers} stages"))
+    if isinstance(stages, tuple):
+        bad = [i for i in stages if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers - 1]
+        if bad:
+            problems.append(Problem("", f"stages={stages}: cut(s) after layer(s) {bad} impossible with {layers} "
+                                        "layers (a cut goes after a layer, not the last)",
+                                    f"cut after layer indices in 0..{layers - 2}"))
+    return problems
 
 
 def _checkpointed(layers: Sequence[str], which: float | tuple[int, ...] | None) -> list[str]:
@@ -174,9 +233,6 @@ def _checkpointed(layers: Sequence[str], which: float | tuple[int, ...] | None) 
 
 
 def _cuts(layers: Sequence[str], stages: int | tuple[int, ...]) -> list[str]:
-    if isinstance(stages, int):
-        if stages < 1 or stages > len(layers):
-            raise ScheduleError("recipes", [Problem("", f"stages={stages} for {len(layers)} layers",
-                                                    f"use 1..{len(layers)} stages")])
+    if isinstance(stages, int):  # 1..len(layers), checked by Recipe._check
         return [layers[len(layers) * i // stages - 1] for i in range(1, stages)]
     return [layers[i] for i in stages]

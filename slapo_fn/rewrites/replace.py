@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import torch
 from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedFakeTensorException,
+    UnsupportedOperatorException,
+)
 
 from ..combinators import primitive
 from ..errors import Problem, ScheduleError, ScheduleTypeError
+from ..hf import is_conv1d
 from ..schedule import Schedule
 from ..select import Selection
 from ..tree import get_module, set_at
@@ -63,6 +74,102 @@ def signature_problem(path: str, old: nn.Module, new: nn.Module) -> Problem | No
     )
 
 
+#: What fake tensors cannot run (data-dependent shapes, custom kernels): no verdict, not a misfit.
+_FAKE_LIMITS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedFakeTensorException,
+                UnsupportedOperatorException, NotImplementedError)
+
+
+def _probe_input(module: nn.Module) -> tuple[tuple[int, ...], torch.dtype] | None:
+    """The shape and dtype of an input ``module`` surely accepts, from its parameters alone:
+    ``(2, 3, in)`` for a Linear, Conv1D or norm (a leaf whose parameters are 1-D vectors of
+    one size), ids for an Embedding; ``None`` where the parameters do not say (activations,
+    containers)."""
+    if any(True for _ in module.children()) or any(b is not None for b in module._buffers.values()):
+        return None  # containers; modules with state a forward may update (BatchNorm's running stats)
+    params = {n: p for n, p in module._parameters.items() if p is not None}
+    weight = params.get("weight")
+    if weight is None:
+        return None
+    if isinstance(module, nn.Embedding):
+        return (2, 3), torch.long
+    if isinstance(module, nn.LayerNorm):
+        return (2, 3, *module.normalized_shape), weight.dtype
+    if isinstance(module, nn.Linear):
+        return (2, 3, module.in_features), weight.dtype
+    if is_conv1d(module) and weight.dim() == 2:
+        return (2, 3, weight.shape[0]), weight.dtype
+    if all(p.dim() == 1 and p.shape == weight.shape for p in params.values()):
+        return (2, 3, weight.shape[0]), weight.dtype  # a norm (RMSNorm, T5LayerNorm …)
+    return None
+
+
+def _shapes(value: Any) -> list[tuple[int, ...]]:
+    """Shapes of the tensors in an output (tuples, lists, dicts, ``ModelOutput``s), in order."""
+    if isinstance(value, torch.Tensor):
+        return [tuple(value.shape)]
+    if isinstance(value, Mapping):
+        return [s for v in value.values() for s in _shapes(v)]
+    if isinstance(value, list | tuple):
+        return [s for v in value for s in _shapes(v)]
+    return []
+
+
+@contextlib.contextmanager
+def _quiet_fake_mode() -> Iterator[None]:
+    """Fake tensors (shapes only, no memory, no data) with real modules' parameters; the
+    fake-tensor logger's report of a failing op is muted (the failure is the answer)."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            yield
+    finally:
+        log.setLevel(level)
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    first = next(iter(module.parameters()), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+def shape_problem(path: str, old: nn.Module, new: nn.Module) -> Problem | None:
+    """Why ``new`` does not fit where ``old`` is, on an input ``old`` takes (run on fake
+    tensors: no data, no memory), or ``None`` if it fits or the check cannot say. The
+    forwards are called without hooks: a user's hook never sees the probe."""
+    probe = _probe_input(old)
+    if probe is None:
+        return None
+    shape, dtype = probe
+    with _quiet_fake_mode():
+        try:
+            want = _shapes(old.forward(torch.zeros(shape, dtype=dtype, device=_device_of(old))))
+        except Exception:
+            return None  # the old module does not take what its parameters suggest: no verdict
+        try:
+            got = _shapes(new.forward(torch.zeros(shape, dtype=dtype, device=_device_of(new))))
+        except _FAKE_LIMITS:
+            return None
+        except Exception as e:
+            text = str(e).strip()
+            first = text.splitlines()[0] if text else ""
+            return Problem(path, f"{type(new).__name__} fails on an input {type(old).__name__} takes, of shape "
+                                 f"{shape}: {type(e).__name__}: {first}", _SHAPE_FIX)
+    if got != want:
+        return Problem(path, f"{type(new).__name__} returns shape(s) {_fmt_shapes(got)} where "
+                             f"{type(old).__name__} returns {_fmt_shapes(want)} (for an input of shape {shape})",
+                       _SHAPE_FIX)
+    return None
+
+
+_SHAPE_FIX = ("give the replacement the old module's input and output shapes, or replace the enclosing module "
+              "(and what reads its output) in one call; check_shapes=False skips this check")
+
+
+def _fmt_shapes(shapes: list[tuple[int, ...]]) -> str:
+    return ", ".join(str(s) for s in shapes) if shapes else "no tensor"
+
+
 @primitive
 def replace(
     sch: Schedule,
@@ -70,6 +177,7 @@ def replace(
     new: nn.Module | Factory | Callable[..., Any],
     *,
     subgraph: Match | None = None,
+    check_shapes: bool = True,
 ) -> Schedule:
     """Replace every selected module by ``new`` — a module, or ``new(old_module, path)``
     returning one. Returns a new schedule; the input is unchanged.
@@ -77,7 +185,11 @@ def replace(
     Only the modules on the path from the root to each replaced module are copied;
     everything else (including parameters) is shared. Annotations below a replaced path
     that no longer exist in the new module are dropped. A replacement whose ``forward``
-    cannot be called the way the old one is raises :class:`ScheduleError`.
+    cannot be called the way the old one is raises :class:`ScheduleError`; so does one
+    whose output shapes differ from the old module's where its parameters tell what it
+    takes (a Linear, Conv1D, Embedding or norm: both run on fake tensors, no data and no
+    memory), e.g. ``nn.Linear(64, 32)`` for a norm of width 64. ``check_shapes=False``
+    skips that check (a widening done in two calls: the first one alone misfits).
 
     Example:
         >>> import torch.nn as nn, slapo_fn as sf
@@ -159,8 +271,12 @@ def replace(
                 )
             )
             continue
-        if made is not old and (problem := signature_problem(path, old, made)) is not None:
-            problems.append(problem)
+        if made is not old:
+            problem = signature_problem(path, old, made)
+            if problem is None and check_shapes:
+                problem = shape_problem(path, old, made)
+            if problem is not None:
+                problems.append(problem)
         replacements.append((path, made))
     if problems:
         kind = ScheduleTypeError if any("not an nn.Module" in p.reason for p in problems) else ScheduleError
