@@ -16,34 +16,58 @@
   searches the recipe's knobs (constraints, then a memory estimate, then short ``train``
   trials) and prints the ``train`` command of the fastest config (slapo_fn.tune).
 
-A multi-process run is a ``torchrun`` child in its own session; its workers write their
-PIDs under ``--run-dir``, and whatever way the run ends (success, a failed or killed
-rank, Ctrl-C) the launcher makes sure none of them is left running.
+Bad input gets one answer, before any work starts: the arguments are checked first
+(sizes, an even split of the batch, files), then the model's config, the checkpoint to
+resume and — for a job on several processes — the whole schedule, built on the meta
+device over a fake process group. Each refusal is a :class:`CommandLineError` (or
+another typed ``ValueError``/``KeyError`` of slapo_fn) printed once, in a few lines,
+without a traceback, with exit code 2.
 
-Imports of torch and of the rest of the package are made inside the commands, on use:
-``slapo-fn --help`` and a refused argument answer at once, before torch loads (~4 s).
+A multi-process run is started by :func:`slapo_fn.launch.launch`: torchrun's agent in a
+session of its own, its workers writing their PIDs under ``--run-dir``. Whatever way the
+run ends (success, a failed or killed rank, Ctrl-C, SIGTERM, SIGHUP) no worker is left
+running; a rank that refuses its input leaves its message for the launcher, which says it
+once, and a failed rank is one line, not torchrun's ``ChildFailedError``.
+
+Imports of torch and of the rest of the package are made inside the commands, on use.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import difflib
 import json
+import math
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main"]
+from .errors import Problem, ScheduleError
+
+__all__ = ["CommandLineError", "main"]
 
 PG_TIMEOUT_S = 60
+#: The most lines a refusal takes; a longer one is cut, saying how many lines are left out.
+MAX_MESSAGE_LINES = 10
+
+
+class CommandLineError(ScheduleError):
+    """Arguments, files or a model config that ``slapo-fn`` refuses before any work
+    starts. Each problem's ``path`` is the flag (``"--steps"``) or the file at fault; all
+    problems found are reported at once. A ``ValueError``, like every bad-input error of
+    slapo_fn.
+
+    >>> print(CommandLineError("train", [Problem("--steps", "must be at least 1, got 0", "--steps 40")]))
+    slapo-fn train: '--steps': must be at least 1, got 0
+          fix: --steps 40
+    """
+
+    def __init__(self, command: str, problems: Sequence[Problem]) -> None:
+        super().__init__(f"slapo-fn {command}", problems)
 
 
 # -- arguments --------------------------------------------------------------------------
@@ -134,6 +158,244 @@ def _tune_args(p: argparse.ArgumentParser) -> None:
                    help="inject a fault (see train --fault) into the trials matching these knob values (tests)")
 
 
+# -- checking the input, before any work starts ---------------------------------------------
+def _argument_problems(args: argparse.Namespace) -> list[Problem]:
+    """Every problem of the arguments themselves (no torch, no model): sizes out of
+    range, a batch that does not split evenly, flags that need another one."""
+    problems: list[Problem] = []
+    train = args.command == "train"
+
+    def at_least(flag: str, low: int | float, what: str, fix: str) -> None:
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"), None)
+        if value is not None and not value >= low:  # `not >=`: NaN is refused too
+            problems.append(Problem(flag, f"must be at least {low}, got {value} ({what})", fix))
+
+    at_least("--dp", 1, "data-parallel ranks", "--dp 1 (no data parallelism) or more")
+    at_least("--tp", 1, "tensor-parallel ranks", "--tp 1 (no tensor parallelism) or more")
+    at_least("--pp", 1, "pipeline stages", "--pp 1 (no pipeline) or more")
+    at_least("--microbatches", 1, "microbatches per pipeline step",
+             "leave --microbatches out for the default, 2 x --pp")
+    at_least("--batch", 1, "sequences per step", "--batch 8")
+    at_least("--seq", 1, "tokens per sequence", "--seq 64")
+    if train:
+        at_least("--steps", 1, "the step to train up to, resumed runs included", "--steps 40")
+        at_least("--log-every", 1, "steps between loss lines", "--log-every 5")
+        at_least("--save-every", 0, "steps between checkpoints; 0: only at the end", "--save-every 0")
+        if not (math.isfinite(args.lr) and args.lr > 0):
+            problems.append(Problem("--lr", f"must be a positive number, got {args.lr}", "--lr 3e-3"))
+    if args.command == "verify":
+        at_least("--rtol", 0, "relative tolerance", "--rtol 1e-4")
+        at_least("--atol", 0, "absolute tolerance", "--atol 1e-5")
+        if args.pp > 1:
+            problems.append(Problem("--pp", "verify compares tensor- and data-parallel schedules with the "
+                                            "unscheduled model; it does not run pipelines",
+                                    "drop --pp (pipelines are verified by their tests); use --tp/--dp"))
+    if problems:  # the checks below divide by these sizes
+        return problems
+    if args.command in ("train", "explain") and args.batch % args.dp:
+        even = math.ceil(args.batch / args.dp) * args.dp
+        problems.append(Problem("--batch", f"a global batch of {args.batch} sequences does not split evenly "
+                                           f"over --dp {args.dp} data-parallel ranks",
+                                f"--batch {even} (a multiple of --dp)"))
+    elif train and args.pp > 1:
+        local, micro = args.batch // args.dp, args.microbatches or 2 * args.pp
+        if local % micro:
+            divisors = [str(d) for d in range(args.pp, local + 1) if local % d == 0]  # at least one per stage
+            default = "" if args.microbatches else " (the default: 2 x --pp)"
+            problems.append(Problem("--microbatches" if args.microbatches else "--batch",
+                                    f"{local} sequences per data-parallel rank (--batch {args.batch} / --dp "
+                                    f"{args.dp}) do not split into {micro} microbatches{default}",
+                                    f"--batch {micro * args.dp * math.ceil(local / micro)}"
+                                    + (f", or --microbatches among {', '.join(divisors)}" if divisors else "")))
+    if train:
+        problems += _train_argument_problems(args)
+    return problems
+
+
+def _train_argument_problems(args: argparse.Namespace) -> list[Problem]:
+    problems = []
+    if args.resume and not args.checkpoint_dir:
+        problems.append(Problem("--resume", "needs --checkpoint-dir (where the checkpoints are)",
+                                "--resume --checkpoint-dir DIR"))
+    if args.save_every and not args.checkpoint_dir:
+        problems.append(Problem("--save-every", "needs --checkpoint-dir (where to save)",
+                                f"--save-every {args.save_every} --checkpoint-dir DIR"))
+    if args.data is not None:
+        path, why = Path(args.data), ""
+        if not path.exists():
+            why = "no such file"
+        elif not path.is_file():
+            why = "not a file"
+        elif not os.access(path, os.R_OK):
+            why = "not readable"
+        elif path.stat().st_size < 2:
+            why = f"a text file of at least 2 bytes is needed, got {path.stat().st_size}"
+        if why:
+            problems.append(Problem("--data", f"{args.data}: {why}",
+                                    "the path of a text file (read as bytes), or no --data for the synthetic task"))
+    try:
+        _fault(args.fault)
+    except ValueError:
+        problems.append(Problem("--fault", f"{args.fault!r} is not KIND:STEP (KIND exit or hang, STEP a step number)",
+                                "--fault exit:3 or --fault hang:3"))
+    return problems
+
+
+def _check_inputs(args: argparse.Namespace) -> None:
+    """Refuse, before any process starts, what the arguments alone do not show: an
+    unknown pipeline schedule, a model config that cannot be read or is no causal LM, a
+    recipe the knobs do not fit, data or a checkpoint that does not fit the run — and, for
+    a job on several processes, anything the schedule itself refuses (heads that do not
+    split over ``--tp``, too few microbatches for the stages), found by building it on
+    the meta device over a fake process group, as every rank would."""
+    from .pipelines import SCHEDULES
+
+    if args.schedule not in SCHEDULES:
+        close = difflib.get_close_matches(args.schedule, list(SCHEDULES), n=1)
+        raise CommandLineError(args.command, [Problem(
+            "--schedule", f"unknown pipeline schedule {args.schedule!r}" + (f"; did you mean {close[0]!r}?" if close
+                                                                           else ""),
+            f"one of {', '.join(SCHEDULES)}")])
+    config = _config(args.model, args.command)
+    _fallback_plan(config, args)
+    if args.command == "train":
+        problems = _data_problems(args, config) + _resume_problems(args)
+        if problems:
+            raise CommandLineError(args.command, problems)
+    if _world(args) > 1 and args.command != "explain":  # explain builds the schedule in this process anyway
+        _check_schedule(args)
+
+
+def _config(model: str, command: str) -> Any:
+    """The Hugging Face config of ``--model`` (a preset or a config.json), or a
+    :class:`CommandLineError` naming the file: not JSON, no or an unknown ``model_type``
+    (with close matches, not the list of every type), no causal LM for it."""
+    from transformers import CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from .presets import PRESETS, config_for
+
+    path = Path(model)
+    file = path / "config.json" if path.is_dir() else path
+    if model in PRESETS or not file.is_file():
+        config = config_for(model)  # a preset, or the "unknown model: use a preset or a config.json" error
+    else:
+        def refuse(reason: str, fix: str) -> CommandLineError:
+            return CommandLineError(command, [Problem(str(file), reason, fix)])
+
+        save = "write it with transformers: config.save_pretrained(folder)"
+        try:
+            options = json.loads(file.read_bytes())
+        except json.JSONDecodeError as e:
+            raise refuse(f"not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}", save) from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise refuse(f"cannot be read: {e}", save) from None
+        kind = options.get("model_type") if isinstance(options, dict) else None
+        if not isinstance(kind, str):
+            raise refuse('has no "model_type" (a JSON object with e.g. "model_type": "llama" is expected)', save)
+        if kind not in CONFIG_MAPPING:
+            close = difflib.get_close_matches(kind, list(CONFIG_MAPPING.keys()), n=3)
+            raise refuse(f"unknown model_type {kind!r}" + (f"; close matches: {', '.join(map(repr, close))}"
+                                                          if close else ""),
+                         "a model_type of transformers (transformers.CONFIG_MAPPING), e.g. 'llama' or 'gpt2'")
+        try:
+            config = config_for(model)
+        except Exception as e:  # transformers' own complaint about the config's values, in one line
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            raise refuse(f"transformers cannot make a {kind!r} config of it: {type(e).__name__}: {first}", save) \
+                from None
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise CommandLineError(command, [Problem(
+            model if model in PRESETS else str(file),
+            f"model_type {config.model_type!r} has no causal language model in transformers "
+            "(AutoModelForCausalLM): slapo-fn builds, trains and explains causal LMs",
+            "the config of a causal LM, e.g. model_type 'llama', 'qwen2', 'gpt2' or 'opt'")])
+    return config
+
+
+def _data_problems(args: argparse.Namespace, config: Any) -> list[Problem]:
+    from . import hf
+    from .data import ByteText
+
+    vocab = hf.config_value(config, "vocab_size", default=None)
+    symbols = ByteText(b"").vocab  # byte-level text: one token per byte value
+    if args.data is None or vocab is None or symbols <= vocab:
+        return []
+    return [Problem("--data", f"{args.data} is read as bytes ({symbols} symbols); the model's vocabulary has "
+                              f"only {vocab}",
+                    "a model with vocab_size >= 256, or no --data (the synthetic task fits any vocabulary)")]
+
+
+def _resume_problems(args: argparse.Namespace) -> list[Problem]:
+    """With ``--resume``: a checkpoint to resume from, before step ``--steps``."""
+    from .state import latest
+
+    if not args.resume:
+        return []
+    found = latest(args.checkpoint_dir)
+    if found is None or not found.is_dir():
+        what = "no checkpoint to resume from (no LATEST file, no .metadata)" if found is None else \
+            f"its LATEST names {found.name}, which is missing"
+        return [Problem("--checkpoint-dir", f"{args.checkpoint_dir}: {what}",
+                        "drop --resume to start at step 0, or pass the --checkpoint-dir of an earlier run")]
+    step = _checkpoint_step(found)
+    if step < args.steps:
+        return []
+    return [Problem("--steps", f"the checkpoint in {args.checkpoint_dir} is at step {step}, and --steps "
+                               f"{args.steps} is the step to train up to: nothing is left to train",
+                    f"--steps {step + 1} or more (the total, not the steps to add), or drop --resume")]
+
+
+def _checkpoint_step(checkpoint: Path) -> int:
+    """The step of a checkpoint folder (``step-00000012``: 12; another name: 0, as
+    ``slapo_fn.load`` counts it)."""
+    kind, _, number = checkpoint.name.partition("-")
+    return int(number) if kind == "step" and number.isdigit() else 0
+
+
+def _check_schedule(args: argparse.Namespace) -> None:
+    """Build the schedule every rank will build, on the meta device over a fake process
+    group of the job's size: what it refuses is refused here, once. A pipeline also
+    needs a microbatch per stage."""
+    from .dtensor.testing import fake_mesh, fake_world
+    from .pipelines import split_stages
+
+    axes = _axes(args)
+    with fake_world(_world(args)):
+        mesh = fake_mesh(*(s for _, s in axes), names=tuple(n for n, _ in axes))
+        sch = _schedule(args, mesh, meta=True, say=False)
+    if args.command == "train" and args.pp > 1:
+        stages, micro = len(split_stages(sch)), args.microbatches or 2 * args.pp
+        if micro < stages:
+            raise CommandLineError(args.command, [Problem(
+                "--microbatches", f"{micro} microbatches for {stages} pipeline stages (--schedule {args.schedule}): "
+                                  "every stage needs at least one", f"--microbatches {stages} or more")])
+
+
+def _say(command: str, error: BaseException) -> str:
+    """The refusal as printed: ``slapo-fn COMMAND: …``, at most :data:`MAX_MESSAGE_LINES`."""
+    text = str(error) if isinstance(error, CommandLineError) else f"slapo-fn {command}: {error}"
+    lines = text.rstrip().splitlines()
+    if len(lines) > MAX_MESSAGE_LINES:
+        lines = [*lines[: MAX_MESSAGE_LINES - 1], f"  … and {len(lines) - MAX_MESSAGE_LINES + 1} more lines"]
+    return "\n".join(lines)
+
+
+def _refuse(command: str, error: BaseException) -> None:
+    """Say why the input is refused, once: in the launcher or a single process, on
+    stderr; in a worker of a launch, to the run folder, for the launcher to say (every
+    rank refuses the same input); in a worker started otherwise, on rank 0."""
+    from .launch import RUN_DIR_ENV
+    from .processes import record_error
+
+    text = _say(command, error)
+    rank = os.environ.get("RANK", "0")
+    run_dir = os.environ.get(RUN_DIR_ENV) if _in_worker() else None
+    if run_dir and rank.isdigit():
+        record_error(Path(run_dir), int(rank), text)
+    elif not _in_worker() or rank == "0":
+        print(text, file=sys.stderr, flush=True)
+
+
 # -- launching ----------------------------------------------------------------------------
 def _world(args: argparse.Namespace) -> int:
     return int(args.dp * args.tp * args.pp)
@@ -143,50 +405,22 @@ def _in_worker() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get("SLAPO_FN_WORKER") == "1"
 
 
-def _kill_workers(run_dir: Path) -> None:
-    from .processes import kill, worker_pids
+def _launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Run this command on ``dp*tp*pp`` local processes; say how it ended if it failed,
+    once: the ranks' refusal, the first failed rank, or the signal that stopped it."""
+    from .launch import launch
 
-    kill(worker_pids(run_dir))
-
-
-def launch(argv: Sequence[str], nproc: int, run_dir: str | None) -> int:
-    """Run ``slapo-fn argv`` on ``nproc`` local processes with torchrun; return its exit
-    code. No worker outlives this call."""
-    own_dir = run_dir is None
-    folder = Path(tempfile.mkdtemp(prefix="slapo-fn-run-") if run_dir is None else run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    for stale in folder.glob("pid-*"):
-        stale.unlink()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "--max-restarts=0", "--monitor-interval=0.5", "-m", "slapo_fn.cli", *argv]
-    env = dict(os.environ, SLAPO_FN_RUN_DIR=str(folder), SLAPO_FN_WORKER="1",
-               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc))))
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    code = 1
-    try:
-        code = proc.wait()
-    except KeyboardInterrupt:
-        print("\nslapo-fn: interrupted, stopping the workers", file=sys.stderr)
-        _stop(proc)
-        code = 130
-    finally:
-        if proc.poll() is None:
-            _stop(proc)
-        _kill_workers(folder)
-        if own_dir:
-            shutil.rmtree(folder, ignore_errors=True)
-    return code
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    outcome = launch(argv, _world(args), getattr(args, "run_dir", None))
+    if outcome.stopped_by is not None:
+        print(f"slapo-fn {args.command}: stopped by {outcome.stopped_by.name}; every worker is stopped",
+              file=sys.stderr, flush=True)
+    elif outcome.errors:
+        print("\n".join(outcome.errors), file=sys.stderr, flush=True)
+        return 2
+    elif outcome.code and outcome.failure:
+        print(f"slapo-fn {args.command}: {outcome.failure}; the other ranks were stopped", file=sys.stderr,
+              flush=True)
+    return outcome.code
 
 
 # -- inside a worker ------------------------------------------------------------------------
@@ -196,8 +430,10 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from .launch import RUN_DIR_ENV
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    run_dir = os.environ.get("SLAPO_FN_RUN_DIR")
+    run_dir = os.environ.get(RUN_DIR_ENV)
     if run_dir:
         Path(run_dir, f"pid-{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
     cuda = torch.cuda.is_available()
@@ -205,7 +441,9 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any]:
     if cuda:
         torch.cuda.set_device(device)
     if world != _world(args):
-        raise SystemExit(f"slapo-fn: {world} processes for dp*tp*pp = {_world(args)}")
+        raise CommandLineError(args.command, [Problem(
+            "--dp/--tp/--pp", f"{world} processes started for dp*tp*pp = {_world(args)} ranks",
+            f"start {_world(args)} processes, or let slapo-fn start them (run it without torchrun)")])
     if world == 1:
         return device, None
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
@@ -230,11 +468,21 @@ def _teardown() -> None:
 def _knobs(args: argparse.Namespace) -> Any:
     from .recipes import Knobs
 
-    return Knobs(tp=args.tp, sequence_parallel=args.sp, checkpoint=args.checkpoint, stages=args.pp,
+    return Knobs(tp=args.tp, sequence_parallel=args.sp, checkpoint=args.checkpoint, stages=_stages(args),
                  dp_mode=args.dp_mode if args.dp > 1 else None, kernels=args.kernels, compile=args.compile)
 
 
-def _schedule(args: argparse.Namespace, mesh: Any, *, meta: bool) -> Any:
+def _stages(args: argparse.Namespace) -> int:
+    """Pipeline stages for ``--pp`` ranks: one per rank, or as many per rank as
+    ``--schedule`` places (``zbv``: two, in a V)."""
+    from .pipelines import SCHEDULES
+
+    kind = SCHEDULES.get(args.schedule)
+    per_rank = kind.per_rank if kind is not None and kind.per_rank is not None else 1
+    return 1 if args.pp == 1 else args.pp * per_rank
+
+
+def _schedule(args: argparse.Namespace, mesh: Any, *, meta: bool, say: bool = True) -> Any:
     from . import create_schedule, recipes
     from .hf import model_type
     from .presets import build_model
@@ -244,7 +492,7 @@ def _schedule(args: argparse.Namespace, mesh: Any, *, meta: bool) -> Any:
     if plan is None:
         return recipes.for_model(model)(create_schedule(model, mesh=mesh), _knobs(args))
     sch = recipes.from_model_plan(model)(create_schedule(model, mesh=mesh), _knobs(args))
-    if os.environ.get("RANK", "0") == "0":
+    if say and os.environ.get("RANK", "0") == "0":
         print(f"slapo-fn: no recipe for model_type {model_type(model)!r}: scheduled by the model's own "
               f"base_model_tp_plan ({len(plan)} entries), not a recipe", flush=True)
     return sch
@@ -289,7 +537,7 @@ def _train(args: argparse.Namespace) -> int:
     vocab = hf.vocab_size(sch.module)
     data = ByteText.from_file(args.data, args.seed) if args.data else Arithmetic(vocab, args.seed)
     if data.vocab > vocab:
-        raise SystemExit(f"slapo-fn: the data has {data.vocab} symbols, the model's vocabulary {vocab}")
+        raise CommandLineError(args.command, _data_problems(args, sch.module.config))
 
     def ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
@@ -304,9 +552,9 @@ def _train(args: argparse.Namespace) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     start = 0
     if args.resume:
-        if not args.checkpoint_dir:
-            raise SystemExit("slapo-fn: --resume needs --checkpoint-dir")
         start = load(model, optimizer, args.checkpoint_dir)
+        if start >= args.steps:  # checked before the launch; here for a job started by torchrun itself
+            raise CommandLineError(args.command, _resume_problems(args))
         if rank == 0:
             print(f"resumed from step {start}", flush=True)
     dp_rank = mesh.get_local_rank("dp") if mesh is not None and args.dp > 1 else 0
@@ -427,8 +675,6 @@ def _verify(args: argparse.Namespace) -> int:
     from .verify import VerificationError
 
     _device, mesh = _setup(args)
-    if args.pp > 1:
-        raise SystemExit("slapo-fn verify: pipelines are verified by their tests; use --tp/--dp")
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(0)  # the model's random initialisation
     sch = _schedule(args, mesh, meta=False)
@@ -588,20 +834,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     try:
-        if args.command == "explain":
-            return _explain(args)
         if args.command == "tune":
             return _tune(args)
+        problems = _argument_problems(args)
+        if problems:
+            raise CommandLineError(args.command, problems)
+        if not _in_worker():
+            _check_inputs(args)  # bad input is refused here, once, before any process starts
+        if args.command == "explain":
+            return _explain(args)
         if _world(args) > 1 and not _in_worker():
-            from .presets import config_for
-
-            _fallback_plan(config_for(args.model), args)  # bad input is refused here, once, before any process starts
-            return launch(argv, _world(args), getattr(args, "run_dir", None))
+            return _launch(args, argv)
         if args.command == "train":
             return _train(args)
         return _verify(args)
     except (ValueError, KeyError) as e:  # bad input (typed slapo_fn errors included): the message, no traceback
-        print(f"slapo-fn {args.command}: {e}", file=sys.stderr)
+        _refuse(args.command, e)
         return 2
 
 

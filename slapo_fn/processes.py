@@ -2,7 +2,9 @@
 
 torchrun starts its workers in sessions of their own, so killing the launcher's process
 group does not reach them. Workers write their PIDs to ``pid-<rank>`` files in the run
-folder, and parent links in ``/proc`` find the rest.
+folder, and parent links in ``/proc`` find the rest. A worker that refuses its input
+writes the message to ``error-<rank>`` there instead of printing it, so that the
+launcher says it once (:func:`record_error`, :func:`recorded_errors`).
 
 >>> import os
 >>> alive(os.getpid())
@@ -12,12 +14,29 @@ True
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
+import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["alive", "descendants", "kill", "worker_pids"]
+__all__ = [
+    "alive",
+    "clear_run_dir",
+    "descendants",
+    "die_with_parent",
+    "kill",
+    "record_error",
+    "recorded_errors",
+    "wait_gone",
+    "worker_pids",
+]
+
+#: Files a run leaves in its run folder: worker PIDs and refused-input messages, by rank.
+_PID, _ERROR = "pid-", "error-"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def alive(pid: int) -> bool:
@@ -37,7 +56,7 @@ def alive(pid: int) -> bool:
 def worker_pids(run_dir: Path) -> set[int]:
     """The PIDs the workers of a run wrote under ``run_dir``."""
     pids = set()
-    for path in run_dir.glob("pid-*"):
+    for path in run_dir.glob(f"{_PID}*"):
         with contextlib.suppress(ValueError, OSError):
             pids.add(int(path.read_text()))
     return pids
@@ -77,3 +96,69 @@ def kill(pids: Iterable[int]) -> None:
         if alive(pid):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def wait_gone(pids: Iterable[int], timeout: float = 10.0) -> bool:
+    """Wait up to ``timeout`` seconds until none of ``pids`` runs; whether none does."""
+    left = set(pids)
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {p for p in left if alive(p)}
+        if not left or time.monotonic() >= deadline:
+            return not left
+        time.sleep(0.05)
+
+
+def clear_run_dir(run_dir: Path) -> None:
+    """Remove what an earlier run left in ``run_dir`` (PID and error files)."""
+    for pattern in (f"{_PID}*", f"{_ERROR}*"):
+        for stale in run_dir.glob(pattern):
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
+
+
+def record_error(run_dir: Path, rank: int, message: str) -> None:
+    """Leave ``message`` (why rank ``rank`` refused its input) for the launcher; written
+    whole or not at all (a rename), so the launcher never reads half a message."""
+    tmp = run_dir / f".{_ERROR}{rank}.tmp"
+    tmp.write_text(message)
+    os.replace(tmp, run_dir / f"{_ERROR}{rank}")
+
+
+def recorded_errors(run_dir: Path) -> tuple[str, ...]:
+    """The distinct messages the ranks of a run recorded, in rank order (ranks refusing
+    the same input say the same thing: it is said once).
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     for rank in (1, 0, 2):
+    ...         record_error(Path(folder), rank, "--tp 3: bad" if rank < 2 else "other")
+    ...     recorded_errors(Path(folder))
+    ('--tp 3: bad', 'other')
+    """
+    found: dict[int, str] = {}
+    for path in run_dir.glob(f"{_ERROR}*"):
+        rank = path.name.removeprefix(_ERROR)
+        if rank.isdigit():
+            with contextlib.suppress(OSError):
+                found[int(rank)] = path.read_text()
+    return tuple(dict.fromkeys(found[r] for r in sorted(found)))
+
+
+def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent exits, however the
+    parent ends (Linux ``prctl(PR_SET_PDEATHSIG)``); ``False`` where that is not
+    available. With ``parent`` (the PID the parent had), a parent that died before this
+    call sends ``sig`` at once. Call it from the main thread of a process that its
+    parent started from its main thread: the kernel watches the starting thread."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+    return True

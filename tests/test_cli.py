@@ -98,6 +98,10 @@ def test_a_killed_rank_or_ctrl_c_exits_non_zero_and_leaves_no_process(tmp_path: 
         assert code != 0
         assert time.monotonic() - started < 90  # within the process-group timeout, not a hang
         _wait_for(lambda: not any(alive(p) for p in pids), 10)
+        err = proc.stderr.read() if proc.stderr else ""
+        said = {"kill-a-rank": f"(pid {pids[1]}) was killed by SIGKILL", "ctrl-c": "stopped by SIGINT"}[how]
+        assert said in err, err[-3000:]  # one line, not torchrun's ChildFailedError report
+        assert "ChildFailedError" not in err and "SignalException" not in err, err[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
