@@ -120,8 +120,9 @@ def _parser() -> argparse.ArgumentParser:
     _parallel_args(verify)
     verify.add_argument("--seq", type=int, default=16)
     verify.add_argument("--batch", type=int, default=2)
-    verify.add_argument("--rtol", type=float, default=1e-4)
-    verify.add_argument("--atol", type=float, default=1e-5)
+    verify.add_argument("--rtol", type=float, default=None,
+                        help="relative to each tensor's largest value (default: by dtype, 1e-5 for float32)")
+    verify.add_argument("--atol", type=float, default=None, help="absolute (default: by dtype, 1e-5 for float32)")
     verify.add_argument("--run-dir", default=None)
     _tune_args(sub.add_parser("tune", help="search the recipe's knobs for the fastest config that fits"))
     return parser

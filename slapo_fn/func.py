@@ -413,7 +413,9 @@ def shard(tree: Tree, spec_tree: Tree, mesh: DeviceMesh, *, from_local: bool = F
     rank's shard; a DTensor leaf is redistributed. Every leaf is checked first: a spec
     that names no axis of the mesh, or does not divide a dimension evenly, is a
     :class:`LayoutError` naming the leaf's path, and nothing is moved.
-    ``specs(shard(tree, s, mesh)) == s``.
+    ``specs(shard(tree, s, mesh)) == s``. Like ``jax.device_put``, it places values: the
+    full tensors are not differentiated through (:func:`constrain` is the differentiable
+    form).
     """
     pairs, structure, given = _specs_for(tree, spec_tree, "shard")
     names = _mesh_names(mesh, "")
@@ -444,7 +446,7 @@ def shard(tree: Tree, spec_tree: Tree, mesh: DeviceMesh, *, from_local: bool = F
         elif from_local:
             out.append(DTensor.from_local(leaf, mesh, target, run_check=False))
         else:
-            out.append(distribute_tensor(leaf, mesh, target, src_data_rank=src_data_rank))
+            out.append(distribute_tensor(leaf.detach(), mesh, target, src_data_rank=src_data_rank))
     return pytree.tree_unflatten(out, structure)
 
 

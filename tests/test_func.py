@@ -335,3 +335,20 @@ def test_gradients_of_some_parameters_leave_the_others_grad_alone() -> None:
     assert set(grads) == {"fc1.weight", "fc1.bias"}
     assert model.fc2.weight.grad is None and torch.equal(model.fc2.bias.grad, torch.ones_like(model.fc2.bias))
     assert all(p.grad is None for p in (model.fc1.weight, model.fc1.bias))
+
+
+def test_sharding_a_tree_by_bad_specs_names_every_leaf_and_moves_nothing() -> None:
+    from slapo_fn.dtensor.testing import fake_mesh, fake_world
+
+    with fake_world(2):
+        mesh = fake_mesh(2, names=("tp",))
+        tree = {"w": torch.zeros(3, 4), "b": torch.zeros(4), "n": 1}
+        with pytest.raises(sf.LayoutError) as info:
+            sf.func.shard(tree, {"w": P("tp"), "b": P("dp"), "n": None}, mesh)
+        assert info.value.paths == ("['w']", "['b']"), str(info.value)
+        assert "dimension 0 of size 3 does not split into 2 even parts" in str(info.value)
+        assert "names mesh axis 'dp', which the mesh lacks" in str(info.value)
+        with pytest.raises(sf.ScheduleTypeError, match="specs' structure"):
+            sf.func.shard(tree, {"w": P("tp")}, mesh)
+        with pytest.raises(sf.ScheduleTypeError, match="plain tensor and no mesh"):
+            sf.func.constrain(torch.zeros(2), P("tp"))

@@ -360,3 +360,28 @@ def test_the_whole_functional_step_compiles_once(dist2: Any) -> None:
         assert r["graphs"][0] >= 1
         assert r["graphs"][1:] == [r["graphs"][0]] * 9, r["graphs"]  # no recompiles over 10 steps
         assert r["compiled"] == pytest.approx(r["eager"], rel=2e-5)  # dynamo folds Python scalars in float64
+
+
+def _specs_of_a_schedule(rank: int, world: int) -> dict[str, Any]:
+    sch = megatron_llama(sf.create_schedule(tiny_llama(), mesh=mesh((2,), ("tp",))))
+    sch = sf.shard(sch, "lm_head", layout=P(None, "tp"))  # a spec as the layout of a shard
+    _, params, _ = sf.func.functional(sf.build(sch))
+    got = sf.func.specs(params)
+    rendered = {k: sf.dtensor.Layout(tuple(v.placements), ("tp",), (2,)).format(tuple(v.shape), v.dtype)
+                for k, v in params.items() if k.startswith(("lm_head", "model.layers.0.self_attn"))}
+    again = sf.func.specs(sf.func.shard({k: _full(v) for k, v in params.items()}, got, params["lm_head.weight"]
+                                        .device_mesh))
+    return {"specs": {k: repr(v) for k, v in got.items()}, "rendered": rendered, "round_trip": again == got}
+
+
+def test_specs_agree_with_the_schedule_and_round_trip(dist2: Any) -> None:
+    for r in dist2.run(_specs_of_a_schedule, timeout=120):
+        specs = r["specs"]
+        assert specs["model.layers.0.self_attn.q_proj.weight"] == "P('tp', None)"
+        assert specs["model.layers.0.self_attn.o_proj.weight"] == "P(None, 'tp')"
+        assert specs["model.layers.1.mlp.down_proj.weight"] == "P(None, 'tp')"
+        assert specs["model.norm.weight"] == "P(None)"
+        assert specs["lm_head.weight"] == "P(None, 'tp')"
+        assert r["rendered"]["lm_head.weight"] == "f32[128, 64@tp]"  # what explain prints
+        assert r["rendered"]["model.layers.0.self_attn.q_proj.weight"] == "f32[64@tp, 64]"
+        assert r["round_trip"]
