@@ -663,14 +663,6 @@ def _sp_lone_column(f: Facts) -> bool:
     return any(f.in_sp(c) and not f.partnered(c) and c != f.sp[-1] for c in f.columns())
 
 
-def _sp_lone_row(f: Facts) -> bool:
-    for r in f.rows():
-        sib = f.siblings(r)
-        if f.in_sp(r) and r != f.sp[0] and not any(f.kind(s) == "column" for s in sib[: sib.index(r)]):
-            return True
-    return False
-
-
 def _head_attr(f: Facts) -> bool:
     for path, m in f.model.named_modules():
         qkv = [_join(path, n) for n in "qkv"]
@@ -924,12 +916,6 @@ KNOWN_DEFECTS: dict[str, Defect] = {
         "and its output gathered again by the chain's exit: output (2, 8, 8) for (2, 4, 8)",
         _c([_MLP], ("shard", "0.fc1", 0, 1), ("sp", ("0",), None)),
     ),
-    "sp-lone-row": Defect(
-        _sp_lone_row,
-        "a row with no column before it inside a chain (not its first member) reduce-scatters an activation that "
-        "is already a sequence shard: output (2, 2, 8) for (2, 4, 8), or a LayoutError from reduce_scatter in forward",
-        _c([_MLP], ("shard", "0.fc2", 1, 1), ("sp", ("0",), None)),
-    ),
     "head-attr": Defect(
         _head_attr,
         "attention whose head geometry is in attributes slapo_fn does not know (self.nh/self.hd, or view(B, S, -1, "
@@ -962,7 +948,7 @@ KNOWN_DEFECTS: dict[str, Defect] = {
         _sp_input_unchecked,
         "sequence_parallel(..., input_layout=Shard(1)) is believed although nothing before the chain splits its "
         "input: the chain runs on the full sequence and its exit gathers it again: output (2, 8, 8) for (2, 4, 8)",
-        _c([_MLP], ("sp", ("0",), "S(1)")),
+        _c([_MLP], ("shard", "0.fc1", 0, 1), ("shard", "0.fc2", 1, 1), ("sp", ("0",), "S(1)")),
     ),
     "sp-row-entry-split-input": Defect(
         _sp_row_entry_split_input,
@@ -1036,7 +1022,8 @@ KNOWN_DEFECTS: dict[str, Defect] = {
         _sp_token_mixing,
         "attention inside a sequence-parallel chain with no column q/k/v: each rank attends over its own tokens "
         "only; silently wrong (output max abs diff 0.3 of 1), neither gathered nor refused",
-        _c([_ATTN], ("sp", ("0",), None)),
+        _c([Block("layer", heads=2, style="hf", hidden=8, bias=False)], ("shard", "0.mlp.fc1", 0, 1),
+           ("shard", "0.mlp.fc2", 1, 1), ("sp", ("0",), None)),
     ),
     "role-output-sync": Defect(
         _role_output_sync,
@@ -1049,7 +1036,8 @@ KNOWN_DEFECTS: dict[str, Defect] = {
         _sp_inner_replicate,
         "a sync to Replicate() inside a chain (not its exit) gathers one branch to the full sequence while the "
         "others stay split: raw 'size of tensor a (4) must match the size of tensor b (2)' error",
-        _c([_GATED], ("sync", "0.gate", "fwd_pre", "R", "S(1)"), ("sp", ("0",), None)),
+        _c([_GATED], ("shard", "0.gate", 0, 1), ("shard", "0.up", 0, 1), ("shard", "0.down", 1, 1),
+           ("sync", "0.gate", "fwd_pre", "R", "S(1)"), ("sp", ("0",), None)),
     ),
     "feature-pre-sync-counts": Defect(
         _feature_pre_sync_counts,
