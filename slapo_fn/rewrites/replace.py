@@ -122,7 +122,9 @@ def _quiet_fake_mode() -> Iterator[None]:
     level = log.level
     log.setLevel(logging.CRITICAL)
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        # force_eager: a torch.compile'd function must not run its compiled kernels on fake
+        # tensors (they have no storage: inductor's C++ code reads null pointers and crashes)
+        with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad(), torch.compiler.set_stance("force_eager"):
             yield
     finally:
         log.setLevel(level)
