@@ -28,6 +28,7 @@ from .schedule import Annotations, Key, Schedule, View, create_schedule
 from .select import Selection, of_type, select, where_fn
 from .state import full_state_dict, load, save
 from .verify import VerifyReport, verified, verify
+from .weights import WeightsMismatchError, load_hf, save_hf
 
 __version__ = "0.1.0"
 
@@ -51,6 +52,7 @@ __all__ = [
     "VerificationError",
     "VerifyReport",
     "View",
+    "WeightsMismatchError",
     "annotate",
     "build",
     "build_pipeline",
@@ -72,12 +74,14 @@ __all__ = [
     "hook",
     "kernels",
     "load",
+    "load_hf",
     "of_type",
     "optim",
     "primitive",
     "recipes",
     "replace",
     "save",
+    "save_hf",
     "scope",
     "select",
     "sequence_parallel",

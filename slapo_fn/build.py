@@ -21,6 +21,8 @@ from typing import Literal, TypeAlias
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from .dtensor.data_parallel import apply_data_parallel
 from .dtensor.runtime import apply_tensor_parallel
@@ -33,9 +35,14 @@ from .rewrites.hook import apply_hooks
 from .schedule import Schedule
 from .tree import private_copy, walk
 
-__all__ = ["BuildOptions", "Init", "build", "materialise"]
+__all__ = ["UNFILLED", "BuildOptions", "Init", "allocate", "build", "has_meta", "materialise", "reset_fsdp_shards"]
 
-Init: TypeAlias = "Literal['reset', 'full'] | Callable[[nn.Module, str], None] | None"
+#: Attribute :func:`allocate` sets on the buffers it gives storage without values, so that
+#: a loader knows which non-persistent buffers it must recompute (a buffer that had real
+#: values before ``build`` keeps them and has no such mark).
+UNFILLED = "_slapo_fn_unfilled"
+
+Init: TypeAlias = "Literal['reset', 'full', 'empty'] | Callable[[nn.Module, str], None] | None"
 
 
 @dataclass(frozen=True)
@@ -122,10 +129,30 @@ def build(
         )
     options = BuildOptions(init=init, device=None if device is None else torch.device(device), strict=strict, seed=seed)
     model = private_copy(sch.module, copy_data=copy)
+    if init == "empty":
+        # lay the meta tensors out first (DTensor / FSDP2 placements cost no memory on meta),
+        # then give each rank's shards storage: no full tensor is ever allocated
+        if options.device is not None and not any(has_meta(m) for _, m in walk(model)):
+            model.to(options.device)
+        for _, phase in PHASES:
+            phase(model, sch, options)
+        allocate(model, options.device or torch.device("cpu"))
+        return model
     materialise(model, options)
     for _, phase in PHASES:
         phase(model, sch, options)
     return model
+
+
+def has_meta(module: nn.Module) -> bool:
+    """Whether ``module``'s own parameters or buffers (not its children's) include a
+    meta-device tensor (a DTensor whose local shard is on meta counts).
+
+    >>> import torch.nn as nn
+    >>> has_meta(nn.Linear(2, 2)), has_meta(nn.Linear(2, 2, device="meta"))
+    (False, True)
+    """
+    return _has_meta(module)
 
 
 def _has_meta(module: nn.Module) -> bool:
@@ -143,7 +170,8 @@ def materialise(model: nn.Module, options: BuildOptions) -> None:
     init = options.init if options.init is not None else "reset"
     if init not in ("reset", "full") and not callable(init):
         raise ScheduleError(
-            "build", [Problem("", f"unknown init {init!r}", "use init='reset', init='full' or init=fn(module, path)")]
+            "build",
+            [Problem("", f"unknown init {init!r}", "use init='reset', 'full', 'empty' or init=fn(module, path)")],
         )
     _to_empty(model, options.device or torch.device("cpu"))
     owners = {path: m for path, m in walk(model) if is_pretrained_model(m)}
@@ -199,3 +227,62 @@ def _to_empty(model: nn.Module, device: torch.device) -> None:
         for name, b in m._buffers.items():
             if b is not None and b.is_meta:
                 m._buffers[name] = empty(b)
+
+
+def allocate(model: nn.Module, device: torch.device) -> None:
+    """Give every meta-device tensor of ``model`` uninitialised storage on ``device``, in
+    place, in its current layout: a DTensor gets its *local* shard only (its ``Parameter``
+    object is kept, by ``torch.utils.swap_tensors``, so ties and FSDP2's references to
+    it hold), a plain tensor a tensor of its shape (tensors shared between modules stay
+    shared). FSDP2 modules then re-register their padded shards, as their ``to_empty``
+    does.
+
+    >>> import torch, torch.nn as nn
+    >>> m = nn.Linear(2, 3, device="meta")
+    >>> allocate(m, torch.device("cpu")); m.weight.device.type, tuple(m.weight.shape)
+    ('cpu', (3, 2))
+    """
+    memo: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            data = torch.empty_like(t, device=device)
+            if isinstance(t, nn.Parameter):
+                new: torch.Tensor = nn.Parameter(data, requires_grad=t.requires_grad)
+                new.__dict__.update(t.__dict__)
+            else:
+                new = data
+                setattr(new, UNFILLED, True)
+            memo[id(t)] = new
+        return memo[id(t)]
+
+    swapped: set[int] = set()
+    for _, m in walk(model):
+        for name, p in m._parameters.items():
+            if p is None or id(p) in swapped:
+                continue
+            if isinstance(p, DTensor) and p.to_local().is_meta:
+                local = torch.empty_like(p.to_local(), device=device)
+                dt = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                        stride=p.stride())
+                torch.utils.swap_tensors(p, nn.Parameter(dt, requires_grad=p.requires_grad))
+                swapped.add(id(p))
+            elif p.is_meta:
+                m._parameters[name] = empty(p)  # type: ignore[assignment]
+        for name, b in m._buffers.items():
+            if b is not None and b.is_meta:
+                m._buffers[name] = empty(b)
+    for _, m in walk(model):
+        if isinstance(m, FSDPModule):
+            reset_fsdp_shards(m)
+
+
+def reset_fsdp_shards(module: FSDPModule) -> None:
+    """FSDP2 keeps a padded copy of each local shard it manages; after the shard got new
+    storage it must be made again (what ``FSDPModule._apply`` does after ``to_empty``).
+    Private API of torch's FSDP2 (checked on torch 2.13)."""
+    state = module._get_fsdp_state()
+    with torch.no_grad():
+        for group in state._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.reset_sharded_param()

@@ -14,7 +14,9 @@ names or checking class names themselves; only ``recipes/`` (per-family data) an
   :func:`clear_initialized_flags`;
 * attention heads: :data:`HEAD_COUNT_ATTRS`, :data:`HEAD_DIM_ATTRS`, :func:`head_dim_of`;
 * pipeline stages: :data:`PIPELINE_STAGES` (per model type, what the stage split needs);
-* what a forward takes: :data:`TOKEN_ID_ARGS`, :func:`input_embedding`, :func:`extra_keywords`.
+* what a forward takes: :data:`TOKEN_ID_ARGS`, :func:`input_embedding`, :func:`extra_keywords`;
+* weight files: :func:`tied_weights`, :func:`ignored_on_load`, :func:`recompute_buffers`
+  (what :func:`slapo_fn.load_hf` and :func:`slapo_fn.save_hf` need to know).
 
 Example:
     >>> import torch.nn as nn
@@ -24,11 +26,14 @@ Example:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Literal, TypeAlias, Unpack, get_args, get_origin
 
 from torch import nn
+
+from .tree import walk
 
 __all__ = [
     "CONFIG_HEAD_COUNT_ATTRS",
@@ -47,13 +52,16 @@ __all__ = [
     "config_value",
     "extra_keywords",
     "head_dim_of",
+    "ignored_on_load",
     "init_owner",
     "input_embedding",
     "is_conv1d",
     "is_pretrained_model",
     "is_transformers_module",
     "model_type",
+    "recompute_buffers",
     "reset_weights",
+    "tied_weights",
     "vocab_size",
 ]
 
@@ -324,3 +332,73 @@ def extra_keywords(model: nn.Module, annotation: Any) -> frozenset[str] | None:
     if not keys:
         return None
     return frozenset(keys) | (_DECORATOR_KEYWORDS if is_pretrained_model(model) else frozenset())
+
+
+# -- weight files -------------------------------------------------------------------------
+def tied_weights(model: nn.Module) -> dict[str, str]:
+    """``{target: source}`` FQNs of the parameters a Hugging Face ``model`` ties (the LM
+    head to the input embedding when ``config.tie_word_embeddings``): a weight file holds
+    only the source. Nested pretrained models are included, their keys prefixed. Empty for
+    other modules.
+
+    >>> import torch.nn as nn
+    >>> tied_weights(nn.Linear(2, 2))
+    {}
+    """
+    out: dict[str, str] = {}
+    for prefix, m in walk(model):
+        if not is_pretrained_model(m):
+            continue
+        expanded = getattr(m, "all_tied_weights_keys", None)
+        if not isinstance(expanded, Mapping):
+            get = getattr(m, "get_expanded_tied_weights_keys", None)
+            expanded = get(all_submodels=False) if callable(get) else {}
+        for target, source in dict(expanded or {}).items():
+            key = f"{prefix}.{target}" if prefix else target
+            out.setdefault(key, f"{prefix}.{source}" if prefix else source)
+    return out
+
+
+#: Keys of old Hugging Face weight files that current models recompute (per-layer rotary tables).
+_ALWAYS_IGNORED = (r"rotary_emb\.inv_freq$",)
+
+
+def ignored_on_load(model: nn.Module) -> tuple[re.Pattern[str], ...]:
+    """Patterns of weight-file keys a Hugging Face ``model`` ignores when loading (its
+    ``_keys_to_ignore_on_load_unexpected``, and rotary ``inv_freq`` tables older files hold).
+
+    >>> import torch.nn as nn
+    >>> [bool(p.search("model.rotary_emb.inv_freq")) for p in ignored_on_load(nn.Linear(2, 2))]
+    [True]
+    """
+    patterns: list[str] = list(_ALWAYS_IGNORED)
+    for _, m in walk(model):
+        patterns += [str(p) for p in (getattr(m, "_keys_to_ignore_on_load_unexpected", None) or ())]
+    return tuple(re.compile(p) for p in dict.fromkeys(patterns))
+
+
+def recompute_buffers(model: nn.Module, paths: Sequence[str] | None = None) -> list[str]:
+    """Recompute the non-persistent buffers (rotary ``inv_freq`` …; weight files do not
+    hold them) of the modules of ``model`` at ``paths`` (default: every module that has
+    some), in place, by the module's own initialisation (:func:`reset_weights`: its
+    Hugging Face owner's ``_init_weights``, else ``reset_parameters``). Call it before
+    loading parameters: a module's initialisation may also reset its parameters.
+    Returns the paths it could not recompute.
+
+    >>> import torch, torch.nn as nn
+    >>> m = nn.Linear(2, 2)
+    >>> m.register_buffer("scale", torch.zeros(2), persistent=False)
+    >>> recompute_buffers(m)
+    []
+    """
+    owners = {path: m for path, m in walk(model) if is_pretrained_model(m)}
+    if paths is None:
+        paths = [path for path, m in walk(model) if m._non_persistent_buffers_set]
+    modules = dict(walk(model))
+    failed = []
+    for path in paths:
+        module = modules[path]
+        clear_initialized_flags(module)
+        if not reset_weights(module, init_owner(owners, path)):
+            failed.append(path)
+    return failed

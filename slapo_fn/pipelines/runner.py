@@ -53,9 +53,11 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-from ..build import build
+from ..build import BuildOptions, build, has_meta, materialise
 from ..errors import Problem, ScheduleError, ScheduleTypeError
+from ..hf import init_owner, is_pretrained_model, reset_weights
 from ..schedule import Schedule
+from ..tree import private_copy, walk
 from .cut import pp_size
 from .split import Stage, split_stages
 
@@ -361,15 +363,54 @@ def build_stages(
         >>> torch.allclose(last(first(ids)), model(ids).logits, atol=1e-6)
         True
     """
-    return _build_stages(split_stages(sch), indices, init=init, device=device, seed=seed, copy=copy)
+    return _build_stages(split_stages(sch), indices, init=init, device=device, seed=seed, copy=copy, whole=sch)
 
 
-def _build_stages(stages: tuple[Stage, ...], indices: tuple[int, ...] | None, **build_kw: Any) -> dict[int, nn.Module]:
+def _copy_from(reference: nn.Module) -> Any:
+    """An ``init`` for :func:`slapo_fn.build` that fills each module's own tensors from
+    the module at the same path of ``reference`` (the whole model, materialised), where
+    it has them with the same shapes; any other module is initialised as ``"reset"`` does."""
+    modules = dict(walk(reference))
+    owners = {path: m for path, m in modules.items() if is_pretrained_model(m)}
+
+    def init(module: nn.Module, path: str) -> None:
+        ref = modules.get(path)
+        own = {n: t for n, t in (*module._parameters.items(), *module._buffers.items()) if t is not None}
+        theirs = {} if ref is None else {n: t for n, t in (*ref._parameters.items(), *ref._buffers.items())
+                                         if t is not None}
+        if ref is None or any(n not in theirs or theirs[n].shape != t.shape for n, t in own.items()):
+            reset_weights(module, init_owner(owners, path))
+            return
+        for name, t in own.items():
+            t.copy_(theirs[name])
+
+    return init
+
+
+def _whole_init(whole: Schedule, init: Any, seed: int) -> Any:
+    """``init="full"`` for a pipeline: every stage gets the weights of the single-device
+    build (``build(whole, init="full", seed=seed)``). Stages initialised one by one would
+    each start the seeded stream at their own first module, so every stage after the
+    first would differ; instead the whole model is materialised once, seeded, in the
+    single-device order (one full copy of the model per rank, freed after the build, as
+    ``init="full"`` under tensor parallelism allocates full tensors too), and each stage
+    copies its tensors from it."""
+    if init != "full" or not any(has_meta(m) for _, m in walk(whole.module)):
+        return init
+    reference = private_copy(whole.module, copy_data=False)
+    materialise(reference, BuildOptions(init="full", seed=seed))
+    return _copy_from(reference)
+
+
+def _build_stages(
+    stages: tuple[Stage, ...], indices: tuple[int, ...] | None, *, whole: Schedule, init: Any = None, **build_kw: Any
+) -> dict[int, nn.Module]:
     """Build the stages whose index is in ``indices`` (all with ``None``)."""
+    init = _whole_init(whole, init, build_kw.get("seed", 0))
     modules: dict[int, nn.Module] = {}
     for stage in stages:
         if indices is None or stage.index in indices:
-            module = build(stage.schedule, **build_kw)
+            module = build(stage.schedule, init=init, **build_kw)
             _install_io(module, stage.pre)
             modules[stage.index] = module
     return modules
@@ -420,7 +461,7 @@ def build_pipeline(
     kind = SCHEDULES[schedule]
     placement = stage_ranks(len(stages), pp, kind.style)
     mine = tuple(s.index for s in stages if placement[s.index] == rank)
-    modules = _build_stages(stages, mine, init=init, device=device, seed=seed, copy=copy)
+    modules = _build_stages(stages, mine, whole=sch, init=init, device=device, seed=seed, copy=copy)
     pipeline_stages = []
     for index, module in modules.items():
         where = next((p.device for p in module.parameters()), torch.device("cpu"))

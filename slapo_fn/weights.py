@@ -1,0 +1,533 @@
+"""Hugging Face weight folders in and out of any layout: ``load_hf`` and ``save_hf``.
+
+Loading straight into shards::
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    sch = sf.recipes.for_model(model)(sf.create_schedule(model, mesh=mesh), tp=2, dp_mode="fsdp")
+    built = sf.build(sch, init="empty")        # only this rank's shards, uninitialised
+    sf.load_hf(built, folder)                  # each rank reads only its slices
+
+Every rank reads, with ``safetensors.safe_open(...).get_slice``, exactly the elements of
+its local shards (from ``model.safetensors``, or the files a
+``model.safetensors.index.json`` names), so a rank's peak memory is its shards plus one
+slice, never a full model. The slices come from the DTensor layout itself: plain
+``Shard``, packed ``_StridedShard`` (``sf.shard(..., packed=3)``: GPT-2's fused
+[Q|K|V], one slice per chunk) and FSDP2's ``_StridedShard`` over a tensor-parallel
+(or packed) dimension (FSDP2 chunks the tensor-parallel local tensor) — see
+:func:`local_ranges`. DCP's ``HuggingFaceStorageReader`` reads a packed layout wrongly
+without an error; this does not use it.
+
+Before any data is read, every key and shape is checked against the files' headers:
+missing keys (a tied LM head reads its embedding's key), unexpected keys, shape
+mismatches and dtype changes FSDP2 cannot make are one :class:`WeightsMismatchError`
+listing them all, and the model is untouched. Non-persistent buffers (rotary
+``inv_freq``) are recomputed by the model's own initialisation.
+
+Export: :func:`save_hf` gathers full tensors (packed and FSDP2-over-packed ones in their
+original element order, through :func:`slapo_fn.state.full_state_dict`), pipeline
+stages to rank 0, and writes one ``model.safetensors`` (tied copies left out, as
+``save_pretrained`` does), ``config.json`` and, when given, the tokenizer files.
+``AutoModelForCausalLM.from_pretrained(folder)`` then computes the same logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import shutil
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from .build import UNFILLED, reset_fsdp_shards
+from .errors import Problem, ScheduleError, ScheduleTypeError
+from .hf import config_of, ignored_on_load, recompute_buffers, tied_weights
+from .pipelines.runner import Pipeline
+from .state import full_state_dict
+from .tree import walk
+
+__all__ = ["WeightsMismatchError", "load_hf", "local_ranges", "save_hf"]
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+#: Tokenizer files copied by ``save_hf(..., tokenizer=folder)``.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+class WeightsMismatchError(ScheduleError, KeyError):
+    """A weight folder does not fit the model: ``missing`` keys (the model has, the files
+    lack), ``unexpected`` keys (the files have, the model lacks) and ``mismatched`` ones
+    (``{key: (in the files, in the model)}`` shapes or dtypes). Every problem is listed;
+    nothing was loaded."""
+
+    def __init__(self, what: str, problems: Sequence[Problem], *, missing: Sequence[str] = (),
+                 unexpected: Sequence[str] = (), mismatched: Mapping[str, tuple[Any, Any]] | None = None) -> None:
+        self.missing = tuple(missing)
+        self.unexpected = tuple(unexpected)
+        self.mismatched = dict(mismatched or {})
+        super().__init__(what, problems)
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return ValueError.__str__(self)
+
+
+# -- what is loaded: the modules a rank holds and the keys of the whole model ------------------
+@dataclass(frozen=True)
+class _Target:
+    """This rank's modules and the keys/shapes of the whole model (every pipeline stage)."""
+
+    modules: tuple[nn.Module, ...]
+    shapes: Mapping[str, tuple[int, ...]]  # every key of the whole model -> global shape
+    tied: Mapping[str, str]  # target -> source FQN
+
+
+def _state_keys(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(FQN, tensor)`` of the parameters and persistent buffers of ``module``, ties at
+    every name (as ``state_dict`` lists them), without calling state-dict hooks."""
+    for path, m in walk(module):
+        for name, p in m._parameters.items():
+            if p is not None:
+                yield (f"{path}.{name}" if path else name), p
+        for name, b in m._buffers.items():
+            if b is not None and name not in m._non_persistent_buffers_set:
+                yield (f"{path}.{name}" if path else name), b
+
+
+def _target(model: object, what: str) -> _Target:
+    if isinstance(model, Pipeline):
+        modules = tuple(model.modules.values())
+        wholes: Sequence[nn.Module] = [s.schedule.module for s in model.stages]
+    elif isinstance(model, nn.Module):
+        modules = (model,)
+        wholes = modules
+    elif isinstance(model, Mapping) and model and all(isinstance(m, nn.Module) for m in model.values()):
+        modules = tuple(model.values())  # stages built by sf.pipelines.build_stages, all in one process
+        wholes = modules
+    else:
+        raise ScheduleTypeError(what, [Problem("", f"expected a built model (nn.Module) or a pipeline "
+                                                   f"(sf.Pipeline), got {type(model).__name__}",
+                                               "pass the result of sf.build(sch, init='empty') or "
+                                               "sf.build_pipeline(sch, ..., init='empty')")])
+    shapes: dict[str, tuple[int, ...]] = {}
+    tied: dict[str, str] = {}
+    for whole in wholes:
+        shapes.update({k: tuple(t.shape) for k, t in _state_keys(whole)})
+        tied.update(tied_weights(whole))
+    return _Target(modules, shapes, tied)
+
+
+# -- the files: headers only ----------------------------------------------------------------
+@dataclass(frozen=True)
+class _Header:
+    file: Path
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _files(folder: Path) -> list[Path]:
+    index = folder / _INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        return [folder / name for name in dict.fromkeys(weight_map.values())]
+    if (folder / _SINGLE).is_file():
+        return [folder / _SINGLE]
+    return sorted(folder.glob("*.safetensors"))
+
+
+def _headers(folder: Path, what: str) -> dict[str, _Header]:
+    if not folder.is_dir():
+        raise ScheduleError(what, [Problem(str(folder), "is not a directory",
+                                           "pass a Hugging Face model folder (config.json, *.safetensors)")])
+    files = _files(folder)
+    missing = [f for f in files if not f.is_file()]
+    if not files or missing:
+        reason = (f"{_INDEX} names files that are not there: {', '.join(f.name for f in missing)}" if missing
+                  else "holds no *.safetensors file")
+        raise ScheduleError(what, [Problem(str(folder), reason,
+                                           "save the model with save_pretrained(folder) (safetensors, the default) "
+                                           "or sf.save_hf(model, folder)")])
+    out: dict[str, _Header] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                    sl = f.get_slice(key)
+                    out[key] = _Header(file, tuple(sl.get_shape()), _DTYPES.get(sl.get_dtype(), torch.float32))
+        except Exception as e:  # a truncated or corrupted file: one line naming it
+            raise ScheduleError(what, [Problem(str(file), f"cannot be read as safetensors ({type(e).__name__}: "
+                                                          f"{str(e)[:120]})",
+                                               "download or save the folder again")]) from None
+    return out
+
+
+# -- where this rank's elements are ------------------------------------------------------------
+Ranges = tuple[tuple[int, int], ...]  # (start, stop) runs of global indices along one tensor dimension
+
+
+def _chunk(index: torch.Tensor, parts: int, part: int) -> torch.Tensor:
+    """``torch.chunk``'s ``part``-th piece of ``index`` into ``parts`` (empty past the end),
+    which is how ``Shard`` and FSDP2 cut a dimension."""
+    size = -(-index.numel() // parts) if index.numel() else 0
+    return index[part * size:(part + 1) * size]
+
+
+def _sharded_dim(p: Placement) -> int | None:
+    return p.dim if isinstance(p, Shard | _StridedShard) else None
+
+
+def local_ranges(t: DTensor) -> tuple[Ranges, ...]:
+    """Per tensor dimension, the runs of global indices this rank's local tensor of ``t``
+    holds, in the order it holds them (its local tensor is the outer product of them).
+
+    Mesh dimensions are applied in order, as DTensor defines its placements (``Shard``:
+    a ``torch.chunk``; a packed ``_StridedShard(d, k)``: ``k`` chunks each split over the
+    mesh dimension, the rank's parts concatenated), except FSDP2's ``_StridedShard`` over
+    a dimension later mesh dimensions shard too (its ``split_factor`` their product):
+    FSDP2 chunks the local tensor those leave, so it applies last. This is where FSDP2
+    over a packed dimension differs from DTensor's own reading of the placements.
+
+    Example (one process, a 1-rank mesh: every dimension whole):
+        >>> import os, torch, torch.distributed as dist
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from torch.distributed.tensor import distribute_tensor, Shard
+        >>> os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
+        >>> if not dist.is_initialized(): dist.init_process_group("gloo", rank=0, world_size=1)
+        >>> local_ranges(distribute_tensor(torch.zeros(4, 6), init_device_mesh("cpu", (1,)), [Shard(0)]))
+        (((0, 4),), ((0, 6),))
+    """
+    mesh, placements = t.device_mesh, tuple(t.placements)
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return tuple(() for _ in t.shape)
+    dims = [_sharded_dim(p) for p in placements]
+
+    def later(i: int) -> int:
+        return math.prod(mesh.size(j) for j in range(i + 1, len(dims)) if dims[j] == dims[i])
+
+    outer = [i for i, p in enumerate(placements)
+             if isinstance(p, _StridedShard) and later(i) > 1 and p.split_factor == later(i)]
+    index = [torch.arange(n) for n in t.shape]
+    for i, p in enumerate(placements):
+        d = dims[i]
+        if d is None or i in outer:
+            continue
+        n, r = mesh.size(i), coordinate[i]
+        if isinstance(p, _StridedShard):
+            pieces = torch.chunk(index[d], int(p.split_factor)) if index[d].numel() else ()
+            index[d] = torch.cat([_chunk(piece, n, r) for piece in pieces]) if pieces else index[d]
+        else:
+            index[d] = _chunk(index[d], n, r)
+    for i in outer:
+        d = dims[i]
+        assert d is not None
+        index[d] = _chunk(index[d], mesh.size(i), coordinate[i])
+    return tuple(_runs(ix) for ix in index)
+
+
+def _runs(index: torch.Tensor) -> Ranges:
+    runs: list[tuple[int, int]] = []
+    for v in index.tolist():
+        if runs and runs[-1][1] == v:
+            runs[-1] = (runs[-1][0], v + 1)
+        else:
+            runs.append((v, v + 1))
+    return tuple(runs)
+
+
+def _read(sl: Any, ranges: Sequence[Ranges]) -> torch.Tensor:
+    """The block of a safetensors slice ``sl`` at ``ranges`` (one run per dimension: one
+    read; several runs: one read per combination, concatenated)."""
+    many = next((d for d, runs in enumerate(ranges) if len(runs) != 1), None)
+    if many is None:
+        return sl[tuple(slice(a, b) for a, b in (runs[0] for runs in ranges))]
+    parts = [_read(sl, [*ranges[:many], (run,), *ranges[many + 1:]]) for run in ranges[many]]
+    return torch.cat(parts, dim=many)
+
+
+# -- load --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Plan:
+    """One tensor to fill: where it lives in the model and in the files."""
+
+    key: str
+    source: str
+    tensor: torch.Tensor
+    ranges: tuple[Ranges, ...] | None  # None: the whole tensor
+    dtype: torch.dtype
+
+
+def _check(target: _Target, headers: Mapping[str, _Header], ignored: Sequence[Any], dtype: torch.dtype | None,
+           folder: Path) -> tuple[dict[str, str], dict[str, torch.dtype]]:
+    """Every key of the model in the files with its shape, and nothing else in them; the
+    source key of each model key; the dtype each local tensor must have. Raises one
+    :class:`WeightsMismatchError` listing every problem."""
+    sources: dict[str, str] = {}
+    missing: list[str] = []
+    for key in target.shapes:
+        source = key if key in headers else target.tied.get(key)
+        if source is None or source not in headers:
+            missing.append(key)
+        else:
+            sources[key] = source
+    used = set(sources.values())
+    unexpected = [k for k in headers if k not in used and k not in target.shapes
+                  and not any(p.search(k) for p in ignored)]
+    mismatched = {k: (headers[s].shape, target.shapes[k]) for k, s in sources.items()
+                  if headers[s].shape != target.shapes[k]}
+    problems = [Problem(k, "is not in the weight files", "load the folder saved from this model's architecture "
+                        "and config, or schedule the model the folder was saved from") for k in missing]
+    problems += [Problem(k, f"is in the weight files ({headers[k].file.name}) but not in the model",
+                         "build the model from this folder's config.json (AutoConfig.from_pretrained(folder))")
+                 for k in unexpected]
+    problems += [Problem(k, f"has shape {list(f)} in the weight files and {list(m)} in the model",
+                         "build the model from this folder's config.json") for k, (f, m) in mismatched.items()]
+    wanted: dict[str, torch.dtype] = {}
+    fsdp_casts: list[str] = []
+    for module in target.modules:
+        fsdp = {id(p) for m in module.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
+        for key, t in _state_keys(module):
+            if key not in sources or not t.is_floating_point():
+                continue
+            want = dtype or headers[sources[key]].dtype
+            if not want.is_floating_point:
+                continue
+            wanted[key] = want
+            if want != t.dtype and id(t) in fsdp:
+                fsdp_casts.append(key)
+    if fsdp_casts:
+        have = {t.dtype for m in target.modules for k, t in _state_keys(m) if k in fsdp_casts}
+        want_s = sorted({str(wanted[k]) for k in fsdp_casts})
+        problems.append(Problem(fsdp_casts[0], f"{len(fsdp_casts)} FSDP2-sharded tensors are {sorted(map(str, have))} "
+                                               f"and would have to become {want_s}: FSDP2 fixes a parameter's dtype "
+                                               "when it shards it",
+                                f"pass dtype={sorted(map(str, have))[0]} to keep the model's dtype, or create the "
+                                f"model in {want_s[0]} before create_schedule (e.g. from_config(config, "
+                                f"dtype={want_s[0]}) on the meta device)"))
+    if problems:
+        raise WeightsMismatchError(f"load_hf({str(folder)!r})", problems, missing=missing, unexpected=unexpected,
+                                   mismatched=mismatched)
+    return sources, wanted
+
+
+def _plans(target: _Target, sources: Mapping[str, str], wanted: Mapping[str, torch.dtype]) -> list[_Plan]:
+    plans: list[_Plan] = []
+    seen: set[int] = set()
+    for module in target.modules:
+        for key, t in _state_keys(module):
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            ranges = local_ranges(t) if isinstance(t, DTensor) else None
+            if isinstance(t, DTensor):
+                if any(isinstance(p, Partial) for p in t.placements):
+                    raise ScheduleError("load_hf", [Problem(key, f"has a Partial layout {t.placements}",
+                                                            "load into parameters that are sharded or replicated")])
+                local_shape = tuple(sum(b - a for a, b in runs) for runs in ranges or ())
+                if local_shape != tuple(t.to_local().shape):
+                    raise ScheduleError("load_hf", [Problem(
+                        key, f"layout {t.placements} on mesh {tuple(t.device_mesh.shape)}: the local tensor is "
+                             f"{tuple(t.to_local().shape)}, its slices would be {local_shape}",
+                        "report this layout; sf.load(...) of a DCP checkpoint is the fallback")])
+            plans.append(_Plan(key, sources[key], t, ranges, wanted.get(key, t.dtype)))
+    return plans
+
+
+def _cast(target: _Target, plans: Sequence[_Plan]) -> None:
+    """Give each parameter and persistent buffer the dtype it is loaded in (same object:
+    ties and optimizer references hold)."""
+    cast = [p for p in plans if p.tensor.dtype != p.dtype]
+    if not cast:
+        return
+    for plan in cast:
+        t = plan.tensor
+        new = t.detach().to(plan.dtype)
+        if isinstance(t, nn.Parameter):
+            new = nn.Parameter(new, requires_grad=t.requires_grad)
+        torch.utils.swap_tensors(t, new)
+
+
+def load_hf(model: Any, folder: str | os.PathLike[str], *, dtype: torch.dtype | None = None) -> Any:
+    """Load a Hugging Face weight folder into ``model`` in place, in its current layout;
+    every rank calls it (no communication). Returns ``model``.
+
+    ``model`` is a built model (best ``sf.build(sch, init="empty")``: only this rank's
+    shards were ever allocated) or a pipeline (``sf.build_pipeline(sch, ...,
+    init="empty")``, each rank loading its own stages). Each rank reads only the elements
+    of its local shards from ``model.safetensors`` (or the files of
+    ``model.safetensors.index.json``): tensor-parallel, packed (``sf.shard(...,
+    packed=3)``), FSDP2 and 3D layouts alike. A tied LM head is read from its embedding's
+    key; non-persistent buffers (rotary ``inv_freq``) are recomputed. ``dtype``: the dtype
+    to load in (default: each tensor as stored).
+
+    Raises :class:`WeightsMismatchError` (a :class:`ScheduleError`) listing every missing
+    key, unexpected key and shape mismatch, before any data is read: nothing is half
+    loaded.
+
+    Example:
+        >>> import tempfile, torch, slapo_fn as sf
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        ...                   num_attention_heads=2, num_key_value_heads=2)
+        >>> folder = tempfile.mkdtemp(); LlamaForCausalLM(cfg).save_pretrained(folder)
+        >>> with torch.device("meta"):
+        ...     meta = LlamaForCausalLM(cfg)
+        >>> model = sf.load_hf(sf.build(sf.create_schedule(meta), init="empty"), folder)
+        >>> torch.equal(model.lm_head.weight, LlamaForCausalLM.from_pretrained(folder).lm_head.weight)
+        True
+    """
+    root = Path(folder)
+    what = f"load_hf({str(root)!r})"
+    target = _target(model, what)
+    headers = _headers(root, what)
+    ignored = [p for m in target.modules for p in ignored_on_load(m)]
+    sources, wanted = _check(target, headers, ignored, dtype, root)
+    plans = _plans(target, sources, wanted)
+    unfillable = [f"{path}" for m in target.modules for path, sub in walk(m)
+                  if any(getattr(sub._buffers.get(n), UNFILLED, False) for n in sub._non_persistent_buffers_set)]
+    with torch.no_grad():
+        _cast(target, plans)
+        for module in target.modules:  # before the parameters: a module's own init may reset them
+            paths = [p for p, sub in walk(module) if sub._non_persistent_buffers_set]
+            failed = set(recompute_buffers(module, paths))
+            bad = [p for p in unfillable if p in failed]
+            if bad:
+                raise ScheduleError(what, [Problem(p, "has non-persistent buffers that are not in weight files and "
+                                                      "no initialisation that recomputes them",
+                                                   "build from a model whose buffers hold values (not meta), or "
+                                                   "give the module reset_parameters()") for p in bad])
+        with contextlib.ExitStack() as stack:
+            handles: dict[Path, Any] = {}
+            for plan in plans:
+                file = headers[plan.source].file
+                if file not in handles:
+                    handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+                sl = handles[file].get_slice(plan.source)
+                if plan.ranges is None:
+                    data = sl[tuple(slice(None) for _ in headers[plan.source].shape)] if headers[
+                        plan.source].shape else handles[file].get_tensor(plan.source)
+                    dst = plan.tensor
+                else:
+                    data = _read(sl, plan.ranges) if all(plan.ranges) else torch.empty(0)
+                    dst = plan.tensor.to_local()  # type: ignore[attr-defined]
+                if dst.numel():
+                    dst.copy_(data.reshape(dst.shape))
+        for module in target.modules:
+            for _, sub in walk(module):
+                for b in sub._buffers.values():
+                    if b is not None and UNFILLED in b.__dict__:
+                        delattr(b, UNFILLED)
+                if isinstance(sub, FSDPModule):
+                    reset_fsdp_shards(sub)
+    return model
+
+
+# -- save --------------------------------------------------------------------------------------
+def _pipeline_state(model: Pipeline, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """Every stage's full tensors on global rank 0 (gathered over its ``pp`` group); ``None``
+    on the other ranks."""
+    ranks = dist.get_process_group_ranks(model.group)
+    if 0 not in ranks:
+        return None
+    out: list[Any] | None = [None] * len(ranks) if dist.get_rank() == 0 else None
+    dist.gather_object(state, out, dst=0, group=model.group)
+    if out is None:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in out:
+        merged.update(part)
+    return merged
+
+
+def _config(target: _Target) -> Any:
+    return next((c for m in target.modules if (c := config_of(m)) is not None), None)
+
+
+def _save_tokenizer(tokenizer: Any, folder: Path) -> None:
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(str(folder))
+        return
+    source = Path(tokenizer)
+    found = [source / n for n in _TOKENIZER_FILES if (source / n).is_file()]
+    if not found:
+        raise ScheduleError("save_hf", [Problem(str(source), "holds no tokenizer files "
+                                                             f"({', '.join(_TOKENIZER_FILES[:3])} …)",
+                                                "pass a tokenizer object (AutoTokenizer.from_pretrained(...)) or "
+                                                "the folder it was saved to")])
+    for file in found:
+        shutil.copyfile(file, folder / file.name)
+
+
+def save_hf(model: Any, folder: str | os.PathLike[str], *, tokenizer: Any = None) -> Path:
+    """Write ``model`` (any layout: tensor-parallel, packed, FSDP2, pipeline, 3D) as a
+    Hugging Face folder: one ``model.safetensors`` with the full tensors in their original
+    element order (a tied LM head left out, as ``save_pretrained`` does), ``config.json``
+    (its dtype the saved one), ``generation_config.json`` where the model has one, and
+    the tokenizer files when ``tokenizer`` is given (an object with ``save_pretrained``,
+    or a folder holding them). Every rank calls it; rank 0 writes. Returns the folder.
+
+    Memory: every tensor-parallel/FSDP rank gathers its stages' full tensors (one full
+    copy of its stages per rank while it runs); pipeline stages are sent to rank 0.
+
+    Example:
+        >>> import tempfile, torch, slapo_fn as sf
+        >>> from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+        >>> cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        ...                   num_attention_heads=2, num_key_value_heads=2)
+        >>> model = sf.build(sf.create_schedule(LlamaForCausalLM(cfg)))
+        >>> folder = sf.save_hf(model, tempfile.mkdtemp())
+        >>> again = AutoModelForCausalLM.from_pretrained(folder)
+        >>> torch.equal(again.lm_head.weight, model.lm_head.weight)
+        True
+    """
+    root = Path(folder)
+    target = _target(model, "save_hf")
+    if root.exists() and not root.is_dir():
+        raise ScheduleError("save_hf", [Problem(str(root), "is a file, not a folder",
+                                                "pass a folder path (new, or one to overwrite files in)")])
+    config = _config(target)
+    if config is None or not hasattr(config, "save_pretrained"):
+        raise ScheduleError("save_hf", [Problem("", "the model has no Hugging Face config (model.config)",
+                                                "save_hf writes Hugging Face models; use sf.save for others")])
+    state: dict[str, torch.Tensor] | None = full_state_dict(list(target.modules))
+    if isinstance(model, Pipeline):
+        state = _pipeline_state(model, state or {})
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0 and state is not None:
+        root.mkdir(parents=True, exist_ok=True)
+        for key, source in target.tied.items():
+            if key in state and source in state and torch.equal(state[key], state[source]):
+                del state[key]
+        keep = {k: v.contiguous() for k, v in state.items() if k in target.shapes}
+        save_file(keep, str(root / _SINGLE), metadata={"format": "pt"})
+        config = copy.deepcopy(config)
+        floats = [v.dtype for v in keep.values() if v.is_floating_point()]
+        if floats:
+            config.dtype = max(set(floats), key=floats.count)
+        config.save_pretrained(str(root))
+        generation = next((g for m in target.modules if (g := getattr(m, "generation_config", None)) is not None),
+                          None)
+        if generation is not None and hasattr(generation, "save_pretrained"):
+            generation.save_pretrained(str(root))
+        if tokenizer is not None:
+            _save_tokenizer(tokenizer, root)
+    if dist.is_initialized():
+        dist.barrier()
+    return root
