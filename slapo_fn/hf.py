@@ -26,6 +26,8 @@ Example:
 
 from __future__ import annotations
 
+import copy
+import inspect
 import re
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
@@ -44,6 +46,7 @@ __all__ = [
     "HIDDEN_SIZE_ATTRS",
     "LAYER_COUNT_ATTRS",
     "PIPELINE_STAGES",
+    "POSITION_LIMIT_ATTRS",
     "TOKEN_ID_ARGS",
     "StageRole",
     "StageStandIn",
@@ -56,11 +59,14 @@ __all__ = [
     "init_owner",
     "input_embedding",
     "is_conv1d",
+    "is_encoder_decoder",
     "is_pretrained_model",
     "is_transformers_module",
     "model_type",
+    "position_limit",
     "recompute_buffers",
     "reset_weights",
+    "stage_config",
     "tied_weights",
     "vocab_size",
 ]
@@ -173,6 +179,66 @@ def vocab_size(model: Any) -> int:
     256
     """
     return int(config_value(config_of(model), "vocab_size"))
+
+
+#: Config attributes holding the longest sequence a model's position table covers.
+POSITION_LIMIT_ATTRS = ("max_position_embeddings", "n_positions", "max_target_positions", "n_ctx")
+
+
+def position_limit(config: Any, default: int = 1 << 30) -> int:
+    """The longest sequence ``config``'s model takes (:data:`POSITION_LIMIT_ATTRS`), else ``default``.
+
+    >>> from types import SimpleNamespace
+    >>> position_limit(SimpleNamespace(n_positions=8)), position_limit(None, 4)
+    (8, 4)
+    """
+    value = config_value(config, *POSITION_LIMIT_ATTRS, default=default)
+    return int(value) if isinstance(value, int) else default
+
+
+#: Config attributes holding one entry per layer, which a forward indexes by the position
+#: of the layer in the loop over its layer list (``config.layer_types[i]``: Gemma2's
+#: sliding/full attention).
+PER_LAYER_ATTRS = ("layer_types",)
+
+
+def stage_config(config: Any, keep: Sequence[int], layers: int) -> Any:
+    """``config`` for a pipeline stage that keeps the layers at positions ``keep`` of a
+    layer list of ``layers``: a shallow copy whose per-layer lists (:data:`PER_LAYER_ATTRS`)
+    hold the kept layers' entries, in order — the stage's forward loops over its own
+    layers only. ``config`` itself where nothing needs changing.
+
+    >>> from types import SimpleNamespace
+    >>> stage_config(SimpleNamespace(layer_types=["s", "f", "s", "f"]), [1, 2], 4).layer_types
+    ['f', 's']
+    """
+    changed = {
+        name: [value[i] for i in keep]
+        for name in PER_LAYER_ATTRS
+        if isinstance(value := getattr(config, name, None), list | tuple) and len(value) == layers
+    }
+    if not changed or list(keep) == list(range(layers)):
+        return config
+    clone = copy.copy(config)
+    clone.__dict__.update(changed)
+    return clone
+
+
+def is_encoder_decoder(model: nn.Module) -> bool:
+    """Whether ``model`` is a whole Hugging Face encoder-decoder model (Bart, T5, Whisper):
+    its config says ``is_encoder_decoder`` and its forward takes ``decoder_input_ids`` (the
+    encoder or decoder alone share the config but not that argument).
+
+    >>> import torch.nn as nn
+    >>> is_encoder_decoder(nn.Linear(2, 2))
+    False
+    """
+    if not getattr(config_of(model), "is_encoder_decoder", False):
+        return False
+    try:
+        return "decoder_input_ids" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 # -- weight initialisation ----------------------------------------------------------------

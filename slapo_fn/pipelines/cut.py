@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
 from ..combinators import primitive
 from ..errors import Problem, ScheduleError
+from ..hf import is_encoder_decoder
 from ..schedule import Key, Schedule
 from ..select import Selection
 from ..tree import get_module, join, split, walk
-from .families import family_of
+from .families import Family, encoder_decoder_problem, resolve_family
 
 __all__ = ["PIPELINE_CUT", "StageCut", "cut_pipeline_stage", "pp_size", "sequence_of"]
 
@@ -21,7 +22,10 @@ PIPELINE_CUT: Key[StageCut] = Key("pipeline_cut")
 
 @dataclass(frozen=True)
 class StageCut:
-    """The annotation of a layer after which a new pipeline stage begins."""
+    """The annotation of a layer after which a new pipeline stage begins; ``family`` is
+    the stage adapter resolved (and, for a derived one, checked for parity) at the cut."""
+
+    family: Family | None = field(default=None, compare=False)
 
     def __str__(self) -> str:
         return "stage cut after"
@@ -94,10 +98,9 @@ def cut_pipeline_stage(sch: Schedule, where: Selection) -> Schedule:
         is not a layer of a sequence (its parent is a GPT2Block)
     """
     paths = where.paths(sch.module)
-    family_of(sch.module)  # a Hugging Face family without a stage adapter is refused now, not at build
-    existing = tuple(sch.annotations.of_kind(PIPELINE_CUT))
+    existing = sch.annotations.of_kind(PIPELINE_CUT)
     problems: list[Problem] = []
-    seen_sequence = sequence_of(existing[0]) if existing else None
+    seen_sequence = sequence_of(next(iter(existing))) if existing else None
     last_index = max((_index(sch.module, p) for p in existing), default=-1)
     new: list[str] = []
     for path in paths:
@@ -144,7 +147,9 @@ def cut_pipeline_stage(sch: Schedule, where: Selection) -> Schedule:
             new.append(path)
             seen_sequence = seen_sequence or seq
             last_index = index
-    if new and not _takes_inputs_embeds(sch.module):
+    if new and is_encoder_decoder(sch.module):
+        problems.append(encoder_decoder_problem(sch.module, sequence_of(new[0])))
+    elif new and not _takes_inputs_embeds(sch.module):
         problems.append(
             Problem(
                 "",
@@ -167,8 +172,13 @@ def cut_pipeline_stage(sch: Schedule, where: Selection) -> Schedule:
         )
     if problems:
         raise ScheduleError("cut_pipeline_stage", problems)
+    if not new:
+        return sch
+    # the adapter is resolved (a derived one checked for parity) now, not at build
+    known = next((c.family for c in existing.values() if c.family is not None), None)
+    family = known if known is not None else resolve_family(sch.module, sequence_of(new[0]))
     for path in new:
-        sch = sch.annotate_path(path, PIPELINE_CUT, StageCut())
+        sch = sch.annotate_path(path, PIPELINE_CUT, StageCut(family))
     return sch
 
 

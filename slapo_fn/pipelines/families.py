@@ -25,6 +25,18 @@ through the model's ``inputs_embeds`` argument:
 
 ``post`` modules in stages before the last become ``nn.Identity``.
 
+A Hugging Face model type without an entry in :data:`FAMILIES` gets a **derived** adapter
+(:func:`derive_family`): its roles and stand-ins read off its structure (the input
+embedding is ``absent``, a module taking ``inputs_embeds`` is ``inputs``, another
+``nn.Embedding`` is ``zeros`` — a position table added to the embeddings —, any other
+``pre`` module is ``identity`` — a LayerNorm or dropout applied to them —, a module with
+buffers and no parameters, a rotary table, is ``shared``), then checked for parity when
+the cut is made (:func:`resolve_family`): the model's stages, chained in one process, must
+give the model's own output on a small batch. Where a first guess fails, each ``post``
+module placed by registration order alone is tried as a ``pre`` one (Bart's decoder
+registers ``layernorm_embedding`` after its layers); where none passes, the cut is
+refused with the difference found.
+
 Example:
     >>> FAMILIES["gpt2"].later["wpe"]
     'zeros'
@@ -34,7 +46,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, TypeAlias
@@ -43,7 +57,19 @@ import torch
 from torch import nn
 
 from ..errors import Problem, ScheduleError
-from ..hf import PIPELINE_STAGES, StageRole, StageStandIn, model_type
+from ..hf import (
+    PIPELINE_STAGES,
+    StageRole,
+    StageStandIn,
+    config_of,
+    config_value,
+    input_embedding,
+    is_encoder_decoder,
+    model_type,
+    position_limit,
+    stage_config,
+)
+from ..tree import child_names, get_module, join, shallow_clone, split
 
 __all__ = [
     "FAMILIES",
@@ -53,8 +79,15 @@ __all__ = [
     "NotInStage",
     "Role",
     "ZeroPositions",
+    "derive_family",
+    "encoder_decoder_problem",
     "family_of",
     "later_stand_in",
+    "output_tensor",
+    "parity_error",
+    "resolve_family",
+    "roles",
+    "stage_tree",
 ]
 
 Role: TypeAlias = StageRole
@@ -160,3 +193,271 @@ def later_stand_in(kind: Later, module: nn.Module, path: str, stage: int) -> nn.
 def default_later(module: nn.Module) -> Later:
     """``identity`` for a module without parameters (dropout), else ``absent``."""
     return "absent" if any(True for _ in module.parameters()) else "identity"
+
+
+# -- stage trees ----------------------------------------------------------------------------
+def _plan_keys(owner: object, attr: str) -> tuple[str, ...] | None:
+    plan = getattr(owner, attr, None)
+    return tuple(plan) if isinstance(plan, Mapping) and plan else None
+
+
+def roles(root: nn.Module, sequence: str, family: Family | None = None) -> dict[str, Role]:
+    """``{path: role}`` of every child on the path from ``root`` to ``sequence`` that is
+    not itself on that path (see the module docstring for how roles are found)."""
+    family = family if family is not None else FAMILIES.get(model_type(root) or "", Family())
+    out: dict[str, Role] = {}
+    module, prefix = root, ""
+    for token in split(sequence):
+        names = child_names(module)
+        config = getattr(module, "config", None)
+        base_plan = _plan_keys(config, "base_model_pp_plan") if config is not None else None
+        head_plan = _plan_keys(type(module), "_pp_plan")
+        for name in names:
+            if name == token:
+                continue
+            role: Role
+            if base_plan is not None and token in base_plan:
+                role = (
+                    "shared"
+                    if name not in base_plan
+                    else ("pre" if base_plan.index(name) < base_plan.index(token) else "post")
+                )
+            elif head_plan is not None and name in head_plan:
+                role = "post"
+            else:
+                role = "pre" if names.index(name) < names.index(token) else "post"
+            out[join(prefix, name)] = family.roles.get(name, role)
+        module = module._modules[token]  # type: ignore[assignment]
+        prefix = join(prefix, token)
+    return out
+
+
+def _stand_in(role: Role, module: nn.Module, path: str, stage: int, family: Family) -> nn.Module:
+    if role == "post":
+        return nn.Identity()
+    name = split(path)[-1]
+    return later_stand_in(family.later.get(name, default_later(module)), module, path, stage)
+
+
+def stage_tree(
+    root: nn.Module, sequence: str, keep: tuple[str, ...], stage: int, first: bool, last: bool,
+    found: Mapping[str, Role], family: Family,
+) -> nn.Module:
+    """The tree of one stage: ancestors of ``sequence`` cloned, everything else shared."""
+    tokens = split(sequence)
+    seq = shallow_clone(get_module(root, sequence))
+    keys = list(seq._modules)
+    seq._modules = type(seq._modules)((k, v) for k, v in seq._modules.items() if k in keep)
+    replacement: nn.Module = seq
+    for depth in range(len(tokens) - 1, -1, -1):
+        parent_path = join(*tokens[:depth])
+        clone = shallow_clone(get_module(root, parent_path))
+        if (config := clone.__dict__.get("config")) is not None:
+            clone.config = stage_config(config, [keys.index(k) for k in keep], len(keys))
+        for name, child in list(clone._modules.items()):
+            path = join(parent_path, name)
+            if name == tokens[depth]:
+                clone._modules[name] = replacement
+            elif child is not None:
+                role = found.get(path, "shared")
+                if (role == "pre" and not first) or (role == "post" and not last):
+                    clone._modules[name] = _stand_in(role, child, path, stage, family)
+        replacement = clone
+    return replacement
+
+
+# -- what a stage hands on ------------------------------------------------------------------
+def output_tensor(output: Any) -> torch.Tensor:
+    """The tensor in a model's output: itself, its ``logits`` or ``last_hidden_state``, or
+    the first element of a tuple."""
+    if isinstance(output, torch.Tensor):
+        return output
+    for key in ("logits", "last_hidden_state"):
+        value = getattr(output, key, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(f"slapo_fn pipeline: cannot find the output tensor in a {type(output).__name__}")
+
+
+class StageOutput:
+    """What a stage hands on: for a stage before the last, the output of its last layer
+    (captured by a forward hook on it), not what the model's forward makes of it after the
+    sequence — a head's post-processing (Gemma2's logit soft-capping, a logit scale) would
+    otherwise transform the hidden states that cross to the next stage; for the last
+    stage (``layer=None``) the model's output tensor."""
+
+    def __init__(self, module: nn.Module, layer: str | None) -> None:
+        self._latest: torch.Tensor | None = None
+        self._handle = None
+        if layer is not None:
+            self._handle = get_module(module, layer).register_forward_hook(self._keep)
+
+    def _keep(self, _: nn.Module, args: Any, output: Any) -> None:
+        self._latest = output_tensor(output)
+
+    def __call__(self, output: Any) -> torch.Tensor:
+        latest, self._latest = self._latest, None
+        return latest if latest is not None else output_tensor(output)
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+
+
+# -- derived adapters, checked for parity -----------------------------------------------------
+#: Largest relative difference (to 1 + max |output|) that the parity check accepts.
+PARITY_TOLERANCE = 1e-4
+
+
+def _has(module: nn.Module, what: str) -> bool:
+    return any(True for _ in getattr(module, what)())
+
+
+def _takes(module: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _later_of(module: nn.Module, embedding: nn.Module | None) -> Later:
+    if module is embedding or not _has(module, "parameters"):
+        return default_later(module)
+    if _takes(module, "inputs_embeds"):
+        return "inputs"
+    return "zeros" if isinstance(module, nn.Embedding) else "identity"
+
+
+def derive_family(root: nn.Module, sequence: str) -> tuple[Family, ...]:
+    """Candidate adapters for ``root`` cut in ``sequence``, most likely first: the
+    structural one (see the module docstring), then one per ``post`` module with
+    parameters beside the sequence and outside the model's ``base_model_pp_plan`` that
+    runs it as a ``pre`` one instead (an embedding LayerNorm registered after the layers)."""
+    found = roles(root, sequence, Family())
+    embedding = input_embedding(root)
+    output = getattr(root, "get_output_embeddings", lambda: None)()
+    parent = split(sequence)[:-1]
+    plan = _plan_keys(getattr(get_module(root, join(*parent)), "config", None), "base_model_pp_plan") or ()
+    shared: dict[str, Role] = {}
+    later: dict[str, Later] = {}
+    flips: list[str] = []
+    for path, role in found.items():
+        module, name = get_module(root, path), split(path)[-1]
+        if not _has(module, "parameters") and _has(module, "buffers"):
+            shared[name] = "shared"  # a rotary table: recomputed from the position ids in every stage
+        elif role == "pre":
+            later[name] = _later_of(module, embedding)
+        elif role == "post" and split(path)[:-1] == parent and name not in plan and module is not output \
+                and _has(module, "parameters"):
+            flips.append(name)
+    base = Family(MappingProxyType(shared), MappingProxyType(later))
+    return (base, *(
+        Family(MappingProxyType({**shared, name: "pre"}), MappingProxyType({**later, name: "identity"}))
+        for name in flips
+    ))
+
+
+@contextmanager
+def _eval(modules: list[nn.Module]) -> Iterator[None]:
+    flags = [(m, m.training) for m in modules]
+    try:
+        for m, _ in flags:
+            m.training = False
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+def _sample_ids(root: nn.Module) -> torch.Tensor:
+    config = config_of(root)
+    vocab = int(config_value(config, "vocab_size", default=2))
+    length = max(2, min(6, position_limit(config)))
+    return torch.randint(0, vocab, (2, length), generator=torch.Generator().manual_seed(0))
+
+
+def parity_error(root: nn.Module, sequence: str, family: Family) -> str | None:
+    """Why ``root``'s stages under ``family`` (up to three, chained in one process) do not
+    give ``root``'s own output on a small batch of token ids; ``None`` when they do."""
+    keys = tuple(child_names(get_module(root, sequence)))
+    parts = min(3, len(keys))
+    bounds = [round(i * len(keys) / parts) for i in range(parts + 1)]
+    found = roles(root, sequence, family)
+    trees = [
+        stage_tree(root, sequence, keys[bounds[s]:bounds[s + 1]], s, s == 0, s == parts - 1, found, family)
+        for s in range(parts)
+    ]
+    extra = {"use_cache": False} if _takes(root, "use_cache") else {}
+    ids = _sample_ids(root)
+    modules = [m for tree in (root, *trees) for m in tree.modules()]
+    try:
+        with torch.no_grad(), _eval(modules):
+            reference = output_tensor(root(input_ids=ids, **extra))
+            hidden = ids
+            for s, tree in enumerate(trees):
+                last = join(sequence, keys[bounds[s + 1] - 1]) if s < parts - 1 else None
+                out = StageOutput(tree, last)
+                try:
+                    fed = {"input_ids": ids} if s == 0 else {"inputs_embeds": hidden}
+                    hidden = out(tree(**fed, **extra))
+                finally:
+                    out.remove()
+    except Exception as e:
+        return f"the stages fail where the model runs: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    if hidden.shape != reference.shape:
+        return f"the stages give shape {tuple(hidden.shape)}, the model {tuple(reference.shape)}"
+    diff = float((hidden - reference).abs().max()) / (1.0 + float(reference.abs().max()))
+    return None if diff <= PARITY_TOLERANCE else f"the stages differ from the model by {diff:.3g} (relative)"
+
+
+_ADAPTER_FIX = (
+    "add the model type to slapo_fn.hf.PIPELINE_STAGES with the roles and stand-ins its forward needs "
+    "(see slapo_fn.pipelines.families), or cut a model whose forward feeds inputs_embeds to its layers"
+)
+
+
+def encoder_decoder_problem(root: nn.Module, sequence: str) -> Problem:
+    """Why a whole encoder-decoder model (Bart, T5, Whisper) is not cut, and the fix."""
+    return Problem(
+        sequence,
+        f"{type(root).__name__} is an encoder-decoder model: a stage hands one tensor on, but its decoder "
+        "layers also need the encoder's output, and later stages would be fed through the encoder's inputs",
+        "pipeline the decoder alone: sch = sf.create_schedule(model.get_decoder()); cut its layers and pass "
+        "encoder_hidden_states=... to Pipeline.step (keyword tensors reach every stage)")
+
+
+def resolve_family(root: nn.Module, sequence: str) -> Family:
+    """The adapter for cutting ``root`` in ``sequence``: the :data:`FAMILIES` entry of its
+    model type, the structural defaults for a model that is not a Hugging Face one, else
+    the first :func:`derive_family` candidate that passes :func:`parity_error`.
+
+    Raises :class:`ScheduleError` for a whole encoder-decoder model, a model whose
+    parameters are not materialised (on the meta device: nothing to check against) and
+    a family no candidate passes."""
+    kind = model_type(root)
+    if kind is None:
+        return Family()
+    if is_encoder_decoder(root):
+        raise ScheduleError("cut_pipeline_stage", [encoder_decoder_problem(root, sequence)])
+    if kind in FAMILIES:
+        return FAMILIES[kind]
+    if any(p.is_meta for p in root.parameters()):
+        raise ScheduleError("cut_pipeline_stage", [Problem(
+            sequence,
+            f"no pipeline stage adapter for model_type {kind!r}, and its parameters are on the meta device: the "
+            "derived adapter cannot be checked for parity",
+            f"cut the model before moving it to the meta device (create it on the CPU), or {_ADAPTER_FIX}")])
+    reasons = []
+    for family in derive_family(root, sequence):
+        reason = parity_error(root, sequence, family)
+        if reason is None:
+            return family
+        reasons.append(reason)
+    raise ScheduleError("cut_pipeline_stage", [Problem(
+        sequence,
+        f"no pipeline stage adapter for model_type {kind!r}, and none derived from "
+        f"{type(root).__name__}'s structure passes the parity check: {'; '.join(dict.fromkeys(reasons))}",
+        f"check what {type(root).__name__}.forward does with inputs_embeds and the modules around its layers, "
+        f"then {_ADAPTER_FIX}")])

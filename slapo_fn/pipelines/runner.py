@@ -9,8 +9,9 @@ parallelism, checkpointing and compilation apply to the stage only — and wrapp
 How the stages talk to the unmodified model: a forward-pre-hook on each built stage
 passes the received hidden states as ``inputs_embeds`` (the first stage gets the
 batch's ``input_ids``), keyword inputs (``attention_mask``, ``position_ids``) reach every
-stage, and a forward hook returns the model output's ``logits`` (or
-``last_hidden_state``) as the tensor that crosses to the next stage or into ``loss_fn``.
+stage, and a forward hook returns the tensor that crosses to the next stage — the output of the
+stage's last layer, captured by a hook on it — or, in the last stage, the model output's
+``logits`` (or ``last_hidden_state``) that goes into ``loss_fn``.
 These hooks live on build's private copies only.
 
 Tied parameters split across stages (GPT-2's ``wte``/``lm_head``): each owning stage
@@ -59,6 +60,7 @@ from ..hf import init_owner, is_pretrained_model, reset_weights
 from ..schedule import Schedule
 from ..tree import private_copy, walk
 from .cut import pp_size
+from .families import StageOutput
 from .split import Stage, split_stages
 
 __all__ = ["SCHEDULES", "Pipeline", "ScheduleName", "TiedGroup", "build_pipeline", "build_stages", "stage_ranks"]
@@ -125,21 +127,12 @@ def _takes(module: nn.Module, name: str) -> bool:
         return False
 
 
-def _output_tensor(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    for key in ("logits", "last_hidden_state"):
-        value = getattr(output, key, None)
-        if isinstance(value, torch.Tensor):
-            return value
-    if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    raise TypeError(f"slapo_fn pipeline: cannot find the output tensor in a {type(output).__name__}")
-
-
-def _install_io(module: nn.Module, first: bool) -> None:
-    """Hooks on build's private copy: inputs → the HF forward's arguments, output → a tensor."""
+def _install_io(module: nn.Module, stage: Stage) -> None:
+    """Hooks on build's private copy: inputs → the HF forward's arguments, output → a tensor
+    (a stage before the last hands on its last layer's output: :class:`.StageOutput`)."""
+    first = stage.pre
     no_cache = _takes(module, "use_cache")
+    hand_on = StageOutput(module, None if stage.post else stage.layer_paths[-1])
 
     def pre(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         extra = {"use_cache": False} if no_cache and "use_cache" not in kwargs else {}
@@ -148,7 +141,7 @@ def _install_io(module: nn.Module, first: bool) -> None:
         return (), {**kwargs, **extra, "inputs_embeds": args[0]}
 
     def post(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> torch.Tensor:
-        tensor = _output_tensor(output)
+        tensor = hand_on(output)
         # A stage before the last returns its hidden states through the model's head stand-in
         # (``lm_head`` is an Identity there), often as a view (``hidden[:, 0:]``); zero-bubble
         # schedules detach stage outputs in place, which views refuse: hand on a copy.
@@ -411,7 +404,7 @@ def _build_stages(
     for stage in stages:
         if indices is None or stage.index in indices:
             module = build(stage.schedule, init=init, **build_kw)
-            _install_io(module, stage.pre)
+            _install_io(module, stage)
             modules[stage.index] = module
     return modules
 
