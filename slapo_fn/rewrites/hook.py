@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,11 +10,11 @@ from torch import nn
 
 from ..combinators import primitive
 from ..errors import Problem, ScheduleError, ScheduleTypeError
-from ..schedule import Key, Schedule
+from ..schedule import Annotations, Key, Schedule
 from ..select import Selection
 from ..tree import get_module
 
-__all__ = ["HOOKS", "HOOK_MODES", "HookSpec", "apply_hooks", "hook"]
+__all__ = ["HOOKS", "HOOK_MODES", "MOVABLE_MODES", "HookSpec", "apply_hooks", "hook", "move_hooks"]
 
 HOOKS: Key[tuple[HookSpec, ...]] = Key("hooks")
 HOOK_MODES = ("fwd_pre", "fwd_post", "bwd_pre", "bwd_post")
@@ -88,3 +88,44 @@ def apply_hooks(model: nn.Module, sch: Schedule) -> None:
                 module.register_full_backward_pre_hook(spec.fn)
             else:
                 module.register_full_backward_hook(spec.fn)
+
+
+#: Hook modes whose meaning survives moving them to a module that replaces a subgraph:
+#: a forward-pre hook still runs before the computation, a backward-post hook still sees
+#: the gradients of the inputs. Forward-post and backward-pre hooks see one inner
+#: module's output, which no longer exists on its own.
+MOVABLE_MODES = ("fwd_pre", "bwd_post")
+
+
+def move_hooks(sch: Schedule, sources: Sequence[str], dest: str, what: str) -> Schedule:
+    """A new schedule in which the schedule hooks of the modules at ``sources`` (and
+    below them), whose calls a subgraph rewrite folds into the module at ``dest``, are
+    registered on ``dest`` instead; forward-pre and backward-post hooks move, any other
+    hook would be silently dropped and is a :class:`ScheduleError` naming it and its path.
+    The input is unchanged."""
+    hooked = sch.annotations.of_kind(HOOKS)
+    found = [(p, hooked[p]) for p in hooked if any(p == s or p.startswith(s + ".") for s in sources)]
+    problems = [
+        Problem(
+            p,
+            f"its {spec} hook would be dropped: {dest!r} replaces the subgraph that calls it, and a "
+            f"{spec.mode} hook of an inner module has no equivalent on the new module",
+            "remove the hook (register it on the enclosing module or on the new one after this rewrite), "
+            "or leave this module out of the matched subgraph",
+        )
+        for p, specs in found
+        for spec in specs
+        if spec.mode not in MOVABLE_MODES or p not in sources
+    ]
+    if problems:
+        raise ScheduleError(what, problems)
+    if not found:
+        return sch
+    moved = tuple(spec for _, specs in found for spec in specs)
+    data = {p: dict(kinds) for p, kinds in sch.annotations.items()}
+    for p, _ in found:
+        del data[p][HOOKS.name]
+        if not data[p]:
+            del data[p]
+    data.setdefault(dest, {})[HOOKS.name] = (*sch.annotations.get(dest, HOOKS, ()), *moved)
+    return sch.evolve(annotations=Annotations(data))

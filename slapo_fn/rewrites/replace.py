@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -178,7 +178,7 @@ def replace(
     where: Selection,
     new: nn.Module | Factory | Callable[..., Any],
     *,
-    subgraph: Match | None = None,
+    subgraph: Match | Sequence[Match] | None = None,
     check_shapes: bool = True,
 ) -> Schedule:
     """Replace every selected module by ``new`` — a module, or ``new(old_module, path)``
@@ -207,6 +207,13 @@ def replace(
     must return its outputs (a tuple if several). A replacement whose parameters are
     the pattern's in another order, whose arity differs, or (when the trace recorded
     shapes) whose output shapes differ is refused with a :class:`ScheduleError`.
+    Schedule hooks of the modules inside the subgraph move to ``new`` (forward-pre,
+    backward-post) or, where they would be dropped (forward-post, backward-pre), are a
+    :class:`ScheduleError` naming them. An inner value also read outside the subgraph is
+    computed again outside it. A *list* of matches that read the same input
+    (``subgraph=[m_q, m_k, m_v]``) is replaced by one module taking their inputs (each
+    once) and returning a tuple of all their outputs, in order (horizontal fusion);
+    overlapping or dependent matches are a :class:`ScheduleError`.
 
         >>> import torch, torch.nn.functional as F
         >>> sch = sf.trace(sf.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.ReLU())), "")

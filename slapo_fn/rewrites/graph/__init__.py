@@ -4,6 +4,6 @@
 from .decompose import decompose
 from .find import Match, call_module, find
 from .fuse import fuse
-from .trace import trace
+from .trace import TraceFallbackWarning, trace
 
-__all__ = ["Match", "call_module", "decompose", "find", "fuse", "trace"]
+__all__ = ["Match", "TraceFallbackWarning", "call_module", "decompose", "find", "fuse", "trace"]

@@ -143,6 +143,9 @@ def rebuild(
             gm._non_persistent_buffers_set.add(name)
     # A buffer the graph reads by ``get_attr`` is registered as a buffer even when the
     # original held a plain tensor attribute: keep what the original had.
+    for target in targets:  # (a constant that torch.export lifted out, e.g. ``lifted_tensor_0``)
+        if "." not in target and target in gm._buffers and target not in like._buffers and target not in extra:
+            gm._non_persistent_buffers_set.add(target)
     gm._modules = _ordered(gm._modules, list(like._modules))  # type: ignore[assignment]
     gm._parameters = _ordered(gm._parameters, list(like._parameters))  # type: ignore[assignment]
     gm._buffers = _ordered(gm._buffers, list(like._buffers))  # type: ignore[assignment]

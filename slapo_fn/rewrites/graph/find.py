@@ -19,6 +19,7 @@ Matches come in graph order (so horizontal matches like q, k, v come in call ord
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import operator
 import re
@@ -51,7 +52,9 @@ class Match:
     the subgraph reads, in the order of the pattern's parameters (``input_names``);
     ``outputs`` the nodes whose values leave it, in the pattern's return order.
     ``signature`` pins each node's op and target, so a match that no longer fits the
-    graph (it changed since ``find``) is refused rather than misapplied.
+    graph (it changed since ``find``) is refused rather than misapplied. ``escaping``
+    names inner nodes whose values are also read outside the match: ``fuse`` returns
+    them as extra outputs, ``replace`` recomputes them outside, so they stay available.
     """
 
     path: str
@@ -61,6 +64,7 @@ class Match:
     input_names: tuple[str, ...]
     outputs: tuple[str, ...]
     signature: tuple[tuple[str, str], ...]
+    escaping: tuple[str, ...] = ()
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -241,21 +245,50 @@ def _trace_pattern(pattern: Callable[..., Any] | nn.Module, path: str) -> tuple[
     return traced.graph, traced
 
 
+class _EscapingMatcher(SubgraphMatcher):
+    """torch.fx's matcher, also accepting matches whose inner values are read outside
+    them (a diamond whose middle value escapes): the outliner returns or recomputes them."""
+
+    def _is_contained(self, nodes_map: dict[fx.Node, fx.Node]) -> bool:
+        return True
+
+
+def _convex(region: set[fx.Node], order: dict[fx.Node, int]) -> bool:
+    """Whether no path leaves ``region`` and comes back into it."""
+    last = max(order[n] for n in region)
+    stack = [u for n in region for u in n.users if u not in region and order[u] < last]
+    seen: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for user in node.users:
+            if user in region:
+                return False
+            if order[user] < last:
+                stack.append(user)
+    return True
+
+
+def _matcher(pattern: fx.Graph) -> SubgraphMatcher:
+    return _EscapingMatcher(pattern, match_output=False, match_placeholder=False, remove_overlapping_matches=True)
+
+
 def _structural(path: str, gm: fx.GraphModule, pattern: Callable[..., Any] | nn.Module) -> list[Match]:
-    pgraph, proot = _trace_pattern(pattern, path)
-    canon_p, _ = _canonical(pgraph, proot, pattern=True)
-    canon_g, back = _canonical(gm.graph, gm, pattern=False)
+    canon_p, canon_g, back = _canonical_pair(path, gm, pattern)
     names = [n.name for n in canon_p.nodes if n.op == "placeholder"]
-    if not any(n.op == "call_function" for n in canon_p.nodes):
-        raise ScheduleError("find", [Problem(path, "the pattern computes nothing", "describe at least one op")])
-    matcher = SubgraphMatcher(canon_p, match_output=False, match_placeholder=False, remove_overlapping_matches=True)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     matches: list[Match] = []
-    for m in matcher.match(canon_g):
+    for m in _matcher(canon_p).match(canon_g):
         inner = [back[gn] for pn, gn in m.nodes_map.items() if pn.op == "call_function"]
         inner.sort(key=order.__getitem__)
         inputs = [back[n] for n in m.placeholder_nodes]
         outputs = [back[n] for n in m.returning_nodes]
+        inside = set(inner)
+        if not _convex(inside, order):
+            continue  # an escaping value flows back in: not one subgraph
+        escaping = [n for n in inner if n not in outputs and any(u not in inside for u in n.users)]
         matches.append(
             Match(
                 path=path,
@@ -265,18 +298,141 @@ def _structural(path: str, gm: fx.GraphModule, pattern: Callable[..., Any] | nn.
                 input_names=tuple(names),
                 outputs=tuple(n.name for n in outputs),
                 signature=_signature(inner),
+                escaping=tuple(n.name for n in escaping),
             )
         )
     first = {n.name: order[n] for n in gm.graph.nodes}
     return sorted(matches, key=lambda m: (min(first[n] for n in m.nodes), m.nodes))
 
 
-def find(sch: Schedule, where: Where, pattern: Pattern) -> list[Match]:
+def _canonical_pair(
+    path: str, gm: fx.GraphModule, pattern: Callable[..., Any] | nn.Module
+) -> tuple[fx.Graph, fx.Graph, dict[fx.Node, fx.Node]]:
+    """The canonical pattern graph, the canonical graph of ``gm`` and ``copy -> node``."""
+    pgraph, proot = _trace_pattern(pattern, path)
+    canon_p, _ = _canonical(pgraph, proot, pattern=True)
+    if not any(n.op == "call_function" for n in canon_p.nodes):
+        raise ScheduleError("find", [Problem(path, "the pattern computes nothing", "describe at least one op")])
+    canon_g, back = _canonical(gm.graph, gm, pattern=False)
+    return canon_p, canon_g, back
+
+
+def _key_names(key: object) -> list[str]:
+    """How a canonical node's key reads to a user (an op name, a module path…)."""
+    if isinstance(key, _ModuleKey):
+        return [n for n in (key.op, key.path, key.cls.__name__) if n]
+    if isinstance(key, _Regex):
+        return [f"call_module({key.regex!r})"]
+    return [str(key)]
+
+
+def _graph_ops(gm: fx.GraphModule) -> tuple[list[str], list[str]]:
+    """The op names and the module targets called in ``gm``'s graph, each once, in order."""
+    ops: dict[str, None] = {}
+    modules: dict[str, None] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            modules.setdefault(str(node.target), None)
+            key = _key(node, gm)
+            if isinstance(key, _ModuleKey) and key.op:
+                ops.setdefault(key.op, None)
+        elif node.op in ("call_function", "call_method"):
+            ops.setdefault(op_name(node, gm), None)
+    return list(ops), list(modules)
+
+
+def _shown(names: list[str], limit: int = 12) -> str:
+    more = f" … ({len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _split_reuses(pattern: fx.Graph) -> fx.Graph | None:
+    """A copy of the canonical ``pattern`` in which every extra use of a parameter read
+    more than once reads a new parameter of its own; ``None`` if none is reused."""
+    graph = _copy(pattern)
+    first_op = next(n for n in graph.nodes if n.op != "placeholder")
+    changed = False
+    for ph in [n for n in graph.nodes if n.op == "placeholder"]:
+        uses = [(user, i) for user in list(ph.users) for i, a in enumerate(user.args) if a is ph]
+        for user, i in uses[1:]:
+            with graph.inserting_before(first_op):
+                fresh = graph.placeholder(f"{ph.name}_use{i}")
+            args = list(user.args)
+            args[i] = fresh
+            user.args = tuple(args)
+            changed = True
+    return graph if changed else None
+
+
+def _copy(graph: fx.Graph) -> fx.Graph:
+    """A copy of a canonical graph (whose call targets are keys, not callables)."""
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        if node.op == "call_function":
+            args = fx.node.map_arg(node.args, lambda n: env[n])
+            env[node] = new.create_node("call_function", operator.add, args, {}, name=node.name)  # type: ignore[arg-type]
+            env[node].target = node.target
+        else:
+            env[node] = new.node_copy(node, lambda n: env[n])
+    return new
+
+
+def _no_match(path: str, gm: fx.GraphModule, pattern: Pattern) -> Problem:
+    """Why ``pattern`` matches nothing in ``gm``: what the graph has, nearest to it."""
+    ops, modules = _graph_ops(gm)
+    has = f"the graph calls modules [{_shown(modules)}] and ops [{_shown(ops)}]"
+    if isinstance(pattern, str):
+        near = difflib.get_close_matches(pattern, modules, n=3, cutoff=0.5)
+        near_ops = difflib.get_close_matches(_norm(pattern), ops, n=3, cutoff=0.5)
+        reason = f"no module call's target matches the regex {pattern!r}"
+        fix = f"nearest module targets: {', '.join(near)}" if near else has
+        if near_ops and not near:
+            fix = f"nearest ops: {', '.join(near_ops)}; describe an op with a pattern function (lambda x: F.relu(x))"
+        if pattern in ops or _norm(pattern) in ops:
+            reason += f"; {pattern!r} is an op of the graph, not a module target"
+            fix = f"describe the op with a pattern function, e.g. sf.find(sch, {path!r}, lambda x: F.{pattern}(x))"
+        return Problem(path, f"{reason} ({has})", fix)
+    if not isinstance(pattern, nn.Module) and _is_predicate(pattern):
+        return Problem(path, f"the node predicate is true for no node ({has})", "check the predicate")
+    canon_p, canon_g, _ = _canonical_pair(path, gm, pattern)
+    missing: list[str] = []
+    for node in canon_p.nodes:
+        if node.op != "call_function":
+            continue
+        names = _key_names(node.target)
+        if not any(n in ops or n in modules for n in names) and not any(
+            node.target == g.target for g in canon_g.nodes if g.op == "call_function"
+        ):
+            probe = node.target.regex if isinstance(node.target, _Regex) else names[0]
+            near = difflib.get_close_matches(probe, ops + modules, n=3, cutoff=0.5)
+            label = names[0] if isinstance(node.target, _Regex) else repr(names[0])
+            missing.append(label + (f" (nearest: {', '.join(near)})" if near else ""))
+    if missing:
+        reason = f"the pattern's op(s) {', '.join(missing)} are not in the graph ({has})"
+    else:
+        reason = f"the pattern's ops are all in the graph, but not connected as in the pattern ({has})"
+    split = _split_reuses(canon_p)
+    if split is not None and _matcher(split).match(canon_g):
+        reason += (
+            "; the pattern reads one parameter in several places, and the graph has the shape of the pattern "
+            "where those places read different values"
+        )
+        return Problem(path, reason, "give each use its own parameter, e.g. lambda x, y: F.relu(x) + y")
+    return Problem(path, reason, "print(sch[path].module.graph) to see the graph, and write the pattern from it")
+
+
+def find(sch: Schedule, where: Where, pattern: Pattern, *, allow_empty: bool = False) -> list[Match]:
     """Subgraphs of the traced module(s) at ``where`` that match ``pattern``.
 
     A query: nothing is rewritten. See the module docstring for the pattern forms.
     Matches are frozen values, in graph order; pass one to :func:`fuse`, or as
     ``subgraph=`` to ``replace`` / ``checkpoint``. The module must be traced first.
+    A match may have inner values that are also read outside it (``Match.escaping``).
+    No match at all is a :class:`ScheduleError` saying what the graph contains (its
+    modules and ops, the nearest to the pattern's, and whether the pattern reuses a
+    parameter where the graph reads different values); ``allow_empty=True`` returns
+    ``[]`` instead.
 
     Example:
         >>> import torch, torch.nn as nn, torch.nn.functional as F, slapo_fn as sf
@@ -293,8 +449,10 @@ def find(sch: Schedule, where: Where, pattern: Pattern) -> list[Match]:
         raise ScheduleTypeError("find", [Problem("", f"expected a Schedule, got {type(sch).__name__}", "")])
     paths = select(where).modules(sch.module)
     results: list[Match] = []
+    searched: list[tuple[str, fx.GraphModule]] = []
     for path in paths:
         gm = graph_module_at(sch.module, path, "find")
+        searched.append((path, gm))
         if isinstance(pattern, str):
             try:
                 regex = re.compile(pattern)
@@ -321,6 +479,8 @@ def find(sch: Schedule, where: Where, pattern: Pattern) -> list[Match]:
                     )
                 ],
             )
+    if not results and not allow_empty:
+        raise ScheduleError("find", [_no_match(path, gm, pattern) for path, gm in searched])
     return results
 
 

@@ -11,10 +11,12 @@ from torch import nn
 from ...errors import Problem, ScheduleError
 from ...schedule import Schedule
 from ...tree import join, set_at, split
+from ..hook import move_hooks
 from ._graph import (
     contract,
     copy_graph,
     graph_module_at,
+    has_hooks,
     inline_module,
     input_nodes,
     rebuild,
@@ -22,7 +24,7 @@ from ._graph import (
     resolve_attr,
     unique_name,
 )
-from .find import Match, nodes_of
+from .find import Match, nodes_of, op_name
 
 __all__ = ["Outlined", "outline"]
 
@@ -52,6 +54,7 @@ def outline(
     *,
     name: str | None = None,
     inline_leaves: bool = True,
+    recompute_escaping: bool = False,
 ) -> tuple[Schedule, str]:
     """A new schedule in which ``match`` (in the traced module at ``path``) is one
     ``call_module`` of ``make(outlined)``, registered under ``name`` (default
@@ -59,6 +62,12 @@ def outline(
 
     With ``inline_leaves``, modules with parameters called inside the subgraph are
     inlined first, so the new module holds no parameters and every FQN is kept.
+    Inner values also read outside the subgraph (``match.escaping``) are extra outputs
+    of the new module, or with ``recompute_escaping`` (a user's module that returns only
+    the match's outputs) computed again outside it; a random one cannot be and is a
+    :class:`ScheduleError`. Schedule hooks of the modules the subgraph calls move to the
+    new module (forward-pre, backward-post) or are refused (:func:`move_hooks`), and so
+    are hooks registered on those module objects themselves.
     """
     gm = graph_module_at(sch.module, path, what)
     if match.path != path:
@@ -67,6 +76,19 @@ def outline(
             [Problem(path, f"the match was found in {match.path!r}, not here", f"pass where={match.path!r}")],
         )
     region0, inputs0, outputs0 = nodes_of(gm, match, what)
+    hooked = [
+        Problem(
+            join(path, str(n.target)),
+            f"has hooks registered on the module object, which would no longer run once {what} folds its call "
+            "into a new module",
+            "register them with sf.hook(sch, path, mode, fn) instead (forward-pre and backward-post hooks move), "
+            "or leave this module out of the matched subgraph",
+        )
+        for n in region0
+        if n.op == "call_module" and has_hooks(resolve_attr(gm, str(n.target)))
+    ]
+    if hooked:
+        raise ScheduleError(what, hooked)
     graph, env = copy_graph(gm.graph)
     region = [env[n] for n in region0]
     inputs = [env[n] for n in inputs0]
@@ -85,6 +107,8 @@ def outline(
                 expanded.append(node)
         region = expanded
     region = [n for n in region if n.op != "get_attr"]
+    if recompute_escaping:
+        _recompute_escaping(graph, region, outputs, gm, what, path)
     inside = set(region)
     extra = [n for n in input_nodes(region, inside) if n not in inputs]
     all_inputs = [*inputs, *extra]
@@ -116,4 +140,52 @@ def outline(
         for gone in called - used:
             new_gm._modules.pop(gone, None)
     root = set_at(sch.module, path, new_gm)
-    return sch.with_module(root, replaced=(path,)), join(path, target)
+    folded = [join(path, str(n.target)) for n in region0 if n.op == "call_module"]
+    moved = move_hooks(sch, folded, join(path, target), what)
+    return moved.with_module(root, replaced=(path,)), join(path, target)
+
+
+_RANDOM = ("dropout", "rand", "bernoulli", "multinomial", "normal")
+
+
+def _recompute_escaping(
+    graph: fx.Graph, region: list[fx.Node], outputs: list[fx.Node], gm: fx.GraphModule, what: str, path: str
+) -> None:
+    """Give the outside readers of inner values of ``region`` copies of those values,
+    computed outside it from the region's inputs (in place; ``graph`` is ours)."""
+    inside = set(region)
+    for node in region:
+        readers = [u for u in node.users if u not in inside]
+        if node in outputs or not readers:
+            continue
+        cone: set[fx.Node] = set()
+        stack = [node]
+        while stack:
+            cur = stack.pop()
+            if cur in inside and cur not in cone:
+                cone.add(cur)
+                stack.extend(cur.all_input_nodes)
+        ordered = [n for n in region if n in cone]
+        random = [n for n in ordered if any(r in op_name(n, gm).lower() for r in _RANDOM) or _is_dropout(n, gm)]
+        if random:
+            raise ScheduleError(
+                what,
+                [
+                    Problem(
+                        path,
+                        f"the inner value {node.name!r} is also read outside the subgraph, and computing it again "
+                        f"would draw new random numbers ({', '.join(n.name for n in random)})",
+                        "match a pattern that returns it too, and return it from the replacement",
+                    )
+                ],
+            )
+        env: dict[fx.Node, fx.Node] = {}
+        with graph.inserting_before(node):
+            for inner in ordered:
+                env[inner] = graph.node_copy(inner, lambda n, e=env: e.get(n, n))  # type: ignore[misc]
+        for reader in readers:
+            reader.replace_input_with(node, env[node])
+
+
+def _is_dropout(node: fx.Node, gm: fx.GraphModule) -> bool:
+    return node.op == "call_module" and isinstance(resolve_attr(gm, str(node.target)), nn.Dropout)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -13,10 +13,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ...errors import Problem, ScheduleError, ScheduleTypeError
 from ...schedule import Key, Schedule
-from .find import Match
+from ...tree import join
+from ._graph import graph_module_at
+from .find import Match, nodes_of, op_name
 from .outline import Outlined, outline
 
-__all__ = ["checkpoint_subgraph", "replace_subgraph"]
+__all__ = ["checkpoint_subgraph", "merge_matches", "replace_subgraph"]
 
 T = TypeVar("T")
 
@@ -106,8 +108,87 @@ def _check(path: str, match: Match, new: nn.Module, o: Outlined) -> list[Problem
     return problems
 
 
-def replace_subgraph(sch: Schedule, path: str, new: nn.Module | Callable[..., Any], match: Match) -> Schedule:
-    """``replace(sch, path, new, subgraph=match)``: see :func:`slapo_fn.replace`."""
+def _cannot_fuse(path: str, reason: str) -> ScheduleError:
+    return ScheduleError(
+        "replace",
+        [
+            Problem(
+                path,
+                f"the matches cannot be replaced by one module: {reason}",
+                "pass matches of independent subgraphs of one traced module, e.g. "
+                "subgraph=sf.find(sch, path, r'[qkv]_proj')",
+            )
+        ],
+    )
+
+
+def merge_matches(sch: Schedule, path: str, matches: Sequence[Match]) -> Match:
+    """Several matches of the traced module at ``path`` as one (horizontal fusion: q, k
+    and v projections that read one input): its inputs are theirs, each once, in order;
+    its outputs theirs, concatenated. Overlapping matches, matches from other modules,
+    or one match reading another's values are a :class:`ScheduleError`."""
+    if not matches:
+        raise _cannot_fuse(path, "subgraph=[] lists no match")
+    wrong = [type(m).__name__ for m in matches if not isinstance(m, Match)]
+    if wrong:
+        raise ScheduleTypeError(
+            "replace", [Problem(path, f"expected Match values from sf.find, got {', '.join(wrong)}", "")]
+        )
+    if len(matches) == 1:
+        return matches[0]
+    elsewhere = sorted({m.path for m in matches if m.path != path})
+    if elsewhere:
+        raise _cannot_fuse(path, f"some were found in {', '.join(map(repr, elsewhere))}, not here")
+    gm = graph_module_at(sch.module, path, "replace")
+    regions = [set(nodes_of(gm, m, "replace")[0]) for m in matches]
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for i, a in enumerate(regions):
+        upstream = _ancestors(a)
+        for j, b in enumerate(regions):
+            if i == j:
+                continue
+            if i < j and a & b:
+                shared = ", ".join(sorted(n.name for n in a & b))
+                raise _cannot_fuse(path, f"matches {i} and {j} share nodes ({shared})")
+            if upstream & b:
+                raise _cannot_fuse(
+                    path, f"match {i} reads values of match {j}, so one module cannot compute both side by side"
+                )
+    nodes = sorted(set().union(*regions), key=order.__getitem__)
+    inputs: dict[str, str] = {}
+    for m in matches:
+        for node, name in zip(m.inputs, m.input_names, strict=False):
+            inputs.setdefault(node, name)
+    return Match(
+        path=path,
+        nodes=tuple(n.name for n in nodes),
+        ops=tuple(join(path, str(n.target)) if n.op == "call_module" else op_name(n, gm) for n in nodes),
+        inputs=tuple(inputs),
+        input_names=tuple(inputs.values()),
+        outputs=tuple(o for m in matches for o in m.outputs),
+        signature=tuple((n.op, str(n.target)) for n in nodes),
+        escaping=tuple(e for m in matches for e in m.escaping),
+    )
+
+
+def _ancestors(region: set[fx.Node]) -> set[fx.Node]:
+    """Every node that ``region`` reads, directly or not (outside it)."""
+    seen: set[fx.Node] = set()
+    stack = [a for n in region for a in n.all_input_nodes if a not in region]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
+
+
+def replace_subgraph(
+    sch: Schedule, path: str, new: nn.Module | Callable[..., Any], match: Match | Sequence[Match]
+) -> Schedule:
+    """``replace(sch, path, new, subgraph=match)``: see :func:`slapo_fn.replace`. A list
+    of matches is replaced by one module returning all their outputs, as a tuple."""
+    one = match if isinstance(match, Match) else merge_matches(sch, path, match)
     if isinstance(new, nn.Module):
         module = new
     elif callable(new):
@@ -120,10 +201,10 @@ def replace_subgraph(sch: Schedule, path: str, new: nn.Module | Callable[..., An
     problems: list[Problem] = []
 
     def make(o: Outlined) -> nn.Module:
-        problems.extend(_check(path, match, module, o))
+        problems.extend(_check(path, one, module, o))
         return module
 
-    result, _ = outline(sch, path, match, "replace", "replaced", make, inline_leaves=False)
+    result, _ = outline(sch, path, one, "replace", "replaced", make, inline_leaves=False, recompute_escaping=True)
     if problems:
         raise ScheduleError("replace", problems)
     return result

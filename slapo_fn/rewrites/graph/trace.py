@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import operator
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
@@ -22,9 +23,9 @@ from ...schedule import Schedule
 from ...select import Selection, select
 from ...tree import get_module, join, set_at, split, walk
 from .._common import contains
-from ._graph import has_hooks, rebuild
+from ._graph import has_hooks, rebuild, resolve_attr
 
-__all__ = ["ExampleInputs", "trace"]
+__all__ = ["ExampleInputs", "TraceFallbackWarning", "trace"]
 
 ExampleInputs: TypeAlias = "tuple[Any, ...] | Mapping[str, Any] | tuple[tuple[Any, ...], Mapping[str, Any]]"
 Tracer: TypeAlias = "Literal['fx', 'export'] | fx.Tracer | None"
@@ -255,23 +256,46 @@ def _export_trace(
     out = next(n for n in graph.nodes if n.op == "output")
     structured = pytree.tree_unflatten(list(out.args[0]), ep.call_spec.out_spec)  # type: ignore[arg-type]
     out.args = (structured,)
+    _rename_reserved(graph)
     graph._codegen = _BoundCodeGen()
     graph.lint()
-    like = _Like(module, unflat)
+    like = _Like(module, unflat, graph)
     gm = rebuild(like, graph, class_name=type(module).__name__)
     gm.__dict__["_slapo_inputs"] = _Binder(sig, len(args), tuple(kwargs), ep.call_spec.in_spec)
     gm.recompile()
     return gm
 
 
-def _Like(module: nn.Module, unflat: nn.Module) -> nn.Module:
-    """A stand-in carrying ``module``'s attributes and hooks with ``unflat``'s children."""
+#: Names a node of a generated ``forward`` must not take: ``self`` is the module itself
+#: (a child named ``self``, as ``BertAttention.self``, would shadow it).
+_RESERVED = frozenset({"self", "args", "kwargs"})
+
+
+def _rename_reserved(graph: fx.Graph) -> None:
+    """Rename nodes whose names would shadow ``self``/``args``/``kwargs`` in the generated
+    ``forward`` (in place; ``graph`` is ours). Targets are kept: only the local name changes."""
+    for node in graph.nodes:
+        if node.name in _RESERVED and node.op != "placeholder":
+            node._rename(f"{node.name}_out")
+
+
+def _Like(module: nn.Module, unflat: nn.Module, graph: fx.Graph) -> nn.Module:
+    """A stand-in carrying ``module``'s attributes and hooks with ``unflat``'s children,
+    and the tensor constants that ``torch.export`` lifted out of the forward
+    (``lifted_tensor_0``…), which ``module`` does not have."""
     like = object.__new__(type(module))
     like.__dict__.update(module.__dict__)
     like.__dict__["_modules"] = {**module._modules, **unflat._modules}
     like.__dict__["_parameters"] = dict(module._parameters)
     like.__dict__["_buffers"] = dict(module._buffers)
     like.__dict__.update({k: v for k, v in unflat.__dict__.items() if k.startswith("_spec")})
+    for node in graph.nodes:
+        target = str(node.target)
+        if node.op != "get_attr" or "." in target or target in like.__dict__["_modules"]:
+            continue
+        if target in like._parameters or target in like._buffers or target in like.__dict__:
+            continue
+        like.__dict__[target] = resolve_attr(unflat, target)
     return like
 
 
@@ -307,7 +331,56 @@ def _inline_interpreters(graph: fx.Graph, root: nn.Module, leaves: set[str]) -> 
 
 
 # -- the primitive ----------------------------------------------------------------------
-def _leaf_paths(module: nn.Module, path: str, leaves: Sequence[str | type], sch: Schedule, hf: bool) -> set[str]:
+class TraceFallbackWarning(UserWarning):
+    """``trace`` used ``torch.export`` because ``torch.fx`` could not trace the module."""
+
+
+def _needs_example(
+    path: str, example: tuple[tuple[Any, ...], dict[str, Any]] | None, fx_error: ScheduleError | None
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``example``, or a :class:`ScheduleError` saying that export needs it (and why fx failed)."""
+    if example is not None:
+        return example
+    why = f"{fx_error.problems[0].reason}; " if fx_error is not None else ""
+    raise ScheduleError(
+        "trace",
+        [
+            Problem(
+                path,
+                f"{why}tracing with torch.export needs example inputs",
+                "pass example_inputs=(hidden_states,) or ((args...), {'kw': value})",
+            )
+        ],
+    )
+
+
+def _hf_trace(
+    module: nn.Module,
+    path: str,
+    leaves: set[str],
+    flatten: bool,
+    example: tuple[tuple[Any, ...], dict[str, Any]] | None,
+) -> fx.GraphModule:
+    """A Hugging Face module: ``torch.fx`` first; ``torch.export`` (with the example
+    inputs) only where fx fails, with a :class:`TraceFallbackWarning` saying so."""
+    try:
+        gm = _fx_trace(module, path, leaves, flatten, None)
+    except ScheduleError as e:
+        exported = _export_trace(module, path, leaves, flatten, _needs_example(path, example, e))
+        warnings.warn(
+            f"trace {path!r}: {e.problems[0].reason}; traced with torch.export on the example inputs instead",
+            TraceFallbackWarning,
+            stacklevel=4,
+        )
+        return exported
+    if example is not None:
+        _shape_prop(gm, example, path)
+    return gm
+
+
+def _leaf_paths(
+    module: nn.Module, path: str, leaves: Sequence[str | type], sch: Schedule, hf: bool, flatten: bool = False
+) -> set[str]:
     found: set[str] = set()
     names = [x for x in leaves if isinstance(x, str)]
     types = tuple(x for x in leaves if isinstance(x, type))
@@ -316,7 +389,12 @@ def _leaf_paths(module: nn.Module, path: str, leaves: Sequence[str | type], sch:
     if types:
         found.update(p for p, m in walk(module) if p and isinstance(m, types))
     if hf and not leaves:
-        found.update(n for n, c in module._modules.items() if c is not None)
+        if flatten:  # one graph: only PyTorch's own layers stay modules (FQNs, regex finds)
+            found.update(
+                p for p, m in walk(module) if p and _builtin(m) and not isinstance(m, nn.ModuleList | nn.ModuleDict)
+            )
+        else:
+            found.update(n for n, c in module._modules.items() if c is not None)
     for p, m in walk(module):  # annotated or hooked children keep their module (and so their annotations)
         if not p:
             continue
@@ -349,14 +427,17 @@ def trace(
     hierarchy is kept); with ``flatten=True`` they are inlined into one graph.
     Parameter FQNs, hooks and annotations of the module are kept.
 
-    ``tracer`` is ``"fx"`` (``torch.fx.symbolic_trace``, the default for plain modules),
-    ``"export"`` (``torch.export`` non-strict with ``use_cache=False``, the default for
-    Hugging Face modules, whose direct children are the default leaves; needs
-    ``example_inputs``), or a ``torch.fx.Tracer`` instance. ``example_inputs`` — a tuple
-    of positional arguments, a dict of keyword arguments, or ``(args, kwargs)`` — also
-    records shapes in the graph (``node.meta``). A module the tracer cannot trace raises
-    :class:`ScheduleError` with the tracer's reason. Returns a new schedule; the input
-    is unchanged.
+    ``tracer`` is ``"fx"`` (``torch.fx.symbolic_trace``), ``"export"`` (``torch.export``
+    non-strict with ``use_cache=False``; needs ``example_inputs``), or a
+    ``torch.fx.Tracer`` instance. By default plain modules use fx, and Hugging Face
+    modules try fx first and use export only where fx fails (most HF modules), with a
+    :class:`TraceFallbackWarning` giving fx's reason; without ``example_inputs`` that
+    case is a :class:`ScheduleError` saying both. A Hugging Face module's direct children
+    are its default leaves; with ``flatten=True`` only PyTorch's own layers are, so the
+    children's graphs are inlined. ``example_inputs`` — a tuple of positional arguments,
+    a dict of keyword arguments, or ``(args, kwargs)`` — also records shapes in the graph
+    (``node.meta``). A module the tracer cannot trace raises :class:`ScheduleError` with
+    the tracer's reason. Returns a new schedule; the input is unchanged.
 
     Example:
         >>> import torch, torch.nn as nn, slapo_fn as sf
@@ -388,22 +469,13 @@ def trace(
     for path in paths:
         module = get_module(sch.module, path)
         hf = is_transformers_module(module)
-        kind = tracer if tracer is not None else ("export" if hf else "fx")
+        kind = tracer if tracer is not None else "fx"
         try:
-            leaf_set = _leaf_paths(module, path, leaves, sch, hf)
+            leaf_set = _leaf_paths(module, path, leaves, sch, hf, flatten)
             if kind == "export":
-                if example is None:
-                    raise ScheduleError(
-                        "trace",
-                        [
-                            Problem(
-                                path,
-                                "tracing with torch.export needs example inputs",
-                                "pass example_inputs=(hidden_states,) or ((args...), {'kw': value})",
-                            )
-                        ],
-                    )
-                gm = _export_trace(module, path, leaf_set, flatten, example)
+                gm = _export_trace(module, path, leaf_set, flatten, _needs_example(path, example, None))
+            elif tracer is None and hf:
+                gm = _hf_trace(module, path, leaf_set, flatten, example)
             else:
                 gm = _fx_trace(module, path, leaf_set, flatten, tracer if isinstance(tracer, fx.Tracer) else None)
                 if example is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import pytest
 import torch
@@ -56,7 +57,10 @@ def test_two_path_pattern_with_call_module_regex() -> None:
     pattern = lambda x: F.relu(call_module(r"fc1", x) + call_module(r"fc2", x))
     (m,) = sf.find(sch, "", pattern)
     assert m.ops == ("fc1", "fc2", "add", "relu") and m.inputs == ("x",)
-    assert sf.find(sch, "", lambda x: F.relu(call_module(r"fc3", x) + call_module(r"fc2", x))) == []
+    absent = lambda x: F.relu(call_module(r"fc3", x) + call_module(r"fc2", x))
+    assert sf.find(sch, "", absent, allow_empty=True) == []
+    with pytest.raises(sf.ScheduleError, match=r"call_module\('fc3'\) \(nearest: fc[12], fc[12]\) are not in"):
+        sf.find(sch, "", absent)
 
 
 class Tree(nn.Module):
@@ -168,3 +172,73 @@ def test_find_bad_pattern_errors() -> None:
         sf.find(sch, "", lambda x: x if x.sum() > 0 else -x)
     with pytest.raises(sf.SelectorError):
         sf.find(sch, "nope", r"fc1")
+
+
+def test_empty_find_says_what_the_graph_contains() -> None:
+    sch = traced(ReluRes())
+    with pytest.raises(sf.ScheduleError, match=r"(?s)regex 'gelu'.*modules \[fc\] and ops \[linear, relu, add\].*"
+                                             r"nearest ops: relu") as info:
+        sf.find(sch, "", "gelu")  # an op name given as a module regex
+    assert info.value.paths == ("",)
+    with pytest.raises(sf.ScheduleError, match=r"nearest module targets: fc"):
+        sf.find(sch, "", "fcc")
+    with pytest.raises(sf.ScheduleError, match=r"op\(s\) 'gelu' \(nearest: relu\) are not in the graph"):
+        sf.find(sch, "", lambda x: F.gelu(x))
+    with pytest.raises(sf.ScheduleError, match="the node predicate is true for no node"):
+        sf.find(sch, "", lambda node: False)
+
+
+class TwoValues(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.fc(x)) + x  # relu and add read two different values
+
+
+def test_pattern_reusing_a_parameter_where_graph_has_two_values_says_so() -> None:
+    sch = traced(TwoValues())
+    with pytest.raises(sf.ScheduleError, match=r"(?s)reads one parameter in several places.*different values.*"
+                                             r"give each use its own parameter"):
+        sf.find(sch, "", lambda x: F.relu(x) + x)
+    (m,) = sf.find(sch, "", lambda x, y: F.relu(x) + y)
+    assert m.ops == ("relu", "add")
+
+
+class Escaping(nn.Module):
+    def forward(self, m: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        a = m + n
+        return (a * 2 + a * 3) + a * 5  # a * 5 reads the diamond's inner value outside it
+
+
+def diamond(m: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    a = m + n
+    return a * 2 + a * 3
+
+
+def test_diamond_whose_inner_value_escapes_is_matched_and_value_kept() -> None:
+    model = Escaping()
+    sch = traced(model)
+    (match,) = sf.find(sch, "", diamond)
+    assert sorted(match.ops) == ["add", "add", "mul", "mul"] and match.escaping == ("add",)
+    m, n = torch.randn(3, requires_grad=True), torch.randn(3)
+    fused = sf.fuse(sch, "", match, compiler=None)
+    assert torch.equal(sf.build(fused)(m, n), model(m, n))
+    replaced = sf.replace(sch, "", lambda m, n: (m + n) * 5, subgraph=match)  # returns d only: a is recomputed
+    assert torch.allclose(sf.build(replaced)(m, n), model(m, n))
+    assert sum(node.target is operator.add for node in replaced.module.graph.nodes) == 2  # a, and the sum
+    assert sf.find(sch, "", diamond) == [match]  # the input schedule is unchanged
+
+
+class FlowsBack(nn.Module):
+    def forward(self, m: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        a = m + n
+        b = torch.tanh(a)  # leaves the diamond and comes back into it
+        return a * 2 + b * 3
+
+
+def test_escaping_value_that_flows_back_is_not_a_match() -> None:
+    with pytest.raises(sf.ScheduleError, match="not connected as in the pattern"):
+        sf.find(traced(FlowsBack()), "", lambda m, n, b: (m + n) * 2 + b * 3 + (m + n))
+    assert sf.find(traced(FlowsBack()), "", diamond, allow_empty=True) == []
