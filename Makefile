@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: any other spec would pull a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[hf,dev,tune]"
+	$(BIN)/python -m pip install -q -e ".[hf,dev,tune,tensorboard]"
 	touch $(STAMP)
 
 # The main job: a small LLaMA trained with a real schedule (Megatron TP x FSDP) on 4 local

@@ -6,7 +6,11 @@
   ``base_model_tp_plan``, ``slapo_fn.recipes.from_model_plan``), starts the local processes itself through
   ``torchrun`` (gloo on CPU, NCCL on GPUs), trains on a synthetic task (or ``--data
   file.txt``, byte-level) with a progress bar, writes distributed checkpoints
-  (``--checkpoint-dir``, ``--save-every``) and resumes from them (``--resume``).
+  (``--checkpoint-dir``, ``--save-every``) and resumes from them (``--resume``). The
+  loop is :func:`slapo_fn.train.train` (``--lr/--warmup/--decay``, ``--weight-decay``,
+  ``--grad-clip``, ``--grad-accum``, ``--dtype``, ``--metrics``, ``--tensorboard``);
+  ``--config run.toml`` gives any flag's value, flags override it; ``--nnodes
+  --node-rank --master-addr --master-port`` make this machine one node of several.
 * ``slapo-fn explain --model llama-7b --tp 8 --pp 4 --dp 4`` prints the schedule, its
   layouts, collectives, stages and per-rank memory without starting a job (meta device,
   a fake process group).
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.util
 import json
 import math
 import os
@@ -48,9 +53,16 @@ from typing import Any
 
 from .errors import Problem, ScheduleError
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
 __all__ = ["CommandLineError", "main"]
 
 PG_TIMEOUT_S = 60
+#: Learning-rate decays of ``--decay`` (``slapo_fn.train.DECAYS``, named here without importing torch).
+DECAYS = ("cosine", "linear", "constant")
 #: The most lines a refusal takes; a longer one is cut, saying how many lines are left out.
 MAX_MESSAGE_LINES = 10
 
@@ -87,16 +99,42 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    return _parsers()[0]
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``slapo-fn`` parser and its commands' parsers, by name."""
     parser = argparse.ArgumentParser(prog="slapo-fn", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train a model with a recipe on local processes")
+    train = sub.add_parser("train", help="train a model with a recipe on local processes (or several nodes)")
+    train.add_argument("--config", default=None, metavar="FILE.toml",
+                       help="a TOML file whose keys are these flags' names (e.g. lr = 3e-4, grad-accum = 2; in "
+                            "[sections] or not); flags given on the command line override it")
     _parallel_args(train)
-    train.add_argument("--steps", type=int, default=40)
-    train.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
+    train.add_argument("--steps", type=int, default=40, help="the step to train up to (a resumed run's total)")
+    train.add_argument("--batch", type=int, default=8, help="global batch (sequences per optimizer step, over "
+                                                            "data-parallel ranks and --grad-accum micro-steps)")
     train.add_argument("--seq", type=int, default=64, help="sequence length")
-    train.add_argument("--lr", type=float, default=3e-3)
     train.add_argument("--seed", type=int, default=0)
+    loop = train.add_argument_group("optimization")
+    loop.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    loop.add_argument("--warmup", type=int, default=0, help="steps of linear warmup to --lr")
+    loop.add_argument("--decay", choices=DECAYS, default="constant",
+                      help="after warmup, from --lr to --min-lr by the last step")
+    loop.add_argument("--min-lr", type=float, default=0.0, help="the learning rate the decay ends at")
+    loop.add_argument("--weight-decay", type=float, default=0.01,
+                      help="AdamW weight decay of matrices (not of biases and norm scales)")
+    loop.add_argument("--grad-clip", type=float, default=None, metavar="NORM",
+                      help="clip gradients to this global norm (across TP, FSDP and pipeline stages)")
+    loop.add_argument("--grad-accum", type=int, default=1, metavar="K",
+                      help="micro-steps per optimizer step (FSDP2 reduces gradients on the last one)")
+    loop.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                      help="compute dtype: bf16 is FSDP2 mixed precision with --dp > 1, autocast otherwise; "
+                           "weights, optimizer and gradient reductions stay float32")
+    loop.add_argument("--eval-every", type=int, default=0, metavar="N",
+                      help="an eval loss every N steps, where the data has a held-out split (0: never)")
+    loop.add_argument("--eval-batches", type=int, default=None, metavar="N", help="at most N eval batches")
     train.add_argument("--data", default=None, help="a text file (byte-level); default: a synthetic task")
     train.add_argument("--checkpoint-dir", default=None, help="where distributed checkpoints go")
     train.add_argument("--save-every", type=int, default=0, help="save every N steps (and at the end)")
@@ -109,6 +147,15 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--fault", default=None, metavar="KIND:STEP",
                        help="inject a failure on the last rank at STEP: 'exit:3' exits non-zero, 'hang:3' stops "
                             "answering (tests the launcher's and the tuner's failure handling)")
+    train.add_argument("--tensorboard", default=None, metavar="DIR",
+                       help="TensorBoard scalars (loss, lr, grad norm, tokens/s, peak memory) in DIR; needs the "
+                            "tensorboard package (pip install 'slapo_fn[tensorboard]')")
+    nodes = train.add_argument_group("several nodes", "run the same command on every node, each with its "
+                                                      "--node-rank; torchrun's static rendezvous at node 0")
+    nodes.add_argument("--nnodes", type=int, default=1, help="nodes of the job (dp*tp*pp ranks split evenly)")
+    nodes.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0 .. --nnodes - 1")
+    nodes.add_argument("--master-addr", default=None, metavar="HOST", help="address of node 0 (with --nnodes > 1)")
+    nodes.add_argument("--master-port", type=int, default=29500, metavar="PORT", help="a free port on node 0")
 
     explain = sub.add_parser("explain", help="explain the schedule of a model and parallel config (no job)")
     _parallel_args(explain)
@@ -125,7 +172,7 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--atol", type=float, default=None, help="absolute (default: by dtype, 1e-5 for float32)")
     verify.add_argument("--run-dir", default=None)
     _tune_args(sub.add_parser("tune", help="search the recipe's knobs for the fastest config that fits"))
-    return parser
+    return parser, dict(sub.choices)
 
 
 def _tune_args(p: argparse.ArgumentParser) -> None:
@@ -159,6 +206,89 @@ def _tune_args(p: argparse.ArgumentParser) -> None:
                    help="inject a fault (see train --fault) into the trials matching these knob values (tests)")
 
 
+# -- a TOML config file: defaults for the flags, which override it ---------------------------------
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    """The arguments of ``argv``; with ``--config FILE`` its values are the flags'
+    defaults, so that a flag given overrides the file (as torchtitan's configs)."""
+    parser, commands = _parsers()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None) is None:
+        return args
+    command = commands[args.command]
+    command.set_defaults(**_config_values(Path(args.config), command, args.command))
+    return parser.parse_args(argv)
+
+
+def _config_values(file: Path, parser: argparse.ArgumentParser, command: str) -> dict[str, Any]:
+    """The flag values of TOML ``file`` for ``parser``: keys are flag names (``grad-accum``
+    or ``grad_accum``), at the top or in ``[sections]`` (any names: ``[optimizer]``,
+    ``[parallel]``, ...); each value of the flag's type. Every unknown key and wrong value
+    is reported at once, naming the file and key."""
+    def refuse(problems: list[Problem]) -> CommandLineError:
+        return CommandLineError(command, problems)
+
+    fix = 'a TOML file of flag names and values, e.g. lr = 3e-4 and grad-accum = 2, or [optimizer] lr = 3e-4'
+    try:
+        table = tomllib.loads(file.read_text())
+    except OSError as e:
+        raise refuse([Problem("--config", f"{file}: cannot be read ({e.strerror or e})", fix)]) from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise refuse([Problem(str(file), f"not valid TOML: {e}", fix)]) from None
+    actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
+    flat: list[tuple[str, Any]] = []
+    for key, value in table.items():
+        if isinstance(value, dict) and key.replace("-", "_") not in actions:  # a [section]
+            flat += [(f"{key}.{k}", v) for k, v in value.items()]
+        else:
+            flat.append((key, value))
+    values: dict[str, Any] = {}
+    problems: list[Problem] = []
+    for where, value in flat:
+        name = where.rsplit(".", 1)[-1]
+        dest = name.replace("-", "_")
+        action = actions.get(dest)
+        if action is None:
+            close = difflib.get_close_matches(dest, list(actions), n=3)
+            problems.append(Problem(f"{file}: {where}", f"not a flag of slapo-fn {command}"
+                                    + (f"; close matches: {', '.join(c.replace('_', '-') for c in close)}"
+                                       if close else ""),
+                                    f"slapo-fn {command} --help lists the flags"))
+            continue
+        checked = _config_value(action, value)
+        if isinstance(checked, Problem):
+            problems.append(Problem(f"{file}: {where}", checked.reason, checked.fix))
+        elif dest in values:
+            problems.append(Problem(f"{file}: {where}", "is set twice (sections are only for reading)",
+                                    "set each flag once"))
+        else:
+            values[dest] = checked
+    if problems:
+        raise refuse(problems)
+    return values
+
+
+def _config_value(action: argparse.Action, value: Any) -> Any:
+    """``value`` as the flag of ``action`` takes it, or a :class:`Problem` saying why not."""
+    flag = action.option_strings[-1]
+    if isinstance(action, argparse._StoreTrueAction):
+        kind, ok = "true or false", isinstance(value, bool)
+    elif action.type is int:
+        kind, ok = "an integer", isinstance(value, int) and not isinstance(value, bool)
+    elif action.type is float:
+        kind, ok = "a number", isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        kind, ok = "a string", isinstance(value, str)
+    if not ok:
+        return Problem("", f"must be {kind} (as {flag}), got {value!r}", f"{flag.lstrip('-')} = "
+                       + ("true" if kind.startswith("true") else "2" if kind == "an integer" else
+                          "0.5" if kind == "a number" else '"..."'))
+    if action.choices is not None and value not in action.choices:
+        return Problem("", f"{value!r} is not one of {', '.join(map(str, action.choices))}",
+                       f"{flag.lstrip('-')} = {next(iter(action.choices))!r}")
+    return value
+
+
 # -- checking the input, before any work starts ---------------------------------------------
 def _argument_problems(args: argparse.Namespace) -> list[Problem]:
     """Every problem of the arguments themselves (no torch, no model): sizes out of
@@ -182,8 +312,13 @@ def _argument_problems(args: argparse.Namespace) -> list[Problem]:
         at_least("--steps", 1, "the step to train up to, resumed runs included", "--steps 40")
         at_least("--log-every", 1, "steps between loss lines", "--log-every 5")
         at_least("--save-every", 0, "steps between checkpoints; 0: only at the end", "--save-every 0")
-        if not (math.isfinite(args.lr) and args.lr > 0):
-            problems.append(Problem("--lr", f"must be a positive number, got {args.lr}", "--lr 3e-3"))
+        at_least("--warmup", 0, "steps of learning-rate warmup", "--warmup 0 (none) or more")
+        at_least("--grad-accum", 1, "micro-steps per optimizer step", "--grad-accum 1 (no accumulation)")
+        at_least("--eval-every", 0, "steps between eval losses; 0: never", "--eval-every 0")
+        at_least("--eval-batches", 1, "eval batches per evaluation", "leave out --eval-batches for all of them")
+        at_least("--nnodes", 1, "nodes of the job", "--nnodes 1 (this machine only)")
+        at_least("--node-rank", 0, "this node's rank", "--node-rank 0 on the first node, 1 on the next, ...")
+        problems += _loop_problems(args)
     if args.command == "verify":
         at_least("--rtol", 0, "relative tolerance", "--rtol 1e-4")
         at_least("--atol", 0, "absolute tolerance", "--atol 1e-5")
@@ -193,28 +328,69 @@ def _argument_problems(args: argparse.Namespace) -> list[Problem]:
                                     "drop --pp (pipelines are verified by their tests); use --tp/--dp"))
     if problems:  # the checks below divide by these sizes
         return problems
-    if args.command in ("train", "explain") and args.batch % args.dp:
-        even = math.ceil(args.batch / args.dp) * args.dp
+    accum = args.grad_accum if train else 1
+    if args.command in ("train", "explain") and args.batch % (args.dp * accum):
+        even = math.ceil(args.batch / (args.dp * accum)) * args.dp * accum
+        over = f"--dp {args.dp} data-parallel ranks" + (f" x --grad-accum {accum} micro-steps" if accum > 1 else "")
         problems.append(Problem("--batch", f"a global batch of {args.batch} sequences does not split evenly "
-                                           f"over --dp {args.dp} data-parallel ranks",
-                                f"--batch {even} (a multiple of --dp)"))
+                                           f"over {over}",
+                                f"--batch {even} (a multiple of --dp{' x --grad-accum' if accum > 1 else ''})"))
     elif train and args.pp > 1:
-        local, micro = args.batch // args.dp, args.microbatches or 2 * args.pp
+        local, micro = args.batch // (args.dp * accum), args.microbatches or 2 * args.pp
         if local % micro:
             divisors = [str(d) for d in range(args.pp, local + 1) if local % d == 0]  # at least one per stage
             default = "" if args.microbatches else " (the default: 2 x --pp)"
+            per = f"--batch {args.batch} / --dp {args.dp}" + (f" / --grad-accum {accum}" if accum > 1 else "")
             problems.append(Problem("--microbatches" if args.microbatches else "--batch",
-                                    f"{local} sequences per data-parallel rank (--batch {args.batch} / --dp "
-                                    f"{args.dp}) do not split into {micro} microbatches{default}",
-                                    f"--batch {micro * args.dp * math.ceil(local / micro)}"
+                                    f"{local} sequences per data-parallel rank and micro-step ({per}) do not "
+                                    f"split into {micro} microbatches{default}",
+                                    f"--batch {micro * args.dp * accum * math.ceil(local / micro)}"
                                     + (f", or --microbatches among {', '.join(divisors)}" if divisors else "")))
+    if train and args.nnodes > 1 and _world(args) % args.nnodes:
+        problems.append(Problem("--nnodes", f"{_world(args)} ranks (--dp {args.dp} x --tp {args.tp} x --pp "
+                                            f"{args.pp}) do not split evenly over {args.nnodes} nodes",
+                                "--nnodes among the divisors of dp*tp*pp"))
     if train:
         problems += _train_argument_problems(args)
     return problems
 
 
+def _loop_problems(args: argparse.Namespace) -> list[Problem]:
+    """The training loop's numbers: learning rates, weight decay, clipping, the nodes."""
+    problems = []
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        problems.append(Problem("--lr", f"must be a positive number, got {args.lr}", "--lr 3e-3"))
+    elif not (math.isfinite(args.min_lr) and 0 <= args.min_lr <= args.lr):
+        problems.append(Problem("--min-lr", f"must be in [0, --lr {args.lr}], got {args.min_lr}",
+                                "--min-lr 0 (or a tenth of --lr)"))
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        problems.append(Problem("--weight-decay", f"must be a number >= 0, got {args.weight_decay}",
+                                "--weight-decay 0.1 (or 0: none)"))
+    if args.grad_clip is not None and not (math.isfinite(args.grad_clip) and args.grad_clip > 0):
+        problems.append(Problem("--grad-clip", f"must be a positive norm, got {args.grad_clip}",
+                                "--grad-clip 1.0, or leave it out (no clipping)"))
+    if args.nnodes >= 1 and not 0 <= args.node_rank < args.nnodes:
+        problems.append(Problem("--node-rank", f"must be in 0 .. {args.nnodes - 1} for --nnodes {args.nnodes}, "
+                                               f"got {args.node_rank}", "--node-rank 0 on node 0, 1 on the next, ..."))
+    if args.nnodes > 1 and not args.master_addr:
+        problems.append(Problem("--master-addr", f"--nnodes {args.nnodes} needs the address of node 0, where "
+                                                 "the ranks meet", "--master-addr HOST (the same on every node)"))
+    if not 1 <= args.master_port <= 65535:
+        problems.append(Problem("--master-port", f"must be a TCP port (1 .. 65535), got {args.master_port}",
+                                "--master-port 29500"))
+    return problems
+
+
 def _train_argument_problems(args: argparse.Namespace) -> list[Problem]:
     problems = []
+    if args.eval_every:
+        problems.append(Problem("--eval-every", "the data has no held-out split (the synthetic task and byte-level "
+                                                "--data give training batches only)",
+                                "leave out --eval-every"))
+    if args.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
+        problems.append(Problem("--tensorboard", "needs the tensorboard package, which is not installed",
+                                "pip install 'slapo_fn[tensorboard]' (or: pip install tensorboard), or leave out "
+                                "--tensorboard"))
     if args.resume and not args.checkpoint_dir:
         problems.append(Problem("--resume", "needs --checkpoint-dir (where the checkpoints are)",
                                 "--resume --checkpoint-dir DIR"))
@@ -328,11 +504,11 @@ def _data_problems(args: argparse.Namespace, config: Any) -> list[Problem]:
 
 def _resume_problems(args: argparse.Namespace) -> list[Problem]:
     """With ``--resume``: a checkpoint to resume from, before step ``--steps``."""
-    from .state import latest
+    from .state import latest, loadable
 
     if not args.resume:
         return []
-    found = latest(args.checkpoint_dir)
+    found = loadable(args.checkpoint_dir) or latest(args.checkpoint_dir)  # load falls back past a broken one
     if found is None or not found.is_dir():
         what = "no checkpoint to resume from (no LATEST file, no .metadata)" if found is None else \
             f"its LATEST names {found.name}, which is missing"
@@ -409,9 +585,11 @@ def _in_worker() -> bool:
 def _launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Run this command on ``dp*tp*pp`` local processes; say how it ended if it failed,
     once: the ranks' refusal, the first failed rank, or the signal that stopped it."""
-    from .launch import launch
+    from .launch import Nodes, launch
 
-    outcome = launch(argv, _world(args), getattr(args, "run_dir", None))
+    count = getattr(args, "nnodes", 1)
+    nodes = Nodes(count, args.node_rank, args.master_addr or "127.0.0.1", args.master_port) if count > 1 else None
+    outcome = launch(argv, _world(args) // count, getattr(args, "run_dir", None), nodes=nodes)
     if outcome.stopped_by is not None:
         print(f"slapo-fn {args.command}: stopped by {outcome.stopped_by.name}; every worker is stopped",
               file=sys.stderr, flush=True)
@@ -523,132 +701,77 @@ def _fallback_plan(model: Any, args: argparse.Namespace) -> dict[str, str] | Non
 
 
 def _train(args: argparse.Namespace) -> int:
+    """One worker of ``slapo-fn train``: the schedule, the model, the data, then
+    :func:`slapo_fn.train.train`."""
     import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
 
-    from . import build, build_pipeline, hf, load, save
+    from . import build, build_pipeline, hf
+    from . import train as t
     from .data import Arithmetic, ByteText
 
-    base_mem = _peak_memory(None)
     fault = _fault(args.fault)
     device, mesh = _setup(args)
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = int(os.environ.get("RANK", "0"))
     sch = _schedule(args, mesh, meta=True)
     vocab = hf.vocab_size(sch.module)
-    data = ByteText.from_file(args.data, args.seed) if args.data else Arithmetic(vocab, args.seed)
-    if data.vocab > vocab:
+    source = ByteText.from_file(args.data, args.seed) if args.data else Arithmetic(vocab, args.seed)
+    if source.vocab > vocab:
         raise CommandLineError(args.command, _data_problems(args, sch.module.config))
-
-    def ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
-
+    data = t.TokenBatches(source, args.seq)
+    sch, autocast = t.precision(sch, args.dtype)
     if args.pp > 1:
         micro = args.microbatches or 2 * args.pp
-        model: Any = build_pipeline(sch, microbatches=micro, schedule=args.schedule, loss_fn=ce, init="full",
-                                    seed=args.seed, device=device)
+        model: Any = build_pipeline(sch, microbatches=micro, schedule=args.schedule, loss_fn=t.causal_lm_loss,
+                                    init="full", seed=args.seed, device=device)
     else:
         model = build(sch, init="full", seed=args.seed, device=device)
-        model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = t.adamw(model, lr=args.lr, weight_decay=args.weight_decay)
+    torch.manual_seed(args.seed)  # dropout and other random ops of the steps, the same on every rank
     start = 0
     if args.resume:
-        start = load(model, optimizer, args.checkpoint_dir)
+        start = t.resume(model, optimizer, args.checkpoint_dir, data=data, say=_say_line)
         if start >= args.steps:  # checked before the launch; here for a job started by torchrun itself
             raise CommandLineError(args.command, _resume_problems(args))
         if rank == 0:
             print(f"resumed from step {start}", flush=True)
-    dp_rank = mesh.get_local_rank("dp") if mesh is not None and args.dp > 1 else 0
-    progress = None
-    if rank == 0 and not args.no_progress:
-        from tqdm import tqdm
+    loggers: list[Any] = []
+    if rank == 0:
+        loggers.append(t.ConsoleLog(every=args.log_every, start=start, total=args.steps,
+                                    progress=not args.no_progress))
+        if args.metrics:
+            loggers.append(t.JsonlLog(args.metrics))
+        if args.tensorboard:
+            loggers.append(t.TensorBoardLog(args.tensorboard))
 
-        progress = tqdm(total=args.steps, initial=start, desc="train", unit="step", file=sys.stderr)
-    metrics = open(args.metrics, "a") if args.metrics and rank == 0 else None  # noqa: SIM115
-    first = last = None
+    def inject(step: int) -> None:
+        if fault is not None and step == fault[1] and rank == int(os.environ.get("WORLD_SIZE", "1")) - 1:
+            _inject(fault[0])
+
     try:
-        for step in range(start, args.steps):
-            began = time.perf_counter()
-            tokens = data.batch(step, args.batch, args.seq + 1)
-            local = tokens.chunk(args.dp)[dp_rank].to(device)
-            inputs, target = local[:, :-1], local[:, 1:]
-            if args.pp > 1:
-                loss = model.step(inputs, target=target)
-            else:
-                loss = ce(model(inputs).logits, target)
-                loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if fault is not None and step + 1 == fault[1] and rank == int(os.environ.get("WORLD_SIZE", "1")) - 1:
-                _inject(fault[0])
-            value = loss.detach().float().clone()
-            if args.dp > 1:
-                dist.all_reduce(value, group=mesh.get_group("dp"))
-                value /= args.dp
-            last = value.item()
-            first = last if first is None else first
-            rate = args.batch * args.seq / (time.perf_counter() - began)
-            memory = _step_memory(device, base_mem) if args.metrics else None
-            if rank == 0:
-                if progress is not None:
-                    progress.set_postfix(loss=f"{last:.4f}", tok_s=f"{rate:,.0f}")
-                    progress.update(1)
-                if (step + 1) % args.log_every == 0 or step == start or step + 1 == args.steps:
-                    print(f"step {step + 1} loss {last:.6f} tokens/s {rate:.0f}", flush=True)
-                if metrics is not None:
-                    metrics.write(json.dumps({"step": step + 1, "loss": last, "tokens_per_s": rate,
-                                              **(memory or {})}) + "\n")
-            if args.checkpoint_dir and args.save_every and (step + 1) % args.save_every == 0:
-                save(model, optimizer, args.checkpoint_dir, step=step + 1)
-        if args.checkpoint_dir and start < args.steps:
-            save(model, optimizer, args.checkpoint_dir, step=args.steps)
+        t.train(model, optimizer, data, steps=args.steps, batch_size=args.batch, mesh=mesh, start_step=start,
+                lr_schedule=t.LRSchedule(args.lr, warmup=args.warmup, decay=args.decay, min_lr=args.min_lr,
+                                         total=args.steps),
+                grad_clip=args.grad_clip, grad_accum=args.grad_accum, autocast=autocast,
+                eval_every=args.eval_every, eval_batches=args.eval_batches,
+                checkpoint=t.Checkpointing(args.checkpoint_dir, every=args.save_every) if args.checkpoint_dir
+                else None,
+                log=loggers, memory=bool(args.metrics or args.tensorboard), on_step=inject)
     finally:
-        if progress is not None:
-            progress.close()
-        if metrics is not None:
-            metrics.close()
-    if rank == 0 and first is not None:
-        print(f"done: loss {first:.4f} -> {last:.4f} over steps {start + 1}..{args.steps}", flush=True)
+        for logger in loggers:
+            logger.close()
     _teardown()
     return 0
 
 
+def _say_line(text: str) -> None:
+    print(f"slapo-fn train: {text}", flush=True)
+
+
 def _peak_memory(device: Any) -> int:
-    """This process's peak memory in bytes: ``torch.cuda.max_memory_allocated`` on a GPU,
-    else the peak resident set size since this process started (``VmHWM`` of
-    ``/proc/self/status``; ``getrusage``'s ``ru_maxrss`` where there is no ``/proc`` — on
-    Linux it carries the launching process's peak across ``exec``, so a worker started by
-    a big parent, like a test runner, would report the parent's)."""
-    if device is not None and device.type == "cuda":
-        import torch
+    """This process's peak memory in bytes (:func:`slapo_fn.train.peak_memory`)."""
+    from .train import peak_memory
 
-        return int(torch.cuda.max_memory_allocated(device))
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def _step_memory(device: Any, base: int) -> dict[str, Any]:
-    """The peak memory of the most loaded rank so far (``peak_mem_bytes``) and its growth
-    since the start of training (``train_mem_bytes``: on CPU the peak RSS less the RSS of
-    the imports; on a GPU the same as the peak), reduced over ranks with MAX."""
-    import torch
-    import torch.distributed as dist
-
-    peak = _peak_memory(device)
-    grown = peak - (0 if device.type == "cuda" else base)
-    if dist.is_initialized():
-        both = torch.tensor([peak, grown], dtype=torch.float64, device=device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        peak, grown = (int(v) for v in both.tolist())
-    return {"peak_mem_bytes": peak, "train_mem_bytes": grown, "mem_kind": device.type}
+    return peak_memory(device)
 
 
 def _fault(spec: str | None) -> tuple[str, int] | None:
@@ -833,7 +956,11 @@ def _show_value(value: Any) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``slapo-fn`` command."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
+    try:
+        args = _parse(argv)
+    except CommandLineError as e:  # a --config file that does not fit
+        _refuse(argv[0] if argv else "", e)
+        return 2
     try:
         if args.command == "tune":
             return _tune(args)

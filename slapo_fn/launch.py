@@ -54,7 +54,7 @@ from .processes import (
     worker_pids,
 )
 
-__all__ = ["STOP_SIGNALS", "Outcome", "agent", "describe", "launch", "root_cause"]
+__all__ = ["STOP_SIGNALS", "Nodes", "Outcome", "agent", "describe", "launch", "root_cause"]
 
 #: The signals that stop a job when its launcher gets them (Ctrl-C, ``kill``, a closed terminal).
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -85,17 +85,42 @@ class Outcome:
     stopped_by: signal.Signals | None = None
 
 
-def launch(argv: Sequence[str], nproc: int, run_dir: str | os.PathLike[str] | None = None) -> Outcome:
-    """Run ``python -m slapo_fn.cli argv`` on ``nproc`` local processes (torchrun, one
-    node) and wait for it; SIGINT, SIGTERM or SIGHUP to this process stop the job. PIDs,
-    refusals and the failure line go under ``run_dir`` (default: a temporary folder,
-    removed afterwards). No worker outlives this call."""
+@dataclass(frozen=True)
+class Nodes:
+    """A job over several machines: ``count`` nodes, this one of rank ``rank``; the ranks
+    meet at ``master_addr:master_port`` on node 0 (torchrun's static rendezvous, its
+    TCP store hosted by node 0's agent). Every node runs the same command.
+
+    >>> Nodes(2, 1, "10.0.0.1", 29500).torchrun_args()
+    ['--nnodes=2', '--node-rank=1', '--master-addr=10.0.0.1', '--master-port=29500']
+    """
+
+    count: int = 1
+    rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+
+    def torchrun_args(self) -> list[str]:
+        if self.count == 1:
+            return ["--standalone"]
+        return [f"--nnodes={self.count}", f"--node-rank={self.rank}", f"--master-addr={self.master_addr}",
+                f"--master-port={self.master_port}"]
+
+
+def launch(argv: Sequence[str], nproc: int, run_dir: str | os.PathLike[str] | None = None, *,
+           nodes: Nodes | None = None) -> Outcome:
+    """Run ``python -m slapo_fn.cli argv`` on ``nproc`` local processes (torchrun) and
+    wait for it; SIGINT, SIGTERM or SIGHUP to this process stop the job. With ``nodes``
+    this machine is one node of several (the others run the same command with their own
+    rank): ``nproc`` is this node's share. PIDs, refusals and the failure line go under
+    ``run_dir`` (default: a temporary folder, removed afterwards). No worker of this node
+    outlives this call."""
     own_dir = run_dir is None
     folder = Path(tempfile.mkdtemp(prefix="slapo-fn-run-") if run_dir is None else run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     clear_run_dir(folder)
     (folder / FAILURE_FILE).unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "slapo_fn.launch", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "slapo_fn.launch", *(nodes or Nodes()).torchrun_args(), f"--nproc-per-node={nproc}",
            "--max-restarts=0", "--monitor-interval=0.5", "-m", "slapo_fn.cli", *argv]
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
     env = dict(os.environ, SLAPO_FN_WORKER="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads),

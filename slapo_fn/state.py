@@ -71,7 +71,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .errors import Problem, ScheduleError
 
-__all__ = ["full_state_dict", "latest", "load", "save"]
+__all__ = ["CheckpointFallback", "checkpoints", "full_state_dict", "latest", "load", "loadable", "save"]
 
 _LATEST = "LATEST"
 
@@ -371,17 +371,107 @@ def _prune(root: Path, keep: int, newest: str) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def load(model: object, optimizer: OptimizerState, path: str | os.PathLike[str]) -> int:
+class CheckpointFallback(UserWarning):
+    """:func:`load` skipped an unusable newest checkpoint (truncated, corrupted, partial)
+    and loaded the newest loadable one: the warning's message is one line saying which
+    and why (``slapo-fn train --resume`` prints it)."""
+
+
+def checkpoints(path: str | os.PathLike[str]) -> list[Path]:
+    """The checkpoints under ``path``, newest first: the one ``LATEST`` names, then the
+    older complete step directories (``step-*``; interrupted saves, ``.partial-*``, are
+    not checkpoints), by step. ``path`` itself if it is one checkpoint (a ``.metadata``).
+
+    >>> import tempfile, torch.nn as nn, slapo_fn as sf
+    >>> path = tempfile.mkdtemp()
+    >>> for step in (1, 2):
+    ...     _ = sf.save(nn.Linear(2, 2), None, path, step=step)
+    >>> [p.name for p in checkpoints(path)]
+    ['step-00000002', 'step-00000001']
+    """
+    found = latest(path)
+    if found is None or found == Path(path):
+        return [] if found is None else [found]
+    root = Path(path)
+    newest = _step_of(found)
+    older = sorted((d for d in root.iterdir() if d.is_dir() and d.name.startswith("step-") and d != found
+                    and _step_of(d) < newest), key=_step_of, reverse=True) if root.is_dir() else []
+    return [found, *older]
+
+
+def loadable(path: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint :func:`load` (with ``fallback``) would read under ``path``: the
+    newest one whose files are complete and readable, or ``None``. Whether it fits a
+    model is not checked here.
+
+    >>> import tempfile
+    >>> loadable(tempfile.mkdtemp()) is None
+    True
+    """
+    return next((c for c in checkpoints(path) if not _unreadable(c, Path(path))), None)
+
+
+def _step_of(checkpoint: Path) -> int:
+    """The step of a checkpoint directory (``step-00000012``: 12; another name: 0)."""
+    kind, _, number = checkpoint.name.partition("-")
+    return int(number) if kind == "step" and number.isdigit() else 0
+
+
+def load(model: object, optimizer: OptimizerState, path: str | os.PathLike[str], *, fallback: bool = True) -> int:
     """Load the newest checkpoint under ``path`` into ``model`` (and ``optimizer``),
     resharding to their current layout; every rank calls it. Returns the saved step.
 
+    With ``fallback`` (the default), a newest checkpoint that cannot be read — a missing
+    or truncated data file, an unreadable ``.metadata``, a step directory ``LATEST``
+    names that is missing, or one DCP fails to read — is skipped for the newest one that
+    loads, with a one-line :class:`CheckpointFallback` warning saying which and why;
+    when none loads, the newest one's problems are the error. A checkpoint of another
+    model is never skipped: it is a :class:`ScheduleError` naming the first mismatching
+    keys.
+
     A functional optimizer's state (:mod:`slapo_fn.optim`) is loaded in place into the
     tensors of the tree given, which ``init(params)`` made in the current layout."""
-    _check_checkpoint(model, optimizer, path)
-    found = latest(path)
-    if found is None:
+    root = Path(path)
+    if root.is_file():
+        raise ScheduleError("load", [Problem(str(root), "is a file, not a checkpoint directory",
+                                             "pass the directory given to sf.save")])
+    candidates = checkpoints(path)
+    if not candidates:
         raise ScheduleError("load", [Problem(str(path), "no checkpoint here (no LATEST, no .metadata)",
                                              "pass the directory given to sf.save")])
+    if not fallback:
+        candidates = candidates[:1]
+    skipped: list[tuple[Path, Problem]] = []
+    for i, found in enumerate(candidates):
+        problems = _unreadable(found, root)
+        if not problems:
+            _check_matches(model, optimizer, found)
+            try:
+                step = _load_from(model, optimizer, found)
+            except Exception as e:  # DCP could not read it (all ranks see the same failure)
+                if i + 1 == len(candidates):
+                    raise
+                skipped.append((found, Problem(str(found), f"cannot be read: {type(e).__name__}: "
+                                                           f"{_first_line(e)}")))
+                continue
+            if skipped:
+                first, why = skipped[0]
+                warnings.warn(CheckpointFallback(
+                    f"checkpoint {first} is unusable ({why.reason}); loaded {found.name}, the newest loadable "
+                    f"one{f' ({len(skipped)} skipped)' if len(skipped) > 1 else ''}"), stacklevel=2)
+            return step
+        if i == 0:
+            newest = problems
+        skipped.append((found, problems[0]))
+    raise ScheduleError("load", newest)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:160] if text else ""
+
+
+def _load_from(model: object, optimizer: OptimizerState, found: Path) -> int:
     relayouts: dict[_Where, _Relayout] = {}
     state = _unpack(_states(model, optimizer), relayouts, read=True)
     with warnings.catch_warnings():
@@ -401,8 +491,7 @@ def load(model: object, optimizer: OptimizerState, path: str | os.PathLike[str])
         prefixed = {f"{owner[k]}.{k}": v for k, v in state["model"].items() if k in owner}
         optim = _map_optim(state["optim"], lambda k: f"{owner[k]}.{k}")
         set_state_dict(nn.ModuleList(modules), optimizer, model_state_dict=prefixed, optim_state_dict=optim)
-    name = found.name
-    return int(name.split("-", 1)[1]) if name.startswith("step-") else 0
+    return _step_of(found)
 
 
 def _subset(state: dict[str, Any], module: nn.Module) -> dict[str, Any]:
@@ -445,11 +534,9 @@ def _check_save_target(path: str | os.PathLike[str]) -> None:
 
 
 def _check_checkpoint(model: object, optimizer: object, path: str | os.PathLike[str]) -> None:
-    """The checkpoint under ``path`` is readable and was written from this model: every
-    key this model's state has is saved with its shape (a checkpoint may hold more: a
-    pipeline stage loads its own part), and optimizer state is there if one is loaded.
-    A missing, truncated or corrupted file, or another model's checkpoint, is a short
-    :class:`ScheduleError` naming the path instead of DCP's multi-screen exception."""
+    """The newest checkpoint under ``path`` is readable and was written from this model
+    (:func:`_unreadable`, :func:`_check_matches`): a short :class:`ScheduleError` naming
+    the path instead of DCP's multi-screen exception."""
     root = Path(path)
     if root.is_file():
         raise ScheduleError("load", [Problem(str(root), "is a file, not a checkpoint directory",
@@ -457,20 +544,33 @@ def _check_checkpoint(model: object, optimizer: object, path: str | os.PathLike[
     found = latest(path)
     if found is None:
         return  # load says: no checkpoint here
+    problems = _unreadable(found, root)
+    if problems:
+        raise ScheduleError("load", problems)
+    _check_matches(model, optimizer, found)
+
+
+def _unreadable(found: Path, root: Path) -> list[Problem]:
+    """Why the checkpoint ``found`` cannot be read (missing, a ``.metadata`` that cannot
+    be read, data files missing or shorter than the metadata says), or ``[]``."""
+    fix = "load another checkpoint (an earlier step), or save again"
     if not (found / ".metadata").is_file():
-        raise ScheduleError("load", [Problem(str(found), f"{root / _LATEST} names it, but it is missing or "
-                                                         "incomplete (no .metadata)",
-                                             "point LATEST at a complete step directory, or save again")])
+        return [Problem(str(found), f"{root / _LATEST} names it, but it is missing or incomplete (no .metadata)"
+                        if found.parent == root else "is missing or incomplete (no .metadata)",
+                        "point LATEST at a complete step directory, or save again")]
     try:
         metadata = dcp.FileSystemReader(str(found)).read_metadata()
     except Exception as e:
-        raise ScheduleError("load", [Problem(str(found), f"is corrupted: its .metadata cannot be read "
-                                                         f"({type(e).__name__}: {str(e)[:120]})",
-                                             "load another checkpoint (an earlier step), or save again")]) from None
-    short = _short_files(found, metadata)
-    if short:
-        raise ScheduleError("load", [Problem(str(found / name), why, "load another checkpoint (an earlier step), or "
-                                                                    "save again") for name, why in short[:4]])
+        return [Problem(str(found), f"is corrupted: its .metadata cannot be read ({type(e).__name__}: "
+                                    f"{str(e)[:120]})", fix)]
+    return [Problem(str(found / name), why, fix) for name, why in _short_files(found, metadata)[:4]]
+
+
+def _check_matches(model: object, optimizer: object, found: Path) -> None:
+    """The readable checkpoint ``found`` was written from this model: every key this
+    model's state has is saved with its shape (a checkpoint may hold more: a pipeline
+    stage loads its own part), and optimizer state is there if one is loaded."""
+    metadata = dcp.FileSystemReader(str(found)).read_metadata()
     saved = metadata.state_dict_metadata
     expected = {f"model.{k}": v for k, v in _states(model, None)["model"].items()}
     missing = [k for k in expected if k not in saved]

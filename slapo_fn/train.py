@@ -1,0 +1,781 @@
+"""The training loop as a plain function: :func:`train`.
+
+``train(model_or_pipeline, optimizer, data, steps=..., batch_size=...)`` runs the steps a
+user of PyTorch distributed training expects, on any model ``sf.build`` or
+``sf.build_pipeline`` made (tensor, sequence, pipeline and data parallel, FSDP2):
+
+* the learning rate of each step from an :class:`LRSchedule` (linear warmup, then a
+  cosine, linear or constant decay to ``min_lr``);
+* gradient accumulation over ``grad_accum`` micro-steps, FSDP2's gradient
+  reduce-scatter only on the last one (``set_requires_gradient_sync``); the loss is the
+  mean over every target token of the step's global batch, so accumulation gives the
+  full batch's gradients;
+* gradient clipping by the global norm, right across TP and FSDP meshes and pipeline
+  stages (:func:`slapo_fn.clip_grad_norm_`); the norm is logged either way;
+* ``autocast`` (bf16) where the model has no FSDP2 mixed precision; parameters, the
+  optimizer and reductions stay float32 (see :func:`precision`);
+* an eval loss every ``eval_every`` steps from ``data.eval_batches`` when the data has it;
+* checkpoints every ``Checkpointing.every`` steps and at the end, with the RNG state of
+  each rank, and :func:`resume`, which falls back to the newest loadable checkpoint;
+* per-step :class:`StepRecord` values to loggers: :class:`ConsoleLog` (progress bar and
+  loss lines), :class:`JsonlLog` (``--metrics``), :class:`TensorBoardLog`.
+
+``data`` is any object with ``batch(step, batch_size, dp_rank=, dp_size=)`` returning this
+data-parallel rank's share of step ``step``'s global batch of ``batch_size`` sequences:
+a dict with ``input_ids`` and ``labels`` (Hugging Face's convention: ``labels`` line up
+with ``input_ids`` and the loss shifts them; ``-100`` is ignored) and optionally
+``attention_mask`` or other keyword inputs of the model. A pure function of ``step``
+makes a resumed run see the batches of an uninterrupted one. :class:`TokenBatches`
+adapts the synthetic task and byte-level text of :mod:`slapo_fn.data`.
+
+Example:
+    >>> import torch, slapo_fn as sf
+    >>> from slapo_fn.data import Arithmetic
+    >>> from slapo_fn.presets import build_model
+    >>> model = sf.build(sf.create_schedule(build_model("llama-tiny")), init="full")
+    >>> opt = adamw(model, lr=1e-2)
+    >>> records = train(model, opt, TokenBatches(Arithmetic(vocab=64), seq_len=16), steps=3, batch_size=4)
+    >>> [r.step for r in records], records[-1].loss < records[0].loss
+    ([1, 2, 3], True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import resource
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import IO, Any, Literal, Protocol, TypeAlias, runtime_checkable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from tqdm import tqdm
+
+from .data import Arithmetic, ByteText
+from .dtensor.data_parallel import DATA_PARALLEL, DataParallelSpec
+from .errors import Problem, ScheduleError
+from .func import clip_grad_norm_, global_norm
+from .pipelines import Pipeline
+from .schedule import Schedule
+from .state import CheckpointFallback, load, save
+
+__all__ = [
+    "IGNORE_INDEX",
+    "Batches",
+    "Checkpointing",
+    "ConsoleLog",
+    "JsonlLog",
+    "LRSchedule",
+    "StepRecord",
+    "TensorBoardLog",
+    "TokenBatches",
+    "TrainError",
+    "adamw",
+    "causal_lm_loss",
+    "parse_dtype",
+    "peak_memory",
+    "precision",
+    "resume",
+    "train",
+]
+
+#: Label value that no loss counts (padding, document boundaries), as in Hugging Face.
+IGNORE_INDEX = -100
+#: The file of each rank's training state (RNG, data position) in a checkpoint directory.
+TRAIN_STATE = "train-state-{rank}.pt"
+
+Model: TypeAlias = "nn.Module | Pipeline"
+Logger: TypeAlias = "Callable[[StepRecord], None]"
+Decay = Literal["cosine", "linear", "constant"]
+DECAYS: tuple[str, ...] = ("cosine", "linear", "constant")
+DTYPES: Mapping[str, torch.dtype] = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+                                     "bfloat16": torch.bfloat16}
+
+
+class TrainError(ScheduleError):
+    """Arguments of :func:`train` (or its helpers) that cannot work, all reported at once,
+    each naming the argument, why, and a fix. A ``ValueError``."""
+
+
+# -- the learning rate ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LRSchedule:
+    """The learning rate of each step: ``warmup`` steps rising linearly to ``lr`` (step
+    ``s < warmup`` gets ``lr * (s + 1) / warmup``), then ``decay`` from ``lr`` to
+    ``min_lr`` over the remaining steps up to ``total``: ``"cosine"`` (half a cosine),
+    ``"linear"``, or ``"constant"`` (``lr`` throughout). Steps count from 0.
+
+    >>> s = LRSchedule(1.0, warmup=2, decay="linear", min_lr=0.0, total=6)
+    >>> [round(s(i), 3) for i in range(6)]
+    [0.5, 1.0, 1.0, 0.75, 0.5, 0.25]
+    """
+
+    lr: float
+    warmup: int = 0
+    decay: Decay = "constant"
+    min_lr: float = 0.0
+    total: int = 1
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            problems.append(Problem("lr", f"must be a positive number, got {self.lr}", "lr=3e-4"))
+        if not self.warmup >= 0:
+            problems.append(Problem("warmup", f"must be at least 0 steps, got {self.warmup}", "warmup=0"))
+        if self.decay not in DECAYS:
+            problems.append(Problem("decay", f"unknown decay {self.decay!r}", f"one of {', '.join(DECAYS)}"))
+        if not (math.isfinite(self.min_lr) and 0 <= self.min_lr <= self.lr):
+            problems.append(Problem("min_lr", f"must be in [0, lr={self.lr}], got {self.min_lr}", "min_lr=0.0"))
+        if not self.total >= 1:
+            problems.append(Problem("total", f"must be at least 1 step, got {self.total}", "total=steps"))
+        if problems:
+            raise TrainError("LRSchedule", problems)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        if self.decay == "constant":
+            return self.lr
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        if self.decay == "linear":
+            return self.lr + (self.min_lr - self.lr) * progress
+        return self.min_lr + (self.lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# -- data -------------------------------------------------------------------------------------
+@runtime_checkable
+class Batches(Protocol):
+    """What :func:`train` reads: ``batch(step, batch_size, dp_rank=, dp_size=)``, this
+    data-parallel rank's share of step ``step``'s global batch of ``batch_size``
+    sequences (:class:`slapo_fn.data.TokenData`, :class:`TokenBatches`), a dict of tensors (``input_ids``, ``labels``,
+    optionally ``attention_mask`` and other keyword inputs of the model). Data with eval
+    batches also has ``eval_batches(batch_size=, dp_rank=, dp_size=)``: an iterable of
+    such dicts."""
+
+    def batch(self, step: int, batch_size: int, *, dp_rank: int, dp_size: int) -> Mapping[str, torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class TokenBatches:
+    """:class:`~slapo_fn.data.Arithmetic` or :class:`~slapo_fn.data.ByteText` as
+    :class:`Batches`: sequences of ``seq_len`` tokens, ``labels`` equal to
+    ``input_ids`` (the loss shifts them), every rank drawing the same global batch and
+    keeping its rows. No eval split.
+
+    >>> b = TokenBatches(Arithmetic(vocab=32), seq_len=5).batch(0, 4, dp_rank=1, dp_size=2)
+    >>> b["input_ids"].shape, bool((b["labels"] == b["input_ids"]).all())
+    (torch.Size([2, 5]), True)
+    """
+
+    source: Arithmetic | ByteText
+    seq_len: int
+
+    @property
+    def vocab(self) -> int:
+        return int(self.source.vocab)
+
+    def batch(self, step: int, batch_size: int, *, dp_rank: int = 0, dp_size: int = 1) -> dict[str, torch.Tensor]:
+        if batch_size % dp_size:
+            raise TrainError("TokenBatches.batch", [Problem(
+                "batch_size", f"{batch_size} sequences do not split evenly over {dp_size} data-parallel ranks",
+                f"a multiple of {dp_size}")])
+        ids = self.source.batch(step, batch_size, self.seq_len).chunk(dp_size)[dp_rank].contiguous()
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+# -- loss -------------------------------------------------------------------------------------
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, reduction: Literal["mean", "sum"] = "mean") \
+        -> torch.Tensor:
+    """Next-token cross entropy in float32: ``logits[:, t]`` predicts ``labels[:, t + 1]``
+    (Hugging Face's convention), labels ``-100`` ignored; the mean over counted tokens or
+    their sum. Also a pipeline's ``loss_fn``.
+
+    >>> logits = torch.zeros(1, 3, 4)
+    >>> round(causal_lm_loss(logits, torch.tensor([[0, 1, 2]])).item(), 4) == round(math.log(4), 4)
+    True
+    """
+    shifted = logits[:, :-1].float().flatten(0, 1)
+    target = labels[:, 1:].flatten()
+    return F.cross_entropy(shifted, target, ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+def _targets(labels: torch.Tensor) -> int:
+    """How many tokens of ``labels`` the loss counts."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+# -- optimizer and precision -------------------------------------------------------------------
+def adamw(model: Model, *, lr: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
+          eps: float = 1e-8) -> torch.optim.AdamW:
+    """``torch.optim.AdamW`` over ``model``'s parameters, weight decay on the matrices
+    only (parameters of two or more dimensions: weights of linear layers and embeddings;
+    not biases or norm scales), as GPT-style training does.
+
+    >>> opt = adamw(nn.Linear(2, 2), lr=1e-3, weight_decay=0.1)
+    >>> [(len(g["params"]), g["weight_decay"]) for g in opt.param_groups]
+    [(1, 0.1), (1, 0.0)]
+    """
+    if not (math.isfinite(weight_decay) and weight_decay >= 0):
+        raise TrainError("adamw", [Problem("weight_decay", f"must be a number >= 0, got {weight_decay}",
+                                           "weight_decay=0.1 (or 0.0: none)")])
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    groups = [{"params": g, "weight_decay": wd} for g, wd in ((decay, weight_decay), (rest, 0.0)) if g]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """``"bf16"``/``"bfloat16"``/``"fp32"``/``"float32"`` (or a dtype) as a dtype.
+
+    >>> parse_dtype("bf16")
+    torch.bfloat16
+    """
+    if isinstance(name, torch.dtype) and name in DTYPES.values():
+        return name
+    if isinstance(name, str) and name.lower() in DTYPES:
+        return DTYPES[name.lower()]
+    raise TrainError("dtype", [Problem(str(name), "is not a training dtype", "bf16 or fp32")])
+
+
+def precision(sch: Schedule, dtype: str | torch.dtype) -> tuple[Schedule, torch.dtype | None]:
+    """Mixed precision for training ``sch`` in ``dtype``: a schedule whose FSDP2 data
+    parallelism (``sf.data_parallel``, ``fsdp``/``hsdp``/``ddp`` modes) computes in
+    ``dtype`` (``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=float32)``), and
+    the dtype :func:`train` should ``autocast`` to — ``None`` where FSDP2 casts, or for
+    float32. Either way parameters and optimizer state stay float32. Returns a new
+    schedule; the input is unchanged.
+
+    >>> from slapo_fn import create_schedule
+    >>> sch, cast = precision(create_schedule(nn.Linear(2, 2)), "bf16")
+    >>> cast
+    torch.bfloat16
+    """
+    dtype = parse_dtype(dtype)
+    if dtype == torch.float32:
+        return sch, None
+    spec: DataParallelSpec | None = sch.annotations.get("", DATA_PARALLEL)
+    if spec is None:
+        return sch, dtype
+    mixed = replace(spec, param_dtype=dtype, reduce_dtype=torch.float32)
+    return sch.annotate_path("", DATA_PARALLEL, mixed), None
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Checkpointing:
+    """Where and how often :func:`train` saves: every ``every`` steps (0: only at the
+    end) and after the last step, into ``directory`` (``sf.save``), keeping the newest
+    ``keep`` (at least two, so that a corrupted newest one has one to fall back to)."""
+
+    directory: str | os.PathLike[str]
+    every: int = 0
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.every >= 0:
+            problems.append(Problem("every", f"must be at least 0, got {self.every}", "every=0 (only at the end)"))
+        if not self.keep >= 1:
+            problems.append(Problem("keep", f"must be at least 1, got {self.keep}", "keep=2"))
+        if problems:
+            raise TrainError("Checkpointing", problems)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _save(model: Model, optimizer: torch.optim.Optimizer, data: object, checkpointing: Checkpointing,
+          step: int) -> Path:
+    """``sf.save``, then every rank's training state (RNG, data position) beside it."""
+    folder = save(model, optimizer, checkpointing.directory, step=step, keep=checkpointing.keep)
+    state: dict[str, Any] = {"step": step, "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if callable(getattr(data, "state_dict", None)):
+        state["data"] = data.state_dict()  # type: ignore[attr-defined]
+    target = folder / TRAIN_STATE.format(rank=_rank())
+    partial = target.with_suffix(".tmp")
+    torch.save(state, partial)
+    os.replace(partial, target)
+    if dist.is_initialized():
+        dist.barrier()
+    return folder
+
+
+def resume(model: Model, optimizer: torch.optim.Optimizer, directory: str | os.PathLike[str], *,
+           data: object = None, say: Callable[[str], None] | None = None) -> int:
+    """Load the newest loadable checkpoint under ``directory`` into ``model`` and
+    ``optimizer`` (every rank calls it) and restore this rank's RNG state and the data's
+    position saved with it; returns its step, the ``start_step`` of :func:`train`.
+
+    A corrupted or partial newest checkpoint is skipped for the newest loadable one;
+    ``say`` (on rank 0) gets one line saying so, and one if the checkpoint has no
+    training state (written by ``sf.save`` alone: the RNG then continues from here).
+    Another model's checkpoint is a :class:`~slapo_fn.ScheduleError` naming the first
+    mismatching keys."""
+    tell = say if say is not None and _rank() == 0 else (lambda _: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CheckpointFallback)
+        step = load(model, optimizer, directory)
+    for w in caught:
+        if issubclass(w.category, CheckpointFallback):
+            tell(f"resume: {w.message}")
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    folder = Path(directory) / f"step-{step:08d}"
+    if not folder.is_dir():
+        folder = Path(directory)
+    mine, first = folder / TRAIN_STATE.format(rank=_rank()), folder / TRAIN_STATE.format(rank=0)
+    found = mine if mine.is_file() else first if first.is_file() else None
+    if found is None:
+        tell(f"resume: {folder} has no training state ({TRAIN_STATE.format(rank='N')}): model and optimizer "
+             "restored, the random number generators continue from here")
+        return step
+    state = torch.load(found, weights_only=True)
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "data" in state and callable(getattr(data, "load_state_dict", None)):
+        data.load_state_dict(state["data"])  # type: ignore[attr-defined]
+    return step
+
+
+# -- records and loggers ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepRecord:
+    """What one optimizer step did. ``step`` counts steps done (1 after the first);
+    ``loss`` is the mean over the global batch's target tokens (all data-parallel ranks
+    and micro-steps); ``grad_norm`` the global norm before clipping; ``tokens`` the
+    input tokens of the global batch; ``eval_loss`` the held-out loss where evaluated."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    peak_mem_bytes: int | None = None
+    train_mem_bytes: int | None = None
+    mem_kind: str | None = None
+    eval_loss: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record as JSON-ready fields, those that are ``None`` left out."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+class ConsoleLog:
+    """A tqdm progress bar on stderr (unless ``progress=False``) and a line ``step N loss
+    L tokens/s R lr X grad_norm G`` every ``every`` steps, on the first and the last;
+    ``close()`` prints ``done: loss a -> b over steps i..j``."""
+
+    def __init__(self, *, every: int, start: int, total: int, progress: bool = True,
+                 out: IO[str] | None = None) -> None:
+        self.every, self.start, self.total = every, start, total
+        self.out = out if out is not None else sys.stdout
+        self.bar = tqdm(total=total, initial=start, desc="train", unit="step", file=sys.stderr) if progress else None
+        self.first: float | None = None
+        self.last: float | None = None
+
+    def __call__(self, r: StepRecord) -> None:
+        self.last = r.loss
+        self.first = r.loss if self.first is None else self.first
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{r.loss:.4f}", tok_s=f"{r.tokens_per_s:,.0f}")
+            self.bar.update(1)
+        if r.step % self.every == 0 or r.step == self.start + 1 or r.step == self.total:
+            print(f"step {r.step} loss {r.loss:.6f} tokens/s {r.tokens_per_s:.0f} lr {r.lr:.3e} "
+                  f"grad_norm {r.grad_norm:.4g}", file=self.out, flush=True)
+        if r.eval_loss is not None:
+            print(f"step {r.step} eval_loss {r.eval_loss:.6f}", file=self.out, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.first is not None and self.last is not None:
+            print(f"done: loss {self.first:.4f} -> {self.last:.4f} over steps {self.start + 1}..{self.total}",
+                  file=self.out, flush=True)
+
+
+class JsonlLog:
+    """Each record as a JSON line appended to ``path`` (``slapo-fn train --metrics``)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.file = open(path, "a")  # noqa: SIM115 (closed by close())
+
+    def __call__(self, r: StepRecord) -> None:
+        self.file.write(json.dumps(r.as_dict()) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorBoardLog:
+    """Scalars for TensorBoard under ``directory``: ``train/loss``, ``train/lr``,
+    ``train/grad_norm``, ``train/tokens_per_s``, ``train/peak_mem_bytes`` and
+    ``eval/loss``. Needs the ``tensorboard`` package (``pip install 'slapo_fn[tensorboard]'``);
+    without it, a :class:`TrainError` saying so."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # the tensorboard extra
+        except ImportError as e:
+            raise TrainError("tensorboard", [Problem(str(directory), f"TensorBoard logging needs the tensorboard "
+                                                                     f"package ({e})",
+                                                     "pip install 'slapo_fn[tensorboard]' (or: pip install "
+                                                     "tensorboard), or leave out --tensorboard")]) from None
+        self.writer = SummaryWriter(log_dir=str(directory))
+
+    def __call__(self, r: StepRecord) -> None:
+        scalars = {"train/loss": r.loss, "train/lr": r.lr, "train/grad_norm": r.grad_norm,
+                   "train/tokens_per_s": r.tokens_per_s, "train/peak_mem_bytes": r.peak_mem_bytes,
+                   "eval/loss": r.eval_loss}
+        for tag, value in scalars.items():
+            if value is not None:
+                self.writer.add_scalar(tag, value, r.step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+# -- memory -----------------------------------------------------------------------------------
+def peak_memory(device: torch.device | None) -> int:
+    """This process's peak memory in bytes: ``torch.cuda.max_memory_allocated`` on a GPU,
+    else the peak resident set size since this process started (``VmHWM`` of
+    ``/proc/self/status``; ``getrusage``'s ``ru_maxrss`` where there is no ``/proc`` — on
+    Linux it carries the launching process's peak across ``exec``, so a worker started by
+    a big parent, like a test runner, would report the parent's)."""
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def _step_memory(device: torch.device, base: int) -> dict[str, Any]:
+    """The peak memory of the most loaded rank so far (``peak_mem_bytes``) and its growth
+    since training started (``train_mem_bytes``: on CPU the peak RSS less ``base``; on a
+    GPU the same as the peak), reduced over ranks with MAX (a collective)."""
+    peak = peak_memory(device)
+    grown = peak - (0 if device.type == "cuda" else base)
+    if dist.is_initialized():
+        both = torch.tensor([peak, grown], dtype=torch.float64, device=device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        peak, grown = (int(v) for v in both.tolist())
+    return {"peak_mem_bytes": peak, "train_mem_bytes": grown, "mem_kind": device.type}
+
+
+# -- the loop ---------------------------------------------------------------------------------
+def _modules(model: Model) -> list[nn.Module]:
+    return list(model.modules.values()) if isinstance(model, Pipeline) else [model]
+
+
+def _device(model: Model) -> torch.device:
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        return torch.device(local.device)
+    return torch.device("cpu")
+
+
+def _dp(mesh: DeviceMesh | None, axis: str) -> tuple[int, int, dist.ProcessGroup | None]:
+    """This rank's data-parallel rank, the data-parallel size and group."""
+    names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
+    if mesh is None or axis not in names or mesh.size(names.index(axis)) == 1:
+        return 0, 1, None
+    return mesh.get_local_rank(axis), mesh.size(names.index(axis)), mesh.get_group(axis)
+
+
+@contextlib.contextmanager
+def _gradient_sync(modules: Sequence[nn.Module], enabled: bool) -> Iterator[None]:
+    """FSDP2 / ``replicate`` reduce gradients only when ``enabled`` (the last micro-step)."""
+    roots = [m for m in modules if callable(getattr(m, "set_requires_gradient_sync", None))]
+    for m in roots:
+        m.set_requires_gradient_sync(enabled)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        for m in roots:
+            m.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[Any]:
+    if dtype is None or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def _split(batch: Mapping[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
+    chunks = {k: v.chunk(parts) for k, v in batch.items()}
+    return [{k: c[i] for k, c in chunks.items()} for i in range(parts)]
+
+
+def _logits(output: Any) -> torch.Tensor:
+    return output.logits if hasattr(output, "logits") else output[0] if isinstance(output, tuple) else output
+
+
+def _all_sum(values: list[float], group: dist.ProcessGroup | None, device: torch.device) -> list[float]:
+    if group is None:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    return [float(v) for v in t.tolist()]
+
+
+def _check(model: Model, optimizer: object, data: object, steps: int, batch_size: int, grad_accum: int,
+           dp_size: int, start_step: int, grad_clip: float | None, eval_every: int) -> None:
+    problems = []
+    if not isinstance(model, nn.Module | Pipeline):
+        problems.append(Problem("model", f"expected a built model or pipeline, got {type(model).__name__}",
+                                "pass sf.build(sch) or sf.build_pipeline(sch, ...)"))
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        problems.append(Problem("optimizer", f"expected a torch.optim optimizer, got {type(optimizer).__name__}",
+                                "adamw(model, lr=3e-4)"))
+    if not callable(getattr(data, "batch", None)):
+        problems.append(Problem("data", f"{type(data).__name__} has no batch(step, batch_size, dp_rank=, dp_size=)",
+                                "wrap it: TokenBatches(Arithmetic(vocab), seq_len)"))
+    if not steps >= 1:
+        problems.append(Problem("steps", f"must be at least 1, got {steps}", "steps=40"))
+    if not 0 <= start_step < max(steps, 1):
+        problems.append(Problem("start_step", f"must be in [0, steps={steps}), got {start_step}",
+                                "the step resume() returned, below steps"))
+    if not grad_accum >= 1:
+        problems.append(Problem("grad_accum", f"must be at least 1, got {grad_accum}", "grad_accum=1"))
+    elif not batch_size >= 1 or batch_size % (dp_size * grad_accum):
+        problems.append(Problem("batch_size", f"a global batch of {batch_size} does not split into {dp_size} "
+                                              f"data-parallel ranks x {grad_accum} micro-steps",
+                                f"a multiple of {dp_size * grad_accum}"))
+    elif isinstance(model, Pipeline) and (batch_size // (dp_size * grad_accum)) % model.microbatches:
+        micro = batch_size // (dp_size * grad_accum)
+        problems.append(Problem("batch_size", f"a micro-step of {micro} sequences per data-parallel rank does not "
+                                              f"split into the pipeline's {model.microbatches} microbatches",
+                                f"a multiple of {dp_size * grad_accum * model.microbatches}"))
+    if grad_clip is not None and not (math.isfinite(grad_clip) and grad_clip > 0):
+        problems.append(Problem("grad_clip", f"must be a positive number, got {grad_clip}", "grad_clip=1.0"))
+    if not eval_every >= 0:
+        problems.append(Problem("eval_every", f"must be at least 0, got {eval_every}", "eval_every=0 (never)"))
+    elif eval_every and not callable(getattr(data, "eval_batches", None)):
+        problems.append(Problem("eval_every", f"{type(data).__name__} has no eval_batches(batch_size=, dp_rank=, "
+                                              "dp_size=)", "data with a held-out split, or eval_every=0"))
+    if problems:
+        raise TrainError("train", problems)
+
+
+def train(
+    model: Model,
+    optimizer: torch.optim.Optimizer,
+    data: Batches,
+    *,
+    steps: int,
+    batch_size: int,
+    lr_schedule: Callable[[int], float] | None = None,
+    grad_clip: float | None = None,
+    grad_accum: int = 1,
+    autocast: torch.dtype | None = None,
+    mesh: DeviceMesh | None = None,
+    dp_axis: str = "dp",
+    start_step: int = 0,
+    eval_every: int = 0,
+    eval_batches: int | None = None,
+    checkpoint: Checkpointing | None = None,
+    log: Iterable[Logger] = (),
+    memory: bool = False,
+    on_step: Callable[[int], None] | None = None,
+) -> list[StepRecord]:
+    """Train ``model`` (``sf.build``) or a pipeline (``sf.build_pipeline``) from step
+    ``start_step`` up to step ``steps``; every rank calls it. Returns the records of the
+    steps run (the same on every rank).
+
+    * ``batch_size``: sequences per optimizer step, over all data-parallel ranks
+      (``mesh``'s ``dp_axis``) and ``grad_accum`` micro-steps; ``data.batch`` gives each
+      rank its share, cut into ``grad_accum`` micro-batches. FSDP2 reduces gradients on
+      the last micro-step only. The loss of a step is the mean over its target tokens
+      (for a pipeline: the mean of its microbatch means).
+    * ``lr_schedule(step)`` sets every parameter group's ``lr`` before step ``step``
+      (0-based; :class:`LRSchedule`); ``None`` leaves the optimizer's.
+    * ``grad_clip``: scale the gradients to this global norm at most
+      (:func:`slapo_fn.clip_grad_norm_`: right across meshes and stages).
+    * ``autocast``: run forward and loss under ``torch.autocast`` to this dtype (see
+      :func:`precision`; not needed where FSDP2 mixed precision casts).
+    * ``eval_every``: every so many steps, the mean loss over ``data.eval_batches(...)``
+      (at most ``eval_batches`` of them), in eval mode without gradients.
+    * ``checkpoint``: save as :class:`Checkpointing` says; resume with :func:`resume`.
+    * ``log``: callables given each :class:`StepRecord` on global rank 0.
+    * ``memory``: measure every step's peak memory over ranks (a collective).
+    * ``on_step(step)``: called on every rank after each optimizer step (tests inject
+      faults so).
+    """
+    mesh = mesh if mesh is not None else _mesh_of(model)
+    dp_rank, dp_size, dp_group = _dp(mesh, dp_axis)
+    _check(model, optimizer, data, steps, batch_size, grad_accum, dp_size, start_step, grad_clip, eval_every)
+    loggers = list(log) if _rank() == 0 else []
+    modules = _modules(model)
+    device = _device(model)
+    pipeline = model if isinstance(model, Pipeline) else None
+    base_memory = peak_memory(None) if memory and device.type != "cuda" else 0
+    for m in modules:
+        m.train()
+    records: list[StepRecord] = []
+    for step in range(start_step, steps):
+        began = time.perf_counter()
+        lr = lr_schedule(step) if lr_schedule is not None else float(optimizer.param_groups[0]["lr"])
+        if lr_schedule is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        batch = {k: v.to(device) for k, v in data.batch(step, batch_size, dp_rank=dp_rank, dp_size=dp_size).items()}
+        micro = _split(batch, grad_accum)
+        if pipeline is not None:
+            loss_sum, count = _pipeline_step(pipeline, micro, autocast, device)
+        else:
+            loss_sum, count = _module_step(model, micro, autocast, device, dp_size, dp_group)  # type: ignore[arg-type]
+        loss_sum, count = _all_sum([loss_sum, count], dp_group, device)
+        if grad_clip is not None:  # the global norm, across meshes and stages, before clipping
+            norm = clip_grad_norm_(model, grad_clip)
+        else:
+            norm = global_norm({k: p.grad for k, p in model.named_parameters() if p.grad is not None},
+                               pipeline=pipeline)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if on_step is not None:
+            on_step(step + 1)
+        eval_loss = None
+        if eval_every and (step + 1) % eval_every == 0:
+            eval_loss = _evaluate(model, data, batch_size, dp_rank, dp_size, dp_group, autocast, device,
+                                  eval_batches)
+        seconds = time.perf_counter() - began
+        tokens = int(batch["input_ids"].numel()) * dp_size
+        mem = _step_memory(device, base_memory) if memory else {}
+        record = StepRecord(step=step + 1, loss=loss_sum / max(count, 1.0), lr=lr, grad_norm=float(norm),
+                            tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, eval_loss=eval_loss, **mem)
+        records.append(record)
+        for logger in loggers:
+            logger(record)
+        if checkpoint is not None and ((checkpoint.every and (step + 1) % checkpoint.every == 0)
+                                       or step + 1 == steps):
+            _save(model, optimizer, data, checkpoint, step + 1)
+    return records
+
+
+def _mesh_of(model: Model) -> DeviceMesh | None:
+    """The mesh of the model's first DTensor parameter's root mesh, if any."""
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None:
+            root = getattr(mesh, "_get_root_mesh", None)  # FSDP2 shards over a sub-mesh: the whole one
+            return root() if callable(root) else mesh  # type: ignore[no-any-return]
+    return None
+
+
+def _module_step(model: nn.Module, micro: list[dict[str, torch.Tensor]], autocast: torch.dtype | None,
+                 device: torch.device, dp_size: int, dp_group: dist.ProcessGroup | None) -> tuple[float, float]:
+    """Forward and backward of every micro-batch; returns this rank's loss sum and count
+    of target tokens. Each micro-batch's loss is its token sum over the step's global
+    count, times ``dp_size`` (data parallelism averages over ranks): the gradients are
+    those of the global batch's token mean."""
+    local = float(sum(_targets(m["labels"]) for m in micro))
+    count = _all_sum([local], dp_group, device)[0]
+    total = 0.0
+    for i, part in enumerate(micro):
+        labels, ids = part["labels"], part["input_ids"]
+        kwargs = {k: v for k, v in part.items() if k not in ("labels", "input_ids")}
+        with _gradient_sync([model], i == len(micro) - 1):  # around the backward, where FSDP2 reduces
+            with _autocast(device, autocast):
+                loss_sum = causal_lm_loss(_logits(model(ids, **kwargs)), labels, reduction="sum")
+            (loss_sum * (dp_size / max(count, 1.0))).backward()
+        total += float(loss_sum.detach())
+    return total, local
+
+
+def _pipeline_step(pipe: Pipeline, micro: list[dict[str, torch.Tensor]], autocast: torch.dtype | None,
+                   device: torch.device) -> tuple[float, float]:
+    """``pipe.step`` per micro-batch (the schedule syncs FSDP2 and tied weights itself);
+    the gradients of each are summed aside and averaged, so that micro-steps add up as
+    one step over their union. Returns the sum of the micro-steps' mean losses and their
+    number (the mean loss of the step, as a sum and a count)."""
+    kept: dict[nn.Parameter, torch.Tensor] = {}
+    total = 0.0
+    for part in micro:
+        if len(micro) > 1:
+            for p in pipe.parameters():
+                if p.grad is not None:
+                    kept[p] = kept[p] + p.grad if p in kept else p.grad
+                    p.grad = None
+        labels = part["labels"]
+        ids = part["input_ids"]
+        kwargs = {k: v for k, v in part.items() if k not in ("labels", "input_ids")}
+        with _autocast(device, autocast):
+            total += float(pipe.step(ids, target=labels, **kwargs))
+    if len(micro) > 1:
+        with torch.no_grad():
+            for p in pipe.parameters():
+                if p.grad is not None and p in kept:
+                    p.grad += kept[p]
+                elif p in kept:
+                    p.grad = kept[p]
+                if p.grad is not None:
+                    p.grad /= len(micro)
+    return total, float(len(micro))
+
+
+@torch.no_grad()
+def _evaluate(model: Model, data: object, batch_size: int, dp_rank: int, dp_size: int,
+              dp_group: dist.ProcessGroup | None, autocast: torch.dtype | None, device: torch.device,
+              limit: int | None) -> float:
+    """The token-mean loss over the data's eval batches (a pipeline: the mean of its
+    microbatch means), over every data-parallel rank; modules in eval mode meanwhile."""
+    modules = _modules(model)
+    for m in modules:
+        m.eval()
+    total, count = 0.0, 0.0
+    try:
+        batches = data.eval_batches(batch_size=batch_size, dp_rank=dp_rank, dp_size=dp_size)  # type: ignore[attr-defined]
+        for i, batch in enumerate(batches):
+            if limit is not None and i >= limit:
+                break
+            batch = {k: v.to(device) for k, v in batch.items()}
+            labels = batch.pop("labels")
+            with _autocast(device, autocast):
+                if isinstance(model, Pipeline):
+                    ids = batch.pop("input_ids")
+                    total += _pipeline_eval(model, ids, labels, batch)
+                    count += 1
+                else:
+                    ids = batch.pop("input_ids")
+                    total += float(causal_lm_loss(_logits(model(ids, **batch)), labels, reduction="sum"))
+                    count += _targets(labels)
+    finally:
+        for m in modules:
+            m.train()
+    total, count = _all_sum([total, count], dp_group, device)
+    return total / max(count, 1.0)
+
+
+def _pipeline_eval(pipe: Pipeline, ids: torch.Tensor, labels: torch.Tensor, kwargs: dict[str, torch.Tensor]) \
+        -> float:
+    """The mean microbatch loss of a forward-only pass of the pipeline, on every rank."""
+    losses: list[torch.Tensor] = []
+    pipe.runner.eval(ids, target=labels, losses=losses, **kwargs)
+    last = pipe.placement[-1]
+    mine = dist.get_rank(pipe.group)
+    loss = torch.stack([x.detach().float() for x in losses]).mean() if mine == last else torch.zeros(())
+    dist.broadcast(loss, group=pipe.group, group_src=last)
+    return float(loss)
+
