@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import re
@@ -222,6 +223,57 @@ def stage_config(config: Any, keep: Sequence[int], layers: int) -> Any:
     clone = copy.copy(config)
     clone.__dict__.update(changed)
     return clone
+
+
+#: The sizes of a model's small twin (:func:`small_config`): same class, same structure.
+_SMALL = {"hidden": 64, "ffn": 128, "heads": 4, "head_dim": 16, "layers": 3}
+
+
+def small_config(config: Any) -> Any | None:
+    """A copy of a Hugging Face ``config`` with the same structure at a tiny size (hidden
+    64, 4 heads, at most 3 layers; vocabulary and special tokens unchanged), to build a
+    real twin of a model that lives on the meta device; ``None`` for no config.
+
+    >>> from types import SimpleNamespace
+    >>> c = small_config(SimpleNamespace(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+    ...                                  num_hidden_layers=32, layer_types=["a", "b"] * 16))
+    >>> (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.num_hidden_layers, c.layer_types)
+    (64, 4, 2, 3, ['a', 'b', 'a'])
+    """
+    if config is None:
+        return None
+    small = copy.deepcopy(config)
+    heads = next((getattr(config, n) for n in CONFIG_HEAD_COUNT_ATTRS if isinstance(getattr(config, n, None), int)),
+                 None)
+    for name in HIDDEN_SIZE_ATTRS:
+        if isinstance(getattr(config, name, None), int):
+            _set(small, name, _SMALL["hidden"])
+    for name in FFN_SIZE_ATTRS:
+        if isinstance(getattr(config, name, None), int):
+            _set(small, name, _SMALL["ffn"])
+    for name in CONFIG_HEAD_COUNT_ATTRS:
+        if isinstance(getattr(config, name, None), int):
+            _set(small, name, _SMALL["heads"])
+    kv = getattr(config, "num_key_value_heads", None)
+    if isinstance(kv, int) and heads:
+        _set(small, "num_key_value_heads", _SMALL["heads"] if kv >= heads else (1 if kv == 1 else 2))
+    if isinstance(getattr(config, "head_dim", None), int):
+        _set(small, "head_dim", _SMALL["head_dim"])
+    layers = None
+    for name in LAYER_COUNT_ATTRS:
+        if isinstance(value := getattr(config, name, None), int):
+            layers = min(value, _SMALL["layers"])
+            _set(small, name, layers)
+    if layers is not None:
+        for name in PER_LAYER_ATTRS:
+            if isinstance(value := getattr(config, name, None), list | tuple):
+                _set(small, name, list(value)[:layers])
+    return small
+
+
+def _set(config: Any, name: str, value: Any) -> None:
+    with contextlib.suppress(AttributeError):  # a derived property (Falcon's head_dim) follows the sizes set
+        setattr(config, name, value)
 
 
 def is_encoder_decoder(model: nn.Module) -> bool:

@@ -67,6 +67,7 @@ from ..hf import (
     is_encoder_decoder,
     model_type,
     position_limit,
+    small_config,
     stage_config,
 )
 from ..tree import child_names, get_module, join, shallow_clone, split
@@ -428,14 +429,29 @@ def encoder_decoder_problem(root: nn.Module, sequence: str) -> Problem:
         "encoder_hidden_states=... to Pipeline.step (keyword tensors reach every stage)")
 
 
+def _small_twin(root: nn.Module) -> nn.Module | None:
+    """``root``'s class built on the CPU from :func:`~slapo_fn.hf.small_config` of its
+    config (random weights, seeded), or ``None`` where that fails."""
+    config = small_config(getattr(root, "config", None))
+    if config is None:
+        return None
+    try:
+        with torch.device("cpu"), torch.random.fork_rng():
+            torch.manual_seed(0)
+            twin = type(root)(config)
+    except Exception:
+        return None
+    return twin.float()
+
+
 def resolve_family(root: nn.Module, sequence: str) -> Family:
     """The adapter for cutting ``root`` in ``sequence``: the :data:`FAMILIES` entry of its
     model type, the structural defaults for a model that is not a Hugging Face one, else
     the first :func:`derive_family` candidate that passes :func:`parity_error`.
 
-    Raises :class:`ScheduleError` for a whole encoder-decoder model, a model whose
-    parameters are not materialised (on the meta device: nothing to check against) and
-    a family no candidate passes."""
+    A model on the meta device is checked through a small real twin of it (same class,
+    tiny sizes). Raises :class:`ScheduleError` for a whole encoder-decoder model, a meta
+    model without a buildable twin, and a family no candidate passes."""
     kind = model_type(root)
     if kind is None:
         return Family()
@@ -443,15 +459,21 @@ def resolve_family(root: nn.Module, sequence: str) -> Family:
         raise ScheduleError("cut_pipeline_stage", [encoder_decoder_problem(root, sequence)])
     if kind in FAMILIES:
         return FAMILIES[kind]
+    probe: nn.Module | None = root
     if any(p.is_meta for p in root.parameters()):
-        raise ScheduleError("cut_pipeline_stage", [Problem(
-            sequence,
-            f"no pipeline stage adapter for model_type {kind!r}, and its parameters are on the meta device: the "
-            "derived adapter cannot be checked for parity",
-            f"cut the model before moving it to the meta device (create it on the CPU), or {_ADAPTER_FIX}")])
+        # nothing to compute on: check the candidates on a small real twin (same class and
+        # structure, tiny sizes); the roles found are names, the same in both
+        probe = _small_twin(root)
+        if probe is None:
+            raise ScheduleError("cut_pipeline_stage", [Problem(
+                sequence,
+                f"no pipeline stage adapter for model_type {kind!r}, its parameters are on the meta device, and no "
+                "small real twin of it could be built: the derived adapter cannot be checked for parity",
+                f"cut the model before moving it to the meta device (create it on the CPU), or {_ADAPTER_FIX}")])
+    assert probe is not None
     reasons = []
-    for family in derive_family(root, sequence):
-        reason = parity_error(root, sequence, family)
+    for family in derive_family(probe, sequence):
+        reason = parity_error(probe, sequence, family)
         if reason is None:
             return family
         reasons.append(reason)

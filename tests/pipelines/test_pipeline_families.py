@@ -199,8 +199,40 @@ def test_a_family_whose_stages_differ_from_the_model_is_refused_at_the_cut() -> 
     assert sch.history == ()
 
 
-def test_a_derived_adapter_on_the_meta_device_is_refused() -> None:
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_meta_model_gets_the_adapter_its_real_twin_passes(family: str) -> None:
+    from slapo_fn.pipelines.families import resolve_family
+
+    real, seq = make(family, layers=4)
+    with torch.device("meta"):
+        meta, _ = make(family, layers=4)
+    assert any(p.is_meta for p in meta.parameters())
+    assert resolve_family(meta, seq) == resolve_family(real, seq)  # checked on a small real twin
+    cut = sf.cut_pipeline_stage(sf.create_schedule(meta), f"{seq}.1")
+    assert len(cut.history) == 1
+
+
+def test_a_meta_model_without_a_buildable_twin_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import slapo_fn.pipelines.families as families
+
     with torch.device("meta"):
         model, seq = make("phi3", layers=2)
-    with pytest.raises(sf.ScheduleError, match=r"(?s)model_type 'phi3', and its parameters are on the meta device"):
+    monkeypatch.setattr(families, "small_config", lambda config: None)  # no twin can be built
+    with pytest.raises(sf.ScheduleError, match=r"(?s)model_type 'phi3', its parameters are on the meta device, and "
+                                               r"no small real twin"):
         sf.cut_pipeline_stage(sf.create_schedule(model), f"{seq}.0")
+
+
+@pytest.mark.timeout(120)
+def test_explain_pp2_from_the_command_line_for_a_family_without_an_adapter(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    from transformers import Phi3Config
+
+    Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2).save_pretrained(tmp_path)
+    result = subprocess.run([sys.executable, "-m", "slapo_fn.cli", "explain", "--model", str(tmp_path / "config.json"),
+                             "--pp", "2"], capture_output=True, text=True, timeout=110)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "0      model.layers.[0-1]" in result.stdout and "1      model.layers.[2-3]" in result.stdout
