@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .dtensor.explain import TensorParallelExplanation, explain_tensor_parallel
 from .memory import MemoryTable, per_rank_memory
 from .pipelines.explain import stage_table
@@ -47,10 +49,15 @@ class Explanation:
     tensor_parallel: TensorParallelExplanation | None = None
     #: Parameters, gradients and optimizer state per rank (:func:`slapo_fn.memory.per_rank_memory`).
     memory: MemoryTable | None = None
+    #: The example inputs the activation and collective sizes are computed for, as text
+    #: (``input 0: int64 (4, 2048)``); "" without inputs.
+    assumed: str = ""
 
     def __str__(self) -> str:
         annotated = [(r.path or "<root>", ", ".join(r.annotations)) for r in self.rows if r.annotations]
         out = [self.tree, "", f"parameters: {self.total_parameters:,} ({format_bytes(self.total_bytes)})"]
+        if self.assumed:
+            out.append(f"sizes below are for the inputs given: {self.assumed}")
         if annotated:
             out.append("annotations:")
             out += [f"  {path}: {text}{_times(n)}" for (path, text), n in _fold_numbered(annotated)]
@@ -75,13 +82,46 @@ def _times(n: int) -> str:
     return f"  ×{n}" if n > 1 else ""
 
 
+def _indices(numbers: list[int]) -> str:
+    """``[0-31]``, ``[7,15,23]`` or ``[0-3,8]``: the numbers as a selector token."""
+    runs: list[list[int]] = []
+    for n in sorted(set(numbers)):
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return "[" + ",".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ",".join(map(str, r)) for r in runs) + "]"
+
+
 def _fold_numbered(items: list[tuple[str, str]]) -> list[tuple[tuple[str, str], int]]:
-    """Group entries equal up to the layer numbers in their paths (``layers.3`` → ``layers.*``),
-    in order of first appearance, with their counts; single entries keep their numbers."""
+    """Group entries equal up to the layer numbers in their paths, in order of first
+    appearance, with their counts; a group's path names the layers it holds where one
+    number varies (``layers.[7,15,23]``, ``layers.[0-31]``), else ``layers.*``; single
+    entries keep their numbers.
+
+    >>> _fold_numbered([("m.layers.7", "cut"), ("m.layers.15", "cut"), ("m.layers.23", "cut")])
+    [(('m.layers.[7,15,23]', 'cut'), 3)]
+    """
     groups: dict[tuple[str, str], list[tuple[str, str]]] = {}
     for key, text in items:
         groups.setdefault((_NUMBER.sub("*", key), text), []).append((key, text))
-    return [(key if len(members) > 1 else members[0], len(members)) for key, members in groups.items()]
+    out: list[tuple[tuple[str, str], int]] = []
+    for (pattern, text), members in groups.items():
+        if len(members) == 1:
+            out.append((members[0], 1))
+            continue
+        numbers = [_NUMBER.findall(key) for key, _ in members]
+        varying = [i for i in range(len(numbers[0])) if len({tuple(n)[i] for n in numbers}) > 1]
+        if len(varying) == 1 and pattern.count("*") == len(numbers[0]):
+            parts = pattern.split("*")
+            fixed = numbers[0]
+            pieces = [parts[0]]
+            for i in range(len(fixed)):
+                token = _indices([int(n[i]) for n in numbers]) if i == varying[0] else fixed[i]
+                pieces += [token, parts[i + 1]]
+            pattern = "".join(pieces)
+        out.append(((pattern, text), len(members)))
+    return out
 
 
 def explain(sch: Schedule, *inputs: Any, kwargs: Mapping[str, Any] | None = None) -> Explanation:
@@ -126,7 +166,15 @@ def explain(sch: Schedule, *inputs: Any, kwargs: Mapping[str, Any] | None = None
         stages=_stages(sch),
         tensor_parallel=_tensor_parallel(sch, inputs, kwargs),
         memory=_memory(sch),
+        assumed=_assumed(inputs, kwargs),
     )
+
+
+def _assumed(inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> str:
+    """``input 0: int64 (4, 2048); attention_mask=: int64 (4, 2048)``."""
+    named = [(f"input {i}", x) for i, x in enumerate(inputs)] + [(f"{k}=", v) for k, v in (kwargs or {}).items()]
+    return "; ".join(f"{name}: {format_dtype(x.dtype)} {tuple(x.shape)}" for name, x in named
+                     if isinstance(x, torch.Tensor))
 
 
 def _tensor_parallel(
