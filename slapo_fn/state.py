@@ -59,6 +59,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.tensor as dtensor
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -448,11 +449,13 @@ def load(model: object, optimizer: OptimizerState, path: str | os.PathLike[str],
             _check_matches(model, optimizer, found)
             try:
                 step = _load_from(model, optimizer, found)
-            except Exception as e:  # DCP could not read it (all ranks see the same failure)
-                if i + 1 == len(candidates):
-                    raise
-                skipped.append((found, Problem(str(found), f"cannot be read: {type(e).__name__}: "
-                                                           f"{_first_line(e)}")))
+            except (Exception, CheckpointException) as e:  # DCP could not read it (the same on all ranks);
+                # DCP's CheckpointException is a BaseException: a plain `except Exception` misses it
+                unreadable = Problem(str(found), f"cannot be read: {type(e).__name__}: {_first_line(e)}",
+                                     "its files are corrupted: save again, or load an earlier step directory")
+                if i + 1 == len(candidates):  # one line, not DCP's multi-screen CheckpointException
+                    raise ScheduleError("load", [unreadable, *(p for _, p in skipped)]) from e
+                skipped.append((found, unreadable))
                 continue
             if skipped:
                 first, why = skipped[0]

@@ -129,3 +129,26 @@ def test_dp2_tp2_to_tp4_to_single_process_to_hf(dist4: Any, tmp_path: Path) -> N
     hf.load_state_dict(reference)  # the export loads into the plain Hugging Face model
     ids = token_ids()
     torch.testing.assert_close(hf(ids).logits, single(ids).logits, rtol=0, atol=0)
+
+
+def test_a_checkpoint_corrupted_inside_is_one_short_error_or_falls_back(tmp_path) -> None:
+    import os
+    import warnings
+
+    model = nn.Linear(16, 16)
+    sf.save(model, None, tmp_path, step=1)
+    older = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    newest = sf.save(model, None, tmp_path, step=2)
+    data = next(f for f in newest.iterdir() if f.suffix == ".distcp")
+    data.write_bytes(os.urandom(data.stat().st_size))  # same size, garbage inside: DCP's own read fails
+    other = nn.Linear(16, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert sf.load(other, None, tmp_path) == 1  # the newest loadable one
+    assert any("step-00000002" in str(w.message) and "cannot be read" in str(w.message) for w in caught)
+    assert torch.equal(other.weight, older["weight"])
+    with pytest.raises(sf.ScheduleError, match=r"step-00000002': cannot be read: CheckpointException") as info:
+        sf.load(nn.Linear(16, 16), None, tmp_path, fallback=False)
+    assert len(str(info.value).splitlines()) <= 3
