@@ -204,21 +204,32 @@ def materialise(model: nn.Module, options: BuildOptions) -> None:
         )
 
 
+def _empty_like(
+    t: torch.Tensor, device: torch.device, memo: dict[int, torch.Tensor], *, unfilled: bool
+) -> torch.Tensor:
+    """An uninitialised tensor like ``t`` on ``device`` (a ``Parameter`` for a parameter,
+    its attributes kept), one per ``t`` in ``memo`` so that shared tensors stay shared; a
+    plain one is marked :data:`UNFILLED` with ``unfilled``."""
+    if id(t) not in memo:
+        data = torch.empty_like(t, device=device)
+        if isinstance(t, nn.Parameter):
+            new: torch.Tensor = nn.Parameter(data, requires_grad=t.requires_grad)
+            new.__dict__.update(t.__dict__)
+        else:
+            new = data
+            if unfilled:
+                setattr(new, UNFILLED, True)
+        memo[id(t)] = new
+    return memo[id(t)]
+
+
 def _to_empty(model: nn.Module, device: torch.device) -> None:
     """Like ``Module.to_empty`` but keeps tensors shared between modules shared (tied
     weights), which ``to_empty`` does not."""
     memo: dict[int, torch.Tensor] = {}
 
     def empty(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in memo:
-            data = torch.empty_like(t, device=device)
-            if isinstance(t, nn.Parameter):
-                new: torch.Tensor = nn.Parameter(data, requires_grad=t.requires_grad)
-                new.__dict__.update(t.__dict__)
-            else:
-                new = data
-            memo[id(t)] = new
-        return memo[id(t)]
+        return _empty_like(t, device, memo, unfilled=False)
 
     for _, m in walk(model):
         for name, p in m._parameters.items():
@@ -245,16 +256,7 @@ def allocate(model: nn.Module, device: torch.device) -> None:
     memo: dict[int, torch.Tensor] = {}
 
     def empty(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in memo:
-            data = torch.empty_like(t, device=device)
-            if isinstance(t, nn.Parameter):
-                new: torch.Tensor = nn.Parameter(data, requires_grad=t.requires_grad)
-                new.__dict__.update(t.__dict__)
-            else:
-                new = data
-                setattr(new, UNFILLED, True)
-            memo[id(t)] = new
-        return memo[id(t)]
+        return _empty_like(t, device, memo, unfilled=True)
 
     swapped: set[int] = set()
     for _, m in walk(model):
