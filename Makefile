@@ -15,10 +15,24 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[hf,dev,tune,tensorboard]"
 	touch $(STAMP)
 
-# The main job: a small LLaMA trained with a real schedule (Megatron TP x FSDP) on 4 local
-# processes, then the explanation of a 7B-shaped schedule at tp8 x pp4 x dp4 (no devices).
+# The lifecycle, in under 3 minutes on 2 CPU cores: (a) a BPE tokenizer trained on the fly on the
+# Python standard library and a small LLaMA config (examples/lifecycle_setup.py), pre-trained from
+# random weights on that corpus at dp2 x tp2 (4 processes), with a checkpoint and an eval loss;
+# (b) the checkpoint exported to a Hugging Face folder; (c) fine-tuned from that folder's weights
+# at another layout, pp2 x tp2, whose first loss continues where pre-training ended; (d) the
+# explanation of a 7B-shaped schedule at tp8 x pp4 x dp4 (no devices).
+DEMO := demo-out
 demo: $(STAMP)
-	$(BIN)/slapo-fn train --model llama-small --dp 2 --tp 2 --steps 60 --lr 3e-3 --log-every 10
+	rm -rf $(DEMO) && mkdir -p $(DEMO)
+	$(BIN)/python examples/lifecycle_setup.py $(DEMO)/base
+	$(BIN)/slapo-fn train --model $(DEMO)/base --data stdlib --dp 2 --tp 2 --seq 128 --batch 8 --steps 50 \
+		--lr 3e-3 --warmup 5 --log-every 10 --eval-every 25 --eval-batches 4 --checkpoint-dir $(DEMO)/ckpt \
+		--no-progress | tee $(DEMO)/pretrain.log
+	$(BIN)/slapo-fn export $(DEMO)/ckpt $(DEMO)/hf --model $(DEMO)/base
+	$(BIN)/slapo-fn train --model $(DEMO)/hf --data stdlib --pp 2 --tp 2 --seq 128 --batch 8 --steps 10 \
+		--lr 1e-3 --log-every 5 --no-progress | tee $(DEMO)/finetune.log
+	@echo "pre-training (dp2 x tp2) ended at: $$(grep '^step 50 loss' $(DEMO)/pretrain.log | cut -d' ' -f1-4)"
+	@echo "fine-tuning (pp2 x tp2) began at:  $$(grep '^step 1 loss' $(DEMO)/finetune.log | cut -d' ' -f1-4)"
 	$(BIN)/slapo-fn explain --model llama-7b --tp 8 --pp 4 --dp 4
 
 test: $(STAMP)
@@ -44,4 +58,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/recipe_speed.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(DEMO) *.egg-info .pytest_cache .mypy_cache .ruff_cache

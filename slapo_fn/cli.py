@@ -1,16 +1,21 @@
-"""The ``slapo-fn`` command: ``train``, ``explain``, ``verify``, ``tune``.
+"""The ``slapo-fn`` command: ``train``, ``export``, ``explain``, ``verify``, ``tune``.
 
 * ``slapo-fn train --model llama-small --dp 2 --tp 2 --steps 40`` builds the model from a
   named config (or a local Hugging Face ``config.json``), schedules it with its family's
   recipe for the requested ``--dp/--tp/--pp`` (a family without one: with the model's own
   ``base_model_tp_plan``, ``slapo_fn.recipes.from_model_plan``), starts the local processes itself through
-  ``torchrun`` (gloo on CPU, NCCL on GPUs), trains on a synthetic task (or ``--data
-  file.txt``, byte-level) with a progress bar, writes distributed checkpoints
+  ``torchrun`` (gloo on CPU, NCCL on GPUs), trains on a synthetic task or ``--data``
+  (a text file, folder, JSONL, a saved ``datasets`` dataset or ``stdlib``, tokenized with
+  ``--tokenizer`` or the model folder's tokenizer and packed; a plain text file with no
+  tokenizer: byte windows, as before) with a progress bar; a Hugging Face folder's
+  weights are read into each rank's shards (``sf.load_hf``); writes distributed checkpoints
   (``--checkpoint-dir``, ``--save-every``) and resumes from them (``--resume``). The
   loop is :func:`slapo_fn.train.train` (``--lr/--warmup/--decay``, ``--weight-decay``,
   ``--grad-clip``, ``--grad-accum``, ``--dtype``, ``--metrics``, ``--tensorboard``);
   ``--config run.toml`` gives any flag's value, flags override it; ``--nnodes
   --node-rank --master-addr --master-port`` make this machine one node of several.
+* ``slapo-fn export CKPT OUT --model ...`` writes a checkpoint as a Hugging Face folder
+  (one process, ``sf.load`` then ``sf.save_hf``); ``train --export-to OUT`` does it at the end.
 * ``slapo-fn explain --model llama-7b --tp 8 --pp 4 --dp 4`` prints the schedule, its
   layouts, collectives, stages and per-rank memory without starting a job (meta device,
   a fake process group).
@@ -49,7 +54,7 @@ import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from .errors import Problem, ScheduleError
 
@@ -84,7 +89,9 @@ class CommandLineError(ScheduleError):
 
 # -- arguments --------------------------------------------------------------------------
 def _parallel_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="llama-tiny", help="a preset (see slapo_fn.presets) or a config.json path")
+    p.add_argument("--model", default="llama-tiny",
+                   help="a preset (see slapo_fn.presets), a config.json path, or a Hugging Face folder (its "
+                        "weights, model.safetensors or a sharded index, are loaded where present)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree (mesh axis 'dp')")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (mesh axis 'tp')")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages, one per rank (mesh axis 'pp')")
@@ -135,7 +142,22 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     loop.add_argument("--eval-every", type=int, default=0, metavar="N",
                       help="an eval loss every N steps, where the data has a held-out split (0: never)")
     loop.add_argument("--eval-batches", type=int, default=None, metavar="N", help="at most N eval batches")
-    train.add_argument("--data", default=None, help="a text file (byte-level); default: a synthetic task")
+    data = train.add_argument_group("data", "with a tokenizer (--tokenizer, or the --model folder's own), --data is "
+                                            "tokenized and packed into --seq tokens per row, with attention masks "
+                                            "and a held-out split; without one, a plain text file is read as in "
+                                            "earlier versions (random byte windows, 256 symbols)")
+    data.add_argument("--data", default=None,
+                      help="a text file, a folder of text files, JSONL with a 'text' field, a `datasets` dataset "
+                           "saved on disk, or 'stdlib' (the Python standard library's sources, 2 MB; "
+                           "'stdlib:8MiB' or 'stdlib:all' for more); default: a synthetic task")
+    data.add_argument("--tokenizer", default=None, metavar="FOLDER|bytes",
+                      help="a tokenizer folder (AutoTokenizer), or 'bytes' (UTF-8 bytes + EOS: 257 symbols); "
+                           "default: the --model folder's tokenizer if it has one")
+    data.add_argument("--eval-fraction", type=float, default=None, metavar="F",
+                      help="the share of --data's rows held out for --eval-every (default: 0.05 with --eval-every, "
+                           "else 0)")
+    train.add_argument("--export-to", default=None, metavar="FOLDER",
+                       help="at the end, write the trained model (and the tokenizer) as a Hugging Face folder")
     train.add_argument("--checkpoint-dir", default=None, help="where distributed checkpoints go")
     train.add_argument("--save-every", type=int, default=0, help="save every N steps (and at the end)")
     train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
@@ -172,6 +194,14 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     verify.add_argument("--atol", type=float, default=None, help="absolute (default: by dtype, 1e-5 for float32)")
     verify.add_argument("--run-dir", default=None)
     _tune_args(sub.add_parser("tune", help="search the recipe's knobs for the fastest config that fits"))
+
+    export = sub.add_parser("export", help="write a training checkpoint as a Hugging Face folder (no job)")
+    export.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="a --checkpoint-dir of slapo-fn train")
+    export.add_argument("out", metavar="OUT_FOLDER", help="the Hugging Face folder to write")
+    export.add_argument("--model", required=True,
+                        help="the model the checkpoint was trained as (a preset, config.json or folder)")
+    export.add_argument("--tokenizer", default=None, metavar="FOLDER",
+                        help="tokenizer files to write beside the weights (default: the --model folder's, if any)")
     return parser, dict(sub.choices)
 
 
@@ -382,11 +412,7 @@ def _loop_problems(args: argparse.Namespace) -> list[Problem]:
 
 
 def _train_argument_problems(args: argparse.Namespace) -> list[Problem]:
-    problems = []
-    if args.eval_every:
-        problems.append(Problem("--eval-every", "the data has no held-out split (the synthetic task and byte-level "
-                                                "--data give training batches only)",
-                                "leave out --eval-every"))
+    problems = _data_argument_problems(args)
     if args.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
         problems.append(Problem("--tensorboard", "needs the tensorboard package, which is not installed",
                                 "pip install 'slapo_fn[tensorboard]' (or: pip install tensorboard), or leave out "
@@ -397,25 +423,111 @@ def _train_argument_problems(args: argparse.Namespace) -> list[Problem]:
     if args.save_every and not args.checkpoint_dir:
         problems.append(Problem("--save-every", "needs --checkpoint-dir (where to save)",
                                 f"--save-every {args.save_every} --checkpoint-dir DIR"))
-    if args.data is not None:
-        path, why = Path(args.data), ""
-        if not path.exists():
-            why = "no such file"
-        elif not path.is_file():
-            why = "not a file"
-        elif not os.access(path, os.R_OK):
-            why = "not readable"
-        elif path.stat().st_size < 2:
-            why = f"a text file of at least 2 bytes is needed, got {path.stat().st_size}"
-        if why:
-            problems.append(Problem("--data", f"{args.data}: {why}",
-                                    "the path of a text file (read as bytes), or no --data for the synthetic task"))
+    if args.export_to is not None and Path(args.export_to).exists() and not Path(args.export_to).is_dir():
+        problems.append(Problem("--export-to", f"{args.export_to}: is a file, not a folder",
+                                "--export-to FOLDER (created if missing)"))
     try:
         _fault(args.fault)
     except ValueError:
         problems.append(Problem("--fault", f"{args.fault!r} is not KIND:STEP (KIND exit or hang, STEP a step number)",
                                 "--fault exit:3 or --fault hang:3"))
     return problems
+
+
+STDLIB = "stdlib"
+#: Bytes of the standard library's sources that ``--data stdlib`` reads (``stdlib:SIZE``: another amount).
+STDLIB_BYTES = 2_000_000
+#: The held-out share of ``--data`` with ``--eval-every`` and no ``--eval-fraction``.
+EVAL_FRACTION = 0.05
+_DATA_FIX = ("a text file, a folder of them, a .jsonl file with a 'text' field, a `datasets` dataset saved with "
+             "save_to_disk, or stdlib")
+
+
+def _stdlib_bytes(data: str) -> int | None:
+    """The byte cap of ``--data stdlib[:SIZE]`` (``None``: all of it); ``ValueError`` for a bad SIZE."""
+    _, _, size = data.partition(":")
+    if not size:
+        return STDLIB_BYTES
+    return None if size == "all" else _size(size)
+
+
+def _tokenizer_source(args: argparse.Namespace) -> str | None:
+    """What tokenizes ``--data``: ``--tokenizer`` (a folder, or ``"bytes"``), else the
+    ``--model`` folder's own tokenizer, else ``None``."""
+    from .presets import tokenizer_of
+
+    if args.tokenizer is not None:
+        return str(args.tokenizer)
+    found = tokenizer_of(args.model)
+    return None if found is None else str(found)
+
+
+def _packed(args: argparse.Namespace) -> bool:
+    """Whether ``--data`` is tokenized and packed (:class:`slapo_fn.data.TokenData`: masks,
+    a held-out split, resumable) rather than read as random byte windows (the behaviour of
+    earlier versions, kept for a plain text file when no tokenizer is given)."""
+    if args.data is None:
+        return False
+    if _tokenizer_source(args) is not None or args.data.partition(":")[0] == STDLIB:
+        return True
+    path = Path(args.data)
+    return not path.is_file() or path.suffix.lower() in (".jsonl", ".json")
+
+
+def _data_argument_problems(args: argparse.Namespace) -> list[Problem]:
+    """``--data``, ``--tokenizer`` and the eval flags, without reading any data."""
+    problems = []
+    if args.data is not None and args.data.partition(":")[0] == STDLIB:
+        try:
+            _stdlib_bytes(args.data)
+        except ValueError:
+            problems.append(Problem("--data", f"{args.data!r}: the size after 'stdlib:' is not a size",
+                                    "--data stdlib, --data stdlib:8MiB or --data stdlib:all"))
+    elif args.data is not None:
+        path, why = Path(args.data), ""
+        if not path.exists():
+            why = "no such file or folder"
+        elif not os.access(path, os.R_OK):
+            why = "not readable"
+        elif path.is_file() and path.stat().st_size < 2:
+            why = f"a file of at least 2 bytes is needed, got {path.stat().st_size}"
+        elif not path.is_file() and not path.is_dir():
+            why = "neither a file nor a folder"
+        if why:
+            problems.append(Problem("--data", f"{args.data}: {why}", f"{_DATA_FIX}; or no --data for the "
+                                                                     "synthetic task"))
+    if args.tokenizer is not None:
+        if args.data is None:
+            problems.append(Problem("--tokenizer", "tokenizes --data, and there is none (the synthetic task is "
+                                                   "token ids already)", "--data FILE --tokenizer FOLDER, or "
+                                                                         "leave out --tokenizer"))
+        elif args.tokenizer != "bytes" and not Path(args.tokenizer).is_dir():
+            problems.append(Problem("--tokenizer", f"{args.tokenizer}: no such folder (nothing is downloaded)",
+                                    "a folder with tokenizer files (tokenizer.json, tokenizer_config.json), or "
+                                    "--tokenizer bytes"))
+    fraction = args.eval_fraction
+    if fraction is not None and not (math.isfinite(fraction) and 0 <= fraction < 1):
+        problems.append(Problem("--eval-fraction", f"must be in [0, 1), got {fraction}", "--eval-fraction 0.05"))
+    elif fraction is not None and args.data is None:
+        problems.append(Problem("--eval-fraction", "holds out rows of --data, and there is none",
+                                "--data FILE --eval-fraction 0.05, or leave out --eval-fraction"))
+    if args.eval_every and not problems:
+        if args.data is None or not _packed(args):
+            what = "the synthetic task" if args.data is None else \
+                f"{args.data}, read as byte windows (no tokenizer given),"
+            problems.append(Problem("--eval-every", f"{what} has no held-out split",
+                                    "--data FILE with --tokenizer FOLDER (or --tokenizer bytes), or leave out "
+                                    "--eval-every"))
+        elif fraction == 0:
+            problems.append(Problem("--eval-every", "--eval-fraction 0 holds out no rows to evaluate on",
+                                    "--eval-fraction 0.05 (or leave it out: 0.05 with --eval-every)"))
+    return problems
+
+
+def _eval_fraction(args: argparse.Namespace) -> float:
+    if args.eval_fraction is not None:
+        return float(args.eval_fraction)
+    return EVAL_FRACTION if args.eval_every else 0.0
 
 
 def _check_inputs(args: argparse.Namespace) -> None:
@@ -490,16 +602,85 @@ def _config(model: str, command: str) -> Any:
 
 
 def _data_problems(args: argparse.Namespace, config: Any) -> list[Problem]:
+    """``--data``'s symbols against the model's vocabulary: the tokenizer's (loaded here,
+    not the data), or 256 for byte windows."""
     from . import hf
     from .data import ByteText
 
     vocab = hf.config_value(config, "vocab_size", default=None)
-    symbols = ByteText(b"").vocab  # byte-level text: one token per byte value
-    if args.data is None or vocab is None or symbols <= vocab:
+    if args.data is None or vocab is None:
         return []
-    return [Problem("--data", f"{args.data} is read as bytes ({symbols} symbols); the model's vocabulary has "
-                              f"only {vocab}",
-                    "a model with vocab_size >= 256, or no --data (the synthetic task fits any vocabulary)")]
+    if not _packed(args):
+        symbols = ByteText(b"").vocab  # byte-level text: one token per byte value
+        if symbols <= vocab:
+            return []
+        return [Problem("--data", f"{args.data} is read as bytes ({symbols} symbols); the model's vocabulary has "
+                                  f"only {vocab}",
+                        "a model with vocab_size >= 256, a --tokenizer FOLDER whose vocabulary fits, or no --data "
+                        "(the synthetic task fits any vocabulary)")]
+    try:
+        codec = _codec(args)
+    except ScheduleError as e:
+        first = e.problems[0] if e.problems else Problem("", str(e), "")
+        return [Problem("--tokenizer" if args.tokenizer is not None else "--model", f"{first.path}: {first.reason}",
+                        "a folder with tokenizer files (tokenizer.json, tokenizer_config.json), or --tokenizer bytes")]
+    if codec.vocab <= vocab:
+        return []
+    where = "--tokenizer" if args.tokenizer is not None else "--model"
+    return [Problem(where, f"the tokenizer {codec.name} has {codec.vocab} tokens; the model's vocabulary has only "
+                           f"{vocab} (token ids would fall outside the embedding)",
+                    "a tokenizer with at most vocab_size tokens, or a model whose config.json has vocab_size >= "
+                    f"{codec.vocab}")]
+
+
+def _codec(args: argparse.Namespace) -> Any:
+    """The tokenizer of ``--data`` as a :class:`slapo_fn.data.Codec`."""
+    from .data import Codec
+
+    source = _tokenizer_source(args)
+    return Codec.byte_level() if source in (None, "bytes") else Codec.of(Path(source))
+
+
+def _token_data(args: argparse.Namespace, codec: Any) -> Any:
+    """``--data`` tokenized with ``codec`` and packed into rows of ``--seq`` tokens."""
+    from .data import TokenData, stdlib_corpus
+
+    if args.data.partition(":")[0] == STDLIB:
+        return TokenData.from_texts(stdlib_corpus(max_bytes=_stdlib_bytes(args.data)), codec, seq_len=args.seq,
+                                    seed=args.seed, eval_fraction=_eval_fraction(args))
+    return TokenData.from_source(Path(args.data), codec, seq_len=args.seq, seed=args.seed,
+                                 eval_fraction=_eval_fraction(args))
+
+
+class _Positioned:
+    """:class:`slapo_fn.data.TokenData` as :func:`slapo_fn.train.train` checkpoints data:
+    ``state_dict()`` is the data's :meth:`~slapo_fn.data.TokenData.state` after the last
+    batch given, ``load_state_dict`` checks a checkpoint's data is this data (corpus,
+    tokenizer, ``--seq``, seed; else a :class:`~slapo_fn.ScheduleError`) and keeps the
+    step it continues at in ``resumed_at``. Batches are a pure function of the step, so
+    resuming at that step restores the position."""
+
+    def __init__(self, data: Any, batch_size: int) -> None:
+        self.data, self.batch_size = data, batch_size
+        self.next_step = 0
+        self.resumed_at: int | None = None
+
+    @property
+    def vocab(self) -> int:
+        return int(self.data.vocab)
+
+    def batch(self, step: int, batch_size: int, *, dp_rank: int = 0, dp_size: int = 1) -> Any:
+        self.next_step = step + 1
+        return self.data.batch(step, batch_size, dp_rank=dp_rank, dp_size=dp_size)
+
+    def eval_batches(self, batch_size: int, *, dp_rank: int = 0, dp_size: int = 1) -> Any:
+        return self.data.eval_batches(batch_size, dp_rank=dp_rank, dp_size=dp_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.data.state(self.next_step, self.batch_size))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.resumed_at = self.next_step = int(self.data.resume(state, self.batch_size))
 
 
 def _resume_problems(args: argparse.Namespace) -> list[Problem]:
@@ -708,23 +889,44 @@ def _train(args: argparse.Namespace) -> int:
     from . import build, build_pipeline, hf
     from . import train as t
     from .data import Arithmetic, ByteText
+    from .presets import tokenizer_of, weights_of
+    from .weights import load_hf, save_hf
 
     fault = _fault(args.fault)
     device, mesh = _setup(args)
     rank = int(os.environ.get("RANK", "0"))
     sch = _schedule(args, mesh, meta=True)
     vocab = hf.vocab_size(sch.module)
-    source = ByteText.from_file(args.data, args.seed) if args.data else Arithmetic(vocab, args.seed)
-    if source.vocab > vocab:
-        raise CommandLineError(args.command, _data_problems(args, sch.module.config))
-    data = t.TokenBatches(source, args.seq)
+    data: Any
+    codec = None
+    if _packed(args):
+        codec = _codec(args)
+        if codec.vocab > vocab:
+            raise CommandLineError(args.command, _data_problems(args, sch.module.config))
+        data = _Positioned(_token_data(args, codec), args.batch)
+        if rank == 0:
+            print(f"data: {data.data}", flush=True)
+    else:
+        source = ByteText.from_file(args.data, args.seed) if args.data else Arithmetic(vocab, args.seed)
+        if source.vocab > vocab:
+            raise CommandLineError(args.command, _data_problems(args, sch.module.config))
+        data = t.TokenBatches(source, args.seq)
     sch, autocast = t.precision(sch, args.dtype)
+    weights = weights_of(args.model)
+    init: Literal["empty", "full"] = "empty" if weights is not None and not args.resume else "full"  # a resumed
+    # run loads its checkpoint instead
     if args.pp > 1:
         micro = args.microbatches or 2 * args.pp
         model: Any = build_pipeline(sch, microbatches=micro, schedule=args.schedule, loss_fn=t.causal_lm_loss,
-                                    init="full", seed=args.seed, device=device)
+                                    init=init, seed=args.seed, device=device)
     else:
-        model = build(sch, init="full", seed=args.seed, device=device)
+        model = build(sch, init=init, seed=args.seed, device=device)
+    if init == "empty":
+        load_hf(model, Path(args.model))
+        if rank == 0:
+            print(f"loaded weights from {args.model}", flush=True)
+    elif not args.resume and rank == 0:
+        _say_random_init(args)
     optimizer = t.adamw(model, lr=args.lr, weight_decay=args.weight_decay)
     torch.manual_seed(args.seed)  # dropout and other random ops of the steps, the same on every rank
     start = 0
@@ -732,6 +934,10 @@ def _train(args: argparse.Namespace) -> int:
         start = t.resume(model, optimizer, args.checkpoint_dir, data=data, say=_say_line)
         if start >= args.steps:  # checked before the launch; here for a job started by torchrun itself
             raise CommandLineError(args.command, _resume_problems(args))
+        if isinstance(data, _Positioned) and data.resumed_at not in (None, start):
+            raise CommandLineError(args.command, [Problem(
+                "--batch", f"the checkpoint at step {start} has consumed {data.resumed_at} batches of --batch "
+                           f"{args.batch}", "resume with the saved run's --batch")])
         if rank == 0:
             print(f"resumed from step {start}", flush=True)
     loggers: list[Any] = []
@@ -759,8 +965,28 @@ def _train(args: argparse.Namespace) -> int:
     finally:
         for logger in loggers:
             logger.close()
+    if args.export_to:
+        tokenizer = codec.tokenizer if codec is not None and codec.tokenizer is not None else tokenizer_of(args.model)
+        save_hf(model, args.export_to, tokenizer=tokenizer)
+        if rank == 0:
+            print(f"exported to {args.export_to}", flush=True)
     _teardown()
     return 0
+
+
+def _say_random_init(args: argparse.Namespace) -> None:
+    """One line where a Hugging Face folder has a config but no weights: it trains from random ones."""
+    from .presets import WEIGHT_FILES
+
+    if Path(args.model, "config.json").is_file() and args.model not in _preset_names():
+        print(f"slapo-fn {args.command}: {args.model} has config.json but no weights ({' or '.join(WEIGHT_FILES)}): "
+              f"training from random initialization (seed {args.seed})", flush=True)
+
+
+def _preset_names() -> Sequence[str]:
+    from .presets import PRESETS
+
+    return list(PRESETS)
 
 
 def _say_line(text: str) -> None:
@@ -796,12 +1022,15 @@ def _verify(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from . import hf, verify
+    from .presets import weights_of
     from .verify import VerificationError
 
     _device, mesh = _setup(args)
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(0)  # the model's random initialisation
-    sch = _schedule(args, mesh, meta=False)
+    sch = _schedule(args, mesh, meta=False)  # a Hugging Face folder's weights where it has some
+    if rank == 0 and weights_of(args.model) is not None:
+        print(f"loaded weights from {args.model}", flush=True)
     vocab = hf.vocab_size(sch.module)
     ids = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     code = 0
@@ -860,6 +1089,50 @@ def _explain(args: argparse.Namespace) -> int:
     finally:
         if started and dist.is_initialized():
             dist.destroy_process_group()
+    return 0
+
+
+def _export_problems(args: argparse.Namespace) -> list[Problem]:
+    """A checkpoint to read, a folder to write, tokenizer files if asked for."""
+    from .state import latest, loadable
+
+    problems = []
+    where = Path(args.checkpoint_dir)
+    if not where.is_dir():
+        problems.append(Problem("CHECKPOINT_DIR", f"{where}: no such folder",
+                                "the --checkpoint-dir of a slapo-fn train run"))
+    elif (loadable(where) or latest(where)) is None:
+        problems.append(Problem("CHECKPOINT_DIR", f"{where}: no checkpoint here (no LATEST file, no .metadata)",
+                                "the --checkpoint-dir of a slapo-fn train run that saved (--checkpoint-dir DIR)"))
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        problems.append(Problem("OUT_FOLDER", f"{out}: is a file, not a folder", "a folder (created if missing)"))
+    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
+        problems.append(Problem("--tokenizer", f"{args.tokenizer}: no such folder",
+                                "a folder with tokenizer files, or leave out --tokenizer"))
+    return problems
+
+
+def _export(args: argparse.Namespace) -> int:
+    """``slapo-fn export``: the newest loadable checkpoint under CHECKPOINT_DIR, whatever
+    layout wrote it, loaded into one process's unsharded model (``sf.load``, no
+    optimizer; DCP reshards) and written with ``sf.save_hf``."""
+    problems = _export_problems(args)
+    if problems:
+        raise CommandLineError(args.command, problems)
+    _config(args.model, args.command)
+    from . import build, create_schedule, load
+    from .hf import recompute_buffers
+    from .presets import build_model, tokenizer_of
+    from .weights import save_hf
+
+    model = build(create_schedule(build_model(args.model, meta=True)), init="empty")
+    step = load(model, None, args.checkpoint_dir)
+    recompute_buffers(model)  # rotary inv_freq and other buffers a checkpoint does not hold
+    tokenizer = args.tokenizer if args.tokenizer is not None else tokenizer_of(args.model)
+    folder = save_hf(model, args.out, tokenizer=tokenizer)
+    print(f"exported step {step} of {args.checkpoint_dir} to {folder}"
+          + (f" (with the tokenizer of {tokenizer})" if tokenizer is not None else " (no tokenizer)"), flush=True)
     return 0
 
 
@@ -964,6 +1237,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "tune":
             return _tune(args)
+        if args.command == "export":
+            return _export(args)
         problems = _argument_problems(args)
         if problems:
             raise CommandLineError(args.command, problems)

@@ -2,6 +2,11 @@
 
 ``build_model(name_or_path, meta=...)`` returns a Hugging Face causal LM built from a
 preset below or from a local config (a ``config.json`` file or a folder holding one).
+A Hugging Face *folder* may also hold weights (:func:`weights_of`: ``model.safetensors``
+or a sharded ``model.safetensors.index.json``) and a tokenizer (:func:`tokenizer_of`);
+``build_model(folder)`` off the meta device loads those weights, and ``slapo-fn train``
+reads them straight into each rank's shards (``sf.build(sch, init="empty")`` +
+``sf.load_hf``).
 
 >>> sorted(PRESETS)[:3]
 ['gpt2-small', 'gpt2-tiny', 'llama-1b']
@@ -18,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["PRESETS", "build_model", "config_for"]
+__all__ = ["PRESETS", "WEIGHT_FILES", "build_model", "config_for", "tokenizer_of", "weights_of"]
 
 _LLAMA_BASE = {"model_type": "llama", "use_cache": False, "tie_word_embeddings": False}
 
@@ -46,6 +51,46 @@ PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
 })
 
 
+#: The files of a Hugging Face folder that hold its weights (one of them is enough).
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+#: Files that make a folder one ``AutoTokenizer.from_pretrained`` can load.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def _folder(name_or_path: str | Path) -> Path | None:
+    """``name_or_path`` as a Hugging Face folder (a folder holding ``config.json``), or ``None``."""
+    if str(name_or_path) in PRESETS:
+        return None
+    path = Path(name_or_path)
+    return path if (path / "config.json").is_file() else None
+
+
+def weights_of(name_or_path: str | Path) -> Path | None:
+    """The weight file of a Hugging Face folder (``model.safetensors`` or its sharded
+    index), or ``None`` for a preset, a ``config.json`` file or a folder without weights.
+
+    >>> weights_of("llama-tiny") is None
+    True
+    """
+    folder = _folder(name_or_path)
+    if folder is None:
+        return None
+    return next((folder / f for f in WEIGHT_FILES if (folder / f).is_file()), None)
+
+
+def tokenizer_of(name_or_path: str | Path) -> Path | None:
+    """The folder itself when ``name_or_path`` is a Hugging Face folder with tokenizer
+    files (``tokenizer.json``, ``tokenizer_config.json``, ...), else ``None``.
+
+    >>> tokenizer_of("llama-tiny") is None
+    True
+    """
+    folder = _folder(name_or_path)
+    if folder is None or not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    return folder
+
+
 def config_for(name_or_path: str) -> Any:
     """The Hugging Face config of a preset name or a local config file/folder."""
     from transformers import AutoConfig
@@ -64,12 +109,16 @@ def config_for(name_or_path: str) -> Any:
     return AutoConfig.for_model(options.pop("model_type"), **options)
 
 
-def build_model(name_or_path: str, *, meta: bool = False) -> nn.Module:
-    """A causal LM for ``name_or_path`` with random weights (on the meta device if ``meta``)."""
+def build_model(name_or_path: str, *, meta: bool = False, pretrained: bool = True) -> nn.Module:
+    """A causal LM for ``name_or_path``: on the meta device if ``meta``; else with the
+    folder's weights where it has some (:func:`weights_of`, and ``pretrained``), random
+    ones otherwise."""
     from transformers import AutoModelForCausalLM
 
     config = config_for(name_or_path)
     if meta:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)
+    if pretrained and weights_of(name_or_path) is not None:
+        return AutoModelForCausalLM.from_pretrained(str(name_or_path), config=config, local_files_only=True)
     return AutoModelForCausalLM.from_config(config)
