@@ -405,3 +405,36 @@ def test_fsdp_bf16_mixed_precision_is_close_with_fp32_masters(dist2: Any) -> Non
         assert seen == {torch.bfloat16}
         assert masters == {torch.float32}
         assert losses == pytest.approx([r.loss for r in expected], rel=2e-2)
+
+
+def _pp2(rank: int, world: int, accum: int) -> tuple[list[float], list[float], list[float | None]]:
+    sch = sf.cut_pipeline_stage(sf.create_schedule(tiny_llama(), mesh=mesh((2,), ("pp",))), "model.layers.0")
+    pipe = sf.build_pipeline(sch, microbatches=2, schedule="1f1b", loss_fn=causal_lm_loss)
+    opt = adamw(pipe, lr=1e-2, weight_decay=0.1)
+    records = train(pipe, opt, _exact_rows(), steps=3, batch_size=8, grad_accum=accum, grad_clip=0.3,
+                    lr_schedule=LRSchedule(1e-2, warmup=2, total=3), eval_every=3)
+    return [r.loss for r in records], [r.grad_norm for r in records], [r.eval_loss for r in records]
+
+
+def _exact_rows() -> Any:
+    """Packed rows that are each one whole document (no padding): a pipeline's mean of
+    microbatch means is then the token mean the single-process loop takes."""
+    from slapo_fn.data import TokenData
+
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(1, 128, (15,), generator=g).tolist() for _ in range(40)]
+    return TokenData.from_token_ids(docs, eos_id=0, vocab=128, seq_len=16, seed=1, eval_fraction=0.2)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_pipeline_accumulation_clipping_and_eval_equal_one_process(dist2: Any) -> None:
+    ref = tiny_llama()
+    expected = train(ref, adamw(ref, lr=1e-2, weight_decay=0.1), _exact_rows(), steps=3, batch_size=8,
+                     grad_clip=0.3, lr_schedule=LRSchedule(1e-2, warmup=2, total=3), eval_every=3)
+    for accum in (1, 2):
+        for losses, norms, evals in dist2.run(_pp2, accum, timeout=240):
+            assert losses == pytest.approx([r.loss for r in expected], rel=1e-5), accum
+            assert norms == pytest.approx([r.grad_norm for r in expected], rel=1e-4), accum
+            assert all(n > 0.3 for n in norms)  # clipped every step: across both stages
+            assert evals[-1] == pytest.approx(expected[-1].eval_loss, rel=1e-5), accum
