@@ -182,6 +182,7 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     explain = sub.add_parser("explain", help="explain the schedule of a model and parallel config (no job)")
     _parallel_args(explain)
     explain.add_argument("--tree", action="store_true", help="print the whole (folded) module tree too")
+    explain.add_argument("--json", action="store_true", help="print everything as one JSON object (for scripts)")
     explain.add_argument("--batch", type=int, default=8, help="global batch, for the bytes of each collective")
     explain.add_argument("--seq", type=int, default=2048, help="sequence length, for the bytes of each collective")
 
@@ -1080,6 +1081,13 @@ def _explain(args: argparse.Namespace) -> int:
         shape = (args.batch // args.dp, args.seq)  # one data-parallel rank's batch: the bytes of its collectives
         info = explain(sch, torch.zeros(shape, dtype=torch.long, device="meta"))
         axes_text = " x ".join(f"{n}{s}" for n, s in _axes(args))
+        if args.json:
+            import json
+
+            print(json.dumps({"model": args.model, "mesh": dict(_axes(args)), "ranks": world,
+                              "batch": args.batch, "seq": args.seq, "knobs": str(_knobs(args)),
+                              **info.as_dict()}))
+            return 0
         print(f"{args.model}: {info.total_parameters:,} parameters; {axes_text or 'one process'} "
               f"({world} ranks); recipe knobs: {_knobs(args)}")
         text = str(info)

@@ -7,6 +7,7 @@ one entry (``layers.[0-79] ×80``).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -52,6 +53,18 @@ class Explanation:
     #: The example inputs the activation and collective sizes are computed for, as text
     #: (``input 0: int64 (4, 2048)``); "" without inputs.
     assumed: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        """Everything ``str()`` prints, as plain JSON-able data (``json.dumps`` it):
+        rows, annotations, the tensor-parallel layouts and collectives, the memory table,
+        the stage table and the history.
+
+        >>> import json, torch.nn as nn, slapo_fn as sf
+        >>> d = sf.explain(sf.create_schedule(nn.Linear(2, 3))).as_dict()
+        >>> d["total_parameters"], json.loads(json.dumps(d))["rows"][0]["type"]
+        (9, 'Linear')
+        """
+        return _plain(self)
 
     def __str__(self) -> str:
         annotated = [(r.path or "<root>", ", ".join(r.annotations)) for r in self.rows if r.annotations]
@@ -168,6 +181,22 @@ def explain(sch: Schedule, *inputs: Any, kwargs: Mapping[str, Any] | None = None
         memory=_memory(sch),
         assumed=_assumed(inputs, kwargs),
     )
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON data: dataclasses and mappings as dicts, sequences and sets as
+    lists, numbers, strings, booleans and None as they are, anything else as its text."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, set | frozenset):
+        return sorted(_plain(v) for v in value)
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
 
 
 def _assumed(inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> str:
