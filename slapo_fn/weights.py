@@ -204,14 +204,14 @@ def local_ranges(t: DTensor) -> tuple[Ranges, ...]:
     FSDP2 chunks the local tensor those leave, so it applies last. This is where FSDP2
     over a packed dimension differs from DTensor's own reading of the placements.
 
-    Example (one process, a 1-rank mesh: every dimension whole):
-        >>> import os, torch, torch.distributed as dist
-        >>> from torch.distributed.device_mesh import init_device_mesh
+    Example (rank 0 of a 2-rank mesh on a fake process group, put back afterwards):
+        >>> import torch
         >>> from torch.distributed.tensor import distribute_tensor, Shard
-        >>> os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"))
-        >>> if not dist.is_initialized(): dist.init_process_group("gloo", rank=0, world_size=1)
-        >>> local_ranges(distribute_tensor(torch.zeros(4, 6), init_device_mesh("cpu", (1,)), [Shard(0)]))
-        (((0, 4),), ((0, 6),))
+        >>> from slapo_fn.dtensor.testing import fake_mesh, fake_world
+        >>> with fake_world(2):
+        ...     local_ranges(distribute_tensor(torch.zeros(4, 6), fake_mesh(2, names=("tp",)), [Shard(0)],
+        ...                                    src_data_rank=None))
+        (((0, 2),), ((0, 6),))
     """
     mesh, placements = t.device_mesh, tuple(t.placements)
     coordinate = mesh.get_coordinate()
