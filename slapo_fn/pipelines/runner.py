@@ -55,6 +55,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from ..build import BuildOptions, build, has_meta, materialise
+from ..dtensor.sequence import SEQ
 from ..errors import Problem, ScheduleError, ScheduleTypeError
 from ..hf import init_owner, is_pretrained_model, reset_weights
 from ..schedule import Schedule
@@ -132,7 +133,12 @@ def _install_io(module: nn.Module, stage: Stage) -> None:
     (a stage before the last hands on its last layer's output: :class:`.StageOutput`)."""
     first = stage.pre
     no_cache = _takes(module, "use_cache")
-    hand_on = StageOutput(module, None if stage.post else stage.layer_paths[-1])
+    last = None if stage.post else stage.layer_paths[-1]
+    if last is not None and stage.schedule.annotations.get(last, SEQ) is not None:
+        # the layer runs on sequence shards: its own output is this rank's part of the
+        # sequence; the model's output has been through the chain's exit, which gathers it
+        last = None
+    hand_on = StageOutput(module, last)
 
     def pre(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         extra = {"use_cache": False} if no_cache and "use_cache" not in kwargs else {}
