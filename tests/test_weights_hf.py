@@ -150,11 +150,17 @@ def test_two_ranks_load_equals_hugging_face_and_exports(dist2: Any, family: str,
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("family", "layout"), [("llama", "fsdp"), ("gpt2", "fsdp"), ("gpt2", "pptp")])
-def test_four_ranks_load_equals_hugging_face_and_exports(dist4: Any, family: str, layout: str,
+def test_four_ranks_load_equals_hugging_face_and_exports(dist_pool: Any, family: str, layout: str,
                                                          tmp_path: Path) -> None:
     """FSDP2 over tensor parallelism (``_StridedShard`` over dp, and over the packed
-    ``c_attn`` of GPT-2), and a pipeline of tensor-parallel stages."""
-    _check_layout(dist4, family, layout, tmp_path)
+    ``c_attn`` of GPT-2), and a pipeline of tensor-parallel stages.
+
+    The pipeline case runs on a fresh pool: late in the full suite, on the session's
+    4-rank pool after ~900 other tests, it hung in CI (all ranks, 120 s) though it passes
+    in 16 s on a fresh pool; not yet understood (see the closing note)."""
+    if layout == "pptp":
+        dist_pool(4).close()  # the fixture starts a fresh pool for the next call
+    _check_layout(dist_pool(4), family, layout, tmp_path)
 
 
 @pytest.mark.dist
