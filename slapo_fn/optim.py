@@ -91,6 +91,39 @@ def _copy(tree: Tree) -> Tree:
     return pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, tree)
 
 
+class _Step(NamedTuple):
+    """What an ``update`` works on: the (copied, without donation) params and state, the
+    params' leaves and structure, the gradient leaves, and the indices of the leaves that
+    have both a tensor and a gradient (the others are left alone, as ``torch.optim`` skips
+    a ``None`` gradient)."""
+
+    params: Tree
+    state: dict[str, Any]
+    leaves: list[Any]
+    structure: pytree.TreeSpec
+    grads: list[Any]
+    keep: list[int]
+
+
+def _step(grads: Tree, state: dict[str, Any], params: Tree, donate: bool) -> _Step:
+    if not donate:
+        params, state = _copy(params), _copy(state)
+    ps, structure = pytree.tree_flatten(params)
+    gs = _leaves(grads, structure, "grads")
+    keep = [i for i, (p, g) in enumerate(zip(ps, gs, strict=True))
+            if isinstance(p, torch.Tensor) and isinstance(g, torch.Tensor)]
+    return _Step(params, state, ps, structure, gs, keep)
+
+
+def _zeros(params: Tree) -> Tree:
+    """A tree like ``params`` with a zero tensor of each tensor leaf's layout (``None``
+    for other leaves)."""
+    with torch.no_grad():
+        return pytree.tree_map(
+            lambda p: torch.zeros_like(p, memory_format=torch.preserve_format)
+            if isinstance(p, torch.Tensor) else None, params)
+
+
 def _lr(lr: LearningRate, step: int) -> float:
     return float(lr(step)) if callable(lr) else float(lr)
 
@@ -129,23 +162,15 @@ def adamw(
     moments = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
 
     def init(params: Tree) -> dict[str, Any]:
-        with torch.no_grad():
-            state: dict[str, Any] = {"step": pytree.tree_map(
-                lambda p: torch.zeros((), dtype=torch.float32) if isinstance(p, torch.Tensor) else None, params)}
-            for name in moments:
-                state[name] = pytree.tree_map(
-                    lambda p: torch.zeros_like(p, memory_format=torch.preserve_format)
-                    if isinstance(p, torch.Tensor) else None, params)
+        state: dict[str, Any] = {"step": pytree.tree_map(
+            lambda p: torch.zeros((), dtype=torch.float32) if isinstance(p, torch.Tensor) else None, params)}
+        for name in moments:
+            state[name] = _zeros(params)
         return state
 
     def update(grads: Tree, state: dict[str, Any], params: Tree, *, donate: bool = True) -> tuple[Tree, dict[str, Any]]:
-        if not donate:
-            params, state = _copy(params), _copy(state)
-        ps, structure = pytree.tree_flatten(params)
-        gs = _leaves(grads, structure, "grads")
+        params, state, ps, structure, gs, keep = _step(grads, state, params, donate)
         columns = {name: _leaves(state[name], structure, f"state[{name!r}]") for name in ("step", *moments)}
-        keep = [i for i, (p, g) in enumerate(zip(ps, gs, strict=True))
-                if isinstance(p, torch.Tensor) and isinstance(g, torch.Tensor)]
         if not keep:
             return params, state
         with torch.no_grad():
@@ -201,19 +226,12 @@ def sgd(
     def init(params: Tree) -> dict[str, Any]:
         state: dict[str, Any] = {"step": torch.zeros((), dtype=torch.float32)}
         if momentum:
-            with torch.no_grad():
-                state["momentum_buffer"] = pytree.tree_map(
-                    lambda p: torch.zeros_like(p) if isinstance(p, torch.Tensor) else None, params)
+            state["momentum_buffer"] = _zeros(params)
         return state
 
     def update(grads: Tree, state: dict[str, Any], params: Tree, *, donate: bool = True) -> tuple[Tree, dict[str, Any]]:
-        if not donate:
-            params, state = _copy(params), _copy(state)
-        ps, structure = pytree.tree_flatten(params)
-        gs = _leaves(grads, structure, "grads")
+        params, state, ps, structure, gs, keep = _step(grads, state, params, donate)
         bufs = _leaves(state["momentum_buffer"], structure, "state['momentum_buffer']") if momentum else None
-        keep = [i for i, (p, g) in enumerate(zip(ps, gs, strict=True))
-                if isinstance(p, torch.Tensor) and isinstance(g, torch.Tensor)]
         with torch.no_grad():
             step = int(state["step"].item())
             first = step == 0
