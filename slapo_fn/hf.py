@@ -16,7 +16,8 @@ names or checking class names themselves; only ``recipes/`` (per-family data) an
 * pipeline stages: :data:`PIPELINE_STAGES` (per model type, what the stage split needs);
 * what a forward takes: :data:`TOKEN_ID_ARGS`, :func:`input_embedding`, :func:`extra_keywords`;
 * weight files: :func:`tied_weights`, :func:`ignored_on_load`, :func:`recompute_buffers`
-  (what :func:`slapo_fn.load_hf` and :func:`slapo_fn.save_hf` need to know).
+  (what :func:`slapo_fn.load_hf` and :func:`slapo_fn.save_hf` need to know);
+* training with recomputation: :func:`train_without_cache`.
 
 Example:
     >>> import torch.nn as nn
@@ -34,12 +35,14 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Literal, TypeAlias, Unpack, get_args, get_origin
 
+import torch
 from torch import nn
 
 from .tree import walk
 
 __all__ = [
     "CONFIG_HEAD_COUNT_ATTRS",
+    "EXPERT_COUNT_ATTRS",
     "FFN_SIZE_ATTRS",
     "GATED_MLP_MODEL_TYPES",
     "HEAD_COUNT_ATTRS",
@@ -354,6 +357,9 @@ def clear_initialized_flags(module: nn.Module) -> None:
 HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_key_value_heads")
 #: Attention-module attributes that hold the size of one head (LLaMA/GPT-2, T5, BERT).
 HEAD_DIM_ATTRS = ("head_dim", "key_value_proj_dim", "attention_head_size")
+#: Experts-module attributes that hold its number of experts (Mixtral, Qwen2/3-MoE, DeepSeek-V3, gpt-oss
+#: experts read ``num_experts`` in their forwards to size their per-expert tables).
+EXPERT_COUNT_ATTRS = ("num_experts",)
 
 
 def head_dim_of(module: nn.Module, names: Sequence[str] = HEAD_DIM_ATTRS) -> int | None:
@@ -520,3 +526,38 @@ def recompute_buffers(model: nn.Module, paths: Sequence[str] | None = None) -> l
         if not reset_weights(module, init_owner(owners, path)):
             failed.append(path)
     return failed
+
+
+def train_without_cache(model: nn.Module) -> list[str]:
+    """Make each outermost Hugging Face model in ``model`` run the forwards that record
+    an autograd graph (gradients enabled) with ``use_cache=False`` unless the caller
+    passes ``use_cache`` or ``past_key_values`` — what Hugging Face's own gradient
+    checkpointing does. A checkpointed decoder layer otherwise appends its keys and values
+    to the model's cache a second time when it is recomputed in backward, which a
+    selective checkpoint (``policy=``) rejects ("invocation ... not found in storage") and
+    a full one hides in a cache of twice the length. Installs a forward pre-hook on
+    ``model`` (build's private copy); returns the paths it hooked.
+
+    >>> import torch.nn as nn
+    >>> train_without_cache(nn.Linear(2, 2))
+    []
+    """
+    hooked: list[str] = []
+    for path, m in walk(model):
+        if any(path == h or path.startswith(h + ".") if h else True for h in hooked):
+            continue
+        if not is_pretrained_model(m) or "use_cache" not in inspect.signature(m.forward).parameters:
+            continue
+        m.register_forward_pre_hook(_no_cache_when_training, with_kwargs=True)
+        hooked.append(path)
+    return hooked
+
+
+def _no_cache_when_training(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    if not torch.is_grad_enabled():  # recomputation happens in any mode that records a graph
+        return None
+    if kwargs.get("use_cache") is not None or kwargs.get("past_key_values") is not None:
+        return None
+    return args, {**kwargs, "use_cache": False}

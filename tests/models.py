@@ -27,8 +27,9 @@ def tiny_gpt2(layers: int = 2, **overrides: object) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=layers, n_head=4, n_positions=32, use_cache=False,
-                     bos_token_id=0, eos_token_id=0, **overrides)
+    options: dict[str, object] = {"vocab_size": VOCAB, "n_embd": 64, "n_head": 4, "n_positions": 32,
+                                  "use_cache": False, "bos_token_id": 0, "eos_token_id": 0}
+    cfg = GPT2Config(n_layer=layers, **{**options, **overrides})
     return GPT2LMHeadModel(cfg)
 
 

@@ -14,6 +14,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from ..combinators import primitive
 from ..errors import Problem, ScheduleError, ScheduleTypeError
+from ..hf import train_without_cache
 from ..schedule import Key, Schedule
 from ..select import Selection
 from ..tree import get_module
@@ -135,8 +136,13 @@ def checkpoint(sch: Schedule, where: Selection, *, policy: object = None, subgra
 
 
 def apply_checkpoints(model: nn.Module, sch: Schedule) -> None:
-    """Install the schedule's checkpoint regions on ``model`` (build's private copy)."""
-    for path, spec in sch.annotations.of_kind(CHECKPOINT).items():
+    """Install the schedule's checkpoint regions on ``model`` (build's private copy); a
+    Hugging Face model then trains without a key/value cache, since recomputation would
+    append to it twice (:func:`slapo_fn.hf.train_without_cache`)."""
+    regions = sch.annotations.of_kind(CHECKPOINT)
+    if regions:
+        train_without_cache(model)
+    for path, spec in regions.items():
         module = get_module(model, path)
         context_fn = spec.context_fn()
         if context_fn is None:

@@ -107,6 +107,23 @@ def test_checkpoint_hf_llama_is_bit_identical(policy: object) -> None:
     assert report.max_grad_diff == 0.0 and report.max_output_diff == 0.0
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_checkpoint_of_a_model_with_its_default_cache_trains_and_still_generates(family: str) -> None:
+    """Hugging Face configs default to ``use_cache=True``: a recomputed decoder layer would
+    append its keys and values to the cache twice (a selective checkpoint refused it in
+    backward). Training forwards run without a cache, as HF's own gradient checkpointing
+    does; a forward without gradients still returns one."""
+    model = (tiny_llama if family == "llama" else tiny_gpt2)(use_cache=True)
+    where = "model.layers.*" if family == "llama" else "transformer.h.*"
+    sch = sf.checkpoint(sf.create_schedule(model), where, policy=[torch.ops.aten.mm])
+    report = sf.verify(sch, token_ids(), rtol=0, atol=0)
+    assert report.max_grad_diff == 0.0 and report.max_output_diff == 0.0
+    built = sf.build(sch)
+    with torch.no_grad():
+        assert built(token_ids()).past_key_values is not None
+    assert built(token_ids(), use_cache=True).past_key_values is not None  # asked for: kept
+
+
 def test_checkpoint_gpt2_with_dropout_in_train_mode_is_bit_identical() -> None:
     sch = sf.checkpoint(sf.create_schedule(tiny_gpt2()), "transformer.h.*")
     report = sf.verify(sch, token_ids(), train=True, rtol=0, atol=0)
