@@ -546,7 +546,7 @@ def train_without_cache(model: nn.Module) -> list[str]:
     for path, m in walk(model):
         if any(path == h or path.startswith(h + ".") if h else True for h in hooked):
             continue
-        if not is_pretrained_model(m) or "use_cache" not in inspect.signature(m.forward).parameters:
+        if not is_pretrained_model(m) or "use_cache" not in inspect.signature(type(m).forward).parameters:
             continue
         m.register_forward_pre_hook(_no_cache_when_training, with_kwargs=True)
         hooked.append(path)

@@ -183,3 +183,19 @@ def test_input_layout_must_be_replicate_or_a_shard_of_the_sequence() -> None:
     sch = sf.create_schedule(_embedded_stack(), mesh=fake_mesh(2))
     with pytest.raises(sf.LayoutError, match=r"input_layout Shard\(dim=2\) is neither Replicate\(\) nor Shard\(1\)"):
         sf.sequence_parallel(sch, ["1", "2"], input_layout=Shard(2))
+
+
+def _checkpointed_tp_llama_with_its_cache(rank: int, world: int) -> str:
+    def rewrite(sch: sf.Schedule) -> sf.Schedule:
+        sch = sf.shard(sch, "model.layers.*.self_attn.{q,k,v}_proj", axis=0)
+        sch = sf.shard(sch, "model.layers.*.self_attn.o_proj", axis=1)
+        return sf.checkpoint(sch, "model.layers.*", policy=[torch.ops.aten.mm])
+
+    # CountCollectives: CommDebugMode's module tracker fails on recomputation in backward
+    parity(tiny_llama(use_cache=True), rewrite, (token_ids(),), shape=(world,), tracker=False)
+    return "equal"
+
+
+def test_a_checkpointed_tp_llama_with_hf_default_use_cache_is_equal(dist2) -> None:
+    # The TP runtime replaces the root's forward: the no-cache hook reads the class's signature.
+    assert dist2.run(_checkpointed_tp_llama_with_its_cache, timeout=120) == ["equal", "equal"]
