@@ -84,7 +84,8 @@ def hf_logits(folder: str) -> torch.Tensor:
 
 
 def schedule(family: str, layout: str, world: int) -> sf.Schedule:
-    """``layout``: tp (tp=world), fsdp (dp2×tp2), pp (pp=world), pptp (pp2×tp2)."""
+    """``layout``: tp (tp=world), fsdp (dp2×tp2), pp (pp=world), pptp (pp2×tp2), 3d
+    (dp2×pp2×tp2, FSDP2 over tensor-parallel pipeline stages)."""
     model = on_meta(family)
     recipe = sf.recipes.for_model(model)
     if layout == "tp":
@@ -93,6 +94,9 @@ def schedule(family: str, layout: str, world: int) -> sf.Schedule:
         return recipe(sf.create_schedule(model, mesh=mesh((2, 2), ("dp", "tp"))), tp=2, dp_mode="fsdp")
     if layout == "pp":
         return recipe(sf.create_schedule(model, mesh=mesh((world,), ("pp",))), stages=world)
+    if layout == "3d":
+        return recipe(sf.create_schedule(model, mesh=mesh((2, 2, 2), ("dp", "pp", "tp"))), tp=2, stages=2,
+                      dp_mode="fsdp")
     return recipe(sf.create_schedule(model, mesh=mesh((2, 2), ("pp", "tp"))), tp=2, stages=2)
 
 
@@ -100,7 +104,7 @@ def schedule(family: str, layout: str, world: int) -> sf.Schedule:
 def _load_and_export(rank: int, world: int, family: str, layout: str, folder: str, out: str) -> dict[str, Any]:
     sch = schedule(family, layout, world)
     ids, target = batch()
-    if layout in ("pp", "pptp"):
+    if layout in ("pp", "pptp", "3d"):
         pipe = sf.build_pipeline(sch, microbatches=2, schedule="gpipe", loss_fn=ce, init="empty")
         sf.load_hf(pipe, folder)
         for m in pipe.modules.values():
@@ -306,3 +310,14 @@ def test_peak_memory_while_loading_is_below_from_pretrained_plus_build(tmp_path:
     LlamaForCausalLM(cfg).save_pretrained(str(tmp_path))
     ours, theirs = _peak_kib("load_hf", tmp_path), _peak_kib("from_pretrained", tmp_path)
     assert ours < 0.8 * theirs, (ours, theirs)
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_eight_ranks_3d_load_equals_hugging_face_and_exports(dist_pool: Any, family: str, tmp_path: Path) -> None:
+    """dp2×pp2×tp2: each rank reads its stage's tensor-parallel slices, FSDP2-sharded again
+    over dp (GPT-2's packed ``c_attn`` included); every data-parallel replica gets the same
+    batch here, so each one's loss is Hugging Face's, and the export round-trips."""
+    _check_layout(dist_pool(8), family, "3d", tmp_path)
