@@ -476,7 +476,9 @@ def _first_line(e: BaseException) -> str:
 
 def _load_from(model: object, optimizer: OptimizerState, found: Path) -> int:
     relayouts: dict[_Where, _Relayout] = {}
-    state = _unpack(_states(model, optimizer), relayouts, read=True)
+    # DCP reads into the tensors it is given, one item after another: into new ones, so that
+    # a read failing half-way leaves the model and optimizer as they were
+    state = _fresh(_unpack(_states(model, optimizer), relayouts, read=True))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(found))
@@ -495,6 +497,18 @@ def _load_from(model: object, optimizer: OptimizerState, found: Path) -> int:
         optim = _map_optim(state["optim"], lambda k: f"{owner[k]}.{k}")
         set_state_dict(nn.ModuleList(modules), optimizer, model_state_dict=prefixed, optim_state_dict=optim)
     return _step_of(found)
+
+
+def _fresh(tree: Any) -> Any:
+    """``tree`` with every tensor replaced by an unfilled one of the same kind (a DTensor
+    keeps its mesh and placements), for DCP to read into."""
+    if isinstance(tree, torch.Tensor):
+        return torch.empty_like(tree.detach())
+    if isinstance(tree, Mapping):
+        return {k: _fresh(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_fresh(v) for v in tree)
+    return tree
 
 
 def _subset(state: dict[str, Any], module: nn.Module) -> dict[str, Any]:

@@ -131,6 +131,33 @@ def test_dp2_tp2_to_tp4_to_single_process_to_hf(dist4: Any, tmp_path: Path) -> N
     torch.testing.assert_close(hf(ids).logits, single(ids).logits, rtol=0, atol=0)
 
 
+def test_a_load_failing_half_way_leaves_the_model_and_optimizer_as_they_were(tmp_path, monkeypatch) -> None:
+    """DCP reads item by item into the tensors it is given; a read that fails after some
+    items (a corrupted file past its first tensor) must not leave them half-loaded."""
+    from torch.distributed import checkpoint as dcp
+
+    model = nn.Linear(16, 16)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    sf.save(model, opt, tmp_path, step=1)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = {k: v.clone() for k, v in opt.state[model.weight].items()}
+    real_load = dcp.load
+
+    def fails_after_the_first_tensor(state: dict, **kwargs: object) -> None:
+        real_load(state, **kwargs)  # every tensor given is now filled ...
+        raise RuntimeError("unpickling stack underflow")  # ... and the next item fails
+
+    monkeypatch.setattr(dcp, "load", fails_after_the_first_tensor)
+    with pytest.raises(sf.ScheduleError, match="cannot be read: RuntimeError: unpickling stack underflow"):
+        sf.load(model, opt, tmp_path)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert all(torch.equal(opt.state[model.weight][k], v) for k, v in moments.items())
+
+
 def test_a_checkpoint_corrupted_inside_is_one_short_error_or_falls_back(tmp_path) -> None:
     import os
     import warnings
