@@ -14,6 +14,7 @@ reads them straight into each rank's shards (``sf.build(sch, init="empty")`` +
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,6 +23,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .errors import Problem, ScheduleError
 
 __all__ = ["PRESETS", "WEIGHT_FILES", "build_model", "config_for", "tokenizer_of", "weights_of"]
 
@@ -91,22 +94,71 @@ def tokenizer_of(name_or_path: str | Path) -> Path | None:
     return folder
 
 
-def config_for(name_or_path: str) -> Any:
-    """The Hugging Face config of a preset name or a local config file/folder."""
-    from transformers import AutoConfig
+def config_for(name_or_path: str, *, causal: bool = False) -> Any:
+    """The Hugging Face config of a preset name or a local config file/folder; with
+    ``causal``, one that ``AutoModelForCausalLM`` can build.
+
+    A file that is not JSON, has no or an unknown ``model_type`` (with close matches, not
+    the list of every type), or values transformers refuses, is one
+    :class:`~slapo_fn.errors.ScheduleError` naming the file:
+
+    >>> import json, tempfile, pathlib
+    >>> folder = pathlib.Path(tempfile.mkdtemp())
+    >>> _ = (folder / "config.json").write_text(json.dumps({"model_type": "lama"}))
+    >>> config_for(str(folder))
+    Traceback (most recent call last):
+    ...
+    slapo_fn.errors.ScheduleError: model: '.../config.json': unknown model_type 'lama'; close matches: 'llama', ...
+          fix: a model_type of transformers (transformers.CONFIG_MAPPING), e.g. 'llama' or 'gpt2'
+    """
+    from transformers import CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
+
+    path = Path(name_or_path)
+    file = path / "config.json" if path.is_dir() else path
+
+    def refuse(reason: str, fix: str = "write it with transformers: config.save_pretrained(folder)") -> ScheduleError:
+        return ScheduleError("model", [Problem(str(file), reason, fix)])
 
     if name_or_path in PRESETS:
         options = dict(PRESETS[name_or_path])
-        return AutoConfig.for_model(options.pop("model_type"), **options)
-    path = Path(name_or_path)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.is_file():
-        raise ValueError(f"unknown model {name_or_path!r}: use a preset ({', '.join(sorted(PRESETS))}) or the path "
-                         "of a Hugging Face config.json")
-    options = json.loads(path.read_text())
-    options.setdefault("use_cache", False)
-    return AutoConfig.for_model(options.pop("model_type"), **options)
+        config = AutoConfig.for_model(options.pop("model_type"), **options)
+    elif not file.is_file():
+        close = difflib.get_close_matches(name_or_path, list(PRESETS), n=3)
+        raise ScheduleError("model", [Problem(name_or_path, "unknown model: neither a preset nor a config.json or a "
+                                                           "folder holding one" + (
+                                                               f"; close matches: {', '.join(map(repr, close))}"
+                                                               if close else ""),
+                                              f"use a preset ({', '.join(sorted(PRESETS))}) or the path of a "
+                                              "Hugging Face config.json")])
+    else:
+        try:
+            options = json.loads(file.read_bytes())
+        except json.JSONDecodeError as e:
+            raise refuse(f"not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise refuse(f"cannot be read: {e}") from None
+        kind = options.get("model_type") if isinstance(options, dict) else None
+        if not isinstance(kind, str):
+            raise refuse('has no "model_type" (a JSON object with e.g. "model_type": "llama" is expected)')
+        if kind not in CONFIG_MAPPING:
+            close = difflib.get_close_matches(kind, list(CONFIG_MAPPING.keys()), n=3)
+            raise refuse(f"unknown model_type {kind!r}" + (f"; close matches: {', '.join(map(repr, close))}"
+                                                          if close else ""),
+                         "a model_type of transformers (transformers.CONFIG_MAPPING), e.g. 'llama' or 'gpt2'")
+        options.setdefault("use_cache", False)
+        options.pop("model_type")
+        try:
+            config = AutoConfig.for_model(kind, **options)
+        except Exception as e:  # transformers' own complaint about the config's values, in one line
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            raise refuse(f"transformers cannot make a {kind!r} config of it: {type(e).__name__}: {first}") from None
+    if causal and type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ScheduleError("model", [Problem(
+            name_or_path if name_or_path in PRESETS else str(file),
+            f"model_type {config.model_type!r} has no causal language model in transformers "
+            "(AutoModelForCausalLM): slapo-fn builds, trains and explains causal LMs",
+            "the config of a causal LM, e.g. model_type 'llama', 'qwen2', 'gpt2' or 'opt'")])
+    return config
 
 
 def build_model(name_or_path: str, *, meta: bool = False, pretrained: bool = True) -> nn.Module:
@@ -115,7 +167,7 @@ def build_model(name_or_path: str, *, meta: bool = False, pretrained: bool = Tru
     ones otherwise."""
     from transformers import AutoModelForCausalLM
 
-    config = config_for(name_or_path)
+    config = config_for(name_or_path, causal=True)
     if meta:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)

@@ -143,7 +143,9 @@ def test_verify_prints_a_per_module_report() -> None:
 def test_unknown_model_is_a_clear_error() -> None:
     result = run("explain", "--model", "llama-70q")
     assert result.returncode != 0
-    assert "unknown model 'llama-70q': use a preset" in result.stderr
+    assert "'llama-70q': unknown model: neither a preset nor a config.json" in result.stderr
+    assert "close matches: 'llama-7b'" in result.stderr and "fix: use a preset (" in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 2
 
 
 def test_peak_memory_of_a_worker_is_its_own_not_its_launchers() -> None:
