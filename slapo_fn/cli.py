@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib.util
-import json
 import math
 import os
 import sys
@@ -560,46 +559,12 @@ def _config(model: str, command: str) -> Any:
     """The Hugging Face config of ``--model`` (a preset or a config.json), or a
     :class:`CommandLineError` naming the file: not JSON, no or an unknown ``model_type``
     (with close matches, not the list of every type), no causal LM for it."""
-    from transformers import CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING
+    from .presets import config_for
 
-    from .presets import PRESETS, config_for
-
-    path = Path(model)
-    file = path / "config.json" if path.is_dir() else path
-    if model in PRESETS or not file.is_file():
-        config = config_for(model)  # a preset, or the "unknown model: use a preset or a config.json" error
-    else:
-        def refuse(reason: str, fix: str) -> CommandLineError:
-            return CommandLineError(command, [Problem(str(file), reason, fix)])
-
-        save = "write it with transformers: config.save_pretrained(folder)"
-        try:
-            options = json.loads(file.read_bytes())
-        except json.JSONDecodeError as e:
-            raise refuse(f"not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}", save) from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise refuse(f"cannot be read: {e}", save) from None
-        kind = options.get("model_type") if isinstance(options, dict) else None
-        if not isinstance(kind, str):
-            raise refuse('has no "model_type" (a JSON object with e.g. "model_type": "llama" is expected)', save)
-        if kind not in CONFIG_MAPPING:
-            close = difflib.get_close_matches(kind, list(CONFIG_MAPPING.keys()), n=3)
-            raise refuse(f"unknown model_type {kind!r}" + (f"; close matches: {', '.join(map(repr, close))}"
-                                                          if close else ""),
-                         "a model_type of transformers (transformers.CONFIG_MAPPING), e.g. 'llama' or 'gpt2'")
-        try:
-            config = config_for(model)
-        except Exception as e:  # transformers' own complaint about the config's values, in one line
-            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
-            raise refuse(f"transformers cannot make a {kind!r} config of it: {type(e).__name__}: {first}", save) \
-                from None
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise CommandLineError(command, [Problem(
-            model if model in PRESETS else str(file),
-            f"model_type {config.model_type!r} has no causal language model in transformers "
-            "(AutoModelForCausalLM): slapo-fn builds, trains and explains causal LMs",
-            "the config of a causal LM, e.g. model_type 'llama', 'qwen2', 'gpt2' or 'opt'")])
-    return config
+    try:
+        return config_for(model, causal=True)
+    except ScheduleError as e:
+        raise CommandLineError(command, e.problems) from None
 
 
 def _data_problems(args: argparse.Namespace, config: Any) -> list[Problem]:
