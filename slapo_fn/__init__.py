@@ -17,6 +17,7 @@ from .build import build
 from .combinators import Primitive, Rewrite, chain, foreach, primitive, scope, when
 from .dtensor import fork_rng, sequence_parallel, shard, sync, tp_local, vocab_parallel_cross_entropy
 from .dtensor.data_parallel import data_parallel
+from .dtensor.experts import expert_parallel, expert_tensor_parallel
 from .dtensor.spec import P, Packed
 from .errors import LayoutError, Problem, ScheduleError, ScheduleTypeError, SelectorError, VerificationError
 from .explain import Explanation, explain
@@ -64,6 +65,8 @@ __all__ = [
     "cut_pipeline_stage",
     "data_parallel",
     "decompose",
+    "expert_parallel",
+    "expert_tensor_parallel",
     "explain",
     "find",
     "foreach",

@@ -42,6 +42,7 @@ from .tree import walk
 
 __all__ = [
     "CONFIG_HEAD_COUNT_ATTRS",
+    "EXPERTS_PER_TOKEN_ATTRS",
     "EXPERT_COUNT_ATTRS",
     "FFN_SIZE_ATTRS",
     "GATED_MLP_MODEL_TYPES",
@@ -57,7 +58,9 @@ __all__ = [
     "clear_initialized_flags",
     "config_of",
     "config_value",
+    "experts_transposed",
     "extra_keywords",
+    "gate_up_packing",
     "head_dim_of",
     "ignored_on_load",
     "init_owner",
@@ -360,6 +363,36 @@ HEAD_DIM_ATTRS = ("head_dim", "key_value_proj_dim", "attention_head_size")
 #: Experts-module attributes that hold its number of experts (Mixtral, Qwen2/3-MoE, DeepSeek-V3, gpt-oss
 #: experts read ``num_experts`` in their forwards to size their per-expert tables).
 EXPERT_COUNT_ATTRS = ("num_experts",)
+#: Config attributes that hold how many experts each token is routed to (Mixtral, Qwen-MoE,
+#: DeepSeek-V3: ``num_experts_per_tok``; gpt-oss: ``num_experts_per_tok`` too; older: ``moe_topk``).
+EXPERTS_PER_TOKEN_ATTRS = ("num_experts_per_tok", "moe_topk")
+
+
+def gate_up_packing(experts: nn.Module) -> int:
+    """How many fused chunks a Hugging Face experts module's first projection holds along
+    its intermediate dimension: 2 for [gate; up] concatenated (``has_gate`` and
+    ``is_concatenated``, the default of ``@use_experts_implementation``), 1 for interleaved
+    gate/up rows or no gate (each rank's contiguous slice then holds whole pairs).
+
+    >>> import torch.nn as nn
+    >>> gate_up_packing(nn.Linear(2, 2))
+    2
+    """
+    own = vars(experts)
+    return 2 if own.get("has_gate", True) and own.get("is_concatenated", True) else 1
+
+
+def experts_transposed(experts: nn.Module) -> bool | None:
+    """Whether a Hugging Face experts module stores its matrices as [E, in, out]
+    (``is_transposed``, gpt-oss) rather than [E, out, in] (Mixtral, Qwen-MoE); ``None``
+    for a module that does not say.
+
+    >>> import torch.nn as nn
+    >>> experts_transposed(nn.Linear(2, 2)) is None
+    True
+    """
+    value = vars(experts).get("is_transposed")
+    return value if isinstance(value, bool) else None
 
 
 def head_dim_of(module: nn.Module, names: Sequence[str] = HEAD_DIM_ATTRS) -> int | None:

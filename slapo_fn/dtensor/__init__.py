@@ -3,6 +3,8 @@
 * :func:`shard` — DTensor parameters (column / row / vocab / packed / any parameter);
 * :func:`sync` — state an activation's layout at a module boundary;
 * :func:`sequence_parallel` — run a chain of modules on sequence shards;
+* :func:`expert_parallel` — mixture-of-experts experts over a mesh axis, all-to-all dispatch;
+* :func:`expert_tensor_parallel` — each expert's matrices split over a mesh axis (Megatron-style);
 * :func:`fork_rng` — per-TP-rank randomness;
 * :func:`tp_local` — replicated parameters of modules that see this rank's shard;
 * :func:`vocab_parallel_cross_entropy` — the loss on vocab-sharded logits;
@@ -12,6 +14,7 @@ The ``tensor_parallel`` build phase (:func:`~slapo_fn.dtensor.runtime.apply_tens
 turns the annotations into DTensor parameters and local-tensor forwards.
 """
 
+from .experts import Experts, expert_parallel, expert_tensor_parallel
 from .layout import Layout
 from .local import tp_local
 from .loss import vocab_parallel_cross_entropy
@@ -24,10 +27,13 @@ from .sync import sync
 
 __all__ = [
     "Boundary",
+    "Experts",
     "Layout",
     "Plan",
     "Role",
     "apply_tensor_parallel",
+    "expert_parallel",
+    "expert_tensor_parallel",
     "fork_rng",
     "plan",
     "sequence_parallel",

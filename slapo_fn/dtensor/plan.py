@@ -45,6 +45,7 @@ from ..hf import is_conv1d
 from ..rewrites._common import contains
 from ..schedule import Schedule
 from ..tree import child_names, get_module, join, split, walk
+from .experts import EXPERTS, Experts
 from .layout import Layout
 from .local import LOCAL
 from .rng import RNG, RngSpec
@@ -93,6 +94,7 @@ class ModulePlan:
     rng: RngSpec | None = None
     local_params: bool = False  # SP region / tp_local: replicated params with Partial gradients
     local_axis: str = ""  # tp_local: the mesh axis of those Partial gradients
+    experts: Experts | None = None  # expert_parallel: this experts module runs its pairs by all-to-all
 
 
 @dataclass(frozen=True)
@@ -285,10 +287,41 @@ def plan(sch: Schedule) -> Plan:
     for path, local_spec in sch.annotations.of_kind(LOCAL).items():
         if path not in modules:
             modules[path] = ModulePlan(path, local_params=True, local_axis=local_spec.mesh_axis)
+    for path, experts in sch.annotations.of_kind(EXPERTS).items():
+        modules[path] = ModulePlan(path, experts=experts)
+        bounds += _expert_boundaries(path, experts)
     for mp in modules.values():
         if mp.local_params:
             bounds += _param_grad_boundaries(sch, mp)
     return Plan(modules, tuple(bounds))
+
+
+def _expert_boundaries(path: str, spec: Experts) -> list[Boundary]:
+    """An experts module with expert parallelism (see :mod:`.experts`): its tokens are split
+    over the axis (their and the routing weights' gradients all-gathered in one backward
+    collective), the ranks' pair counts per expert all-gathered (a few integers), its
+    pairs dispatched and combined by all-to-all (and back in backward),
+    its output all-gathered; ``E`` is the layout of pairs grouped on their experts' ranks.
+    With tensor parallelism inside the experts, the tokens (and weights) enter the
+    tensor-parallel region (one all-reduce of their gradients) and the per-token outputs,
+    partial sums, are all-reduced."""
+    bounds = []
+    ep, tp = spec.mesh_axis, spec.tensor_axis
+    if ep is not None:
+        bounds += [
+            Boundary(path, "input", "R", "S(0)", ep, (), ("all_gather",), True, "input"),
+            Boundary(path, "counts", "S(0)", "R", ep, ("all_gather",), (), True, "counts"),
+            Boundary(path, "dispatch", "S(0)", "E", ep, ("all_to_all",), ("all_to_all",), True, "dispatch"),
+            Boundary(path, "combine", "E", "S(0)", ep, ("all_to_all",), ("all_to_all",), True, "combine"),
+        ]
+    if tp is not None:
+        bounds += [
+            Boundary(path, "input", "R", "R", tp, (), ("all_reduce",), True, "input"),
+            Boundary(path, "output", "P", "R", tp, ("all_reduce",), (), True, "output"),
+        ]
+    if ep is not None:
+        bounds.append(Boundary(path, "output", "S(0)", "R", ep, ("all_gather",), (), True, "output"))
+    return bounds
 
 
 def _sharded_output(seq: int | SeqSpec | None, out_sync: SyncSpec | None) -> bool:

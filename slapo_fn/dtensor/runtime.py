@@ -23,6 +23,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.nn.utils.stateless import _reparametrize_module
 
 from ..errors import LayoutError, Problem
+from ..hf import EXPERT_COUNT_ATTRS as _EXPERT_COUNTS
 from ..hf import HEAD_COUNT_ATTRS as _HEAD_COUNTS
 from ..hf import HEAD_DIM_ATTRS as _HEAD_DIMS
 from ..hf import is_conv1d
@@ -31,6 +32,7 @@ from ..schedule import Key, Schedule, path_exists
 from ..tree import get_module, join, split
 from . import collectives as C
 from .data_parallel import DATA_PARALLEL
+from .experts import EXPERTS, experts_forward
 from .layout import Layout, shard_axes
 from .local import LOCAL
 from .plan import ModulePlan, Plan, _in_features, _parent, _sharded_output, implicit, plan, refusals
@@ -428,7 +430,7 @@ def _adjust_head_counts(model: nn.Module, path: str, role: Role, rt: _Runtime, a
 
 def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False) -> None:
     """The ``tensor_parallel`` build phase (on build's private copy ``model``)."""
-    keys: tuple[Key[Any], ...] = (ROLE, SEQ, SYNC, RNG, LOCAL)
+    keys: tuple[Key[Any], ...] = (ROLE, SEQ, SYNC, RNG, LOCAL, EXPERTS)
     if not any(sch.annotations.of_kind(k) for k in keys):
         return
     p = plan(sch)
@@ -450,7 +452,13 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
     for path, mp in p.modules.items():
         m = get_module(model, path)
         forward: Callable[..., Any] = m.forward
-        if mp.role is not None and mp.role.kind in ("column", "embed_dim"):
+        if mp.experts is not None:
+            ep, etp = mp.experts.mesh_axis, mp.experts.tensor_axis
+            axes = (rt.axis(ep) if ep else None, rt.axis(etp) if etp else None)
+            forward = experts_forward(m, mp.experts, axes, forward, _local_value)
+            if ep is not None:
+                _adjust_expert_count(m, mp.experts.num_experts, mp.experts.local_experts(rt.size(ep)))
+        elif mp.role is not None and mp.role.kind in ("column", "embed_dim"):
             forward = _column(rt, m, mp, path in gathers_own)
             if mp.role.packed > 1:
                 _adjust_packed_parent(model, path, mp.role, rt)
@@ -486,6 +494,22 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
 _OWN_FORWARDS = ("column", "embed_dim", "row", "vocab")
 
 
+def _local_value(p: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a parameter (a plain tensor is its own)."""
+    value = _local(p)
+    assert value is not None
+    return value
+
+
+def _adjust_expert_count(m: nn.Module, total: int, local: int) -> None:
+    """An experts module run on this rank's experts sizes its routing tables by its expert
+    count (Hugging Face's grouped forward bins pairs per expert): on build's copy the count
+    becomes the local one, as a head count does for attention."""
+    for attr in _EXPERT_COUNTS:
+        if vars(m).get(attr) == total:
+            object.__setattr__(m, attr, local)
+
+
 def _localise_replicated(model: nn.Module, sch: Schedule, p: Plan) -> None:
     """Modules the plan does not give a forward of their own compute on local tensors:
     each module on the way to a planned one (attention, MLP, a decoder layer, the root)
@@ -519,7 +543,11 @@ def _localise_replicated(model: nn.Module, sch: Schedule, p: Plan) -> None:
         m = get_module(model, path)
         mp = p.modules.get(path)
         # a role's forward (or _generic's) reads its module's own parameters itself
-        own = mp is None or not (mp.local_params or (mp.role is not None and mp.role.kind in (*_OWN_FORWARDS, "param")))
+        own = mp is None or not (
+            mp.local_params
+            or mp.experts is not None
+            or (mp.role is not None and mp.role.kind in (*_OWN_FORWARDS, "param"))
+        )
         names = [n for n, t in m._parameters.items() if t is not None] if own else []
         for name, child in m._modules.items():
             cp = join(path, name)

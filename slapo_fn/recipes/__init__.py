@@ -26,23 +26,27 @@ from types import MappingProxyType
 
 from torch import nn
 
-from ..dtensor import shard, tp_local
+from ..dtensor import expert_tensor_parallel, shard, tp_local
 from ..errors import LayoutError, Problem, ScheduleError
 from ..hf import config_of
 from ..hf import model_type as model_type_of
 from ..schedule import Schedule
+from ..select import select
 from ._recipe import Knobs, Recipe, Shard, Stack
 from .bert import BERT
 from .gpt2 import GPT2
 from .llama import LLAMA, QWEN3
+from .moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE, MoeRecipe
 from .opt import OPT
 from .t5 import T5
 
-__all__ = ["BERT", "GPT2", "LLAMA", "OPT", "QWEN3", "RECIPES", "T5", "Knobs", "Recipe", "Shard", "Stack",
-           "check_tp_plan", "for_model", "from_model_plan", "from_tp_plan", "tp_plan_of"]
+__all__ = ["BERT", "GPT2", "LLAMA", "MIXTRAL", "OPT", "QWEN2_MOE", "QWEN3", "QWEN3_MOE", "RECIPES", "T5", "Knobs",
+           "MoeRecipe", "Recipe", "Shard", "Stack", "check_tp_plan", "for_model", "from_model_plan", "from_tp_plan",
+           "tp_plan_of"]
 
 #: Every recipe, by name.
-RECIPES: Mapping[str, Recipe] = MappingProxyType({r.name: r for r in (LLAMA, QWEN3, GPT2, BERT, OPT, T5)})
+RECIPES: Mapping[str, Recipe] = MappingProxyType({r.name: r for r in (LLAMA, QWEN3, GPT2, BERT, OPT, T5, MIXTRAL,
+                                                                       QWEN2_MOE, QWEN3_MOE)})
 
 
 def for_model(model: nn.Module) -> Recipe:
@@ -126,16 +130,23 @@ class _PlanRecipe(Recipe):
 
 
 _STYLES = {"colwise": 0, "local_colwise": 0, "colwise_rep": 0, "rowwise": 1, "local_rowwise": 1, "rowwise_rep": 1}
+#: Fused [gate; up] column layers (two chunks, each sharded): sf.shard(axis=0, packed=2).
+_PACKED_STYLES = frozenset({"packed_colwise"})
 #: Replicated parameters of modules that see this rank's shard (per-head q/k norms): sf.tp_local.
 _LOCAL_STYLES = frozenset({"replicated_with_grad_allreduce"})
+#: Mixture-of-experts experts split inside each expert (their packed_colwise / rowwise parameter
+#: entries come with it): sf.expert_tensor_parallel.
+_EXPERT_STYLES = frozenset({"moe_tp_experts"})
+_KNOWN = frozenset(_STYLES) | _PACKED_STYLES | _LOCAL_STYLES | _EXPERT_STYLES
 
 
 def check_tp_plan(plan: Mapping[str, str]) -> None:
     """Refuse, by path, every style of a Hugging Face tensor-parallel plan that
     :func:`from_tp_plan` has no equivalent for (a ``ScheduleError``)."""
     bad = [Problem(path, f"tensor-parallel style {style!r} has no slapo_fn equivalent here",
-                   "colwise/rowwise/replicated_with_grad_allreduce only, or write the layout with sf.shard/sf.sync")
-           for path, style in plan.items() if style not in _STYLES and style not in _LOCAL_STYLES]
+                   "colwise/rowwise/packed_colwise/replicated_with_grad_allreduce/moe_tp_experts only, or write the "
+                   "layout with sf.shard/sf.sync")
+           for path, style in plan.items() if style not in _KNOWN]
     if bad:
         raise ScheduleError("from_tp_plan", bad)
 
@@ -144,10 +155,26 @@ def from_tp_plan(sch: Schedule, plan: Mapping[str, str] | None = None) -> Schedu
     """Shard ``sch`` by a Hugging Face tensor-parallel plan (``{"layers.*.self_attn.q_proj":
     "colwise", …}``; default: the model's ``config.base_model_tp_plan``), over mesh axis
     ``"tp"``. Paths are relative to the base model (``model.`` is prefixed for a causal
-    LM). Column/row-wise styles shard; ``replicated_with_grad_allreduce`` (per-head norms)
-    is :func:`~slapo_fn.dtensor.tp_local`; other styles are refused by name.
+    LM). Column/row-wise styles shard; ``packed_colwise`` shards a fused [gate; up] layer
+    chunk by chunk; ``replicated_with_grad_allreduce`` (per-head norms) is
+    :func:`~slapo_fn.dtensor.tp_local`; ``moe_tp_experts`` splits each expert of a
+    mixture-of-experts experts module (:func:`~slapo_fn.expert_tensor_parallel`, which
+    also lays out that module's ``packed_colwise`` / ``rowwise`` parameter entries); other
+    styles are refused by name. The model's own plan may name modules of layer kinds the
+    model does not have (Qwen2-MoE's dense ``mlp.gate_proj`` when every layer is sparse):
+    those entries are skipped; a plan passed in must match.
+
+    >>> import slapo_fn as sf
+    >>> from slapo_fn.dtensor.testing import fake_mesh
+    >>> from transformers import MixtralConfig, MixtralForCausalLM
+    >>> cfg = MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    ...                     num_attention_heads=2, num_key_value_heads=2, num_local_experts=4)
+    >>> sch = from_tp_plan(sf.create_schedule(MixtralForCausalLM(cfg), mesh=fake_mesh(2)))
+    >>> print(sch["model.layers.0.mlp.experts"].annotations["experts"])
+    experts@tp(4)
     """
     model = sch.module
+    own = plan is None
     if plan is None:
         plan = tp_plan_of(model)
     if not plan:
@@ -155,8 +182,26 @@ def from_tp_plan(sch: Schedule, plan: Mapping[str, str] | None = None) -> Schedu
                                                      "pass plan={path: 'colwise' | 'rowwise'}")])
     check_tp_plan(plan)
     base = _base(model)
-    for path, style in plan.items():
+
+    def full(path: str) -> str:
+        return f"{base}.{path}" if base else path
+
+    def present(path: str) -> bool:
+        try:
+            return bool(select(full(path)).paths(model))
+        except KeyError:
+            return False
+
+    entries = {path: style for path, style in plan.items() if not own or present(path)}
+    experts = [path for path, style in entries.items() if style in _EXPERT_STYLES]
+    for path, style in entries.items():
+        if any(path.startswith(e + ".") for e in experts):
+            continue  # an expert parameter: expert_tensor_parallel lays it out
         if style in _STYLES:
-            sch = shard(sch, f"{base}.{path}" if base else path, axis=_STYLES[style])
-    local = [f"{base}.{path}" if base else path for path, style in plan.items() if style in _LOCAL_STYLES]
+            sch = shard(sch, full(path), axis=_STYLES[style])
+        elif style in _PACKED_STYLES:
+            sch = shard(sch, full(path), axis=0, packed=2)
+    if experts:
+        sch = expert_tensor_parallel(sch, [full(p) for p in experts])
+    local = [full(path) for path, style in entries.items() if style in _LOCAL_STYLES]
     return tp_local(sch, local) if local else sch
