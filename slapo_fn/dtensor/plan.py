@@ -540,8 +540,57 @@ def _ungathered_chain_members(sch: Schedule) -> list[Problem]:
     return problems
 
 
+def _chain_gaps(sch: Schedule) -> list[Problem]:
+    """A sequence-parallel chain hands each member's sequence shard on to the next member.
+    A module with parameters that runs between two members (in module order, as a decoder
+    stack runs) but is not in the chain would take that shard for the whole sequence: a
+    shape error inside model code, or partial gradients. Refused, naming it, unless a
+    ``fwd_pre`` sync gathers the sequence back for it."""
+    seqs = sch.annotations.of_kind(SEQ)
+    order = {q: i for i, q in enumerate(sch.paths())}
+    problems = []
+    for axis in sorted({s.mesh_axis for s in seqs.values()}):
+        members = sorted((q for q, s in seqs.items() if s.mesh_axis == axis), key=lambda q: order.get(q, 0))
+        for member in members[:-1]:
+            found = _next_outside_chain(sch, member, members, axis)
+            if found is None:
+                continue
+            within = " (it holds members of the chain, but is not one)" if any(
+                contains(found, r) for r in members) else ""
+            problems.append(Problem(
+                found,
+                f"runs after {member!r}, a member of the sequence_parallel chain over {axis!r} that is not its "
+                f"last, but is not in the chain{within}: it would take that member's sequence shard for the "
+                "whole sequence",
+                "make the chain's members follow one another (each one's output feeding the next), e.g. whole "
+                "decoder layers and the final norm, sf.sequence_parallel(sch, ['model.layers.*', 'model.norm']) "
+                f"with their linear layers sharded; or add {found!r} to the chain",
+            ))
+    return problems
+
+
+def _next_outside_chain(sch: Schedule, member: str, members: list[str], axis: str) -> str | None:
+    """The first module with parameters after ``member`` (its later siblings, then its
+    ancestors') before the chain goes on, or ``None`` (the next member comes first, or a
+    ``fwd_pre`` sync gathers the sequence back)."""
+    syncs = sch.annotations.of_kind(SYNC)
+    tokens = split(member)
+    for depth in range(len(tokens), 0, -1):
+        here = ".".join(tokens[:depth])
+        siblings = _siblings(sch.module, here)
+        for q in siblings[siblings.index(here) + 1 :]:
+            if any(r == q or contains(r, q) for r in members):
+                return None
+            if any(s.mode == "fwd_pre" and s.mesh_axis == axis and isinstance(s.layout, Replicate)
+                   for s in syncs.get(q, ())):
+                return None
+            if _has_params(get_module(sch.module, q)):
+                return q
+    return None
+
+
 def refusals(sch: Schedule, p: Plan) -> list[Problem]:
     """Every layout of ``sch`` the build would get silently wrong or fail on inside model
     code, as problems naming the module and the fix (``build`` raises them at once)."""
     return (_half_sharded_ties(sch) + _unsharded_twins(sch, p) + _stray_token_shards(sch)
-            + _ungathered_chain_members(sch))
+            + _ungathered_chain_members(sch) + _chain_gaps(sch))

@@ -89,6 +89,16 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[sf.Schedule], sf.Sched
                           src=Shard(1)),
         (X,),
     ),
+    # the norms alone, not their decoder layers: each norm's sequence shard would reach the
+    # MLP (outside the chain) whole-length; it was a raw shape error inside LlamaDecoderLayer
+    "sp-norms-without-their-layers": (
+        lambda: tiny_llama(2),
+        lambda s: sf.sequence_parallel(
+            sf.shard(sf.shard(s, "model.layers.*.mlp.{gate,up}_proj", axis=0), "model.layers.*.mlp.down_proj",
+                     axis=1),
+            "model.layers.*.post_attention_layernorm"),
+        (token_ids(),),
+    ),
 }
 
 
@@ -108,6 +118,8 @@ EXPECTED = {
     # the Linear after the sync would see half the tokens: its gradients would be partial
     "sequence-shard-before-an-unsharded-linear": "refused: build: 'b': receives a token shard",
     "root-sync-with-child-syncs": "refused: build: 'a': receives a token shard",
+    "sp-norms-without-their-layers": "refused: build: 'model.layers.1': runs after "
+                                     "'model.layers.0.post_attention_layernorm', a member of the sequence_parallel",
     "uneven-sequence": "refused: split: <root>: dimension 1 of an activation of shape (2, 5, 8) has 5 elements",
 }
 
