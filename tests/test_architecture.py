@@ -97,3 +97,35 @@ def test_an_upward_import_breaks_the_layer_contract(tmp_path: Path) -> None:
     result = _lint_imports(tmp_path)
     assert result.returncode != 0
     assert "slapo_fn.tree is not allowed to import slapo_fn.explain" in result.stdout
+
+
+def test_the_command_line_answers_help_before_torch_loads() -> None:
+    """``import slapo_fn`` imports nothing heavy (its names load on first use), so the
+    command line's parser and --help run without torch."""
+    code = ("import sys, slapo_fn, slapo_fn.cli\n"
+            "from slapo_fn.cli import _parsers\n"
+            "_parsers()[0].format_help()\n"
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+def test_every_public_name_is_the_object_its_module_defines() -> None:
+    """Names load lazily; where a function has its submodule's name (build, explain,
+    verify, select) it stays the function after the submodule is imported."""
+    import importlib
+
+    import slapo_fn as sf
+    from slapo_fn import _EXPORTS
+
+    sf.shard  # noqa: B018  (imports most submodules)
+    for name in sf.__all__:
+        value = getattr(sf, name)
+        if name in _EXPORTS:
+            assert value is getattr(importlib.import_module(_EXPORTS[name], "slapo_fn"), name), name
+        else:
+            assert value is importlib.import_module(f"slapo_fn.{name}"), name
+    assert callable(sf.build) and callable(sf.verify) and callable(sf.explain) and callable(sf.select)
+    assert sf.dtensor.plan is importlib.import_module("slapo_fn.dtensor").plan
+    with pytest.raises(AttributeError, match="has no attribute 'nosuch'"):
+        sf.nosuch  # noqa: B018
