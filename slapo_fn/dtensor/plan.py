@@ -589,8 +589,49 @@ def _next_outside_chain(sch: Schedule, member: str, members: list[str], axis: st
     return None
 
 
+def _packed_outputs_read_whole(sch: Schedule, p: Plan) -> list[Problem]:
+    """A packed column (``packed=k``) keeps its local output as this rank's slice of each
+    of its k blocks side by side, ``[A_r|B_r]``: right for a parent that splits the blocks
+    itself (GPT-2's [Q|K|V] by heads, a fused gate/up multiplied), wrong for anything that
+    reads it as one contiguous slice — a row partner whose input features are the column's
+    output features, sharded with another packing, or a ``fwd_post`` sync stating it a
+    ``Shard(-1)``. Refused, naming both."""
+    problems = []
+    for path, mp in p.modules.items():
+        role = mp.role
+        if role is None or role.kind != "column" or role.packed == 1:
+            continue
+        width = _out_features(get_module(sch.module, path))
+        if mp.partnered:
+            for q in _siblings(sch.module, path)[_siblings(sch.module, path).index(path) + 1:]:
+                other = p.modules.get(q)
+                if other is None or other.role is None or other.role.kind != "row":
+                    continue
+                if other.role.mesh_axis != role.mesh_axis or other.role.packed == role.packed:
+                    continue
+                if width is not None and _in_features(get_module(sch.module, q)) == width:
+                    problems.append(Problem(
+                        q,
+                        f"is row-parallel after {path!r}, packed={role.packed}, whose local output is this rank's "
+                        f"slice of each of its {role.packed} blocks side by side; this row takes the column's "
+                        f"{width} features as one contiguous shard (packed={other.role.packed})",
+                        f"shard it with the column's packing, sf.shard(sch, {q!r}, axis=1, packed={role.packed}), "
+                        f"or shard {path!r} without packed=",
+                    ))
+        for sync in mp.syncs:
+            if sync.mode == "fwd_post" and isinstance(sync.layout, Shard) and sync.layout.dim == -1:
+                problems.append(Problem(
+                    path,
+                    f"is packed={role.packed}: its local output is this rank's slice of each block side by side, "
+                    "not the Shard(-1) the fwd_post sync states",
+                    f"state Replicate() (the blocks are gathered and put back in order), or shard {path!r} "
+                    "without packed=",
+                ))
+    return problems
+
+
 def refusals(sch: Schedule, p: Plan) -> list[Problem]:
     """Every layout of ``sch`` the build would get silently wrong or fail on inside model
     code, as problems naming the module and the fix (``build`` raises them at once)."""
     return (_half_sharded_ties(sch) + _unsharded_twins(sch, p) + _stray_token_shards(sch)
-            + _ungathered_chain_members(sch) + _chain_gaps(sch))
+            + _ungathered_chain_members(sch) + _chain_gaps(sch) + _packed_outputs_read_whole(sch, p))

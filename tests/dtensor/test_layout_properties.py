@@ -654,11 +654,6 @@ def _sibling_order(f: Facts) -> bool:
     return False
 
 
-def _packed_kept_local(f: Facts) -> bool:
-    stated = {op[1] for op in f.syncs if op[2] == "fwd_post" and op[3] == "S(-1)"}
-    return any(f.roles[c][1] > 1 and (f.partnered(c) or c in stated) for c in f.columns())
-
-
 def _sp_lone_column(f: Facts) -> bool:
     return any(f.in_sp(c) and not f.partnered(c) and c != f.sp[-1] for c in f.columns())
 
@@ -902,13 +897,6 @@ KNOWN_DEFECTS: dict[str, Defect] = {
         "that row does not consume it (gate column, up row, down row): shape error in the parent's forward "
         "(dtensor/plan.py: partnered = any row sibling later, not data flow)",
         _c([_GATED], ("shard", "0.gate", 0, 1), ("shard", "0.up", 1, 1), ("shard", "0.down", 1, 1)),
-    ),
-    "packed-kept-local": Defect(
-        _packed_kept_local,
-        "a packed column (packed=2) whose local output is kept (for its row partner, or stated Shard(-1) by a "
-        "sync): it is [A_r|B_r], not the contiguous slice the row or a Shard(-1) reader takes, so the result is "
-        "silently wrong (output max abs diff ~0.4 of 1; dtensor/runtime.py _column keeps packed output local)",
-        _c([_MLP], ("shard", "0.fc1", 0, 2), ("shard", "0.fc2", 1, 1)),
     ),
     "sp-lone-column": Defect(
         _sp_lone_column,

@@ -89,6 +89,18 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[sf.Schedule], sf.Sched
                           src=Shard(1)),
         (X,),
     ),
+    # a packed column's local output is [A_r|B_r]: a row reading it as one contiguous shard
+    # was silently wrong (0.4 of the output's scale); the row packed alike is exact
+    "packed-column-into-a-contiguous-row": (
+        lambda: nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)),
+        lambda s: sf.shard(sf.shard(s, "0", axis=0, packed=2), "2", axis=1),
+        (X,),
+    ),
+    "packed-column-into-a-row-packed-alike": (
+        lambda: nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)),
+        lambda s: sf.shard(sf.shard(s, "0", axis=0, packed=2), "2", axis=1, packed=2),
+        (X,),
+    ),
     # the norms alone, not their decoder layers: each norm's sequence shard would reach the
     # MLP (outside the chain) whole-length; it was a raw shape error inside LlamaDecoderLayer
     "sp-norms-without-their-layers": (
@@ -118,6 +130,8 @@ EXPECTED = {
     # the Linear after the sync would see half the tokens: its gradients would be partial
     "sequence-shard-before-an-unsharded-linear": "refused: build: 'b': receives a token shard",
     "root-sync-with-child-syncs": "refused: build: 'a': receives a token shard",
+    "packed-column-into-a-contiguous-row": "refused: build: '2': is row-parallel after '0', packed=2",
+    "packed-column-into-a-row-packed-alike": "equal",
     "sp-norms-without-their-layers": "refused: build: 'model.layers.1': runs after "
                                      "'model.layers.0.post_attention_layernorm', a member of the sequence_parallel",
     "uneven-sequence": "refused: split: <root>: dimension 1 of an activation of shape (2, 5, 8) has 5 elements",
