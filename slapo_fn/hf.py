@@ -15,8 +15,11 @@ names or checking class names themselves; only ``recipes/`` (per-family data) an
 * attention heads: :data:`HEAD_COUNT_ATTRS`, :data:`HEAD_DIM_ATTRS`, :func:`head_dim_of`;
 * pipeline stages: :data:`PIPELINE_STAGES` (per model type, what the stage split needs);
 * what a forward takes: :data:`TOKEN_ID_ARGS`, :func:`input_embedding`, :func:`extra_keywords`;
-* weight files: :func:`tied_weights`, :func:`ignored_on_load`, :func:`recompute_buffers`
-  (what :func:`slapo_fn.load_hf` and :func:`slapo_fn.save_hf` need to know);
+* weight files: :func:`tied_weights`, :func:`ignored_on_load`, :func:`recompute_buffers`,
+  and the checkpoint conversions (per-expert keys of the files ↔ fused 3-D expert
+  parameters of the model): :func:`checkpoint_keys` (:class:`Stacked`, :class:`Joined`)
+  and :func:`checkpoint_state` (what :func:`slapo_fn.load_hf` and :func:`slapo_fn.save_hf`
+  need to know);
 * training with recomputation: :func:`train_without_cache`.
 
 Example:
@@ -31,7 +34,8 @@ import contextlib
 import copy
 import inspect
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal, TypeAlias, Unpack, get_args, get_origin
 
@@ -53,8 +57,14 @@ __all__ = [
     "PIPELINE_STAGES",
     "POSITION_LIMIT_ATTRS",
     "TOKEN_ID_ARGS",
+    "Assembly",
+    "CheckpointKeys",
+    "Joined",
+    "Stacked",
     "StageRole",
     "StageStandIn",
+    "checkpoint_keys",
+    "checkpoint_state",
     "clear_initialized_flags",
     "config_of",
     "config_value",
@@ -559,6 +569,163 @@ def recompute_buffers(model: nn.Module, paths: Sequence[str] | None = None) -> l
         if not reset_weights(module, init_owner(owners, path)):
             failed.append(path)
     return failed
+
+
+# -- checkpoint conversions: the keys of the files ↔ the parameters of the model -------------
+@dataclass(frozen=True)
+class Stacked:
+    """A model tensor that is ``torch.stack(parts, dim)`` of the tensors in the files (one
+    part per expert: transformers' ``MergeModulelist``); a part is a file key or another
+    assembly.
+
+    >>> Stacked(0, ("experts.0.w2.weight", "experts.1.w2.weight")).parts[1]
+    'experts.1.w2.weight'
+    """
+
+    dim: int
+    parts: tuple[Assembly, ...]
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A model tensor that is ``torch.cat(parts, dim)`` of the tensors in the files (the
+    fused [gate; up] projection: transformers' ``Concatenate``), parts in this order.
+
+    >>> Joined(1, (Stacked(0, ("g0", "g1")), Stacked(0, ("u0", "u1")))).dim
+    1
+    """
+
+    dim: int
+    parts: tuple[Assembly, ...]
+
+
+#: How one model tensor is made of the tensors in the weight files: a file key (read as
+#: is), or a :class:`Stacked` / :class:`Joined` of assemblies.
+Assembly: TypeAlias = "str | Stacked | Joined"
+
+
+@dataclass(frozen=True)
+class CheckpointKeys:
+    """What :func:`checkpoint_keys` found: ``sources``, every model key the files provide
+    and how it is assembled; ``unsupported``, model keys transformers converts with an
+    operation that cannot be read slice by slice (``{model key: why}``) and the file keys
+    they consume (``consumed``); ``model``, the model's type (``None`` for a module that is
+    not Hugging Face's) and ``converted``, whether transformers has a conversion mapping of
+    its own for it (beyond the renamings of old files every model gets)."""
+
+    sources: Mapping[str, Assembly]
+    unsupported: Mapping[str, str] = field(default_factory=dict)
+    consumed: frozenset[str] = frozenset()
+    model: str | None = None
+    converted: bool = False
+
+
+def _conversions(model: nn.Module, *, legacy: bool = True) -> list[Any]:
+    """transformers' own ordered list of weight transforms (``WeightRenaming``,
+    ``WeightConverter``) that ``from_pretrained`` applies to ``model``'s files (with
+    ``legacy``: also the renamings of old files every model gets); empty without
+    transformers or for other modules."""
+    if not is_pretrained_model(model):
+        return []
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:  # an older transformers: keys are loaded as they are named
+        return []
+    return list(get_model_conversion_mapping(model, add_legacy=legacy))  # type: ignore[arg-type]
+
+
+def _assemble(converter: Any, collected: Mapping[str, list[str]]) -> Assembly | str:
+    """Replay ``converter.operations`` on file keys (grouped by the source pattern that
+    matched them, in transformers' order) symbolically; a ``str`` starting with ``"!"``
+    names the operation that cannot be replayed."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    state: dict[str, list[str] | Assembly] = dict(collected)
+    for op in converter.operations:
+        if type(op) is MergeModulelist:
+            state = {p: Stacked(int(op.dim), tuple(v)) if isinstance(v, list) else v for p, v in state.items()}
+        elif type(op) is Concatenate:
+            parts = [state[p] for p in converter.source_patterns if p in state]
+            if any(isinstance(v, list) for v in parts):
+                return f"!{op!r} of per-expert lists"
+            state = {"": Joined(int(op.dim), tuple(v for v in parts if not isinstance(v, list)))}
+        else:
+            return f"!{op!r}"
+    if len(state) != 1 or isinstance(only := next(iter(state.values())), list):
+        return f"!{' → '.join(map(repr, converter.operations))} (not one tensor per model key)"
+    return only
+
+
+def checkpoint_keys(model: nn.Module, file_keys: Iterable[str], model_keys: Collection[str]) -> CheckpointKeys:
+    """How the tensors of a Hugging Face weight folder (``file_keys``) make up ``model``'s
+    parameters (``model_keys``), by transformers' own checkpoint conversion mapping for the
+    model type (``get_model_conversion_mapping``: the renamings and converters
+    ``from_pretrained`` applies). Mixtral files hold
+    ``model.layers.0.block_sparse_moe.experts.3.w1.weight`` (one per expert) where the
+    model has the fused ``model.layers.0.mlp.experts.gate_up_proj`` [E, 2I, H]: that key's
+    source is ``Joined(1, (Stacked(0, w1 of every expert), Stacked(0, w3 ...)))``, experts
+    in transformers' (natural) order. A key that no transform renames is its own source;
+    keys the files lack are absent.
+
+    >>> import torch.nn as nn
+    >>> checkpoint_keys(nn.Linear(2, 2), ["weight", "bias"], ["weight", "bias"]).sources
+    {'weight': 'weight', 'bias': 'bias'}
+    """
+    transforms = _conversions(model)
+    if not transforms:
+        return CheckpointKeys({k: k for k in file_keys})
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    sources: dict[str, Assembly] = {}
+    groups: dict[str, tuple[Any, dict[str, list[str]]]] = {}
+    for key in sorted(file_keys, key=dot_natural_key):  # the order from_pretrained collects experts in
+        renamed, pattern = rename_source_key(key, renamings, converters)
+        if renamed not in model_keys and key in model_keys:
+            renamed, pattern = key, None
+        if pattern is None:
+            sources.setdefault(renamed, key)
+        else:
+            converter, collected = groups.setdefault(renamed, (by_pattern[pattern], {}))
+            collected.setdefault(pattern, []).append(key)
+    unsupported: dict[str, str] = {}
+    consumed: set[str] = set()
+    for target, (converter, collected) in groups.items():
+        made = _assemble(converter, collected)
+        if isinstance(made, str) and made.startswith("!"):
+            unsupported[target] = f"transformers makes it with {made[1:]}"
+            consumed.update(k for keys in collected.values() for k in keys)
+        else:
+            sources[target] = made
+    return CheckpointKeys(sources, unsupported, frozenset(consumed), model_type(model) or type(model).__name__,
+                          bool(_conversions(model, legacy=False)))
+
+
+def checkpoint_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (full tensors of ``model``, keyed as the model names them) in the keys
+    and layout ``save_pretrained`` writes: transformers' own reverse conversion
+    (``revert_weight_conversion``), so fused 3-D experts become one 2-D tensor per expert
+    under the checkpoint's names (Mixtral's ``block_sparse_moe.experts.N.w1.weight`` ...).
+    ``state`` itself for other modules. Every tensor returned owns its memory (safetensors
+    refuses views of one storage).
+
+    >>> import torch, torch.nn as nn
+    >>> checkpoint_state(nn.Linear(2, 2), {"weight": torch.zeros(2, 2)})["weight"].shape
+    torch.Size([2, 2])
+    """
+    if not _conversions(model):
+        return state
+    from transformers.core_model_loading import revert_weight_conversion
+
+    out = revert_weight_conversion(model, dict(state))  # type: ignore[arg-type]
+    return {k: v if _owns_storage(v) else v.clone(memory_format=torch.contiguous_format) for k, v in out.items()}
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    whole = t.numel() * t.element_size()
+    return t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == whole
 
 
 def train_without_cache(model: nn.Module) -> list[str]:

@@ -18,6 +18,16 @@ slice, never a full model. The slices come from the DTensor layout itself: plain
 :func:`local_ranges`. DCP's ``HuggingFaceStorageReader`` reads a packed layout wrongly
 without an error; this does not use it.
 
+Mixture-of-experts folders: transformers keeps experts as fused 3-D parameters
+(``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) while
+``save_pretrained`` writes, and Hub checkpoints hold, one 2-D tensor per expert
+(Mixtral's ``block_sparse_moe.experts.N.w1/w2/w3``). The file keys are mapped by
+transformers' own checkpoint conversion for the model type
+(:func:`slapo_fn.hf.checkpoint_keys`): a fused parameter is a stack of per-expert tensors,
+[gate; up] a concatenation of two stacks, and a rank reads only the experts and slices
+its shard covers (expert parallel: its E/ep experts; expert tensor parallel: its rows of
+each w1 and w3). A conversion with any other operation is refused before anything is read.
+
 Before any data is read, every key and shape is checked against the files' headers:
 missing keys (a tied LM head reads its embedding's key), unexpected keys, shape
 mismatches and dtype changes FSDP2 cannot make are one :class:`WeightsMismatchError`
@@ -28,7 +38,9 @@ Export: :func:`save_hf` gathers full tensors (packed and FSDP2-over-packed ones 
 original element order, through :func:`slapo_fn.state.full_state_dict`), pipeline
 stages to rank 0, and writes one ``model.safetensors`` (tied copies left out, as
 ``save_pretrained`` does), ``config.json`` and, when given, the tokenizer files.
-``AutoModelForCausalLM.from_pretrained(folder)`` then computes the same logits.
+``AutoModelForCausalLM.from_pretrained(folder)`` then computes the same logits. The keys
+are those ``save_pretrained`` writes (transformers' reverse conversion: one tensor per
+expert under the checkpoint's names, :func:`slapo_fn.hf.checkpoint_state`).
 """
 
 from __future__ import annotations
@@ -39,7 +51,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +67,17 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .build import UNFILLED, reset_fsdp_shards
 from .errors import Problem, ScheduleError, ScheduleTypeError
-from .hf import config_of, ignored_on_load, recompute_buffers, tied_weights
+from .hf import (
+    Assembly,
+    CheckpointKeys,
+    Stacked,
+    checkpoint_keys,
+    checkpoint_state,
+    config_of,
+    ignored_on_load,
+    recompute_buffers,
+    tied_weights,
+)
 from .pipelines.runner import Pipeline
 from .state import full_state_dict
 from .tree import walk
@@ -97,6 +119,7 @@ class _Target:
     modules: tuple[nn.Module, ...]
     shapes: Mapping[str, tuple[int, ...]]  # every key of the whole model -> global shape
     tied: Mapping[str, str]  # target -> source FQN
+    root: nn.Module  # the (first) whole model: its class and config say how its files are named
 
 
 def _state_keys(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -131,7 +154,7 @@ def _target(model: object, what: str) -> _Target:
     for whole in wholes:
         shapes.update({k: tuple(t.shape) for k, t in _state_keys(whole)})
         tied.update(tied_weights(whole))
-    return _Target(modules, shapes, tied)
+    return _Target(modules, shapes, tied, wholes[0])
 
 
 # -- the files: headers only ----------------------------------------------------------------
@@ -262,42 +285,118 @@ def _read(sl: Any, ranges: Sequence[Ranges]) -> torch.Tensor:
     return torch.cat(parts, dim=many)
 
 
+def _read_assembled(node: Assembly, ranges: Sequence[Ranges], slice_of: Callable[[str], Any],
+                    headers: Mapping[str, _Header]) -> torch.Tensor:
+    """The block at ``ranges`` (global runs per dimension of the assembled tensor) of a
+    tensor transformers assembles from several in the files (:class:`~slapo_fn.hf.Stacked`
+    experts, a :class:`~slapo_fn.hf.Joined` [gate; up]): only the parts and the slices of
+    them the block covers are read — a rank holding experts 2 and 3 of 4 reads those two."""
+    if isinstance(node, str):
+        return _read(slice_of(node), ranges)
+    d = node.dim
+    pieces: list[torch.Tensor] = []
+    if isinstance(node, Stacked):
+        rest = [*ranges[:d], *ranges[d + 1:]]
+        for a, b in ranges[d]:
+            pieces += [_read_assembled(node.parts[i], rest, slice_of, headers).unsqueeze(d) for i in range(a, b)]
+    else:
+        sizes = [(_shape(part, headers) or ())[d] for part in node.parts]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        for a, b in ranges[d]:
+            for part, start, size in zip(node.parts, offsets, sizes, strict=True):
+                lo, hi = max(a, start), min(b, start + size)
+                if lo < hi:
+                    run = ((lo - start, hi - start),)
+                    pieces.append(_read_assembled(part, [*ranges[:d], run, *ranges[d + 1:]], slice_of, headers))
+    return torch.cat(pieces, dim=d)
+
+
 # -- load --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _Plan:
     """One tensor to fill: where it lives in the model and in the files."""
 
     key: str
-    source: str
+    source: Assembly
     tensor: torch.Tensor
     ranges: tuple[Ranges, ...] | None  # None: the whole tensor
     dtype: torch.dtype
 
 
-def _check(target: _Target, headers: Mapping[str, _Header], ignored: Sequence[Any], dtype: torch.dtype | None,
-           folder: Path) -> tuple[dict[str, str], dict[str, torch.dtype]]:
+def _leaves(node: Assembly) -> Iterator[str]:
+    """The file keys an assembly reads, in order."""
+    if isinstance(node, str):
+        yield node
+    else:
+        for part in node.parts:
+            yield from _leaves(part)
+
+
+def _shape(node: Assembly, headers: Mapping[str, _Header]) -> tuple[int, ...] | None:
+    """The shape of an assembled tensor; ``None`` when its parts do not fit together
+    (experts of different shapes)."""
+    if isinstance(node, str):
+        return headers[node].shape
+    shapes = [_shape(p, headers) for p in node.parts]
+    first = shapes[0] if shapes else None
+    if first is None or any(sh is None for sh in shapes):
+        return None
+    d = node.dim
+    if isinstance(node, Stacked):
+        return (*first[:d], len(shapes), *first[d:]) if all(sh == first for sh in shapes) else None
+    rest = [(*sh[:d], *sh[d + 1:]) for sh in shapes if sh is not None]
+    if len(first) <= d or any(r != rest[0] for r in rest):
+        return None
+    return (*first[:d], sum(sh[d] for sh in shapes if sh is not None), *first[d + 1:])
+
+
+def _describe(node: Assembly) -> str:
+    """``'model.layers.0.block_sparse_moe.experts.0.w1.weight' …`` for messages."""
+    leaves = list(_leaves(node))
+    return repr(leaves[0]) if len(leaves) == 1 else f"{len(leaves)} per-expert tensors ({leaves[0]} …)"
+
+
+def _check(target: _Target, headers: Mapping[str, _Header], keys: CheckpointKeys, ignored: Sequence[Any],
+           dtype: torch.dtype | None, folder: Path) -> tuple[dict[str, Assembly], dict[str, torch.dtype]]:
     """Every key of the model in the files with its shape, and nothing else in them; the
-    source key of each model key; the dtype each local tensor must have. Raises one
-    :class:`WeightsMismatchError` listing every problem."""
-    sources: dict[str, str] = {}
+    source (a file key, or how transformers' conversion assembles it) of each model key;
+    the dtype each local tensor must have. Raises one :class:`WeightsMismatchError`
+    listing every problem."""
+    sources: dict[str, Assembly] = {}
     missing: list[str] = []
+    unsupported: list[str] = []
     for key in target.shapes:
-        source = key if key in headers else target.tied.get(key)
-        if source is None or source not in headers:
-            missing.append(key)
-        else:
+        source = keys.sources.get(key)
+        if source is None and key in target.tied:
+            source = keys.sources.get(target.tied[key])
+        if source is not None:
             sources[key] = source
-    used = set(sources.values())
+        elif key in keys.unsupported:
+            unsupported.append(key)
+        else:
+            missing.append(key)
+    used = {leaf for source in sources.values() for leaf in _leaves(source)} | keys.consumed
     unexpected = [k for k in headers if k not in used and k not in target.shapes
                   and not any(p.search(k) for p in ignored)]
-    mismatched = {k: (headers[s].shape, target.shapes[k]) for k, s in sources.items()
-                  if headers[s].shape != target.shapes[k]}
-    problems = [Problem(k, "is not in the weight files", "load the folder saved from this model's architecture "
-                        "and config, or schedule the model the folder was saved from") for k in missing]
+    mismatched = {k: (_shape(s, headers), target.shapes[k]) for k, s in sources.items()
+                  if _shape(s, headers) != target.shapes[k]}
+    remedy = ("load the folder saved from this model's architecture and config, or schedule the model the folder "
+              "was saved from")
+    if keys.model is not None and not keys.converted and missing and unexpected:
+        remedy += (f"; transformers has no checkpoint conversion mapping for model type {keys.model!r}, so the files' "
+                   "keys must be the model's own (save them with sf.save_hf, or register a mapping with transformers' "
+                   "register_checkpoint_conversion_mapping)")
+    problems = [Problem(k, "is not in the weight files", remedy) for k in missing]
+    problems += [Problem(k, f"cannot be read slice by slice: {keys.unsupported[k]}",
+                         "load the full model with from_pretrained and sf.build(sch) from it, or convert the folder "
+                         "once with save_pretrained of a from_pretrained model") for k in unsupported]
     problems += [Problem(k, f"is in the weight files ({headers[k].file.name}) but not in the model",
                          "build the model from this folder's config.json (AutoConfig.from_pretrained(folder))")
                  for k in unexpected]
-    problems += [Problem(k, f"has shape {list(f)} in the weight files and {list(m)} in the model",
+    problems += [Problem(k, (f"has shape {list(f)} in the weight files" if f is not None else
+                             "is made of weight-file tensors whose shapes do not fit together")
+                         + f" and {list(m)} in the model"
+                         + ("" if isinstance(sources[k], str) else f" (from {_describe(sources[k])})"),
                          "build the model from this folder's config.json") for k, (f, m) in mismatched.items()]
     wanted: dict[str, torch.dtype] = {}
     fsdp_casts: list[str] = []
@@ -306,7 +405,7 @@ def _check(target: _Target, headers: Mapping[str, _Header], ignored: Sequence[An
         for key, t in _state_keys(module):
             if key not in sources or not t.is_floating_point():
                 continue
-            want = dtype or headers[sources[key]].dtype
+            want = dtype or headers[next(_leaves(sources[key]))].dtype
             if not want.is_floating_point:
                 continue
             wanted[key] = want
@@ -322,12 +421,12 @@ def _check(target: _Target, headers: Mapping[str, _Header], ignored: Sequence[An
                                 f"model in {want_s[0]} before create_schedule (e.g. from_config(config, "
                                 f"dtype={want_s[0]}) on the meta device)"))
     if problems:
-        raise WeightsMismatchError(f"load_hf({str(folder)!r})", problems, missing=missing, unexpected=unexpected,
-                                   mismatched=mismatched)
+        raise WeightsMismatchError(f"load_hf({str(folder)!r})", problems, missing=[*missing, *unsupported],
+                                   unexpected=unexpected, mismatched=mismatched)
     return sources, wanted
 
 
-def _plans(target: _Target, sources: Mapping[str, str], wanted: Mapping[str, torch.dtype]) -> list[_Plan]:
+def _plans(target: _Target, sources: Mapping[str, Assembly], wanted: Mapping[str, torch.dtype]) -> list[_Plan]:
     plans: list[_Plan] = []
     seen: set[int] = set()
     for module in target.modules:
@@ -375,11 +474,16 @@ def load_hf(model: Any, folder: str | os.PathLike[str], *, dtype: torch.dtype | 
     ``model.safetensors.index.json``): tensor-parallel, packed (``sf.shard(...,
     packed=3)``), FSDP2 and 3D layouts alike. A tied LM head is read from its embedding's
     key; non-persistent buffers (rotary ``inv_freq``) are recomputed. ``dtype``: the dtype
-    to load in (default: each tensor as stored).
+    to load in (default: each tensor as stored). Keys are read through transformers'
+    checkpoint conversion for the model type, so a mixture-of-experts folder of per-expert
+    tensors (``save_pretrained``'s, the Hub's) fills the fused expert parameters, each rank
+    reading only its experts (``sf.expert_parallel``) and slices (``sf.expert_tensor_parallel``).
 
     Raises :class:`WeightsMismatchError` (a :class:`ScheduleError`) listing every missing
-    key, unexpected key and shape mismatch, before any data is read: nothing is half
-    loaded.
+    key, unexpected key and shape mismatch (a fused expert parameter whose per-expert
+    tensors are missing or do not fit), and every key transformers converts with an
+    operation that cannot be read slice by slice, before any data is read: nothing is
+    half loaded.
 
     Example:
         >>> import tempfile, torch, slapo_fn as sf
@@ -398,7 +502,8 @@ def load_hf(model: Any, folder: str | os.PathLike[str], *, dtype: torch.dtype | 
     target = _target(model, what)
     headers = _headers(root, what)
     ignored = [p for m in target.modules for p in ignored_on_load(m)]
-    sources, wanted = _check(target, headers, ignored, dtype, root)
+    keys = checkpoint_keys(target.root, headers, target.shapes)
+    sources, wanted = _check(target, headers, keys, ignored, dtype, root)
     plans = _plans(target, sources, wanted)
     unfillable = [f"{path}" for m in target.modules for path, sub in walk(m)
                   if any(getattr(sub._buffers.get(n), UNFILLED, False) for n in sub._non_persistent_buffers_set)]
@@ -415,17 +520,26 @@ def load_hf(model: Any, folder: str | os.PathLike[str], *, dtype: torch.dtype | 
                                                    "give the module reset_parameters()") for p in bad])
         with contextlib.ExitStack() as stack:
             handles: dict[Path, Any] = {}
-            for plan in plans:
-                file = headers[plan.source].file
+
+            def handle(key: str) -> Any:
+                file = headers[key].file
                 if file not in handles:
                     handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
-                sl = handles[file].get_slice(plan.source)
+                return handles[file]
+
+            def slice_of(key: str) -> Any:
+                return handle(key).get_slice(key)
+
+            for plan in plans:
                 if plan.ranges is None:
-                    data = sl[tuple(slice(None) for _ in headers[plan.source].shape)] if headers[
-                        plan.source].shape else handles[file].get_tensor(plan.source)
+                    shape = _shape(plan.source, headers) or ()
+                    whole = tuple(((0, n),) for n in shape)
+                    data = (_read_assembled(plan.source, whole, slice_of, headers) if shape or not isinstance(
+                        plan.source, str) else handle(plan.source).get_tensor(plan.source))
                     dst = plan.tensor
                 else:
-                    data = _read(sl, plan.ranges) if all(plan.ranges) else torch.empty(0)
+                    data = (_read_assembled(plan.source, plan.ranges, slice_of, headers) if all(plan.ranges)
+                            else torch.empty(0))
                     dst = plan.tensor.to_local()  # type: ignore[attr-defined]
                 if dst.numel():
                     dst.copy_(data.reshape(dst.shape))
@@ -478,7 +592,8 @@ def _save_tokenizer(tokenizer: Any, folder: Path) -> None:
 def save_hf(model: Any, folder: str | os.PathLike[str], *, tokenizer: Any = None) -> Path:
     """Write ``model`` (any layout: tensor-parallel, packed, FSDP2, pipeline, 3D) as a
     Hugging Face folder: one ``model.safetensors`` with the full tensors in their original
-    element order (a tied LM head left out, as ``save_pretrained`` does), ``config.json``
+    element order, under the keys ``save_pretrained`` writes (fused experts as one tensor
+    per expert; a tied LM head left out), ``config.json``
     (its dtype the saved one), ``generation_config.json`` where the model has one, and
     the tokenizer files when ``tokenizer`` is given (an object with ``save_pretrained``,
     or a folder holding them). Every rank calls it; rank 0 writes. Returns the folder.
@@ -515,7 +630,7 @@ def save_hf(model: Any, folder: str | os.PathLike[str], *, tokenizer: Any = None
         for key, source in target.tied.items():
             if key in state and source in state and torch.equal(state[key], state[source]):
                 del state[key]
-        keep = {k: v.contiguous() for k, v in state.items() if k in target.shapes}
+        keep = checkpoint_state(target.root, {k: v.contiguous() for k, v in state.items() if k in target.shapes})
         save_file(keep, str(root / _SINGLE), metadata={"format": "pt"})
         config = copy.deepcopy(config)
         floats = [v.dtype for v in keep.values() if v.is_floating_point()]
