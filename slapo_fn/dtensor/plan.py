@@ -630,8 +630,38 @@ def _packed_outputs_read_whole(sch: Schedule, p: Plan) -> list[Problem]:
     return problems
 
 
+def _chains_inside_pairs(sch: Schedule, p: Plan) -> list[Problem]:
+    """A sequence-parallel chain member between a column and the row it is paired with
+    (siblings, in module order) would take the column's feature shard for a whole
+    activation: split it along the sequence and gather it again, mixing the ranks'
+    features — silently wrong. Refused, naming the member and the pair."""
+    seqs = sch.annotations.of_kind(SEQ)
+    problems = []
+    for path, mp in p.modules.items():
+        if mp.role is None or mp.role.kind != "column" or not mp.partnered:
+            continue
+        siblings = _siblings(sch.module, path)
+        later = siblings[siblings.index(path) + 1 :]
+        row = next((q for q in later if (o := p.modules.get(q)) is not None and o.role is not None
+                    and o.role.kind == "row" and o.role.mesh_axis == mp.role.mesh_axis), None)
+        if row is None:
+            continue
+        for member in later[: later.index(row)]:
+            spec = seqs.get(member)
+            if spec is not None and spec.mesh_axis == mp.role.mesh_axis:
+                problems.append(Problem(
+                    member,
+                    f"is in a sequence_parallel chain but runs between the column {path!r} and its row partner "
+                    f"{row!r}: it would take the column's feature shard for a whole activation",
+                    f"leave {member!r} out of the chain (the pair needs no sequence parallelism inside), or put "
+                    f"the whole block that holds the pair in the chain",
+                ))
+    return problems
+
+
 def refusals(sch: Schedule, p: Plan) -> list[Problem]:
     """Every layout of ``sch`` the build would get silently wrong or fail on inside model
     code, as problems naming the module and the fix (``build`` raises them at once)."""
     return (_half_sharded_ties(sch) + _unsharded_twins(sch, p) + _stray_token_shards(sch)
-            + _ungathered_chain_members(sch) + _chain_gaps(sch) + _packed_outputs_read_whole(sch, p))
+            + _ungathered_chain_members(sch) + _chain_gaps(sch) + _packed_outputs_read_whole(sch, p)
+            + _chains_inside_pairs(sch, p))

@@ -778,15 +778,6 @@ def _sp_exit_token_shard(f: Facts) -> bool:
                for op in f.syncs)
 
 
-def _sp_inside_pair(f: Facts) -> bool:
-    for c in f.columns():
-        sib = f.siblings(c)
-        rows = [r for r in sib[sib.index(c) + 1 :] if f.kind(r) == "row"]
-        if rows and any(sib.index(c) < sib.index(m) < sib.index(rows[0]) for m in f.sp if m in sib):
-            return True
-    return False
-
-
 def _pair_pre_sync_default_src(f: Facts) -> bool:
     return any(op[2] == "fwd_pre" and op[3] == "S(-1)" and op[4] is None and f.kind(op[1]) == "row"
                and _natural(f, op[1], "fwd_pre") == "S(-1)" for op in f.syncs)
@@ -974,14 +965,6 @@ KNOWN_DEFECTS: dict[str, Defect] = {
         "the Linear after it runs on half the tokens, output (2, 2, 8) for (2, 4, 8)",
         _c([Block("chain", widths=(8,), flat=True, bias=False)], ("sync", "1", "fwd_post", "S(1)", None),
            ("sp", ("1",), None)),
-    ),
-    "sp-inside-pair": Defect(
-        _sp_inside_pair,
-        "a sequence-parallel chain between a column and the row it is paired with (siblings): the chain splits "
-        "and gathers a feature-sharded activation as if it were replicated, mixing the ranks' features: silently "
-        "wrong (output max abs diff 0.2 of 1)",
-        _c([Block("chain", widths=(8, 8), flat=True, bias=False)], ("shard", "2", 0, 1), ("shard", "4", 1, 1),
-           ("sp", ("3",), None), dim=16),
     ),
     "pair-pre-sync-default-src": Defect(
         _pair_pre_sync_default_src,

@@ -101,6 +101,13 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[sf.Schedule], sf.Sched
         lambda s: sf.shard(sf.shard(s, "0", axis=0, packed=2), "2", axis=1, packed=2),
         (X,),
     ),
+    # a chain member between a Megatron pair: it split and gathered the column's feature
+    # shard along the sequence, mixing the ranks' features (silently wrong, 0.2 of 1)
+    "sp-member-inside-a-pair": (
+        lambda: nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)),
+        lambda s: sf.sequence_parallel(sf.shard(sf.shard(s, "0", axis=0), "2", axis=1), "1"),
+        (X,),
+    ),
     # the norms alone, not their decoder layers: each norm's sequence shard would reach the
     # MLP (outside the chain) whole-length; it was a raw shape error inside LlamaDecoderLayer
     "sp-norms-without-their-layers": (
@@ -132,6 +139,8 @@ EXPECTED = {
     "root-sync-with-child-syncs": "refused: build: 'a': receives a token shard",
     "packed-column-into-a-contiguous-row": "refused: build: '2': is row-parallel after '0', packed=2",
     "packed-column-into-a-row-packed-alike": "equal",
+    "sp-member-inside-a-pair": "refused: build: '1': is in a sequence_parallel chain but runs between the "
+                               "column '0' and its row partner '2'",
     "sp-norms-without-their-layers": "refused: build: 'model.layers.1': runs after "
                                      "'model.layers.0.post_attention_layernorm', a member of the sequence_parallel",
     "uneven-sequence": "refused: split: <root>: dimension 1 of an activation of shape (2, 5, 8) has 5 elements",
