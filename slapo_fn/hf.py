@@ -12,7 +12,8 @@ names or checking class names themselves; only ``recipes/`` (per-family data) an
   :func:`config_value` with the name tuples ``*_ATTRS``;
 * weight initialisation: :func:`init_owner`, :func:`reset_weights`,
   :func:`clear_initialized_flags`;
-* attention heads: :data:`HEAD_COUNT_ATTRS`, :data:`HEAD_DIM_ATTRS`, :func:`head_dim_of`;
+* attention heads: :data:`HEAD_COUNT_ATTRS`, :data:`HEAD_DIM_ATTRS`, :func:`head_dim_of`,
+  :func:`mixes_tokens`;
 * pipeline stages: :data:`PIPELINE_STAGES` (per model type, what the stage split needs);
 * what a forward takes: :data:`TOKEN_ID_ARGS`, :func:`input_embedding`, :func:`extra_keywords`;
 * weight files: :func:`tied_weights`, :func:`ignored_on_load`, :func:`recompute_buffers`,
@@ -403,6 +404,22 @@ def experts_transposed(experts: nn.Module) -> bool | None:
     """
     value = vars(experts).get("is_transposed")
     return value if isinstance(value, bool) else None
+
+
+def mixes_tokens(module: nn.Module) -> bool:
+    """Whether ``module`` looks like attention — a class named ``...Attention`` (Hugging
+    Face's, ``nn.MultiheadAttention``) or one holding a head count or head size — whose
+    output at one position reads every position's input. For refusing layouts only: a
+    module this misses is not assumed to be per-token.
+
+    >>> import torch.nn as nn
+    >>> mixes_tokens(nn.MultiheadAttention(8, 2)), mixes_tokens(nn.Linear(2, 2))
+    (True, False)
+    """
+    if any(c.__name__.endswith("Attention") for c in type(module).__mro__):
+        return True
+    own = vars(module)
+    return any(isinstance(own.get(a), int) for a in (*HEAD_COUNT_ATTRS, *HEAD_DIM_ATTRS))
 
 
 def head_dim_of(module: nn.Module, names: Sequence[str] = HEAD_DIM_ATTRS) -> int | None:

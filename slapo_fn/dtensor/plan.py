@@ -41,7 +41,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..errors import Problem
-from ..hf import is_conv1d
+from ..hf import is_conv1d, mixes_tokens
 from ..rewrites._common import contains
 from ..schedule import Schedule
 from ..tree import child_names, get_module, join, split, walk
@@ -659,9 +659,43 @@ def _chains_inside_pairs(sch: Schedule, p: Plan) -> list[Problem]:
     return problems
 
 
+def _attention_on_sequence_shards(sch: Schedule) -> list[Problem]:
+    """Attention inside a sequence-parallel chain sees only this rank's tokens unless its
+    column-parallel q/k/v gather the sequence for it: without one (q/k/v not sharded over
+    the chain's axis) each rank attends over its own tokens — silently wrong; as a chain
+    member itself (not inside a decoder layer) it reshapes by its input's sequence-shard
+    shape. Refused, naming the attention module."""
+    roles = sch.annotations.of_kind(ROLE)
+    problems = []
+    for member, spec in sch.annotations.of_kind(SEQ).items():
+        for path, module in walk(get_module(sch.module, member), member):
+            if not mixes_tokens(module):
+                continue
+            gathered = any(r.mesh_axis == spec.mesh_axis and r.kind == "column" and contains(path, q)
+                           for q, r in roles.items())
+            if path == member and gathered:
+                problems.append(Problem(
+                    path,
+                    f"is attention and itself a member of the sequence_parallel chain over {spec.mesh_axis!r}: "
+                    "its projections gather the sequence, but it reshapes by its input's sequence-shard shape",
+                    "put the block that holds it in the chain instead (a decoder layer), with its projections "
+                    "sharded",
+                ))
+            elif not gathered and path != member:  # a member without any column: _ungathered_chain_members
+                problems.append(Problem(
+                    path,
+                    f"is attention inside the sequence_parallel chain over {spec.mesh_axis!r} with no "
+                    f"column-parallel projection sharded over {spec.mesh_axis!r}: each rank would attend over "
+                    "its own tokens only",
+                    f"shard its q/k/v projections over {spec.mesh_axis!r} (axis=0) and its output projection "
+                    "(axis=1), or leave its block out of sequence_parallel",
+                ))
+    return problems
+
+
 def refusals(sch: Schedule, p: Plan) -> list[Problem]:
     """Every layout of ``sch`` the build would get silently wrong or fail on inside model
     code, as problems naming the module and the fix (``build`` raises them at once)."""
     return (_half_sharded_ties(sch) + _unsharded_twins(sch, p) + _stray_token_shards(sch)
             + _ungathered_chain_members(sch) + _chain_gaps(sch) + _packed_outputs_read_whole(sch, p)
-            + _chains_inside_pairs(sch, p))
+            + _chains_inside_pairs(sch, p) + _attention_on_sequence_shards(sch))

@@ -794,18 +794,6 @@ def _pair_gathered_counts(f: Facts) -> bool:
     )
 
 
-def _sp_member_attention(f: Facts) -> bool:
-    return any(isinstance(f.model.get_submodule(p), Attention) and any(f.kind(f"{p}.{n}") == "column" for n in "qkv")
-               for p in f.sp)
-
-
-def _sp_token_mixing(f: Facts) -> bool:
-    return any(
-        isinstance(m, Attention) and f.in_sp(path) and not any(f.kind(_join(path, n)) == "column" for n in "qkv")
-        for path, m in f.model.named_modules()
-    )
-
-
 def _role_output_sync(f: Facts) -> bool:
     outputs = output_paths(f.model)
     for op in f.syncs:
@@ -981,20 +969,6 @@ KNOWN_DEFECTS: dict[str, Defect] = {
         "backward all_gather) that the plan leaves out: predicted backward {all_reduce: 1}, counted "
         "{all_gather: 1, all_reduce: 1}",
         _c([_MLP], ("shard", "0.fc1", 0, 1), ("shard", "0.fc2", 1, 1), ("sync", "0.fc1", "fwd_post", "R", None)),
-    ),
-    "sp-member-attention": Defect(
-        _sp_member_attention,
-        "an attention module that is itself a chain member, with column q/k/v: each column gathers its own input "
-        "(runtime gathers_own), but the module reshapes by its input's (sequence-shard) shape: output (2, 2, 8) "
-        "for (2, 4, 8)",
-        _c([_ATTN], *_MEGATRON_ATTN, ("sp", ("0",), None)),
-    ),
-    "sp-token-mixing": Defect(
-        _sp_token_mixing,
-        "attention inside a sequence-parallel chain with no column q/k/v: each rank attends over its own tokens "
-        "only; silently wrong (output max abs diff 0.3 of 1), neither gathered nor refused",
-        _c([Block("layer", heads=2, style="hf", hidden=8, bias=False)], ("shard", "0.mlp.fc1", 0, 1),
-           ("shard", "0.mlp.fc2", 1, 1), ("sp", ("0",), None)),
     ),
     "role-output-sync": Defect(
         _role_output_sync,

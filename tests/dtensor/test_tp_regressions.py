@@ -108,6 +108,15 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[sf.Schedule], sf.Sched
         lambda s: sf.sequence_parallel(sf.shard(sf.shard(s, "0", axis=0), "2", axis=1), "1"),
         (X,),
     ),
+    # decoder layers in the chain with only their MLPs sharded: attention on sequence shards
+    "sp-layers-with-unsharded-attention": (
+        lambda: tiny_llama(2),
+        lambda s: sf.sequence_parallel(
+            sf.shard(sf.shard(s, "model.layers.*.mlp.{gate,up}_proj", axis=0), "model.layers.*.mlp.down_proj",
+                     axis=1),
+            ["model.layers.*", "model.norm"]),
+        (token_ids(),),
+    ),
     # the norms alone, not their decoder layers: each norm's sequence shard would reach the
     # MLP (outside the chain) whole-length; it was a raw shape error inside LlamaDecoderLayer
     "sp-norms-without-their-layers": (
@@ -127,7 +136,7 @@ def _case(rank: int, world: int, name: str) -> str:
     try:
         parity(make(), rewrite, inputs, shape=(world,), loss=_weighted)
     except sf.LayoutError as e:
-        return f"refused: {str(e).splitlines()[0]}"
+        return "refused: " + " | ".join(line.strip() for line in str(e).splitlines()[:2])
     return "equal"
 
 
@@ -141,6 +150,8 @@ EXPECTED = {
     "packed-column-into-a-row-packed-alike": "equal",
     "sp-member-inside-a-pair": "refused: build: '1': is in a sequence_parallel chain but runs between the "
                                "column '0' and its row partner '2'",
+    "sp-layers-with-unsharded-attention": "refused: build: 2 problems | - 'model.layers.0.self_attn': is attention "
+                                          "inside the sequence_parallel chain over 'tp' with no column-parallel",
     "sp-norms-without-their-layers": "refused: build: 'model.layers.1': runs after "
                                      "'model.layers.0.post_attention_layernorm', a member of the sequence_parallel",
     "uneven-sequence": "refused: split: <root>: dimension 1 of an activation of shape (2, 5, 8) has 5 elements",

@@ -294,9 +294,6 @@ XFAIL: dict[str, str] = {
     "torch-encoder": "raw RuntimeError: a row-sharded self_attn.out_proj is read functionally by "
                      "F.multi_head_attention_forward (functional.py, linear(attn_output, out_proj_weight, ...)): "
                      "aten.addmm.default got mixed torch.Tensor and DTensor",
-    "torch-encoder-out-replicated+sp": "raw RuntimeError: the same addmm mixed torch.Tensor and DTensor at "
-                                       "F.multi_head_attention_forward's out_proj under sequence_parallel (equal "
-                                       "without sp)",
 }
 
 
