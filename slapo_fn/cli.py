@@ -184,6 +184,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     explain.add_argument("--json", action="store_true", help="print everything as one JSON object (for scripts)")
     explain.add_argument("--batch", type=int, default=8, help="global batch, for the bytes of each collective")
     explain.add_argument("--seq", type=int, default=2048, help="sequence length, for the bytes of each collective")
+    explain.add_argument("--hardware", default="h100", metavar="NAME|FILE.toml",
+                         help="hardware profile of the step-time estimate: h100, h200, a100, cpu, or a TOML file "
+                              "(see slapo_fn/hardware/h100.toml); 'none' for no estimate")
 
     verify = sub.add_parser("verify", help="check a recipe against the unscheduled model")
     _parallel_args(verify)
@@ -1044,17 +1047,22 @@ def _explain(args: argparse.Namespace) -> int:
     try:
         sch = _schedule(args, mesh, meta=True)
         shape = (args.batch // args.dp, args.seq)  # one data-parallel rank's batch: the bytes of its collectives
-        info = explain(sch, torch.zeros(shape, dtype=torch.long, device="meta"))
+        micro = (args.microbatches or 2 * args.pp) if args.pp > 1 else 1
+        hardware = None if args.hardware == "none" else args.hardware
+        info = explain(sch, torch.zeros(shape, dtype=torch.long, device="meta"), microbatches=micro,
+                       pipeline_schedule=args.schedule, hardware=hardware)
         axes_text = " x ".join(f"{n}{s}" for n, s in _axes(args))
         if args.json:
             import json
 
             print(json.dumps({"model": args.model, "mesh": dict(_axes(args)), "ranks": world,
-                              "batch": args.batch, "seq": args.seq, "knobs": str(_knobs(args)),
-                              **info.as_dict()}))
+                              "batch": args.batch, "seq": args.seq, "microbatches": micro,
+                              "knobs": str(_knobs(args)), **info.as_dict(), "by_axis": info.by_axis()}))
             return 0
         print(f"{args.model}: {info.total_parameters:,} parameters; {axes_text or 'one process'} "
               f"({world} ranks); recipe knobs: {_knobs(args)}")
+        print(f"assumed: global batch {args.batch} × seq {args.seq} ({shape[0]} sequences per data-parallel rank"
+              + (f", {micro} microbatches, {args.schedule}" if args.pp > 1 else "") + ")")
         text = str(info)
         if not args.tree:
             text = text.split("\n\n", 1)[-1]  # everything after the tree

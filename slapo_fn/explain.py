@@ -8,6 +8,7 @@ one entry (``layers.[0-79] ×80``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,15 +16,30 @@ from typing import Any
 
 import torch
 
-from .dtensor.explain import TensorParallelExplanation, explain_tensor_parallel
-from .memory import MemoryTable, per_rank_memory
-from .pipelines.explain import stage_table
+from .dtensor.data_parallel import DATA_PARALLEL
+from .dtensor.explain import (
+    ActivationShapes,
+    Collective,
+    TensorParallelExplanation,
+    activation_shapes,
+    data_parallel_collectives,
+    explain_tensor_parallel,
+    loss_collectives,
+)
+from .hardware import HardwareProfile, StepTime, estimate_step, load_profile
+from .hf import CONFIG_HEAD_COUNT_ATTRS, HIDDEN_SIZE_ATTRS, LAYER_COUNT_ATTRS, config_of, config_value
+from .memory import MemoryTable, activation_memory, per_rank_memory
+from .pipelines.cut import PIPELINE_CUT
+from .pipelines.explain import pipeline_collectives, stage_table
+from .pipelines.split import split_stages
 from .render import format_bytes, format_dtype, format_param, render_tree
+from .rewrites.checkpoint import CHECKPOINT
 from .schedule import Schedule
 from .tree import walk
 from .verify import check_inputs
 
-__all__ = ["Explanation", "ModuleRow", "explain", "format_bytes", "format_dtype", "format_param", "render_tree"]
+__all__ = ["Explanation", "ModuleRow", "explain", "format_bytes", "format_dtype", "format_param", "model_flops",
+           "render_tree", "step_time"]
 
 @dataclass(frozen=True)
 class ModuleRow:
@@ -53,6 +69,27 @@ class Explanation:
     #: The example inputs the activation and collective sizes are computed for, as text
     #: (``input 0: int64 (4, 2048)``); "" without inputs.
     assumed: str = ""
+    #: Every collective of one step on one rank (with a pipeline: a rank of stage 0):
+    #: tensor and sequence parallel (from ``tensor_parallel``), a vocab-parallel loss,
+    #: FSDP2 / DDP / HSDP of that stage, pipeline transfers of that rank.
+    collectives: tuple[Collective, ...] = ()
+    #: The step-time estimate (:func:`slapo_fn.hardware.estimate_step`), with a hardware profile.
+    time: StepTime | None = None
+
+    def by_axis(self) -> dict[str, dict[str, dict[str, int]]]:
+        """``{mesh axis: {op: {"count": n, "bytes": b}}}`` over :attr:`collectives`
+        (bytes of unknown size count as 0).
+
+        >>> import torch.nn as nn, slapo_fn as sf
+        >>> sf.explain(sf.create_schedule(nn.Linear(2, 3))).by_axis()
+        {}
+        """
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for c in self.collectives:
+            entry = out.setdefault(c.mesh_axis, {}).setdefault(c.op, {"count": 0, "bytes": 0})
+            entry["count"] += 1
+            entry["bytes"] += c.bytes or 0
+        return out
 
     def as_dict(self) -> dict[str, Any]:
         """Everything ``str()`` prints, as plain JSON-able data (``json.dumps`` it):
@@ -78,8 +115,16 @@ class Explanation:
             out.append(str(self.tensor_parallel))
         if self.stages:
             out.append(self.stages)
-        if self.memory is not None and (self.tensor_parallel is not None or self.stages):
+        if self.collectives:
+            out.append("collectives of one step on one rank, by mesh axis (bytes: the full tensor of each):")
+            for axis, ops in self.by_axis().items():
+                text = ", ".join(f"{op} ×{v['count']} ({format_bytes(v['bytes'])})" for op, v in ops.items())
+                out.append(f"  {axis}: {text}")
+        if self.memory is not None and (self.tensor_parallel is not None or self.stages
+                                        or any(r.activation_bytes is not None for r in self.memory.rows)):
             out.append(str(self.memory))
+        if self.time is not None:
+            out.append(str(self.time))
         if self.history:
             folded = _fold_numbered([(h, "") for h in self.history])
             note = ", repeated ones folded" if len(folded) < len(self.history) else ""
@@ -137,22 +182,39 @@ def _fold_numbered(items: list[tuple[str, str]]) -> list[tuple[tuple[str, str], 
     return out
 
 
-def explain(sch: Schedule, *inputs: Any, kwargs: Mapping[str, Any] | None = None) -> Explanation:
+def explain(
+    sch: Schedule,
+    *inputs: Any,
+    kwargs: Mapping[str, Any] | None = None,
+    microbatches: int = 1,
+    pipeline_schedule: str = "1f1b",
+    hardware: HardwareProfile | str | None = None,
+) -> Explanation:
     """Explain ``sch``: the folded tree, parameter counts and bytes per module (tied
     parameters counted once), annotations and the rewrite history; with a mesh, the
     tensor-parallel section (``.tensor_parallel``: layouts, per-rank parameter bytes,
     the collectives of one step per module boundary). Optional example ``inputs`` /
     ``kwargs`` (meta tensors suffice: only shapes matter) give those collectives their bytes;
     they are checked against the model's forward first (:func:`slapo_fn.verify.check_inputs`:
-    float token ids for a language model, misspelt keywords, …).
+    float token ids for a language model, misspelt keywords, …). With them, the memory
+    table adds activations (:func:`slapo_fn.memory.activation_memory`; a pipeline runs
+    ``microbatches`` of them with ``pipeline_schedule``). With a ``hardware`` profile
+    (:func:`slapo_fn.hardware.load_profile`: "h100", "cpu", … or a TOML path) and inputs,
+    ``.time`` estimates the step (:func:`step_time`).
 
     >>> import torch.nn as nn, slapo_fn as sf
     >>> sch = sf.checkpoint(sf.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))), "0")
     >>> sf.explain(sch).total_parameters
     40
     """
+    shapes: ActivationShapes | None = None
+    note = ""
     if inputs or kwargs:
         check_inputs(sch.module, inputs, kwargs or {}, "explain")
+        try:
+            shapes = activation_shapes(sch.module, inputs, dict(kwargs or {}))
+        except Exception as e:  # explain never fails for a model it cannot run fake
+            note = f"the fake run failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     seen: set[int] = set()
     rows = []
     total = total_bytes = 0
@@ -170,6 +232,18 @@ def explain(sch: Schedule, *inputs: Any, kwargs: Mapping[str, Any] | None = None
             for k, v in sch.annotations.get(path, {}).items()
         )
         rows.append(ModuleRow(path, type(m).__name__, count, nbytes, notes))
+    tp = _tensor_parallel(sch, inputs, kwargs, shapes, note)
+    memory = _memory(sch, shapes, microbatches, pipeline_schedule)
+    if note:
+        memory = dataclasses.replace(memory, activation_note=note)
+    staged = split_stages(sch)[0].schedule if sch.annotations.of_kind(PIPELINE_CUT) else sch
+    collectives = ((tp.collectives if tp is not None else ()) + loss_collectives(sch, shapes)
+                   + data_parallel_collectives(staged) + pipeline_collectives(sch, shapes, microbatches))
+    profile = load_profile(hardware) if isinstance(hardware, str) else hardware
+    time = None
+    if profile is not None and inputs:
+        time = step_time(sch, inputs, collectives, profile, microbatches=microbatches,
+                         pipeline_schedule=pipeline_schedule, calls=len(shapes.order) if shapes is not None else 0)
     return Explanation(
         tree=render_tree(sch.module, "", sch.annotations),
         rows=tuple(rows),
@@ -177,9 +251,11 @@ def explain(sch: Schedule, *inputs: Any, kwargs: Mapping[str, Any] | None = None
         total_bytes=total_bytes,
         history=tuple(repr(h) for h in sch.history),
         stages=_stages(sch),
-        tensor_parallel=_tensor_parallel(sch, inputs, kwargs),
-        memory=_memory(sch),
+        tensor_parallel=tp,
+        memory=memory,
         assumed=_assumed(inputs, kwargs),
+        collectives=collectives,
+        time=time,
     )
 
 
@@ -207,16 +283,119 @@ def _assumed(inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> str:
 
 
 def _tensor_parallel(
-    sch: Schedule, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None
+    sch: Schedule, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None, shapes: ActivationShapes | None,
+    note: str,
 ) -> TensorParallelExplanation | None:
     if sch.mesh is None:
         return None
-    return explain_tensor_parallel(sch, *inputs, kwargs=kwargs)
+    return explain_tensor_parallel(sch, *inputs, kwargs=kwargs, shapes=shapes, failed=note)
 
 
-def _memory(sch: Schedule) -> MemoryTable:
-    return per_rank_memory(sch)
+def _memory(sch: Schedule, shapes: ActivationShapes | None, microbatches: int, kind: str) -> MemoryTable:
+    if shapes is None:
+        return per_rank_memory(sch)
+    acts = activation_memory(sch, shapes, microbatches=microbatches, pipeline_schedule=kind)
+    return per_rank_memory(sch, activations=acts)
 
 
 def _stages(sch: Schedule) -> str:
     return str(stage_table(sch))
+
+
+def model_flops(sch: Schedule, tokens: int, seq: int) -> tuple[float, float]:
+    """(FLOPs of one training step over ``tokens`` tokens of sequences of ``seq``, the
+    FLOPs checkpointing adds), for the whole model on all ranks: ``6N + 12·L·H·Q·T`` per
+    token (N the parameters of every module but embeddings — a tied LM head counts —
+    L layers, H heads, Q head size, T = ``seq``; the attention term needs a Hugging
+    Face config); recomputation adds a checkpointed module's forward again
+    (``2N' + 4·L'·H·Q·T`` per token for the checkpointed part).
+
+    >>> import torch.nn as nn, slapo_fn as sf
+    >>> model_flops(sf.create_schedule(nn.Linear(10, 10, bias=False)), tokens=3, seq=3)
+    (1800.0, 0.0)
+    """
+    seen: set[int] = set()
+    counted: dict[str, int] = {}
+    for path, m in walk(sch.module):
+        own = 0
+        for p in m._parameters.values():
+            if p is None or id(p) in seen or isinstance(m, torch.nn.Embedding):
+                continue
+            seen.add(id(p))
+            own += p.numel()
+        counted[path] = own
+    n = sum(counted.values())
+    config = config_of(sch.module)
+    attention = 0.0
+    layers = 0
+    if config is not None:
+        try:
+            layers = int(config_value(config, *LAYER_COUNT_ATTRS))
+            heads = int(config_value(config, *CONFIG_HEAD_COUNT_ATTRS))
+            hidden = int(config_value(config, *HIDDEN_SIZE_ATTRS))
+            head = config_value(config, "head_dim", default=None)
+            q = int(head) if isinstance(head, int) and head > 0 else hidden // heads
+            attention = 12.0 * layers * heads * q * seq
+        except (KeyError, AttributeError, ValueError, TypeError):
+            attention, layers = 0.0, 0
+    ckpts = tuple(sch.annotations.of_kind(CHECKPOINT))
+    n_ckpt = sum(v for path, v in counted.items() if any(path == c or path.startswith(c + ".") for c in ckpts))
+    share = min(1.0, len(ckpts) / layers) if layers else 0.0
+    total = (6.0 * n + attention) * tokens
+    recompute = (2.0 * n_ckpt + attention / 3 * share) * tokens
+    return total, recompute
+
+
+def step_time(
+    sch: Schedule,
+    inputs: tuple[Any, ...],
+    collectives: tuple[Collective, ...],
+    profile: HardwareProfile,
+    *,
+    microbatches: int = 1,
+    pipeline_schedule: str = "1f1b",
+    calls: int = 0,
+) -> StepTime:
+    """Estimate one step of ``sch`` on one rank (:func:`slapo_fn.hardware.estimate_step`):
+    ``inputs[0]`` is one data-parallel rank's batch (``(batch, seq)``), its FLOPs
+    (:func:`model_flops`) split over the tensor- and pipeline-parallel ranks, the
+    collectives of :func:`explain` (TP/SP and pipeline transfers exposed, FSDP/DDP
+    overlapped; TP ones issued once per microbatch under a pipeline). ``calls`` is the
+    number of modules one forward calls (all stages): each costs the profile's
+    per-call overhead forward and twice backward, per microbatch, on one stage's share,
+    and again forward when checkpointed."""
+    first = inputs[0]
+    shape = tuple(first.shape) if isinstance(first, torch.Tensor) else (1, 1)
+    batch, seq = (int(shape[0]), int(shape[1])) if len(shape) > 1 else (1, int(shape[0]))
+    sizes: dict[str, int] = {}
+    if sch.mesh is not None:
+        names = tuple(sch.mesh.mesh_dim_names or ())
+        sizes = {n: int(v) for n, v in zip(names, tuple(sch.mesh.shape), strict=True)}
+    spec = sch.annotations.get("", DATA_PARALLEL)
+    shard_ranks = math.prod(v for n, v in sizes.items() if n not in (spec.mesh_axes if spec is not None else ("dp",)))
+    flops, recompute = model_flops(sch, batch * seq, seq)
+    stages = len(split_stages(sch)) if sch.annotations.of_kind(PIPELINE_CUT) else 1
+    pp = sizes.get("pp", 1)
+    micro = microbatches if stages > 1 else 1
+    critical: list[tuple[str, int, str, int, int]] = []
+    hidden: list[tuple[str, int, str, int, int]] = []
+    first_boundary = next((c.path for c in collectives if c.origin == "pipeline"), None)
+    for c in collectives:
+        size = sizes.get(c.mesh_axis, 1)
+        if c.origin == "pipeline":
+            if c.path == first_boundary:
+                critical.append((c.mesh_axis, 2, c.op, c.bytes or 0, 1))
+        elif c.origin == "data_parallel":
+            hidden.append((c.mesh_axis, size, c.op, c.bytes or 0, 1))
+        else:
+            critical.append((c.mesh_axis, size, c.op, c.bytes or 0, micro))
+    ckpts = tuple(sch.annotations.of_kind(CHECKPOINT))
+    again = sum(1 for path, _ in walk(sch.module) if any(path == c or path.startswith(c + ".") for c in ckpts))
+    per_rank_calls = (3 * calls + again) * micro // max(1, pp)
+    param = next((p.dtype for p in sch.module.parameters()), torch.float32)
+    dtype = spec.param_dtype if spec is not None and spec.param_dtype is not None else param
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    return estimate_step(profile, flops=flops / shard_ranks, recompute_flops=recompute / shard_ranks, dtype=name,
+                         comm=critical, axis_sizes=sizes, overlapped=hidden, stages=stages if stages > 1 else 1,
+                         microbatches=micro, stages_per_rank=max(1, stages // max(1, pp)),
+                         tokens=batch * seq / shard_ranks, calls=per_rank_calls)

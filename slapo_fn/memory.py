@@ -4,7 +4,9 @@ Computed from shapes alone (meta-device models, no process group): each paramete
 counts its tensor-parallel shard (its ``layout``), divided over the data-parallel shard
 axis by FSDP/HSDP (dim 0, padded up as FSDP2 pads it; rank 0's share is reported), and
 only in the pipeline stage(s) that hold it. Gradients are as large as the parameters;
-the optimizer keeps ``states`` fp32 tensors per parameter (AdamW: 2).
+the optimizer keeps ``states`` fp32 tensors per parameter (AdamW: 2). With example
+inputs, :func:`activation_memory` adds each stage's peak of activations, and the
+table's ``total`` is the one per-rank figure: state plus activations.
 
 Example:
     >>> import torch.nn as nn, slapo_fn as sf
@@ -12,59 +14,91 @@ Example:
     per-rank memory (rank 0 of each stage; optimizer: 2 fp32 states per parameter):
       stage  parameters  params   grads    optimizer  total
       -      1,049,600   4.0 MiB  4.0 MiB  8.0 MiB    16.0 MiB
+      total = params (this rank's TP and FSDP shard) + grads + optimizer; activations not included (no example inputs)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
-from torch.profiler._memory_profiler import Action
 
 from .dtensor.data_parallel import DATA_PARALLEL
-from .dtensor.shard import LAYOUT
-from .pipelines.cut import PIPELINE_CUT
-from .pipelines.split import split_stages
+from .dtensor.explain import ActivationShapes
+from .dtensor.sequence import SEQ
+from .dtensor.shard import LAYOUT, ROLE
+from .pipelines.cut import PIPELINE_CUT, pp_size
+from .pipelines.runner import SCHEDULES, stage_ranks
+from .pipelines.split import Stage, split_stages
 from .render import format_bytes
+from .rewrites.checkpoint import CHECKPOINT
 from .schedule import Schedule
+from .tree import join
 
-__all__ = ["MemoryRow", "MemoryTable", "per_rank_memory", "profiled_peak_bytes"]
+__all__ = ["ActivationRow", "ActivationTable", "MemoryRow", "MemoryTable", "activation_memory", "per_rank_memory",
+           "profiled_peak_bytes"]
 
 
 @dataclass(frozen=True)
 class MemoryRow:
+    """One pipeline stage's (or the whole model's) memory on one rank.
+
+    ``activation_bytes`` is the predicted peak of activations (``None`` when unknown:
+    no example inputs); ``total_bytes`` adds it to parameters, gradients and optimizer
+    states — the one figure to compare with a device's memory."""
+
     stage: int | None
     parameters: int
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
+    activation_bytes: int | None = None
+    #: Microbatches whose activations this stage holds at once (1 without a pipeline).
+    in_flight: int = 1
+
+    @property
+    def state_bytes(self) -> int:
+        """Parameters, gradients and optimizer states."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+        return self.state_bytes + (self.activation_bytes or 0)
 
 
 @dataclass(frozen=True)
 class MemoryTable:
     rows: tuple[MemoryRow, ...]
     states: int
+    #: What the activation column assumes (batch per microbatch, checkpointing, SP, …).
+    activation_note: str = ""
 
     @property
     def max_total_bytes(self) -> int:
         return max((r.total_bytes for r in self.rows), default=0)
 
     def __str__(self) -> str:
-        header = ["stage", "parameters", "params", "grads", "optimizer", "total"]
+        acts = any(r.activation_bytes is not None for r in self.rows)
+        header = ["stage", "parameters", "params", "grads", "optimizer"] + (["activations"] if acts else []) + ["total"]
         table = [[("-" if r.stage is None else str(r.stage)), f"{r.parameters:,}",
-                  *map(format_bytes, (r.param_bytes, r.grad_bytes, r.optimizer_bytes, r.total_bytes))]
+                  *map(format_bytes, (r.param_bytes, r.grad_bytes, r.optimizer_bytes)),
+                  *([format_bytes(r.activation_bytes or 0)] if acts else []), format_bytes(r.total_bytes)]
                  for r in self.rows]
         widths = [max(len(row[i]) for row in [header, *table]) for i in range(len(header))]
         lines = [f"per-rank memory (rank 0 of each stage; optimizer: {self.states} fp32 states per parameter):"]
         lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *table]]
+        if acts:
+            lines.append("  total = params (this rank's TP and FSDP shard) + grads (as large) + optimizer "
+                         "+ activations (peak of saved tensors, " + self.activation_note + ")")
+        else:
+            lines.append("  total = params (this rank's TP and FSDP shard) + grads + optimizer; activations "
+                         f"not included ({self.activation_note or 'no example inputs'})")
         return "\n".join(lines)
 
 
@@ -96,29 +130,252 @@ def _row(sch: Schedule, stage: int | None, states: int) -> MemoryRow:
     return MemoryRow(stage, count, nbytes, nbytes, states * count * fp32)
 
 
-def per_rank_memory(sch: Schedule, *, states: int = 2) -> MemoryTable:
-    """The per-rank memory of ``sch`` (one row per pipeline stage, or one row)."""
+def per_rank_memory(sch: Schedule, *, states: int = 2, activations: ActivationTable | None = None) -> MemoryTable:
+    """The per-rank memory of ``sch`` (one row per pipeline stage, or one row), with the
+    activation peaks of ``activations`` (:func:`activation_memory`) where given."""
     if sch.annotations.of_kind(PIPELINE_CUT):
-        return MemoryTable(tuple(_row(s.schedule, s.index, states) for s in split_stages(sch)), states)
-    return MemoryTable((_row(sch, None, states),), states)
+        rows = tuple(_row(s.schedule, s.index, states) for s in split_stages(sch))
+    else:
+        rows = (_row(sch, None, states),)
+    if activations is None:
+        return MemoryTable(rows, states)
+    by_stage = {a.stage: a for a in activations.rows}
+    rows = tuple(dataclasses.replace(r, activation_bytes=by_stage[r.stage].peak_bytes,
+                                     in_flight=by_stage[r.stage].in_flight) if r.stage in by_stage else r
+                 for r in rows)
+    return MemoryTable(rows, states, activations.note)
 
 
 def profiled_peak_bytes(fn: Callable[[], Any]) -> int:
     """Peak bytes allocated above the starting point while ``fn()`` runs (freed
-    temporaries included), measured — not estimated — from the PyTorch profiler's memory
-    timeline; works on CPU. Relies on the profiler's private ``_memory_profile()``.
+    temporaries included), measured — not estimated — from the allocations and frees
+    the PyTorch profiler records (``profile_memory=True``), summed in time order; works
+    on CPU, with DTensors and collectives too. Relies on the profiler's event tree
+    (``kineto_results.experimental_event_tree()``, a private API).
 
     >>> import torch
     >>> profiled_peak_bytes(lambda: torch.ones(1024, 1024).sum()) >= 4 * 2**20
     True
     """
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
+    assert prof.profiler is not None and prof.profiler.kineto_results is not None
+    changes: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.typed[0] == _EventType.Allocation:
+            changes.append((node.start_time_ns, node.typed[1].alloc_size))
+        stack.extend(node.children)
     current = peak = 0
-    for _, action, _, size in prof._memory_profile().timeline:
-        if action == Action.CREATE:
-            current += size
-        elif action == Action.DESTROY:
-            current -= size
+    for _, size in sorted(changes):
+        current += size
         peak = max(peak, current)
     return peak
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+@dataclass(frozen=True)
+class ActivationRow:
+    """Activations of one stage (or of the whole model) on one rank, in bytes.
+
+    ``saved_bytes`` is what autograd holds when the last forward in flight ends:
+    ``in_flight`` microbatches' saved tensors (a checkpointed module keeps only its
+    input), the stage's received inputs and sent outputs. ``peak_bytes`` adds the
+    larger of the two backward transients: the logits and their gradient at the loss,
+    or one checkpointed module recomputed while the checkpointed inputs are held."""
+
+    stage: int | None
+    in_flight: int
+    saved_bytes: int
+    loss_bytes: int
+    recompute_peak_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.saved_bytes + self.loss_bytes, self.recompute_peak_bytes)
+
+
+@dataclass(frozen=True)
+class ActivationTable:
+    rows: tuple[ActivationRow, ...]
+    #: What the figures assume, as text.
+    note: str
+
+
+def _factors(sch: Schedule) -> Callable[[str], float]:
+    """``path -> share of a tensor saved there that one rank holds`` under tensor and
+    sequence parallelism: a row-parallel module saves its sharded input (1/t), a column
+    its gathered input (1); the code of a parent of sharded modules and of their
+    siblings (attention, the MLP's gate product) runs on local heads or features (1/t);
+    elsewhere (norms, residual stream, loss) a tensor is replicated (1), or split along
+    the sequence where sequence parallelism covers the module (1/t)."""
+    roles = sch.annotations.of_kind(ROLE)
+    seqs = sch.annotations.of_kind(SEQ)
+    size = _axis_sizes(sch)
+    sharded_parents: dict[str, int] = {}
+    for path, role in roles.items():
+        parent = path.rsplit(".", 1)[0] if "." in path else ""
+        if role.kind in ("column", "row"):
+            sharded_parents[parent] = size.get(role.mesh_axis, 1)
+    cache: dict[str, float] = {}
+
+    def factor(path: str) -> float:
+        if path in cache:
+            return cache[path]
+        role = roles.get(path)
+        parent = path.rsplit(".", 1)[0] if "." in path else ""
+        if role is not None:
+            out = 1 / size.get(role.mesh_axis, 1) if role.kind == "row" else 1.0
+        elif path in sharded_parents:
+            out = 1 / sharded_parents[path]
+        elif path and parent in sharded_parents:
+            out = 1 / sharded_parents[parent]
+        else:
+            out = 1.0
+            for p, spec in seqs.items():
+                if path == p or path.startswith(p + "."):
+                    out = 1 / size.get(spec.mesh_axis, 1)
+                    break
+        cache[path] = out
+        return out
+
+    return factor
+
+
+def _axis_sizes(sch: Schedule) -> dict[str, int]:
+    if sch.mesh is None:
+        return {}
+    names = tuple(sch.mesh.mesh_dim_names or ())
+    return {n: int(s) for n, s in zip(names, tuple(sch.mesh.shape), strict=True)}
+
+
+def _under(path: str, roots: tuple[str, ...]) -> str | None:
+    for r in roots:
+        if path == r or path.startswith(r + ".") or not r:
+            return r
+    return None
+
+
+def _nbytes(entry: tuple[tuple[int, ...], torch.dtype] | None) -> int:
+    if entry is None:
+        return 0
+    shape, dtype = entry
+    return math.prod(shape) * torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def activation_memory(
+    sch: Schedule, shapes: ActivationShapes, *, microbatches: int = 1, pipeline_schedule: str = "1f1b"
+) -> ActivationTable:
+    """Predicted peak activation bytes per stage on one rank, from the saved tensors of
+    one fake forward of the unsharded model (``shapes``, :func:`~slapo_fn.dtensor.explain.
+    activation_shapes`, run on one data-parallel rank's batch) and the schedule:
+
+    * each saved tensor scaled by its share on one rank (:func:`_factors`: TP, SP);
+    * checkpointed modules keep only their first input; in backward one of them is
+      recomputed at a time (full or selective policies alike: selective ones are
+      counted as full recomputation, an upper bound of their peak), beside the
+      gradients of its output and input and one as large as its largest saved tensor;
+    * a pipeline runs ``microbatches`` of ``batch / microbatches``; stage ``i`` on
+      ``pp`` rank ``r`` holds ``min(pp - r, microbatches)`` of them under 1F1B (and
+      the interleaved and zero-bubble schedules, approximated so), all of them under
+      GPipe; stages also hold what they received and sent;
+    * the loss's logits: the last module's output (the LM head's, or a chunked loss's
+      — what the fake run saw) and its gradient exist at once when backward starts;
+    * a ``param_dtype`` of FSDP mixed precision scales float activations.
+
+    >>> import torch, torch.nn as nn, slapo_fn as sf
+    >>> from slapo_fn.dtensor.explain import activation_shapes
+    >>> model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+    >>> x = torch.empty(64, 256, requires_grad=True, device="meta")
+    >>> table = activation_memory(sf.create_schedule(model), activation_shapes(model, (x,), {}))
+    >>> table.rows[0].saved_bytes // 1024  # the inputs of both Linears and of the GELU, 64 KiB each
+    192
+    """
+    factor = _factors(sch)
+    ckpts = tuple(sorted(sch.annotations.of_kind(CHECKPOINT)))
+    stages = split_stages(sch) if sch.annotations.of_kind(PIPELINE_CUT) else ()
+    layer_stage: dict[str, int] = {}
+    for each in stages:
+        for key in each.layers:
+            layer_stage[join(each.sequence, key)] = each.index
+    layer_roots = tuple(layer_stage)
+    micro = max(1, microbatches if stages else 1)
+    scale = 1.0
+    spec = sch.annotations.get("", DATA_PARALLEL)
+    if spec is not None and spec.param_dtype is not None:
+        model_dtype = next((p.dtype for p in sch.module.parameters() if p.is_floating_point()), torch.float32)
+        scale = torch.empty((), dtype=spec.param_dtype, device="meta").element_size() / \
+            torch.empty((), dtype=model_dtype, device="meta").element_size()
+
+    n_stages = len(stages) or 1
+    kept = [0.0] * n_stages  # per microbatch, forward end
+    ckpt_kept = [0.0] * n_stages
+    pre = [0.0] * n_stages
+    recompute: dict[str, float] = {}
+    largest: dict[str, float] = {}
+    seen_layer = False
+    for path, nbytes in shapes.saved:
+        size = nbytes * factor(path) * scale / micro
+        layer = _under(path, layer_roots) if layer_roots else None
+        if layer is not None:
+            seen_layer = True
+            idx = layer_stage[layer]
+        elif stages:
+            idx = stages[-1].index if seen_layer else stages[0].index
+        else:
+            idx = 0
+        c = _under(path, ckpts) if ckpts else None
+        if c is not None:
+            seen_layer = True
+            recompute[c] = recompute.get(c, 0.0) + size
+            largest[c] = max(largest.get(c, 0.0), size)
+            continue
+        kept[idx] += size
+        if not seen_layer:
+            pre[idx] += size
+    ckpt_stage: dict[str, int] = {}
+    for c in ckpts:
+        layer = _under(c, layer_roots) if layer_roots else None
+        idx = layer_stage[layer] if layer is not None else (stages[0].index if stages else 0)
+        ckpt_stage[c] = idx
+        held = _nbytes(shapes.inputs.get(c)) * factor(c) * scale / micro
+        kept[idx] += held
+        ckpt_kept[idx] += held
+        # backward through the recomputed module: the gradients of its output and input,
+        # and one gradient as large as its largest saved tensor, live beside its tensors
+        # (unsplit: under sequence parallelism the gradients inside are gathered ones, and
+        # a column's gathered input gradient waits for its reduce-scatter beside them)
+        full = _nbytes(shapes.inputs.get(c)) * scale / micro
+        grads = (3 if factor(c) < 1 else 2) * full
+        recompute[c] = recompute.get(c, 0.0) + grads + largest.get(c, 0.0)
+    last = shapes.order[-1] if shapes.order else None
+    logits = _nbytes(shapes.outputs.get(last)) * factor(last) * scale / micro if last is not None else 0.0
+
+    pp = pp_size(sch) or n_stages
+    kind = SCHEDULES.get(pipeline_schedule)
+    ranks = stage_ranks(n_stages, pp, kind.style if kind is not None else "loop") if stages else (0,)
+    rows = []
+    for i in range(n_stages):
+        st: Stage | None = stages[i] if stages else None
+        in_flight = 1
+        io = 0.0
+        if st is not None:
+            in_flight = micro if pipeline_schedule == "gpipe" else min(pp - ranks[i], micro)
+            first = join(st.sequence, st.layers[0])
+            last_layer = join(st.sequence, st.layers[-1])
+            io += 0 if st.pre else _nbytes(shapes.inputs.get(first)) * factor(first) * scale / micro
+            io += 0 if st.post else _nbytes(shapes.outputs.get(last_layer)) * factor(last_layer) * scale / micro
+        saved = in_flight * (kept[i] + io)
+        loss = 2 * logits if (st is None or st.post) else 0.0
+        mine = [recompute[c] for c in ckpts if ckpt_stage[c] == i and c in recompute]
+        again = (pre[i] + ckpt_kept[i] + io + (in_flight - 1) * (kept[i] + io) + max(mine)) if mine else 0.0
+        rows.append(ActivationRow(st.index if st is not None else None, in_flight, math.ceil(saved),
+                                  math.ceil(loss), math.ceil(again)))
+    per_mb = "" if not stages else f", {micro} microbatches ({pipeline_schedule}) of 1/{micro} of it"
+    mp = "" if scale == 1.0 else f", activations in {spec.param_dtype}"  # type: ignore[union-attr]
+    note = (f"for the example inputs{per_mb}{mp}; checkpointed modules keep their input"
+            + (", one recomputed at a time" if ckpts else "") + "; logits and their gradient at the loss")
+    return ActivationTable(tuple(rows), note)

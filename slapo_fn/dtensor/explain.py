@@ -1,5 +1,8 @@
 """The tensor-parallel part of ``explain``: layouts, per-rank parameter bytes, and the
-collectives one forward and one backward issue, per module boundary — without devices.
+collectives one forward and one backward issue, per module boundary — without devices;
+also the data-parallel collectives (:func:`data_parallel_collectives`: FSDP2, HSDP, DDP
+buckets), those of a vocab-parallel loss (:func:`loss_collectives`), and the fake run
+(:func:`activation_shapes`) whose saved tensors give ``explain`` its activation memory.
 
 Everything comes from the schedule's annotations and its :func:`~.boundary.plan`; the
 only computation is optional: with example inputs (real, meta or fake tensors — only
@@ -25,7 +28,7 @@ Example:
     {'forward': {'all_reduce': 1}, 'backward': {'all_reduce': 1}}
     >>> print(tp)
     tensor parallel over mesh (tp=2):
-      parameter bytes per rank: 576 B (of 1.1 KiB unsharded)
+      parameter bytes per rank: 576 B (of 1.1 KiB unsharded); TP shards only: the memory table adds FSDP and stages
         0: 288 B
         2: 288 B
       collectives per step (2: forward 1, backward 1; 256 B):
@@ -35,28 +38,34 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import contextlib
+import sys
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import Shard
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils.stateless import _reparametrize_module
 
 from ..render import format_bytes, format_param
 from ..schedule import Schedule
-from ..tree import join, private_copy, walk
+from ..tree import get_module, join, private_copy, walk
+from .data_parallel import DATA_PARALLEL, DataParallelSpec
 from .layout import Layout
 from .plan import Boundary, plan
 from .sequence import SEQ
 from .shard import LAYOUT, ROLE, mesh_dims
 from .sync import SYNC, SyncSpec
 
-__all__ = ["ActivationShapes", "Collective", "ParamLayout", "TensorParallelExplanation", "explain_tensor_parallel"]
+__all__ = ["ActivationShapes", "Collective", "ParamLayout", "TensorParallelExplanation", "activation_shapes",
+           "data_parallel_collectives", "explain_tensor_parallel", "loss_collectives"]
 
 Direction = Literal["forward", "backward"]
-Origin = Literal["shard", "sync", "sequence_parallel", "implicit"]
+Origin = Literal["shard", "sync", "sequence_parallel", "implicit", "data_parallel", "pipeline", "loss"]
 
 _SIDE_OF_MODE = {"fwd_pre": "input", "fwd_post": "output", "bwd_post": "input grad"}
 
@@ -119,6 +128,13 @@ class ActivationShapes:
     #: Modules whose first input needs no gradient (raw model inputs, frozen producers):
     #: their input boundaries issue no backward collective.
     no_grad_inputs: frozenset[str] = frozenset()
+    #: Every tensor autograd saved for backward (parameters and buffers left out, a
+    #: storage counted once, where first saved), in order: ``(module path, bytes)``, the
+    #: path being the innermost module running when it was saved ("" for the root's
+    #: own code: the loss of a Hugging Face model called with labels).
+    saved: tuple[tuple[str, int], ...] = ()
+    #: Modules in the order their forward ran (first call each).
+    order: tuple[str, ...] = ()
 
     def bytes_of(self, boundary: Boundary, params: Mapping[str, ParamLayout]) -> int | None:
         """Bytes of the full tensor at ``boundary`` (``None`` when the shape is unknown)."""
@@ -170,7 +186,9 @@ class TensorParallelExplanation:
     def __str__(self) -> str:
         lines = [f"tensor parallel over mesh ({self.mesh}):"]
         per_rank, unsharded = format_bytes(self.rank_bytes), format_bytes(self.total_bytes)
-        lines.append(f"  parameter bytes per rank: {per_rank} (of {unsharded} unsharded)")
+        lines.append(f"  parameter bytes per rank: {per_rank} (of {unsharded} unsharded)"
+                     + ("; TP shards only: the memory table adds FSDP and stages"
+                        if self.rank_bytes != self.total_bytes else ""))
         for path, text, count in _fold((p, format_bytes(b)) for p, b in self.module_bytes.items()):
             lines.append(f"    {path or '<root>'}" + (f" ×{count}: {text} each" if count > 1 else f": {text}"))
         c = self.counts()
@@ -231,18 +249,82 @@ def _first_output(value: Any) -> torch.Tensor | None:
     return None
 
 
-def activation_shapes(module: nn.Module, inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> ActivationShapes:
+def _signature(m: nn.Module) -> tuple[Any, ...]:
+    """What makes two layers interchangeable for the fake run: type, and every
+    parameter's and buffer's name, shape and dtype."""
+    return (type(m), tuple((n, tuple(t.shape), t.dtype) for n, t in (*m.named_parameters(), *m.named_buffers())))
+
+
+def _repeated_layers(model: nn.Module) -> dict[str, int]:
+    """``{ModuleList path: length}`` of the lists of more than two identical layers (the
+    decoder layers of a transformer), outermost only."""
+    found: dict[str, int] = {}
+    for path, m in walk(model):
+        if not isinstance(m, nn.ModuleList) or len(m) <= 2 or any(path.startswith(f + ".") for f in found):
+            continue
+        kids = list(m)
+        first = _signature(kids[0])
+        if all(_signature(k) == first for k in kids[1:]):
+            found[path] = len(kids)
+    return found
+
+
+def _expand(path: str, lists: Mapping[str, int]) -> list[str]:
+    """The paths a record of the fake run stands for: a record under the second layer of
+    a shortened list stands for that layer and every one after it."""
+    for lst, n in lists.items():
+        prefix = f"{lst}.1" if lst else "1"
+        if path == prefix or path.startswith(prefix + "."):
+            rest = path[len(prefix):]
+            return [f"{lst}.{i}{rest}" if lst else f"{i}{rest}" for i in range(1, n)]
+    return [path]
+
+
+def activation_shapes(
+    module: nn.Module, inputs: Sequence[Any], kwargs: Mapping[str, Any], *, shorten: bool = True
+) -> ActivationShapes:
     """Run ``module`` (unsharded, any device, meta included) once under ``FakeTensorMode``
-    on inputs of the given shapes and record each module's first input and output, and
-    whether that input needs a gradient (with autograd on, as in training).
+    on inputs of the given shapes and record each module's first input and output,
+    whether that input needs a gradient (with autograd on, as in training), and every
+    tensor saved for backward.
 
     ``module`` is not touched: the run uses a private structural copy whose parameters
-    and buffers are fake tensors. Raises what the model's forward raises.
+    and buffers are fake tensors. With ``shorten``, a list of more than two identical
+    layers runs only its first two, and the second one's records stand for the rest
+    (the first may save what all share, e.g. rotary tables): 126 decoder layers cost
+    two. Raises what the model's forward raises.
     """
     model = private_copy(module, copy_data=False)
+    lists = _repeated_layers(model) if shorten else {}
+    for path in lists:
+        owner = get_module(model, path.rsplit(".", 1)[0]) if "." in path else model
+        name = path.rsplit(".", 1)[-1]
+        layers = [m for m in get_module(model, path)._modules.values() if m is not None]
+        owner._modules[name] = nn.ModuleList(layers[:2])
     ins: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     outs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     no_grad: set[str] = set()
+    running: list[str] = [""]
+    order: dict[str, None] = {}
+    saved: list[tuple[str, int]] = []
+    storages: set[StorageWeakRef] = set()
+
+    def enter(path: str) -> Any:
+        def push(_: nn.Module, __: tuple[Any, ...]) -> None:
+            running.append(path)
+            order.setdefault(path, None)
+
+        return push
+
+    def leave(_: nn.Module, __: tuple[Any, ...], ___: Any) -> None:
+        running.pop()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = StorageWeakRef(t.untyped_storage())
+        if key not in storages:
+            storages.add(key)
+            saved.append((running[-1], t.untyped_storage().nbytes()))
+        return t
 
     def hook(path: str) -> Any:
         def record(_: nn.Module, args: tuple[Any, ...], kw: dict[str, Any], output: Any) -> None:
@@ -259,6 +341,8 @@ def activation_shapes(module: nn.Module, inputs: Sequence[Any], kwargs: Mapping[
         return record
 
     for path, m in walk(model):
+        m.register_forward_pre_hook(enter(path))
+        m.register_forward_hook(leave)
         m.register_forward_hook(hook(path), with_kwargs=True)
     with FakeTensorMode(allow_non_fake_inputs=False):
 
@@ -269,13 +353,45 @@ def activation_shapes(module: nn.Module, inputs: Sequence[Any], kwargs: Mapping[
 
         state = {
             n: fake(t)
-            for n, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
+            for n, t in (*model.named_parameters(), *model.named_buffers())
         }
         args = [fake(a) for a in inputs]
         kw = {k: fake(v) for k, v in kwargs.items()}
-        with _reparametrize_module(model, state, tie_weights=True), torch.enable_grad():
+        storages.update(StorageWeakRef(t.untyped_storage()) for t in state.values() if isinstance(t, torch.Tensor))
+        with (_reparametrize_module(model, state, tie_weights=True), torch.enable_grad(), _unpacked_sequences(),
+              torch.autograd.graph.saved_tensors_hooks(pack, _unpack)):
             model(*args, **kw)
-    return ActivationShapes(ins, outs, frozenset(no_grad))
+    if not lists:
+        return ActivationShapes(ins, outs, frozenset(no_grad), tuple(saved), tuple(order))
+    return ActivationShapes(
+        {q: v for p, v in ins.items() for q in _expand(p, lists)},
+        {q: v for p, v in outs.items() for q in _expand(p, lists)},
+        frozenset(q for p in no_grad for q in _expand(p, lists)),
+        tuple((q, b) for p, b in saved for q in _expand(p, lists)),
+        tuple(q for p in order for q in _expand(p, lists)),
+    )
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@contextlib.contextmanager
+def _unpacked_sequences() -> Iterator[None]:
+    """While the fake run runs: Hugging Face's mask code treats fake tensors as tracing
+    and, unable to read position ids, assumes packed sequences and builds a 4-D mask
+    that the real run skips (and with it grouped-query SDPA, repeating K and V). The
+    example inputs hold one sequence per row, so say so: no packed sequences."""
+    module = sys.modules.get("transformers.masking_utils")
+    original = getattr(module, "find_packed_sequence_indices", None)
+    if module is None or original is None:
+        yield
+        return
+    module.find_packed_sequence_indices = lambda position_ids: None  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        module.find_packed_sequence_indices = original  # type: ignore[attr-defined]
 
 
 def _origin(sch: Schedule, b: Boundary) -> Origin:
@@ -320,7 +436,11 @@ def _plain(shape: tuple[int, ...], dtype: torch.dtype) -> str:
 
 
 def explain_tensor_parallel(
-    sch: Schedule, *inputs: Any, kwargs: Mapping[str, Any] | None = None
+    sch: Schedule,
+    *inputs: Any,
+    kwargs: Mapping[str, Any] | None = None,
+    shapes: ActivationShapes | None = None,
+    failed: str = "",
 ) -> TensorParallelExplanation:
     """Layouts, per-rank parameter bytes and per-boundary collectives of ``sch``.
 
@@ -335,15 +455,16 @@ def explain_tensor_parallel(
     module called once. Without example inputs every input boundary is assumed to need
     its gradient; with them, an input that needs none (a raw model input going straight
     into a column module) costs no backward collective, as in the real run.
+    ``shapes`` (with ``failed``, why it is missing) is the fake run of those inputs
+    when the caller already has it.
     """
     assert sch.mesh is not None, "explain_tensor_parallel needs a schedule with a mesh"
     dims = mesh_dims(sch.mesh)
     mesh = ", ".join(f"{n}={s}" for n, s in zip(dims, tuple(sch.mesh.shape), strict=True))
     params, per_module = parameter_layouts(sch)
     by_path = {p.path: p for p in params}
-    shapes: ActivationShapes | None = None
-    note = "" if inputs or kwargs else "no example inputs (pass explain(sch, *inputs))"
-    if inputs or kwargs:
+    note = failed or ("" if inputs or kwargs else "no example inputs (pass explain(sch, *inputs))")
+    if shapes is None and not failed and (inputs or kwargs):
         try:
             shapes = activation_shapes(sch.module, inputs, dict(kwargs or {}))
         except Exception as e:  # explain never fails for a model it cannot run fake
@@ -369,3 +490,132 @@ def explain_tensor_parallel(
         collectives=tuple(collectives),
         shapes_note=note,
     )
+
+
+# ----------------------------------------------------------------------------- data parallelism
+
+#: DDP's (and composable ``replicate``'s) gradient buckets: the first holds up to 1 MiB,
+#: the others up to 25 MiB (``bucket_cap_mb``), filled in reverse registration order.
+DDP_BUCKET_BYTES = (1 << 20, 25 << 20)
+
+
+def _unit_bytes(sch: Schedule, params: Sequence[tuple[str, nn.Parameter]], shards: int) -> int:
+    """Bytes of one FSDP unit's parameters after gathering over ``shards`` ranks: each
+    parameter's TP-local shape with dim 0 padded up to a multiple of ``shards``."""
+    layouts: dict[str, Layout] = sch.annotations.of_kind(LAYOUT)
+    total = 0
+    for name, p in params:
+        lay = layouts.get(name)
+        shape = list(lay.local_shape(tuple(p.shape)) if lay is not None else p.shape)
+        if shape:
+            shape[0] = -(-shape[0] // shards) * shards
+        total += _numel(shape) * p.element_size()
+    return total
+
+
+def _ddp_buckets(sizes: Sequence[int]) -> list[int]:
+    """Bucket sizes of gradients of ``sizes`` bytes (registration order) under DDP."""
+    buckets: list[int] = []
+    current = 0
+    for size in reversed(sizes):
+        current += size
+        if current >= DDP_BUCKET_BYTES[min(len(buckets), 1)]:
+            buckets.append(current)
+            current = 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def data_parallel_collectives(sch: Schedule) -> tuple[Collective, ...]:
+    """The collectives data parallelism issues in one step on one rank (one
+    microbatch's forward and backward), from the ``data_parallel`` annotation:
+
+    * FSDP2 (``fsdp``, and HSDP's shard axis): per unit (each block holding parameters,
+      then the root with the rest) one all-gather forward; one again in backward when
+      ``reshard_after_forward`` (the root too, as measured with torch 2.13); one
+      reduce-scatter of its gradients;
+    * HSDP: also one all-reduce per unit over the replicate axis (of the shard);
+    * DDP (``ddp``): one all-reduce per gradient bucket (:data:`DDP_BUCKET_BYTES`).
+
+    ``bytes`` is the full (gathered) tensor: the unit's parameters, TP-local, with dim 0
+    padded as FSDP2 pads it.
+
+    >>> import torch.nn as nn, slapo_fn as sf
+    >>> from slapo_fn.dtensor.testing import fake_world
+    >>> from torch.distributed.device_mesh import init_device_mesh
+    >>> model = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]))
+    >>> with fake_world(2):
+    ...     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    ...     sch = sf.data_parallel(sf.create_schedule(model, mesh=mesh))
+    ...     [(c.path, c.direction, c.op) for c in data_parallel_collectives(sch)]  # doctest: +NORMALIZE_WHITESPACE
+    [('1.0', 'forward', 'all_gather'), ('1.1', 'forward', 'all_gather'), ('', 'forward', 'all_gather'),
+     ('1.0', 'backward', 'all_gather'), ('1.0', 'backward', 'reduce_scatter'),
+     ('1.1', 'backward', 'all_gather'), ('1.1', 'backward', 'reduce_scatter'),
+     ('', 'backward', 'all_gather'), ('', 'backward', 'reduce_scatter')]
+    """
+    spec: DataParallelSpec | None = sch.annotations.get("", DATA_PARALLEL)
+    if spec is None or sch.mesh is None:
+        return ()
+    names = mesh_dims(sch.mesh)
+    sizes = dict(zip(names, (int(s) for s in sch.mesh.shape), strict=True))
+    named = [(n, p) for n, p in sch.module.named_parameters() if p.requires_grad]
+    if spec.mode == "ddp":
+        axis = spec.mesh_axes[-1]
+        grads = [_unit_bytes(sch, [(n, p)], 1) for n, p in named]
+        return tuple(Collective("", "grads", "backward", "all_reduce", "P", "R", axis, "data_parallel", b)
+                     for b in _ddp_buckets(grads))
+    shard_axis = spec.mesh_axes[-1]
+    replicate_axis = spec.mesh_axes[0] if spec.mode == "hsdp" else None
+    shards = sizes[shard_axis]
+    units: list[tuple[str, list[tuple[str, nn.Parameter]]]] = []
+    taken: set[str] = set()
+    for block in spec.blocks:
+        mine = [(n, p) for n, p in named if n.startswith(block + ".")]
+        if mine:
+            units.append((block, mine))
+            taken.update(n for n, _ in mine)
+    rest = [(n, p) for n, p in named if n not in taken]
+    units.append(("", rest))
+    out: list[Collective] = []
+    full = {path: _unit_bytes(sch, ps, shards) for path, ps in units}
+    for path, ps in units:
+        if ps:
+            out.append(Collective(path, "params", "forward", "all_gather", f"S(0)@{shard_axis}", "R", shard_axis,
+                                  "data_parallel", full[path]))
+    for path, ps in units:
+        if not ps:
+            continue
+        if spec.reshard_after_forward:
+            out.append(Collective(path, "params", "backward", "all_gather", "S(0)", "R", shard_axis,
+                                  "data_parallel", full[path]))
+        out.append(Collective(path, "grads", "backward", "reduce_scatter", "P", "S(0)", shard_axis,
+                              "data_parallel", full[path]))
+        if replicate_axis is not None:
+            out.append(Collective(path, "grads", "backward", "all_reduce", "P", "R", replicate_axis,
+                                  "data_parallel", full[path] // shards))
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------- the loss
+
+
+def loss_collectives(sch: Schedule, shapes: ActivationShapes | None) -> tuple[Collective, ...]:
+    """The loss's collectives: a vocab-parallel head whose logits stay sharded (a column
+    module with ``sync(…, "fwd_post", Shard(-1))``) needs the vocab-parallel loss
+    (:func:`slapo_fn.dtensor.loss.vocab_parallel_cross_entropy`): three all-reduces
+    forward (max, sum of exponentials, target logit) of one float32 per row, none
+    backward. ``bytes`` is ``None`` without example inputs; nothing for other heads (their
+    logits are gathered by a boundary listed with the tensor-parallel collectives)."""
+    out: list[Collective] = []
+    for path, role in sch.annotations.of_kind(ROLE).items():
+        syncs: tuple[SyncSpec, ...] = sch.annotations.get(path, SYNC, ())
+        kept = [s for s in syncs if s.mode == "fwd_post" and isinstance(s.layout, Shard) and s.layout.dim == -1]
+        if role.kind != "column" or not kept:
+            continue
+        entry = shapes.outputs.get(path) if shapes is not None else None
+        rows = None if entry is None else _numel(entry[0][:-1]) * _itemsize(torch.float32)
+        for what in ("max", "sum exp", "target logit"):
+            out.append(Collective(path, f"loss {what}", "forward", "all_reduce", "P", "R", role.mesh_axis,
+                                  "loss", rows))
+    return tuple(out)

@@ -19,15 +19,20 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import torch
+
+from ..dtensor.explain import ActivationShapes, Collective
 from ..render import format_bytes
 from ..schedule import Schedule
+from ..tree import join
 from .cut import PIPELINE_CUT, pp_size
 from .runner import stage_ranks
 from .split import split_stages
 
-__all__ = ["StageRow", "StageTable", "stage_table"]
+__all__ = ["StageRow", "StageTable", "pipeline_collectives", "stage_table"]
 
 
 @dataclass(frozen=True)
@@ -101,3 +106,34 @@ def stage_table(sch: object) -> StageTable:
             holders.setdefault(id(p), []).append((stage.index, name))
         rows.append(StageRow(stage.index, stage.layer_paths, count, nbytes, stage.pre, stage.post, ranks[stage.index]))
     return StageTable(tuple(rows), tuple(tuple(m) for m in holders.values() if len(m) > 1))
+
+
+def pipeline_collectives(sch: Schedule, shapes: ActivationShapes | None, microbatches: int) -> tuple[Collective, ...]:
+    """The point-to-point transfers of one step of ``pp`` rank 0 (the boundaries of its
+    stages with their neighbours): for each
+    microbatch, the activation sent forward over the ``pp`` axis and its gradient sent
+    back (each a ``send`` on one rank and a ``recv`` on the next; listed once, as
+    ``send_recv``). ``bytes`` is one microbatch's tensor at the boundary (the output of
+    the stage's last layer), ``None`` without example inputs."""
+    if not isinstance(sch, Schedule) or not sch.annotations.of_kind(PIPELINE_CUT):
+        return ()
+    stages = split_stages(sch)
+    micro = max(1, microbatches)
+    ranks = stage_ranks(len(stages), pp_size(sch) or len(stages))
+    out: list[Collective] = []
+    for st in stages[:-1]:
+        if 0 not in (ranks[st.index], ranks[st.index + 1]):
+            continue
+        last = join(st.sequence, st.layers[-1])
+        entry = shapes.outputs.get(last) if shapes is not None else None
+        nbytes = None if entry is None else math.prod(entry[0]) * _itemsize(entry[1]) // micro
+        for direction in ("forward", "backward"):
+            side = "output" if direction == "forward" else "output grad"
+            for _ in range(micro):
+                out.append(Collective(last, side, direction, "send_recv", f"stage {st.index}",  # type: ignore[arg-type]
+                                      f"stage {st.index + 1}", "pp", "pipeline", nbytes))
+    return tuple(out)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()

@@ -1,12 +1,14 @@
-"""The cost model that runs before any trial: per-rank memory from shapes alone.
+"""The cost model that runs before any trial: per-rank memory and step time from shapes.
 
 :func:`estimate` schedules the candidate with its recipe on the meta device over a fake
 process group of the space's world size (nothing is allocated, no process started) and
-adds up, for the most loaded rank:
+asks :func:`slapo_fn.explain` — the same figures ``slapo-fn explain`` prints — for the
+most loaded rank's memory and the step time on a hardware profile (``cpu`` by default):
 
 * parameters, gradients and AdamW state — :func:`slapo_fn.memory.per_rank_memory`
   (tensor-parallel shards, FSDP shards, one pipeline stage);
-* activations saved for backward — :func:`activation_bytes`, this formula (after
+* activations — :func:`slapo_fn.memory.activation_memory`, from a fake run; where
+  that run fails, activations saved for backward by :func:`activation_bytes`, this formula (after
   Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
   2022, counted in elements of the parameter dtype, ``e`` bytes each)::
 
@@ -41,10 +43,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..dtensor.testing import fake_world
+from ..explain import explain
+from ..hardware import HardwareProfile
 from ..hf import (
     CONFIG_HEAD_COUNT_ATTRS,
     FFN_SIZE_ATTRS,
@@ -98,6 +103,9 @@ class Estimate:
     grad_bytes: int
     optimizer_bytes: int
     activation_bytes: int
+    #: The estimated step time and tokens/s of the whole job (``None`` without a profile).
+    step_s: float | None = None
+    tokens_per_s: float | None = None
 
     @property
     def state_bytes(self) -> int:
@@ -151,22 +159,33 @@ def _mesh(config: Config) -> Any:
     return init_device_mesh("cpu", tuple(s for _, s in axes), mesh_dim_names=tuple(n for n, _ in axes))
 
 
-def estimate(config: Config, model: str | nn.Module, *, world_size: int, seq: int) -> Estimate:
+def estimate(config: Config, model: str | nn.Module, *, world_size: int, seq: int,
+             hardware: str | HardwareProfile | None = "cpu") -> Estimate:
     """Schedule ``config`` for the preset (or ``config.json``) ``model`` on a fake process
-    group and the meta device, and estimate the most loaded rank's memory (see the
-    module's docstring for the formula). Nothing is allocated and no process started.
-    ``model`` may also be that preset already built on the meta device (scheduling never
-    changes it), so that many configurations share one."""
+    group and the meta device, and estimate the most loaded rank's memory and, with a
+    ``hardware`` profile, the step time — both from :func:`slapo_fn.explain` (its fake
+    run of one data-parallel rank's batch gives the activations; the closed formula
+    :func:`activation_bytes` stands in where that run fails). Nothing is allocated and
+    no process started. ``model`` may also be that preset already built on the meta
+    device (scheduling never changes it), so that many configurations share one."""
     module = build_model(model, meta=True) if isinstance(model, str) else model
-    dp = config.num("dp")
+    dp, pp = config.num("dp"), config.num("pp")
     knobs = Knobs(tp=config.num("tp"), sequence_parallel=bool(config.get("sp")),
                   checkpoint=config.get("checkpoint"),  # type: ignore[arg-type]
-                  stages=config.num("pp"), dp_mode=config.get("dp_mode") if dp > 1 else None,  # type: ignore[arg-type]
+                  stages=pp, dp_mode=config.get("dp_mode") if dp > 1 else None,  # type: ignore[arg-type]
                   kernels=bool(config.get("kernels")), compile=bool(config.get("compile")))
+    micro = (config.num("microbatches") or 2 * pp) if pp > 1 else 1
+    kind = str(config.get("schedule") or "1f1b")
+    ids = torch.zeros((max(1, config.num("batch") // dp), seq), dtype=torch.long, device="meta")
     with fake_world(world_size):
         sch = for_model(module)(create_schedule(module, mesh=_mesh(config)), knobs)
-        table = per_rank_memory(sch)
+        info = explain(sch, ids, microbatches=micro, pipeline_schedule=kind, hardware=hardware)
+    table = info.memory if info.memory is not None else per_rank_memory(sch)
     row = max(table.rows, key=lambda r: r.total_bytes)
-    shape = ModelShape.of(config_of(module))
-    return Estimate(config, row.param_bytes, row.grad_bytes, row.optimizer_bytes,
-                    activation_bytes(config, shape, seq))
+    acts = row.activation_bytes
+    if acts is None:
+        acts = activation_bytes(config, ModelShape.of(config_of(module)), seq)
+    time = info.time
+    return Estimate(config, row.param_bytes, row.grad_bytes, row.optimizer_bytes, acts,
+                    step_s=None if time is None else time.step_s,
+                    tokens_per_s=None if time is None else time.tokens_per_s_per_rank * world_size)

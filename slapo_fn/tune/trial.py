@@ -57,6 +57,8 @@ class Trial:
     train_mem_bytes: int | None = None
     estimate_bytes: int | None = None
     seconds: float = 0.0
+    #: The cost model's tokens/s for this config (:func:`slapo_fn.tune.cost.estimate`).
+    estimate_tokens_per_s: float | None = None
     command: tuple[str, ...] = field(default=(), compare=False)
 
     @property
@@ -67,7 +69,8 @@ class Trial:
         return {"config": self.config.as_dict(), "status": self.status, "reason": self.reason,
                 "tokens_per_s": self.tokens_per_s, "step_tokens_per_s": list(self.step_tokens_per_s),
                 "peak_mem_bytes": self.peak_mem_bytes, "train_mem_bytes": self.train_mem_bytes,
-                "estimate_bytes": self.estimate_bytes, "seconds": round(self.seconds, 3),
+                "estimate_bytes": self.estimate_bytes, "estimate_tokens_per_s": self.estimate_tokens_per_s,
+                "seconds": round(self.seconds, 3),
                 "command": list(self.command)}
 
 
@@ -206,4 +209,4 @@ def run_trial(config: Config, fixed: Mapping[str, Any], folder: Path, *, timeout
     elif status == "ok" and not measured:
         status, reason = "crash", "exit 0 but no measured step (steps <= warmup?)"
     rate = statistics.median(measured) if status == "ok" else None
-    return Trial(config, status, reason, rate, measured, peak, grown, None, seconds, tuple(cmd))
+    return Trial(config, status, reason, rate, measured, peak, grown, None, seconds, command=tuple(cmd))

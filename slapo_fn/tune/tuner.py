@@ -4,9 +4,10 @@
 
 1. enumerates its valid points (a :class:`~slapo_fn.tune.space.NoValidPointError` names
    the constraints when there are none: nothing impossible is ever run);
-2. estimates each one's per-rank memory (:func:`~slapo_fn.tune.cost.estimate`, fake
-   process group, meta device) and records those over ``memory_budget`` as ``pruned``
-   without running them (a :class:`NoValidPointError` again when none fits);
+2. estimates each one's per-rank memory and step time (:func:`~slapo_fn.tune.cost.estimate`,
+   fake process group, meta device, the CPU hardware profile), records those over
+   ``memory_budget`` as ``pruned`` without running them (a :class:`NoValidPointError`
+   again when none fits) and orders the rest by estimated tokens/s, fastest first;
 3. asks the strategy for candidates and runs each as a trial
    (:func:`~slapo_fn.tune.trial.run_trial`), until the candidates, ``max_trials`` or
    ``time_budget`` seconds run out, or the best has not improved for ``patience`` trials.
@@ -121,6 +122,9 @@ def tune(space: Space, *, strategy: Strategy | None = None, memory_budget: int |
             trials.append(Trial(config, "pruned", reason, estimate_bytes=est.total_bytes))
         else:
             candidates.append(config)
+    # the same estimate as explain's ranks them: the fastest predicted first (a grid runs
+    # them in this order; a sampling strategy starts from it)
+    candidates.sort(key=lambda c: -(estimates[c].tokens_per_s or 0.0) if c in estimates else 0.0)
     if not candidates:
         smallest = min(trials, key=lambda t: t.estimate_bytes or 0)
         raise NoValidPointError("tune", [Problem("memory", f"none of the {len(points)} valid points fits the budget "
@@ -159,7 +163,7 @@ def tune(space: Space, *, strategy: Strategy | None = None, memory_budget: int |
         trial_s += time.monotonic() - started
         est = estimates.get(config)
         if est is not None:
-            trial = dataclasses.replace(trial, estimate_bytes=est.total_bytes)
+            trial = dataclasses.replace(trial, estimate_bytes=est.total_bytes, estimate_tokens_per_s=est.tokens_per_s)
         sampler.tell(config, trial.tokens_per_s if trial.ok else None)
         trials.append(trial)
         ran += 1
