@@ -422,6 +422,50 @@ def mixes_tokens(module: nn.Module) -> bool:
     return any(isinstance(own.get(a), int) for a in (*HEAD_COUNT_ATTRS, *HEAD_DIM_ATTRS))
 
 
+def evenly_routed_experts(model: nn.Module) -> list[str]:
+    """On a private copy of a model, for a run on fake tensors (explain's): give each
+    Hugging Face fused experts module a forward in which every expert takes an even share,
+    ⌈T·k/E⌉, of the tokens — the shapes, FLOPs and saved tensors of evenly routed experts
+    — since the real forwards index tokens by routing data (``nonzero``), which a fake
+    run cannot, and ``grouped_mm``'s fake rule accepts only bfloat16. Modules with biases
+    or transposed matrices keep their own forward. Returns the paths given one.
+
+    >>> import torch.nn as nn
+    >>> evenly_routed_experts(nn.Linear(2, 2))
+    []
+    """
+    changed = []
+    for path, m in walk(model):
+        if not hasattr(type(m), "_apply_gate"):  # transformers' experts classes (use_experts_implementation)
+            continue
+        own = vars(m)
+        if own.get("has_bias") or own.get("is_transposed") or not own.get("has_gate", True):
+            continue
+        if not all(isinstance(m._parameters.get(n), torch.Tensor) for n in ("gate_up_proj", "down_proj")):
+            continue
+        m.forward = _evenly_routed(m)
+        changed.append(path)
+    return changed
+
+
+def _evenly_routed(module: nn.Module) -> Any:
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        gate_up, down = module._parameters["gate_up_proj"], module._parameters["down_proj"]  # the run's own
+        act = module._modules["act_fn"]
+        assert gate_up is not None and down is not None and act is not None
+        tokens, experts, k = int(hidden_states.shape[0]), int(gate_up.shape[0]), int(top_k_index.shape[-1])
+        share = max(1, min(tokens, -(-tokens * k // experts)))
+        rows, weight = hidden_states[:share], top_k_weights[:share, :1].to(hidden_states.dtype)
+        out = torch.zeros_like(hidden_states)
+        for e in range(experts):
+            gate, up = torch.nn.functional.linear(rows, gate_up[e]).chunk(2, dim=-1)
+            y = torch.nn.functional.linear(act(gate) * up, down[e]) * weight
+            out = out + torch.nn.functional.pad(y, (0, 0, 0, tokens - share))
+        return out
+
+    return forward
+
+
 def head_dim_of(module: nn.Module, names: Sequence[str] = HEAD_DIM_ATTRS) -> int | None:
     """The size of one attention head of a Hugging Face attention ``module``: the first of
     the attributes ``names`` (default :data:`HEAD_DIM_ATTRS`) it has as a positive int;

@@ -51,10 +51,12 @@ from torch.distributed.tensor import Shard
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils.stateless import _reparametrize_module
 
+from ..hf import EXPERTS_PER_TOKEN_ATTRS, config_of, config_value, evenly_routed_experts
 from ..render import format_bytes, format_param
 from ..schedule import Schedule
 from ..tree import get_module, join, private_copy, walk
 from .data_parallel import DATA_PARALLEL, DataParallelSpec
+from .experts import EXPERTS
 from .layout import Layout
 from .plan import Boundary, plan
 from .sequence import SEQ
@@ -295,6 +297,7 @@ def activation_shapes(
     two. Raises what the model's forward raises.
     """
     model = private_copy(module, copy_data=False)
+    evenly_routed_experts(model)  # routing by data (nonzero) cannot run on fake tensors
     lists = _repeated_layers(model) if shorten else {}
     for path in lists:
         owner = get_module(model, path.rsplit(".", 1)[0]) if "." in path else model
@@ -473,6 +476,8 @@ def explain_tensor_parallel(
     for b in plan(sch).boundaries:
         origin = _origin(sch, b)
         size = shapes.bytes_of(b, by_path) if shapes is not None else None
+        if shapes is not None and b.tensor in ("dispatch", "combine", "counts"):
+            size = _expert_bytes(sch, b, shapes)
         if shapes is not None and size is None and not note:
             note = f"no activation recorded for {b.path!r} (not called by the example inputs)"
         no_grad = shapes is not None and b.tensor == "input" and b.path in shapes.no_grad_inputs
@@ -490,6 +495,21 @@ def explain_tensor_parallel(
         collectives=tuple(collectives),
         shapes_note=note,
     )
+
+
+def _expert_bytes(sch: Schedule, b: Boundary, shapes: ActivationShapes) -> int | None:
+    """Bytes of an expert-parallel block's exchanges, evenly routed: its pair counts
+    ([ep, E] integers, all-gathered) and its token-expert pairs (T·k rows of the hidden
+    size, dispatched and combined by all-to-all), k being the config's experts per token."""
+    entry = shapes.inputs.get(b.path)
+    spec = sch.annotations.get(b.path, EXPERTS)
+    if entry is None or spec is None or sch.mesh is None:
+        return None
+    if b.tensor == "counts":
+        return int(sch.mesh.size(mesh_dims(sch.mesh).index(b.mesh_axis))) * spec.num_experts * 8
+    top_k = config_value(config_of(sch.module), *EXPERTS_PER_TOKEN_ATTRS, default=1)
+    shape, dtype = entry
+    return _numel(shape) * int(top_k) * _itemsize(dtype)
 
 
 # ----------------------------------------------------------------------------- data parallelism

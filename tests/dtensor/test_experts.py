@@ -613,3 +613,29 @@ def test_expert_costs_for_explain() -> None:
     assert skewed.all_to_all_bytes == costs.all_to_all_bytes * 3 // 2
     assert expert_costs(sch, tokens=64, top_k=2, dtype=torch.bfloat16).all_to_all_bytes == costs.all_to_all_bytes // 2
     assert costs.blocks == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
+
+
+def test_explain_sizes_the_expert_exchanges_and_runs_the_experts_fake() -> None:
+    """explain's fake run routes evenly (the real experts index tokens by routing data,
+    which fake tensors cannot): activations are counted, the pairs dispatched and combined
+    are T·k rows of the hidden size (the full tensor; each rank sends (ep−1)/ep² of it, as
+    expert_costs says), the counts are [ep, E] integers, and the expert parameters are
+    split over ep in the memory table."""
+    model = tiny_mixtral()
+    sch = sf.expert_parallel(sf.create_schedule(model, mesh=fake_mesh(2, names=("ep",))), "model.layers.*.mlp")
+    ids = torch.randint(0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    info = sf.explain(sch, ids)
+    text = str(info)
+    assert "fake run failed" not in text and "activations" in text
+    sizes = {(c.side, c.direction, c.op): c.bytes for c in info.tensor_parallel.collectives
+             if c.path == "model.layers.0.mlp.experts"}
+    hidden, pairs = model.config.hidden_size, 4 * 16 * model.config.num_experts_per_tok
+    assert sizes[("dispatch", "forward", "all_to_all")] == pairs * hidden * 4
+    assert sizes[("combine", "backward", "all_to_all")] == pairs * hidden * 4
+    assert sizes[("counts", "forward", "all_gather")] == 2 * 4 * 8
+    costs = expert_costs(sch, tokens=4 * 16)
+    per_exchange = costs.all_to_all_bytes // costs.all_to_all_count  # what leaves one rank, one all-to-all
+    assert per_exchange == pairs * hidden * 4 * (2 - 1) // 2**2
+    assert "fake run failed" not in str(sf.explain(sf.create_schedule(model), ids))  # unsharded: the same
+    for path, _ in model.named_modules():  # the user's model is untouched by the stand-in forward
+        assert "forward" not in vars(model.get_submodule(path))
