@@ -274,10 +274,11 @@ def activation_memory(
     activation_shapes`, run on one data-parallel rank's batch) and the schedule:
 
     * each saved tensor scaled by its share on one rank (:func:`_factors`: TP, SP);
-    * checkpointed modules keep only their first input; in backward one of them is
-      recomputed at a time (full or selective policies alike: selective ones are
-      counted as full recomputation, an upper bound of their peak), beside the
-      gradients of its output and input and one as large as its largest saved tensor;
+    * fully checkpointed modules keep only their first input; in backward one of them
+      is recomputed at a time, beside the gradients of its output and input and one as
+      large as its largest saved tensor. A selective policy (``policy=``) keeps what it
+      saves, which the fake run does not tell apart: its modules are counted as not
+      checkpointed, an upper bound ("will it fit" errs on the safe side);
     * a pipeline runs ``microbatches`` of ``batch / microbatches``; stage ``i`` on
       ``pp`` rank ``r`` holds ``min(pp - r, microbatches)`` of them under 1F1B (and
       the interleaved and zero-bubble schedules, approximated so), all of them under
@@ -295,7 +296,9 @@ def activation_memory(
     192
     """
     factor = _factors(sch)
-    ckpts = tuple(sorted(sch.annotations.of_kind(CHECKPOINT)))
+    every_ckpt = sch.annotations.of_kind(CHECKPOINT)
+    ckpts = tuple(sorted(p for p, spec in every_ckpt.items() if spec.context_fn() is None))  # full ones
+    selective = len(every_ckpt) - len(ckpts)
     stages = split_stages(sch) if sch.annotations.of_kind(PIPELINE_CUT) else ()
     layer_stage: dict[str, int] = {}
     for each in stages:
@@ -377,5 +380,7 @@ def activation_memory(
     per_mb = "" if not stages else f", {micro} microbatches ({pipeline_schedule}) of 1/{micro} of it"
     mp = "" if scale == 1.0 else f", activations in {spec.param_dtype}"  # type: ignore[union-attr]
     note = (f"for the example inputs{per_mb}{mp}; checkpointed modules keep their input"
-            + (", one recomputed at a time" if ckpts else "") + "; logits and their gradient at the loss")
+            + (", one recomputed at a time" if ckpts else "")
+            + (f"; {selective} selectively checkpointed modules counted as not checkpointed (an upper bound)"
+               if selective else "") + "; logits and their gradient at the loss")
     return ActivationTable(tuple(rows), note)
