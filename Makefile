@@ -56,6 +56,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/tp_overhead.py
 	$(BIN)/python benchmarks/pipeline.py
 	$(BIN)/python benchmarks/recipe_speed.py
+	$(BIN)/python benchmarks/moe.py
+	$(BIN)/python benchmarks/explain_scale.py
 
 clean:
 	rm -rf $(VENV) $(DEMO) *.egg-info .pytest_cache .mypy_cache .ruff_cache
