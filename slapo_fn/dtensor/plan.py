@@ -668,6 +668,9 @@ def _attention_on_sequence_shards(sch: Schedule) -> list[Problem]:
     roles = sch.annotations.of_kind(ROLE)
     problems = []
     for member, spec in sch.annotations.of_kind(SEQ).items():
+        if not any(r.mesh_axis == spec.mesh_axis and r.kind == "column" and (q == member or contains(member, q))
+                   for q, r in roles.items()):
+            continue  # nothing in it gathers the sequence: _ungathered_chain_members names the member
         for path, module in walk(get_module(sch.module, member), member):
             if not mixes_tokens(module):
                 continue
