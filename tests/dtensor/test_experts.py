@@ -301,8 +301,10 @@ def _attention_tp(sch: sf.Schedule) -> sf.Schedule:
     )(sch)
 
 
-def _composed(rank: int, world: int, kind: str) -> dict[str, Any]:
-    model = tiny_mixtral()
+def _composed(rank: int, world: int, kind: str, family: str = "mixtral") -> dict[str, Any]:
+    model = tiny_mixtral() if family == "mixtral" else tiny_qwen2_moe()
+    # CommDebugMode's module tracker miscounts Qwen2-MoE's shared expert (its input is a view)
+    tracker = CommDebugMode if family == "mixtral" else CountCollectives
     if kind in ("ep_tp", "ep_etp"):  # attention tensor-parallel over tp, experts over ep (and split over tp)
         sch = sf.create_schedule(model, mesh=mesh((2, 2), ("ep", "tp")))
         sch = sf.expert_parallel(_attention_tp(sch), "model.layers.*.mlp", mesh_axis="ep")
@@ -324,9 +326,9 @@ def _composed(rank: int, world: int, kind: str) -> dict[str, Any]:
         mine = batches[m.get_local_rank(0)]
     built, ref = sf.build(sch), sf.build(sf.create_schedule(model))
     x = mine if kind == "dp_ep" else batches[0]
-    with CommDebugMode() as fwd:
+    with tracker() as fwd:
         o = built(x, labels=x, output_router_logits=True)
-    with CommDebugMode() as bwd:
+    with tracker() as bwd:
         o.loss.backward()
     r = ref(x, labels=x, output_router_logits=True)
     torch.testing.assert_close(o.logits, r.logits, atol=1e-5, rtol=1e-5)
@@ -344,8 +346,10 @@ def _composed(rank: int, world: int, kind: str) -> dict[str, Any]:
     opt, opt_ref = torch.optim.AdamW(built.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt.step()
     opt_ref.step()
+    # AdamW's first step is g/(|g|+eps) per element: a gradient element near eps (1e-8) moves by a
+    # visible part of lr (1e-3) when summed in another order; 5e-5 is 5% of a step
     for name, p in built.named_parameters():
-        torch.testing.assert_close(full(p.detach()), ref_params[name].detach(), atol=1e-5, rtol=1e-4,
+        torch.testing.assert_close(full(p.detach()), ref_params[name].detach(), atol=5e-5, rtol=1e-4,
                                    msg=lambda s, n=name: f"after a step, {n}: {s}")
     return {"fwd": counts(fwd), "bwd": counts(bwd), "predicted": plan(sch).counts(), "placements": placements}
 
@@ -400,6 +404,18 @@ def test_fsdp2_over_dp_with_ep2_on_four_ranks(dist4) -> None:
         # experts: E/ep along dim 0 on ep, then FSDP2 shards those along dp
         assert r["placements"]["model.layers.0.mlp.experts.gate_up_proj"] == ("_S(0, 2)", "S(0)")
         assert r["placements"]["model.layers.0.mlp.gate.weight"] == ("S(0)", "R")
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ep_tp", "dp_ep"])
+def test_qwen2_moe_composes_on_four_ranks(dist4, kind: str) -> None:
+    """Qwen2-MoE (a shared expert beside the routed ones) at tp2 attention × ep2 and at
+    FSDP2 dp2 × ep2: forward, loss with the aux loss, every gradient and one AdamW step
+    equal the single-process model (checked inside _composed), with the experts' all-to-alls."""
+    for r in dist4.run(_composed, kind, "qwen2_moe", timeout=240):
+        assert r["fwd"]["all_to_all_single"] == 4 and r["bwd"]["all_to_all_single"] == 4, r
+        assert r["placements"]["model.layers.0.mlp.shared_expert.gate_proj.weight"][-1] == "R"
 
 
 def _pipelined(rank: int, world: int) -> dict[str, Any]:
