@@ -26,6 +26,7 @@ from .dtensor.explain import (
     explain_tensor_parallel,
     loss_collectives,
 )
+from .errors import Problem, ScheduleError
 from .hardware import HardwareProfile, StepTime, estimate_step, load_profile
 from .hf import CONFIG_HEAD_COUNT_ATTRS, HIDDEN_SIZE_ATTRS, LAYER_COUNT_ATTRS, config_of, config_value
 from .memory import MemoryTable, activation_memory, per_rank_memory
@@ -189,6 +190,7 @@ def explain(
     microbatches: int = 1,
     pipeline_schedule: str = "1f1b",
     hardware: HardwareProfile | str | None = None,
+    expert_imbalance: float = 1.0,
 ) -> Explanation:
     """Explain ``sch``: the folded tree, parameter counts and bytes per module (tied
     parameters counted once), annotations and the rewrite history; with a mesh, the
@@ -200,13 +202,19 @@ def explain(
     table adds activations (:func:`slapo_fn.memory.activation_memory`; a pipeline runs
     ``microbatches`` of them with ``pipeline_schedule``). With a ``hardware`` profile
     (:func:`slapo_fn.hardware.load_profile`: "h100", "cpu", … or a TOML path) and inputs,
-    ``.time`` estimates the step (:func:`step_time`).
+    ``.time`` estimates the step (:func:`step_time`). ``expert_imbalance`` (≥ 1) scales
+    the all-to-all bytes of expert-parallel blocks, sized for even routing, by the busiest
+    rank's excess.
 
     >>> import torch.nn as nn, slapo_fn as sf
     >>> sch = sf.checkpoint(sf.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))), "0")
     >>> sf.explain(sch).total_parameters
     40
     """
+    if isinstance(expert_imbalance, bool) or not (isinstance(expert_imbalance, int | float)
+                                                  and expert_imbalance >= 1):
+        raise ScheduleError("explain", [Problem("expert_imbalance", f"must be a number >= 1, got {expert_imbalance!r}",
+                                                "1.0 for even routing, e.g. 1.5 for a busiest rank 50% over")])
     shapes: ActivationShapes | None = None
     note = ""
     if inputs or kwargs:
@@ -232,7 +240,7 @@ def explain(
             for k, v in sch.annotations.get(path, {}).items()
         )
         rows.append(ModuleRow(path, type(m).__name__, count, nbytes, notes))
-    tp = _tensor_parallel(sch, inputs, kwargs, shapes, note)
+    tp = _tensor_parallel(sch, inputs, kwargs, shapes, note, expert_imbalance)
     memory = _memory(sch, shapes, microbatches, pipeline_schedule)
     if note:
         memory = dataclasses.replace(memory, activation_note=note)
@@ -284,11 +292,12 @@ def _assumed(inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None) -> str:
 
 def _tensor_parallel(
     sch: Schedule, inputs: tuple[Any, ...], kwargs: Mapping[str, Any] | None, shapes: ActivationShapes | None,
-    note: str,
+    note: str, expert_imbalance: float = 1.0,
 ) -> TensorParallelExplanation | None:
     if sch.mesh is None:
         return None
-    return explain_tensor_parallel(sch, *inputs, kwargs=kwargs, shapes=shapes, failed=note)
+    return explain_tensor_parallel(sch, *inputs, kwargs=kwargs, shapes=shapes, failed=note,
+                                   expert_imbalance=expert_imbalance)
 
 
 def _memory(sch: Schedule, shapes: ActivationShapes | None, microbatches: int, kind: str) -> MemoryTable:

@@ -39,6 +39,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -444,6 +445,7 @@ def explain_tensor_parallel(
     kwargs: Mapping[str, Any] | None = None,
     shapes: ActivationShapes | None = None,
     failed: str = "",
+    expert_imbalance: float = 1.0,
 ) -> TensorParallelExplanation:
     """Layouts, per-rank parameter bytes and per-boundary collectives of ``sch``.
 
@@ -477,7 +479,7 @@ def explain_tensor_parallel(
         origin = _origin(sch, b)
         size = shapes.bytes_of(b, by_path) if shapes is not None else None
         if shapes is not None and b.tensor in ("dispatch", "combine", "counts"):
-            size = _expert_bytes(sch, b, shapes)
+            size = _expert_bytes(sch, b, shapes, expert_imbalance)
         if shapes is not None and size is None and not note:
             note = f"no activation recorded for {b.path!r} (not called by the example inputs)"
         no_grad = shapes is not None and b.tensor == "input" and b.path in shapes.no_grad_inputs
@@ -497,10 +499,11 @@ def explain_tensor_parallel(
     )
 
 
-def _expert_bytes(sch: Schedule, b: Boundary, shapes: ActivationShapes) -> int | None:
-    """Bytes of an expert-parallel block's exchanges, evenly routed: its pair counts
-    ([ep, E] integers, all-gathered) and its token-expert pairs (T·k rows of the hidden
-    size, dispatched and combined by all-to-all), k being the config's experts per token."""
+def _expert_bytes(sch: Schedule, b: Boundary, shapes: ActivationShapes, imbalance: float = 1.0) -> int | None:
+    """Bytes of an expert-parallel block's exchanges: its pair counts ([ep, E] integers,
+    all-gathered) and its token-expert pairs (T·k rows of the hidden size, dispatched and
+    combined by all-to-all; k the config's experts per token), evenly routed times
+    ``imbalance``, the busiest rank's excess."""
     entry = shapes.inputs.get(b.path)
     spec = sch.annotations.get(b.path, EXPERTS)
     if entry is None or spec is None or sch.mesh is None:
@@ -509,7 +512,7 @@ def _expert_bytes(sch: Schedule, b: Boundary, shapes: ActivationShapes) -> int |
         return int(sch.mesh.size(mesh_dims(sch.mesh).index(b.mesh_axis))) * spec.num_experts * 8
     top_k = config_value(config_of(sch.module), *EXPERTS_PER_TOKEN_ATTRS, default=1)
     shape, dtype = entry
-    return _numel(shape) * int(top_k) * _itemsize(dtype)
+    return math.ceil(_numel(shape) * int(top_k) * _itemsize(dtype) * imbalance)
 
 
 # ----------------------------------------------------------------------------- data parallelism

@@ -652,6 +652,12 @@ def test_explain_sizes_the_expert_exchanges_and_runs_the_experts_fake() -> None:
     costs = expert_costs(sch, tokens=4 * 16)
     per_exchange = costs.all_to_all_bytes // costs.all_to_all_count  # what leaves one rank, one all-to-all
     assert per_exchange == pairs * hidden * 4 * (2 - 1) // 2**2
+    skewed = sf.explain(sch, ids, expert_imbalance=1.5).tensor_parallel
+    assert skewed is not None
+    assert {c.bytes for c in skewed.collectives if c.side in ("dispatch", "combine")} == {pairs * hidden * 4 * 3 // 2}
+    assert expert_costs(sch, tokens=4 * 16, imbalance=1.5).all_to_all_bytes == costs.all_to_all_bytes * 3 // 2
+    with pytest.raises(sf.ScheduleError, match="expert_imbalance': must be a number >= 1, got 0.5"):
+        sf.explain(sch, ids, expert_imbalance=0.5)
     assert "fake run failed" not in str(sf.explain(sf.create_schedule(model), ids))  # unsharded: the same
     for path, _ in model.named_modules():  # the user's model is untouched by the stand-in forward
         assert "forward" not in vars(model.get_submodule(path))
