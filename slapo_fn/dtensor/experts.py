@@ -53,7 +53,6 @@ import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.nn.utils.stateless import _reparametrize_module
@@ -64,6 +63,7 @@ from ..hf import EXPERTS_PER_TOKEN_ATTRS, config_of, config_value, experts_trans
 from ..schedule import Key, Schedule
 from ..select import Selection
 from ..tree import get_module, join
+from .collectives import Axis, _all_gather, _all_reduce, _wait, gather, reduce
 from .layout import Layout, describe, packed_shard
 from .shard import LAYOUT, ROLE, _layout, _problem_mesh, mesh_dims
 
@@ -80,7 +80,6 @@ __all__ = [
 
 EXPERTS: Key[Experts] = Key("experts")
 
-Axis = tuple[DeviceMesh, int]
 
 
 @dataclass(frozen=True)
@@ -411,22 +410,9 @@ def expert_tensor_parallel(sch: Schedule, where: Selection, *, mesh_axis: str = 
 # ----------------------------------------------------------------------------- collectives
 
 
-# torch >= 2.10 names it all_gather_single (all_gather_tensor is a deprecated alias)
-_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-
-
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    return funcol.wait_tensor(t) if isinstance(t, funcol.AsyncCollectiveTensor) else t
-
-
 @torch.no_grad()
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], axis: Axis) -> torch.Tensor:
     return _wait(funcol.all_to_all_single(x.contiguous(), out_splits, in_splits, axis))
-
-
-@torch.no_grad()
-def _all_gather_rows(x: torch.Tensor, axis: Axis) -> torch.Tensor:
-    return _wait(_gather_single(x.contiguous(), 0, axis))
 
 
 # Every Function has ``setup_context`` and saves plain Python values (see collectives.py).
@@ -483,51 +469,11 @@ class _SplitTokens(torch.autograd.Function):
         gx = torch.zeros((rows, *sx[1:]), dtype=dx, device=ctx.device) if gx is None else gx
         gw = torch.zeros((rows, *sw[1:]), dtype=dw, device=ctx.device) if gw is None else gw
         bx, bw = _as_bytes(gx, rows), _as_bytes(gw, rows)
-        full = _all_gather_rows(torch.cat([bx, bw], dim=1), ctx.axis)
+        full = _all_gather(torch.cat([bx, bw], dim=1), 0, ctx.axis)
         n = full.shape[0]
         fx = full[:, : bx.shape[1]].contiguous().view(dx).view(n, *sx[1:])
         fw = full[:, bx.shape[1] :].contiguous().view(dw).view(n, *sw[1:])
         return fx, fw, None, None
-
-
-class _GatherRows(torch.autograd.Function):
-    """All-gather of row slices forward; this rank's slice of the (replicated) gradient backward."""
-
-    @staticmethod
-    def forward(y: torch.Tensor, axis: Axis) -> torch.Tensor:  # type: ignore[override]
-        return _all_gather_rows(y, axis)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        y, ctx.axis = inputs
-        ctx.rows = y.shape[0]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        mesh, dim = ctx.axis
-        lo = mesh.get_local_rank(dim) * ctx.rows
-        return grad[lo : lo + ctx.rows].contiguous(), None
-
-
-@torch.no_grad()
-def _all_reduce(t: torch.Tensor, axis: Axis) -> torch.Tensor:
-    return _wait(funcol.all_reduce(t.contiguous(), "sum", axis))
-
-
-class _AllReduce(torch.autograd.Function):
-    """Partial sums made whole: all-reduce forward, identity backward."""
-
-    @staticmethod
-    def forward(y: torch.Tensor, axis: Axis) -> torch.Tensor:  # type: ignore[override]
-        return _all_reduce(y, axis)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        pass
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return grad, None
 
 
 class _EnterBoth(torch.autograd.Function):
@@ -587,7 +533,7 @@ def _routes(mine: torch.Tensor, spec: Experts, axis: Axis, capacity: int | None)
     e = spec.num_experts
     flat = mine.reshape(-1).long()
     onehot = F.one_hot(flat, e + 1)[:, :e]
-    counts = _all_gather_rows(onehot.sum(0)[None], axis)  # [source rank, expert]
+    counts = _all_gather(onehot.sum(0)[None], 0, axis)  # [source rank, expert]
     if capacity is not None:
         before = counts.cumsum(0) - counts  # pairs of the ranks before, per expert
         seen = (onehot.cumsum(0) * onehot).sum(1) + before[rank].gather(0, flat.clamp(max=e - 1))
@@ -627,7 +573,7 @@ def experts_forward(
                         top_k_weights: torch.Tensor) -> torch.Tensor:
         assert tp is not None
         x, w = _EnterBoth.apply(hidden_states, top_k_weights, tp)
-        return _AllReduce.apply(compute(x, top_k_index, w), tp)  # type: ignore[no-any-return]
+        return reduce(compute(x, top_k_index, w), tp)
 
     if ep is None:
         return tensor_parallel
@@ -661,8 +607,8 @@ def experts_forward(
         mine = mine.index_copy(0, routes.order, pairs)
         out = mine.view(rows, top_k, -1).sum(1).to(x.dtype)
         if tp is not None:
-            out = _AllReduce.apply(out, tp)
-        return _GatherRows.apply(out, ep)[:tokens].reshape(shape)  # type: ignore[no-any-return]
+            out = reduce(out, tp)
+        return gather(out, 0, ep)[:tokens].reshape(shape)
 
     return run
 
