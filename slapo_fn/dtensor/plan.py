@@ -33,7 +33,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -475,22 +475,28 @@ def _first_consumer(
     """Of the modules that run after ``path`` (its later siblings, then its ancestors'),
     the first that would take its token-sharded output wrongly, with why; ``None`` if a
     ``fwd_pre`` sync gathers it back first or nothing with parameters follows."""
+    for q in _later_modules(sch.module, path):
+        if gathers_back(q, axis):
+            return None
+        if in_chain(q, axis):
+            chain = sch.annotations.get(q, SEQ)
+            if chain is not None and chain.sharded_input:
+                return None  # the chain was told its input arrives split
+            return q, ("a sequence_parallel chain splits its input itself: it would be split twice (state "
+                       "sf.sequence_parallel(..., input_layout=Shard(1)) if the split is meant)")
+        if _has_params(get_module(sch.module, q)):
+            return q, "its parameters' gradients would be partial sums taken for whole ones"
+    return None
+
+
+def _later_modules(root: nn.Module, path: str) -> Iterator[str]:
+    """The modules that run after ``path`` in module order: its later siblings, then its
+    parent's later siblings, and so on up to the root's children."""
     tokens = split(path)
     for depth in range(len(tokens), 0, -1):
         here = ".".join(tokens[:depth])
-        siblings = _siblings(sch.module, here)
-        for q in siblings[siblings.index(here) + 1 :]:
-            if gathers_back(q, axis):
-                return None
-            if in_chain(q, axis):
-                chain = sch.annotations.get(q, SEQ)
-                if chain is not None and chain.sharded_input:
-                    return None  # the chain was told its input arrives split
-                return q, ("a sequence_parallel chain splits its input itself: it would be split twice (state "
-                           "sf.sequence_parallel(..., input_layout=Shard(1)) if the split is meant)")
-            if _has_params(get_module(sch.module, q)):
-                return q, "its parameters' gradients would be partial sums taken for whole ones"
-    return None
+        siblings = _siblings(root, here)
+        yield from siblings[siblings.index(here) + 1 :]
 
 
 def _half_sharded_ties(sch: Schedule) -> list[Problem]:
@@ -574,18 +580,14 @@ def _next_outside_chain(sch: Schedule, member: str, members: list[str], axis: st
     ancestors') before the chain goes on, or ``None`` (the next member comes first, or a
     ``fwd_pre`` sync gathers the sequence back)."""
     syncs = sch.annotations.of_kind(SYNC)
-    tokens = split(member)
-    for depth in range(len(tokens), 0, -1):
-        here = ".".join(tokens[:depth])
-        siblings = _siblings(sch.module, here)
-        for q in siblings[siblings.index(here) + 1 :]:
-            if any(r == q or contains(r, q) for r in members):
-                return None
-            if any(s.mode == "fwd_pre" and s.mesh_axis == axis and isinstance(s.layout, Replicate)
-                   for s in syncs.get(q, ())):
-                return None
-            if _has_params(get_module(sch.module, q)):
-                return q
+    for q in _later_modules(sch.module, member):
+        if any(r == q or contains(r, q) for r in members):
+            return None
+        if any(s.mode == "fwd_pre" and s.mesh_axis == axis and isinstance(s.layout, Replicate)
+               for s in syncs.get(q, ())):
+            return None
+        if _has_params(get_module(sch.module, q)):
+            return q
     return None
 
 
@@ -603,7 +605,8 @@ def _packed_outputs_read_whole(sch: Schedule, p: Plan) -> list[Problem]:
             continue
         width = _out_features(get_module(sch.module, path))
         if mp.partnered:
-            for q in _siblings(sch.module, path)[_siblings(sch.module, path).index(path) + 1:]:
+            siblings = _siblings(sch.module, path)
+            for q in siblings[siblings.index(path) + 1 :]:
                 other = p.modules.get(q)
                 if other is None or other.role is None or other.role.kind != "row":
                     continue
