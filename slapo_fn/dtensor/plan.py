@@ -46,6 +46,7 @@ from ..rewrites._common import contains
 from ..schedule import Schedule
 from ..tree import child_names, get_module, join, split, walk
 from .experts import EXPERTS, Experts
+from .flow import OUTPUT, Flow, flow, pointwise
 from .layout import Layout
 from .local import LOCAL
 from .rng import RNG, RngSpec
@@ -95,6 +96,7 @@ class ModulePlan:
     local_params: bool = False  # SP region / tp_local: replicated params with Partial gradients
     local_axis: str = ""  # tp_local: the mesh axis of those Partial gradients
     experts: Experts | None = None  # expert_parallel: this experts module runs its pairs by all-to-all
+    partners: tuple[str, ...] = ()  # a column kept local: the rows it feeds; a row: the columns feeding it
 
 
 @dataclass(frozen=True)
@@ -151,21 +153,20 @@ def plan(sch: Schedule) -> Plan:
 
     modules: dict[str, ModulePlan] = {}
     bounds: list[Boundary] = []
-    fused: set[tuple[str, str, int | None]] = set()
+    fused: set[tuple[str, str, int | str | None]] = set()
+    flows = _Flows(sch.module)
+    partners = _partners(sch, flows)
     for path in sorted(set(roles) | set(seqs) | set(syncs) | set(rngs), key=lambda p: order.get(p, 0)):
         role = roles.get(path)
         seq = region(path)
         spec_syncs = syncs.get(path, ())
         out_sync = next((s for s in spec_syncs if s.mode == "fwd_post"), None)
-        partnered = False
+        partnered = bool(partners.get(path))
         if role is not None:
             ax = role.mesh_axis
-            sib = [s for s in _siblings(sch.module, path) if s in roles and roles[s].mesh_axis == ax]
-            me = sib.index(path)
             if role.kind == "column":
-                partnered = any(roles[s].kind == "row" for s in sib[me + 1 :])
                 in_seq = seq is not None and seq.mesh_axis == ax
-                key = (_parent(path), ax, _in_features(get_module(sch.module, path)))
+                key = (_parent(path), ax, _entry_key(sch, flows, path))
                 leader = key not in fused
                 fused.add(key)
                 if in_seq:
@@ -190,7 +191,6 @@ def plan(sch: Schedule) -> Plan:
                 elif not partnered:
                     bounds.append(Boundary(path, "output", out, "R", ax, ("all_gather",), (), False, "output"))
             elif role.kind == "row":
-                partnered = any(roles[s].kind == "column" for s in sib[:me])
                 pre = next((s for s in spec_syncs if s.mode == "fwd_pre"), None)
                 if not partnered and pre is None:
                     bounds.append(Boundary(path, "input", "R", "S(-1)", ax, (), ("all_gather",), False))
@@ -275,7 +275,8 @@ def plan(sch: Schedule) -> Plan:
                 for n, p in get_module(sch.module, path)._parameters.items()
             )
         )
-        modules[path] = ModulePlan(path, role, seq, partnered, entry, exit_, spec_syncs, rngs.get(path), local)
+        modules[path] = ModulePlan(path, role, seq, partnered, entry, exit_, spec_syncs, rngs.get(path), local,
+                                   partners=partners.get(path, ()))
     # modules with parameters inside a sequence-parallel chain (norms): replicated, Partial gradients
     for root in seq_roots:
         for path, module in walk(get_module(sch.module, root), root):
@@ -294,6 +295,98 @@ def plan(sch: Schedule) -> Plan:
         if mp.local_params:
             bounds += _param_grad_boundaries(sch, mp)
     return Plan(modules, tuple(bounds))
+
+
+class _Flows:
+    """The data flow of each parent, traced once per plan (see :func:`.flow.flow`)."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self.memo: dict[str, Flow | None] = {}
+
+    def __call__(self, parent: str) -> Flow | None:
+        if parent not in self.memo:
+            self.memo[parent] = flow(get_module(self.root, parent))
+        return self.memo[parent]
+
+
+def _entry_key(sch: Schedule, flows: _Flows, path: str) -> int | str | None:
+    """Columns of one parent with equal keys read one input tensor and enter the tensor-
+    parallel region once (one backward all-reduce for all): the value they are called on
+    where the parent's data flow is known, else their input width (q/k/v)."""
+    fl = flows(_parent(path)) if path else None
+    name = split(path)[-1] if path else ""
+    if fl is not None and name in fl.first:
+        return "value " + fl.first[name]
+    return _in_features(get_module(sch.module, path))
+
+
+def _partners(sch: Schedule, flows: _Flows) -> dict[str, tuple[str, ...]]:
+    """Megatron pairs: for each column that keeps its output sharded, the rows it feeds;
+    for each such row, the columns that feed it (siblings, over one mesh axis).
+
+    Where the parent's data flow is known (:func:`.flow.flow`), a column is kept local
+    only if everything its output reaches (through activations and dropouts) is a row
+    whose input comes from such columns alone: a row that also takes an unsharded
+    module's output, a row's reduced output or the parent's input (LLaMA's MLP with
+    ``gate_proj`` unsharded, a residual inside the block) takes a gathered input and
+    splits it itself. Where it is not (attention that fx cannot trace), module order
+    decides: a column is paired with the rows after it among its siblings."""
+    roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
+    groups: dict[tuple[str, str], list[str]] = {}
+    for path, role in roles.items():
+        if path and role.kind in ("column", "row"):
+            groups.setdefault((_parent(path), role.mesh_axis), []).append(path)
+    out: dict[str, tuple[str, ...]] = {}
+    for (parent, _), paths in groups.items():
+        if not any(roles[p].kind == "column" for p in paths) or not any(roles[p].kind == "row" for p in paths):
+            continue
+        fl = flows(parent)
+        names = {split(p)[-1]: p for p in paths}
+        if fl is None or not all(fl.called(n) for n in names):
+            out.update(_partners_in_module_order(sch, paths, roles))
+            continue
+        through = _through(sch, parent)
+        cols = {n for n, p in names.items() if roles[p].kind == "column"}
+        rows = {n for n, p in names.items() if roles[p].kind == "row"}
+        keep = {c for c in cols if (users := fl.consumers(c, through)) and users <= rows}
+        while True:
+            mixed = {c for c in keep if any(not fl.feeders(r, through) <= keep for r in fl.consumers(c, through))}
+            if not mixed:
+                break
+            keep -= mixed
+        for c in sorted(keep):
+            out[names[c]] = tuple(sorted(names[r] for r in fl.consumers(c, through)))
+        for r in sorted(rows):
+            fed = fl.feeders(r, through)
+            if fed and fed <= keep:
+                out[names[r]] = tuple(sorted(names[c] for c in fed))
+    return out
+
+
+def _through(sch: Schedule, parent: str) -> Callable[[str], bool]:
+    """Which children of ``parent`` a layout passes through unchanged: pointwise modules
+    (activations, dropouts) with no layout of their own."""
+    annotated = set(sch.annotations.of_kind(ROLE)) | set(sch.annotations.of_kind(SEQ)) | set(
+        sch.annotations.of_kind(SYNC))
+    pm = get_module(sch.module, parent)
+    return lambda q: join(parent, q) not in annotated and pointwise(get_module(pm, q))
+
+
+def _partners_in_module_order(sch: Schedule, paths: list[str], roles: Mapping[str, Role]) -> dict[str, tuple[str, ...]]:
+    order = {n: i for i, n in enumerate(_siblings(sch.module, paths[0]))}
+    ranked = sorted(paths, key=lambda p: order.get(p, 0))
+    out: dict[str, tuple[str, ...]] = {}
+    for i, p in enumerate(ranked):
+        if roles[p].kind == "column":
+            later = tuple(q for q in ranked[i + 1 :] if roles[q].kind == "row")
+            if later:
+                out[p] = later
+        else:
+            earlier = tuple(q for q in ranked[:i] if roles[q].kind == "column")
+            if earlier:
+                out[p] = earlier
+    return out
 
 
 def _expert_boundaries(path: str, spec: Experts) -> list[Boundary]:
@@ -405,6 +498,8 @@ def _unsharded_twins(sch: Schedule, p: Plan) -> list[Problem]:
     for path, mp in p.modules.items():
         if mp.role is None or mp.role.kind != "column" or not mp.partnered or mp.role.packed > 1:
             continue
+        if flow(get_module(sch.module, _parent(path))) is not None:
+            continue  # the data flow paired it: nothing unsharded meets its output (see _partners)
         module = get_module(sch.module, path)
         shape = (_in_features(module), _out_features(module))
         for twin in _siblings(sch.module, path):
@@ -453,8 +548,14 @@ def _stray_token_shards(sch: Schedule) -> list[Problem]:
                     problems.append(Problem(path, f"receives a token shard from the {what}, outside a "
                                             "sequence_parallel chain: its parameters' gradients would be partial",
                                             f"run it in a chain, sf.sequence_parallel(sch, {path!r}), instead"))
-                continue
-            found = _first_consumer(sch, path, s.mesh_axis, in_chain, gathers_back)
+                    continue
+                if not pointwise(get_module(sch.module, path)):
+                    problems.append(Problem(path, f"receives a token shard from the {what}, outside a "
+                                            "sequence_parallel chain: slapo_fn cannot tell that it works token by "
+                                            "token", f"run it in a chain, sf.sequence_parallel(sch, {path!r}), "
+                                            "or sync the output of the module before it instead"))
+                    continue
+            found = _token_consumer(sch, path, s.mesh_axis, in_chain, gathers_back)
             if found is not None:
                 q, why = found
                 problems.append(Problem(
@@ -465,28 +566,62 @@ def _stray_token_shards(sch: Schedule) -> list[Problem]:
     return sorted(set(problems), key=lambda pr: order.index(pr.path) if pr.path in order else 0)
 
 
-def _first_consumer(
+def _token_consumer(
     sch: Schedule,
     path: str,
     axis: str,
     in_chain: Callable[[str, str], bool],
     gathers_back: Callable[[str, str], bool],
 ) -> tuple[str, str] | None:
-    """Of the modules that run after ``path`` (its later siblings, then its ancestors'),
-    the first that would take its token-sharded output wrongly, with why; ``None`` if a
-    ``fwd_pre`` sync gathers it back first or nothing with parameters follows."""
-    for q in _later_modules(sch.module, path):
+    """The first module that would take ``path``'s token-sharded output wrongly, with why,
+    or ``None`` (a ``fwd_pre`` sync gathers it back first, or nothing that could take it
+    follows): by the data flow of its parent (and of theirs, as long as it is known), then
+    by module order — the later siblings, then the ancestors'."""
+    start = path
+    while start:
+        parent, name = _parent(start), split(start)[-1]
+        fl = flow(get_module(sch.module, parent))
+        if fl is None or not fl.called(name):
+            break
+        through = _through(sch, parent)
+        users = fl.consumers(name, through)
+        for user in sorted(users - {OUTPUT}):
+            q = join(parent, user)
+            if gathers_back(q, axis):
+                continue
+            if in_chain(q, axis):
+                if _told_split(sch, q):
+                    continue
+                return q, _SPLIT_TWICE
+            if fl.feeders(user, through) - {name}:
+                return q, f"it takes the shard together with whole-sequence values in {parent or '<root>'!r}'s forward"
+            if _has_params(get_module(sch.module, q)):
+                return q, "its parameters' gradients would be partial sums taken for whole ones"
+            if not pointwise(get_module(sch.module, q)):
+                return q, "slapo_fn cannot tell that it works token by token"
+        if OUTPUT not in users:
+            return None
+        if fl.reaching_output(through) - {name}:
+            return parent, "its forward combines the shard with whole-sequence values"
+        start = parent
+    for q in _later_modules(sch.module, start):
         if gathers_back(q, axis):
             return None
         if in_chain(q, axis):
-            chain = sch.annotations.get(q, SEQ)
-            if chain is not None and chain.sharded_input:
-                return None  # the chain was told its input arrives split
-            return q, ("a sequence_parallel chain splits its input itself: it would be split twice (state "
-                       "sf.sequence_parallel(..., input_layout=Shard(1)) if the split is meant)")
+            return None if _told_split(sch, q) else (q, _SPLIT_TWICE)
         if _has_params(get_module(sch.module, q)):
             return q, "its parameters' gradients would be partial sums taken for whole ones"
     return None
+
+
+_SPLIT_TWICE = ("a sequence_parallel chain splits its input itself: it would be split twice (state "
+                "sf.sequence_parallel(..., input_layout=Shard(1)) if the split is meant)")
+
+
+def _told_split(sch: Schedule, path: str) -> bool:
+    """Whether the chain at ``path`` was told that its input arrives split (``input_layout``)."""
+    chain = sch.annotations.get(path, SEQ)
+    return chain is not None and chain.sharded_input
 
 
 def _later_modules(root: nn.Module, path: str) -> Iterator[str]:
@@ -580,11 +715,32 @@ def _next_outside_chain(sch: Schedule, member: str, members: list[str], axis: st
     ancestors') before the chain goes on, or ``None`` (the next member comes first, or a
     ``fwd_pre`` sync gathers the sequence back)."""
     syncs = sch.annotations.of_kind(SYNC)
-    for q in _later_modules(sch.module, member):
+
+    def gathers(q: str) -> bool:
+        return any(s.mode == "fwd_pre" and s.mesh_axis == axis and isinstance(s.layout, Replicate)
+                   for s in syncs.get(q, ()))
+
+    start = member
+    while start:  # where the data flow is known, what the member's output reaches runs next
+        parent, name = _parent(start), split(start)[-1]
+        fl = flow(get_module(sch.module, parent))
+        if fl is None or not fl.called(name):
+            break
+        users = fl.consumers(name, _through(sch, parent))
+        for q in sorted(users - {OUTPUT}):
+            path = join(parent, q)
+            if any(r == path or contains(r, path) for r in members) or gathers(path):
+                continue
+            module = get_module(sch.module, path)
+            if _has_params(module) or mixes_tokens(module) or not pointwise(module):
+                return path
+        if OUTPUT not in users:
+            return None
+        start = parent  # it leaves the parent: what follows the parent takes it
+    for q in _later_modules(sch.module, start):
         if any(r == q or contains(r, q) for r in members):
             return None
-        if any(s.mode == "fwd_pre" and s.mesh_axis == axis and isinstance(s.layout, Replicate)
-               for s in syncs.get(q, ())):
+        if gathers(q):
             return None
         if _has_params(get_module(sch.module, q)):
             return q
@@ -605,8 +761,7 @@ def _packed_outputs_read_whole(sch: Schedule, p: Plan) -> list[Problem]:
             continue
         width = _out_features(get_module(sch.module, path))
         if mp.partnered:
-            siblings = _siblings(sch.module, path)
-            for q in siblings[siblings.index(path) + 1 :]:
+            for q in mp.partners:
                 other = p.modules.get(q)
                 if other is None or other.role is None or other.role.kind != "row":
                     continue
@@ -645,8 +800,7 @@ def _chains_inside_pairs(sch: Schedule, p: Plan) -> list[Problem]:
             continue
         siblings = _siblings(sch.module, path)
         later = siblings[siblings.index(path) + 1 :]
-        row = next((q for q in later if (o := p.modules.get(q)) is not None and o.role is not None
-                    and o.role.kind == "row" and o.role.mesh_axis == mp.role.mesh_axis), None)
+        row = next((q for q in later if q in mp.partners), None)
         if row is None:
             continue
         for member in later[: later.index(row)]:
@@ -699,9 +853,36 @@ def _attention_on_sequence_shards(sch: Schedule) -> list[Problem]:
     return problems
 
 
+def _lone_columns_in_chains(sch: Schedule, p: Plan) -> list[Problem]:
+    """A column over a chain's mesh axis inside a sequence-parallel chain gathers the
+    sequence for itself; only a row reading its output (its partner) scatters it back.
+    Without one, its output — the whole sequence — would go on where the chain carries
+    this rank's part: refused, naming it. The chain's last member may be such a column
+    (PyTorch's LM head after the final norm): the chain ends there."""
+    seqs = sch.annotations.of_kind(SEQ)
+    order = {q: i for i, q in enumerate(sch.paths())}
+    problems = []
+    for path, mp in p.modules.items():
+        role, seq = mp.role, mp.seq
+        if role is None or role.kind != "column" or seq is None or seq.mesh_axis != role.mesh_axis or mp.partnered:
+            continue
+        members = sorted((q for q, s in seqs.items() if s.mesh_axis == seq.mesh_axis), key=lambda q: order.get(q, 0))
+        if path == members[-1]:
+            continue
+        problems.append(Problem(
+            path,
+            f"is column-parallel inside the sequence_parallel chain over {seq.mesh_axis!r}, but no row-parallel "
+            "layer reads its output alone: it gathers the whole sequence, which would go on where the chain "
+            "carries this rank's part",
+            "shard the layer that reads its output as its row partner (axis=1), or leave it unsharded, or out "
+            "of the chain",
+        ))
+    return problems
+
+
 def refusals(sch: Schedule, p: Plan) -> list[Problem]:
     """Every layout of ``sch`` the build would get silently wrong or fail on inside model
     code, as problems naming the module and the fix (``build`` raises them at once)."""
     return (_half_sharded_ties(sch) + _unsharded_twins(sch, p) + _stray_token_shards(sch)
             + _ungathered_chain_members(sch) + _chain_gaps(sch) + _packed_outputs_read_whole(sch, p)
-            + _chains_inside_pairs(sch, p) + _attention_on_sequence_shards(sch))
+            + _chains_inside_pairs(sch, p) + _attention_on_sequence_shards(sch) + _lone_columns_in_chains(sch, p))

@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from tp_checks import CountCollectives
 
 import slapo_fn as sf
+from slapo_fn.dtensor.flow import flow
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
@@ -644,6 +645,8 @@ def _feature_sync(f: Facts) -> bool:
 
 def _sibling_order(f: Facts) -> bool:
     for c in f.columns():
+        if flow(f.model.get_submodule(_parent(c))) is not None:
+            continue  # the planner reads the parent's data flow
         sib = f.siblings(c)
         for r in sib[sib.index(c) + 1 :]:
             if f.kind(r) != "row":
@@ -652,10 +655,6 @@ def _sibling_order(f: Facts) -> bool:
             if c not in feeding or any(f.kind(q) not in (None, "column") for q in feeding):
                 return True
     return False
-
-
-def _sp_lone_column(f: Facts) -> bool:
-    return any(f.in_sp(c) and not f.partnered(c) and c != f.sp[-1] for c in f.columns())
 
 
 def _head_attr(f: Facts) -> bool:
@@ -671,7 +670,7 @@ def _equal_in_columns(f: Facts) -> bool:
     cols = f.columns()
     for a in cols:
         for b in cols:
-            if a < b and _parent(a) == _parent(b):
+            if a < b and _parent(a) == _parent(b) and flow(f.model.get_submodule(_parent(a))) is None:
                 ma, mb = f.model.get_submodule(a), f.model.get_submodule(b)
                 shared = getattr(f.model.get_submodule(_parent(a)), "SHARED", ())
                 if getattr(ma, "in_features", -1) == getattr(mb, "in_features", -2) and not (
@@ -740,35 +739,6 @@ def _stacked_syncs(f: Facts) -> bool:
             return True  # each sync on a chain member converts from the chain's sequence shard
         if op[4] in (None, "R") and any(o[3] != "R" and (o[3] != o[4] or o[1] in f.roles) for o in earlier + nested):
             return True  # an earlier sync on this boundary already changed its layout
-    return False
-
-
-def _token_shard_unrefused(f: Facts) -> bool:
-    """A token shard (a sync to ``Shard(1)``) outside a chain that the build lets through:
-    into a module without parameters (``fwd_pre``: its consumers are never looked at), or
-    out of one (``fwd_post``) with no later module *in tree order* that has parameters,
-    though in data flow the shard meets full-length tensors (a branch combined with
-    another, an activation listed after its consumer)."""
-    outputs = output_paths(f.model)
-    for op in f.syncs:
-        if op[3] != "S(1)" or op[4] == "S(1)" or f.in_sp(op[1]) or op[2] == "bwd_post":
-            continue
-        if op[2] == "fwd_pre":
-            if not any(True for _ in f.model.get_submodule(op[1]).parameters()):
-                return True
-            continue
-        if op[1] in outputs:
-            continue
-        if op[1] == str(int(f.sp[0]) - 1 if f.sp else -1) and f.sp_input:
-            continue  # the chain after it was told its input arrives split
-        tokens = op[1].split(".")
-        later = []
-        for depth in range(len(tokens), 0, -1):
-            here = ".".join(tokens[:depth])
-            sib = f.siblings(here)
-            later += sib[sib.index(here) + 1 :]
-        if not any(any(True for _ in f.model.get_submodule(q).parameters()) for q in later):
-            return True
     return False
 
 
@@ -872,16 +842,11 @@ KNOWN_DEFECTS: dict[str, Defect] = {
     ),
     "sibling-order": Defect(
         _sibling_order,
-        "a column keeps its output sharded because a row-sharded sibling comes after it in module order, though "
-        "that row does not consume it (gate column, up row, down row): shape error in the parent's forward "
-        "(dtensor/plan.py: partnered = any row sibling later, not data flow)",
-        _c([_GATED], ("shard", "0.gate", 0, 1), ("shard", "0.up", 1, 1), ("shard", "0.down", 1, 1)),
-    ),
-    "sp-lone-column": Defect(
-        _sp_lone_column,
-        "a column with no row partner inside a sequence-parallel chain: its input is gathered along the sequence "
-        "and its output gathered again by the chain's exit: output (2, 8, 8) for (2, 4, 8)",
-        _c([_MLP], ("shard", "0.fc1", 0, 1), ("sp", ("0",), None)),
+        "in a parent fx cannot trace (attention that reshapes by *h.shape[:2]), a column keeps its output sharded "
+        "because a row-sharded sibling comes after it in module order, though that row does not consume it (q "
+        "column, v row, o row): wrong gradients or a LayoutError in forward (dtensor/plan.py "
+        "_partners_in_module_order; a traceable parent is paired by its data flow)",
+        _c([_ATTN], ("shard", "0.q", 0, 1), ("shard", "0.k", 0, 1), ("shard", "0.v", 1, 1), ("shard", "0.o", 1, 1)),
     ),
     "head-attr": Defect(
         _head_attr,
@@ -892,9 +857,10 @@ KNOWN_DEFECTS: dict[str, Defect] = {
     ),
     "equal-in-columns": Defect(
         _equal_in_columns,
-        "plan counts: two columns of one parent with equal in_features are taken as reading one input (q/k/v), so "
-        "the plan predicts 1 backward all_reduce where the build does 2 (dtensor/plan.py 'fused' key)",
-        _c([Block("chain", widths=(8,), bias=False)], ("shard", "0.0", 0, 1), ("shard", "0.2", 0, 1)),
+        "plan counts, in a parent fx cannot trace (attention): two columns of one parent with equal in_features "
+        "are taken as reading one input (q/k/v), so the plan predicts 1 backward all_reduce where the build does 2 "
+        "(dtensor/plan.py _entry_key; a traceable parent is keyed by the value its columns are called on)",
+        _c([_ATTN], ("shard", "0.q", 0, 1), ("shard", "0.o", 0, 1)),
     ),
     "sp-ids-entry": Defect(
         _sp_ids_entry,
@@ -938,13 +904,6 @@ KNOWN_DEFECTS: dict[str, Defect] = {
         "sync(S(1)) then sync(Replicate()) leaves the output split, (2, 2, 8) for (2, 4, 8); two fwd_pre "
         "Shard(-1) split twice",
         _c([_NORM], ("sync", "0", "fwd_post", "S(1)", None), ("sync", "0", "fwd_post", "R", None)),
-    ),
-    "token-shard-unrefused": Defect(
-        _token_shard_unrefused,
-        "a fwd_post Shard(1) sync outside a chain is refused only if a later module in module order has "
-        "parameters (plan.py _first_consumer); in data flow it meets full-length tensors (b in a(x) + b(x)): raw "
-        "'size of tensor a (4) must match the size of tensor b (2)' error",
-        _c([_ADD], ("sync", "0.b", "fwd_post", "S(1)", None)),
     ),
     "sp-exit-token-shard": Defect(
         _sp_exit_token_shard,

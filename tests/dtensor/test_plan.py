@@ -436,24 +436,14 @@ def test_on_a_2d_mesh_a_weight_sharded_over_both_axes_is_gathered_twice() -> Non
 # ----------------------------------------------------------------------------- plans the build does not follow
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sibling columns with equal in_features are assumed to read one input "
-    "tensor (q/k/v): a column feeding a column of the same width enters the TP region again, "
-    "two all-reduces backward, not one",
-)
 def test_a_column_chain_of_equal_widths_enters_twice() -> None:
+    """Columns share an entry only when the data flow calls them on one tensor."""
     sch = sf.shard(schedule(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))), ["0", "1"], axis=0)
     assert plan(sch).counts() == {"forward": {"all_gather": 2}, "backward": {"all_reduce": 2}}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a row is taken as partnered when any column precedes it among its "
-    "siblings: a row fed by another row (replicated output) splits its input locally (all-gather "
-    "backward), which the plan leaves out",
-)
 def test_a_row_fed_by_a_row_splits_its_input() -> None:
+    """The data flow pairs a row only with the columns that feed it."""
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8), nn.Linear(8, 8))
     sch = sf.shard(sf.shard(schedule(model), "0", axis=0), ["1", "2"], axis=1)
     p = plan(sch)

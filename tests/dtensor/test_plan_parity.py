@@ -146,20 +146,7 @@ def _run(rank: int, world: int, name: str, shape: tuple[int, ...], names: tuple[
     return {"counted": {"forward": r["fwd"], "backward": r["bwd"]}, "predicted": r["predicted"]}
 
 
-def xfail(reason: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)
-
-
-KNOWN = {
-    "column-chain-equal-widths": xfail(
-        "the plan predicts one backward all-reduce for two columns of equal "
-        "in_features (taken as q/k/v siblings); the build does two"
-    ),
-    "row-fed-by-row": xfail("the plan leaves out the local split (all-gather backward) of a row fed by a row"),
-}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=KNOWN.get(n, ())) for n in CASES])
+@pytest.mark.parametrize("name", list(CASES))
 def test_plan_holds(dist2: Any, name: str) -> None:
     for r in dist2.run(_run, name, (2,), ("tp",), timeout=60):  # parity() compared loss and gradients
         assert r["counted"] == r["predicted"], name

@@ -4,6 +4,7 @@ it runs — never a silent wrong number or a raw error from inside model code.""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -102,7 +103,8 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[sf.Schedule], sf.Sched
         (X,),
     ),
     # a chain member between a Megatron pair: it split and gathered the column's feature
-    # shard along the sequence, mixing the ranks' features (silently wrong, 0.2 of 1)
+    # shard along the sequence, mixing the ranks' features (silently wrong, 0.2 of 1); the
+    # data flow (0 feeds the member, not the row) now gathers the column's output instead
     "sp-member-inside-a-pair": (
         lambda: nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)),
         lambda s: sf.sequence_parallel(sf.shard(sf.shard(s, "0", axis=0), "2", axis=1), "1"),
@@ -127,7 +129,70 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[sf.Schedule], sf.Sched
             "model.layers.*.post_attention_layernorm"),
         (token_ids(),),
     ),
+    # the issue's "up_proj and down_proj sharded, gate_proj not": the up output was kept
+    # sharded and met gate's full one ("size of tensor a (128) must match b (64)"); the
+    # data flow sees down_proj fed by an unsharded module, so up_proj's output is gathered
+    "llama-mlp-gate-unsharded": (
+        lambda: tiny_llama(1),
+        lambda s: sf.shard(sf.shard(s, "model.layers.0.mlp.up_proj", axis=0), "model.layers.0.mlp.down_proj",
+                           axis=1),
+        (token_ids(),),
+    ),
+    # gate column, up row, down row: module order paired gate with up (a row registered
+    # after it that never reads it): a shape error in the parent's forward
+    "gate-column-up-row-down-row": (
+        lambda: Gated(),
+        lambda s: sf.shard(sf.shard(sf.shard(s, "gate", axis=0), "up", axis=1), "down", axis=1),
+        (X,),
+    ),
+    # LLaMA registers self_attn before input_layernorm: in module order the two norms of a
+    # layer followed one another, in data flow self_attn runs between them on a sequence shard
+    "sp-layer-norms-around-attention": (
+        lambda: tiny_llama(1),
+        lambda s: sf.sequence_parallel(s, "model.layers.0.{input,post_attention}_layernorm"),
+        (token_ids(),),
+    ),
+    # the column's output meets the block's input before the row: gathered, not kept local
+    "column-into-residual-then-row": (
+        lambda: Residual(),
+        lambda s: sf.shard(sf.shard(s, "a", axis=0), "b", axis=1),
+        (X,),
+    ),
+    # a(x) + b(x) with b's output split along the sequence: in module order nothing with
+    # parameters came after b, so it was let through (a raw shape error in the add)
+    "token-shard-meets-a-branch": (
+        lambda: nn.Sequential(OrderedDict(branches=Branches(), out=nn.Identity())),
+        lambda s: sf.sync(s, "branches.b", "fwd_post", Shard(1)),
+        (X,),
+    ),
 }
+
+
+class Branches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(x)
+
+
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.gate(x)) * self.up(x))
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)) + x)
 
 
 def _case(rank: int, world: int, name: str) -> str:
@@ -148,11 +213,18 @@ EXPECTED = {
     "root-sync-with-child-syncs": "refused: build: 'a': receives a token shard",
     "packed-column-into-a-contiguous-row": "refused: build: '2': is row-parallel after '0', packed=2",
     "packed-column-into-a-row-packed-alike": "equal",
-    "sp-member-inside-a-pair": "refused: build: '1': is in a sequence_parallel chain but runs between the "
-                               "column '0' and its row partner '2'",
+    "sp-member-inside-a-pair": "equal",
+    "llama-mlp-gate-unsharded": "equal",
+    "gate-column-up-row-down-row": "equal",
+    "sp-layer-norms-around-attention": "refused: build: 'model.layers.0.self_attn': runs after "
+                                       "'model.layers.0.input_layernorm'",
+    "column-into-residual-then-row": "equal",
+    "token-shard-meets-a-branch": "refused: build: 'branches': receives a token shard from the fwd_post sync of "
+                                  "'branches.b' to S(1) over 'tp', outside a sequence_parallel chain: its forward "
+                                  "combines",
     "sp-layers-with-unsharded-attention": "refused: build: 2 problems | - 'model.layers.0.self_attn': is attention "
                                           "inside the sequence_parallel chain over 'tp' with no column-parallel",
-    "sp-norms-without-their-layers": "refused: build: 'model.layers.1': runs after "
+    "sp-norms-without-their-layers": "refused: build: 'model.layers.0.mlp': runs after "
                                      "'model.layers.0.post_attention_layernorm', a member of the sequence_parallel",
     "uneven-sequence": "refused: split: <root>: dimension 1 of an activation of shape (2, 5, 8) has 5 elements",
 }
@@ -164,13 +236,32 @@ def test_a_plan_is_right_or_refused(dist2, name: str) -> None:
         assert verdict.startswith(EXPECTED[name]), verdict
 
 
-def test_a_sharded_up_proj_with_an_unsharded_gate_is_refused_naming_both() -> None:
+def test_a_sharded_k_proj_with_an_unsharded_v_proj_is_refused_naming_both() -> None:
+    """Where the data flow is unknown (LLaMA's attention does not fx-trace), a column kept
+    sharded for the row after it whose unsharded twin's output would meet it is refused."""
     model = tiny_llama(layers=1)
     sch = sf.create_schedule(model, mesh=fake_mesh(2))
-    sch = sf.shard(sf.shard(sch, "model.layers.0.mlp.up_proj", axis=0), "model.layers.0.mlp.down_proj", axis=1)
-    with pytest.raises(sf.LayoutError, match=r"(?s)'model.layers.0.mlp.gate_proj'.*is not sharded.*up_proj.*axis=0"):
+    attn = "model.layers.0.self_attn."
+    sch = sf.shard(sf.shard(sch, [attn + "q_proj", attn + "k_proj"], axis=0), attn + "o_proj", axis=1)
+    with pytest.raises(sf.LayoutError, match=r"(?s)'model.layers.0.self_attn.v_proj'.*is not sharded.*k_proj"):
         sf.build(sch)
-    assert token_ids() is not None
+
+
+def test_the_data_flow_pairs_columns_with_the_rows_that_read_them() -> None:
+    """LLaMA's MLP pairs gate and up with down; with gate unsharded, nothing is paired;
+    attention (not traceable) pairs by module order."""
+    from slapo_fn.dtensor.plan import plan
+
+    sch = sf.create_schedule(tiny_llama(layers=1), mesh=fake_mesh(2))
+    mlp, attn = "model.layers.0.mlp.", "model.layers.0.self_attn."
+    full = sf.shard(sf.shard(sch, [mlp + "gate_proj", mlp + "up_proj", attn + "[qkv]_proj"], axis=0),
+                    [mlp + "down_proj", attn + "o_proj"], axis=1)
+    modules = plan(full).modules
+    assert modules[mlp + "gate_proj"].partners == (mlp + "down_proj",)
+    assert modules[mlp + "down_proj"].partners == (mlp + "gate_proj", mlp + "up_proj")
+    assert modules[attn + "k_proj"].partners == (attn + "o_proj",)
+    half = plan(sf.shard(sf.shard(sch, mlp + "up_proj", axis=0), mlp + "down_proj", axis=1)).modules
+    assert not half[mlp + "up_proj"].partnered and not half[mlp + "down_proj"].partnered
 
 
 class Block(nn.Module):
