@@ -880,9 +880,37 @@ def _lone_columns_in_chains(sch: Schedule, p: Plan) -> list[Problem]:
     return problems
 
 
+def _split_input_into_reducers(sch: Schedule, p: Plan) -> list[Problem]:
+    """A row- or vocab-parallel module first in a chain enters it by reduce-scattering its
+    own partial output along the sequence; told that its input arrives split already
+    (``input_layout=Shard(...)``), it would split the sequence a second time. Refused,
+    naming it."""
+    order = {q: i for i, q in enumerate(sch.paths())}
+    problems = []
+    for path, spec in sch.annotations.of_kind(SEQ).items():
+        if not spec.sharded_input:
+            continue
+        same = [q for q, s in sch.annotations.of_kind(SEQ).items() if s.mesh_axis == spec.mesh_axis]
+        mp = p.modules.get(path)
+        role = mp.role if mp is not None else None
+        if path != min(same, key=lambda q: order.get(q, 0)) or role is None or role.mesh_axis != spec.mesh_axis:
+            continue
+        if role.kind in ("row", "vocab"):
+            problems.append(Problem(
+                path,
+                f"is {role.kind}-parallel and first in a sequence_parallel chain stated to receive its input split "
+                f"(input_layout=Shard({spec.seq_axis})): it enters the chain by reduce-scattering its own partial "
+                "output, which would split the sequence twice",
+                "leave input_layout out (its reduce-scatter splits the sequence), or start the chain at a module "
+                "that takes the split input",
+            ))
+    return problems
+
+
 def refusals(sch: Schedule, p: Plan) -> list[Problem]:
     """Every layout of ``sch`` the build would get silently wrong or fail on inside model
     code, as problems naming the module and the fix (``build`` raises them at once)."""
     return (_half_sharded_ties(sch) + _unsharded_twins(sch, p) + _stray_token_shards(sch)
             + _ungathered_chain_members(sch) + _chain_gaps(sch) + _packed_outputs_read_whole(sch, p)
-            + _chains_inside_pairs(sch, p) + _attention_on_sequence_shards(sch) + _lone_columns_in_chains(sch, p))
+            + _chains_inside_pairs(sch, p) + _attention_on_sequence_shards(sch) + _lone_columns_in_chains(sch, p)
+            + _split_input_into_reducers(sch, p))

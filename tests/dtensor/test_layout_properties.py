@@ -715,10 +715,6 @@ def _sp_input_unchecked(f: Facts) -> bool:
     return not any(op[1] == before and op[2] == "fwd_post" and op[3] == "S(1)" for op in f.syncs)
 
 
-def _sp_row_entry_split_input(f: Facts) -> bool:
-    return f.sp_input is not None and f.kind(f.sp[0]) == "row"
-
-
 def _sp_sync_default_src(f: Facts) -> bool:
     for op in f.syncs:
         if op[4] is not None or not f.in_sp(op[1]):
@@ -882,13 +878,6 @@ KNOWN_DEFECTS: dict[str, Defect] = {
         "sequence_parallel(..., input_layout=Shard(1)) is believed although nothing before the chain splits its "
         "input: the chain runs on the full sequence and its exit gathers it again: output (2, 8, 8) for (2, 4, 8)",
         _c([_MLP], ("shard", "0.fc1", 0, 1), ("shard", "0.fc2", 1, 1), ("sp", ("0",), "S(1)")),
-    ),
-    "sp-row-entry-split-input": Defect(
-        _sp_row_entry_split_input,
-        "a row first in a chain whose input is stated split (input_layout=Shard(1), after a fwd_post Shard(1) "
-        "sync) still enters the chain by reduce-scattering: split twice, output (2, 2, 8) for (2, 4, 8)",
-        _c([_NORM, Block("chain", flat=True, bias=False)], ("shard", "1", 1, 1),
-           ("sync", "0", "fwd_post", "S(1)", None), ("sp", ("1",), "S(1)")),
     ),
     "sp-sync-default-src": Defect(
         _sp_sync_default_src,

@@ -158,6 +158,13 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[sf.Schedule], sf.Sched
         lambda s: sf.shard(sf.shard(s, "a", axis=0), "b", axis=1),
         (X,),
     ),
+    # the vocab embedding enters the chain by reduce-scattering its partial output: told that
+    # the ids arrive split as well, it split the sequence twice (output (2, 2, 8) for (2, 4, 8))
+    "vocab-first-in-a-chain-told-its-input-is-split": (
+        EmbedNorm,
+        lambda s: sf.sequence_parallel(sf.shard(s, "embed", axis=0), ["embed", "norm"], input_layout=Shard(1)),
+        (IDS,),
+    ),
     # a(x) + b(x) with b's output split along the sequence: in module order nothing with
     # parameters came after b, so it was let through (a raw shape error in the add)
     "token-shard-meets-a-branch": (
@@ -219,6 +226,8 @@ EXPECTED = {
     "sp-layer-norms-around-attention": "refused: build: 'model.layers.0.self_attn': runs after "
                                        "'model.layers.0.input_layernorm'",
     "column-into-residual-then-row": "equal",
+    "vocab-first-in-a-chain-told-its-input-is-split": "refused: build: 'embed': is vocab-parallel and first in a "
+                                                      "sequence_parallel chain stated to receive its input split",
     "token-shard-meets-a-branch": "refused: build: 'branches': receives a token shard from the fwd_post sync of "
                                   "'branches.b' to S(1) over 'tp', outside a sequence_parallel chain: its forward "
                                   "combines",
