@@ -521,8 +521,9 @@ def _has_params(module: nn.Module) -> bool:
 
 def _stray_token_shards(sch: Schedule) -> list[Problem]:
     """A ``sync`` that shards an activation along a token dimension (``Shard(d)``, ``d`` not
-    the last) outside a sequence-parallel chain hands a module with parameters a part of
-    the tokens: its parameters' gradients would be partial sums taken for whole ones.
+    the last) outside a sequence-parallel chain (or on the output of its last member, which
+    then leaves the chain split) hands a module with parameters a part of the tokens: its
+    parameters' gradients would be partial sums taken for whole ones.
     Refused, naming the module, unless a ``fwd_pre`` sync gathers the activation back
     before any such module (feature shards, ``Shard(-1)``, are the roles' business)."""
     seqs = sch.annotations.of_kind(SEQ)
@@ -536,11 +537,16 @@ def _stray_token_shards(sch: Schedule) -> list[Problem]:
         return any(s.mode == "fwd_pre" and s.mesh_axis == axis and isinstance(s.layout, Replicate)
                    for s in syncs.get(path, ()))
 
+    def last_member(path: str, axis: str) -> bool:  # a chain's last member: the stream leaves the chain
+        members = [r for r, s in seqs.items() if s.mesh_axis == axis]
+        return path in members and max(members, key=order.index) == path
+
     problems = []
     for path, specs in syncs.items():
         for s in specs:
             token = isinstance(s.layout, Shard) and s.layout.dim >= 0 and s.mode in ("fwd_pre", "fwd_post")
-            if not token or in_chain(path, s.mesh_axis):
+            leaving = s.mode == "fwd_post" and last_member(path, s.mesh_axis)
+            if not token or (in_chain(path, s.mesh_axis) and not leaving):
                 continue
             what = f"{s.mode} sync of {path or '<root>'!r} to {_d(s.layout)} over {s.mesh_axis!r}"
             if s.mode == "fwd_pre":

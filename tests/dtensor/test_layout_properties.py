@@ -738,12 +738,6 @@ def _stacked_syncs(f: Facts) -> bool:
     return False
 
 
-def _sp_exit_token_shard(f: Facts) -> bool:
-    outputs = output_paths(f.model)
-    return any(op[2] == "fwd_post" and op[3] == "S(1)" and f.sp and op[1] == f.sp[-1] and op[1] not in outputs
-               for op in f.syncs)
-
-
 def _pair_pre_sync_default_src(f: Facts) -> bool:
     return any(op[2] == "fwd_pre" and op[3] == "S(-1)" and op[4] is None and f.kind(op[1]) == "row"
                and _natural(f, op[1], "fwd_pre") == "S(-1)" for op in f.syncs)
@@ -893,14 +887,6 @@ KNOWN_DEFECTS: dict[str, Defect] = {
         "sync(S(1)) then sync(Replicate()) leaves the output split, (2, 2, 8) for (2, 4, 8); two fwd_pre "
         "Shard(-1) split twice",
         _c([_NORM], ("sync", "0", "fwd_post", "S(1)", None), ("sync", "0", "fwd_post", "R", None)),
-    ),
-    "sp-exit-token-shard": Defect(
-        _sp_exit_token_shard,
-        "a fwd_post Shard(1) sync on a chain's last member keeps the stream split after the chain, and the "
-        "modules after it (with parameters) are not checked (plan.py _stray_token_shards skips syncs in chains): "
-        "the Linear after it runs on half the tokens, output (2, 2, 8) for (2, 4, 8)",
-        _c([Block("chain", widths=(8,), flat=True, bias=False)], ("sync", "1", "fwd_post", "S(1)", None),
-           ("sp", ("1",), None)),
     ),
     "pair-pre-sync-default-src": Defect(
         _pair_pre_sync_default_src,

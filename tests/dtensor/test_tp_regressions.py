@@ -165,6 +165,13 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[sf.Schedule], sf.Sched
         lambda s: sf.sequence_parallel(sf.shard(s, "embed", axis=0), ["embed", "norm"], input_layout=Shard(1)),
         (IDS,),
     ),
+    # the chain's last member keeps its output split (fwd_post Shard(1)): the Linear after the
+    # chain ran on half the tokens, silently (output (2, 2, 8) for (2, 4, 8))
+    "sp-exit-kept-split-before-a-linear": (
+        lambda: nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8)),
+        lambda s: sf.sequence_parallel(sf.sync(s, "1", "fwd_post", Shard(1)), ["0", "1"]),
+        (X,),
+    ),
     # a(x) + b(x) with b's output split along the sequence: in module order nothing with
     # parameters came after b, so it was let through (a raw shape error in the add)
     "token-shard-meets-a-branch": (
@@ -228,6 +235,8 @@ EXPECTED = {
     "column-into-residual-then-row": "equal",
     "vocab-first-in-a-chain-told-its-input-is-split": "refused: build: 'embed': is vocab-parallel and first in a "
                                                       "sequence_parallel chain stated to receive its input split",
+    "sp-exit-kept-split-before-a-linear": "refused: build: '2': receives a token shard from the fwd_post sync of "
+                                          "'1' to S(1)",
     "token-shard-meets-a-branch": "refused: build: 'branches': receives a token shard from the fwd_post sync of "
                                   "'branches.b' to S(1) over 'tp', outside a sequence_parallel chain: its forward "
                                   "combines",
