@@ -200,7 +200,8 @@ def _trace(parent: nn.Module) -> Flow | None:
             sources[node] = frozenset({INPUT})
         elif node.op == "get_attr":
             target = str(node.target)
-            if target.startswith(prefix):
+            used = any(not _metadata(user) for user in node.users)  # self.wo.weight.dtype is no read
+            if target.startswith(prefix) and used:
                 name = target[len(prefix) :].rsplit(".", 1)[0]
                 if name in _child_paths(parent):
                     reads.add(name)

@@ -46,7 +46,7 @@ from ..rewrites._common import contains
 from ..schedule import Schedule
 from ..tree import child_names, get_module, join, split, walk
 from .experts import EXPERTS, Experts
-from .flow import OUTPUT, Flow, flow, pointwise
+from .flow import INPUT, OUTPUT, Flow, flow, pointwise
 from .layout import Layout
 from .local import LOCAL
 from .rng import RNG, RngSpec
@@ -192,7 +192,7 @@ def plan(sch: Schedule) -> Plan:
                     bounds.append(Boundary(path, "output", out, "R", ax, ("all_gather",), (), False, "output"))
             elif role.kind == "row":
                 pre = next((s for s in spec_syncs if s.mode == "fwd_pre"), None)
-                if not partnered and pre is None:
+                if not partnered and pre is None and not _fed_split(sch, flows, path, ax):
                     bounds.append(Boundary(path, "input", "R", "S(-1)", ax, (), ("all_gather",), False))
                 elif not partnered and isinstance(pre, SyncSpec) and isinstance(pre.layout, Replicate):
                     # stated replicated: the module splits it locally (all-gather of the gradient)
@@ -319,6 +319,24 @@ def _entry_key(sch: Schedule, flows: _Flows, path: str) -> int | str | None:
     if fl is not None and name in fl.first:
         return "value " + fl.first[name]
     return _in_features(get_module(sch.module, path))
+
+
+def _fed_split(sch: Schedule, flows: _Flows, path: str, axis: str) -> bool:
+    """Whether everything that reaches row ``path`` comes from siblings whose ``fwd_post``
+    sync states their output ``Shard(-1)`` over ``axis``: the row then takes its input
+    split as it is (the sync's boundary carries the collective), with no split of its own."""
+    fl = flows(_parent(path)) if path else None
+    if fl is None:
+        return False
+    fed = fl.feeders(split(path)[-1], _through(sch, _parent(path)))
+    syncs = sch.annotations.of_kind(SYNC)
+
+    def split_out(q: str) -> bool:
+        return any(s.mode == "fwd_post" and s.mesh_axis == axis and isinstance(s.layout, Shard) and s.layout.dim == -1
+                   and not (isinstance(s.src, Shard) and s.src.dim == -1)  # a sync from Shard(-1) moves nothing
+                   for s in syncs.get(join(_parent(path), q), ()))
+
+    return bool(fed) and all(q not in (INPUT, OUTPUT) and split_out(q) for q in fed)
 
 
 def _partners(sch: Schedule, flows: _Flows) -> dict[str, tuple[str, ...]]:
@@ -864,16 +882,28 @@ def _lone_columns_in_chains(sch: Schedule, p: Plan) -> list[Problem]:
     sequence for itself; only a row reading its output (its partner) scatters it back.
     Without one, its output — the whole sequence — would go on where the chain carries
     this rank's part: refused, naming it. The chain's last member may be such a column
-    (PyTorch's LM head after the final norm): the chain ends there."""
+    (PyTorch's LM head after the final norm): the chain ends there. Likewise a row (or
+    vocab embedding) that no column feeds, other than the chain's first member (which
+    enters the chain by its reduce-scatter), would scatter the sequence shard again."""
     seqs = sch.annotations.of_kind(SEQ)
     order = {q: i for i, q in enumerate(sch.paths())}
     problems = []
     for path, mp in p.modules.items():
         role, seq = mp.role, mp.seq
-        if role is None or role.kind != "column" or seq is None or seq.mesh_axis != role.mesh_axis or mp.partnered:
+        if role is None or seq is None or seq.mesh_axis != role.mesh_axis or mp.partnered:
             continue
         members = sorted((q for q, s in seqs.items() if s.mesh_axis == seq.mesh_axis), key=lambda q: order.get(q, 0))
-        if path == members[-1]:
+        if role.kind in ("row", "vocab") and path != members[0]:
+            problems.append(Problem(
+                path,
+                f"is {role.kind}-parallel inside the sequence_parallel chain over {seq.mesh_axis!r}, but no "
+                "column-parallel layer feeds it: it takes the chain's sequence shard and would reduce-scatter "
+                "the sequence a second time",
+                "shard the layer before it as its column partner (axis=0), or leave it unsharded, or make it the "
+                "chain's first member",
+            ))
+            continue
+        if role.kind != "column" or path == members[-1]:
             continue
         problems.append(Problem(
             path,
@@ -913,10 +943,110 @@ def _split_input_into_reducers(sch: Schedule, p: Plan) -> list[Problem]:
     return problems
 
 
+def _functional_reads(sch: Schedule, p: Plan) -> list[Problem]:
+    """A parent that reads a child's parameters itself (``F.linear(x, self.proj.weight)``,
+    ``nn.MultiheadAttention``'s ``out_proj``) instead of calling the child bypasses the
+    child's installed forward: a layout planned for that child (sharded, synced, run on
+    sequence shards) would meet the parent's plain math — a raw "mixed torch.Tensor and
+    DTensor" error or wrong numbers. Refused, naming the parent and the child."""
+    planned = set(p.modules) | set(sch.annotations.of_kind(ROLE))
+    problems = []
+    for parent in sorted({_parent(q) for q in planned if q}):
+        pm = get_module(sch.module, parent)
+        fl = flow(pm)
+        reads = set(fl.reads) if fl is not None else set()
+        if isinstance(pm, nn.MultiheadAttention):
+            reads.add("out_proj")  # F.multi_head_attention_forward(..., self.out_proj.weight, ...)
+        for child in sorted(reads):
+            path = join(parent, child)
+            if path in planned:
+                problems.append(Problem(
+                    parent or "<root>",
+                    f"reads the parameters of its child {path!r} itself instead of calling it, so the layout "
+                    f"planned for {path!r} (sharded, synced or on sequence shards) would not apply",
+                    f"leave {path!r} unsharded and out of syncs and sequence_parallel chains, or replace "
+                    f"{parent or '<root>'!r} (sf.replace) with a module that calls {child!r}",
+                ))
+    return problems
+
+
+def _feature_syncs(sch: Schedule) -> list[Problem]:
+    """A ``sync`` to ``Shard(-1)`` (this rank's features) hands a module a part of what it
+    needs whole, unless that module is row-parallel (which takes its input split) or a
+    column (which gathers it back): refused for a ``fwd_pre`` sync into any other module,
+    and for a ``fwd_post`` sync whose output reaches anything but rows (where the data
+    flow is known), unless it is the model's output."""
+    roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
+    problems = []
+    for path, specs in sch.annotations.of_kind(SYNC).items():
+        for s in specs:
+            feature = isinstance(s.layout, Shard) and s.layout.dim == -1
+            already = isinstance(s.src, Shard) and s.src.dim == -1
+            if s.mode not in ("fwd_pre", "fwd_post") or not feature or already:
+                continue
+            role = roles.get(path)
+            what = f"the {s.mode} sync of {path or '<root>'!r} to Shard(-1) over {s.mesh_axis!r}"
+            if s.mode == "fwd_pre":
+                if role is None or role.kind not in ("row", "column"):
+                    problems.append(Problem(
+                        path, f"takes its whole input, but {what} hands it this rank's features only",
+                        "shard it as a row (axis=1) so that it takes split features, or drop the sync",
+                    ))
+                continue
+            if role is not None or _model_output(sch, path):
+                continue  # a role's own output boundary, or the model's sharded result
+            users = _users(sch, path)
+            if users is None:
+                named = "modules whose data flow slapo_fn cannot trace"
+            elif not users:
+                named = "the model's result, combined with other values"
+            else:
+                bad = [q for q in users if (r := roles.get(q)) is None or r.kind != "row" or r.mesh_axis != s.mesh_axis]
+                named = ", ".join(repr(q) for q in bad)
+            if named:
+                problems.append(Problem(
+                    path, f"{what} splits its output by features, but it goes on to {named}, which need it whole",
+                    "state Replicate() instead, or shard the modules that read it as rows (axis=1)",
+                ))
+    return problems
+
+
+def _users(sch: Schedule, path: str) -> list[str] | None:
+    """The modules ``path``'s output reaches (through pointwise ones), by the data flow, up
+    the tree while it leaves its parent; ``None`` where a parent's flow is unknown."""
+    out: list[str] = []
+    start = path
+    while start:
+        parent, name = _parent(start), split(start)[-1]
+        fl = flow(get_module(sch.module, parent))
+        if fl is None or not fl.called(name):
+            return None
+        users = fl.consumers(name, _through(sch, parent))
+        out += [join(parent, q) for q in sorted(users - {OUTPUT})]
+        if OUTPUT not in users:
+            return out
+        start = parent
+    return out
+
+
+def _model_output(sch: Schedule, path: str) -> bool:
+    """Whether ``path``'s output is the model's result and nothing else reads it."""
+    users = _users(sch, path)
+    if users != []:
+        return False
+    tokens = split(path)
+    for depth in range(len(tokens), 0, -1):  # at every level it reaches the parent's result alone
+        here = ".".join(tokens[:depth])
+        fl = flow(get_module(sch.module, _parent(here)))
+        if fl is None or fl.reaching_output(_through(sch, _parent(here))) != {split(here)[-1]}:
+            return False
+    return True
+
+
 def refusals(sch: Schedule, p: Plan) -> list[Problem]:
     """Every layout of ``sch`` the build would get silently wrong or fail on inside model
     code, as problems naming the module and the fix (``build`` raises them at once)."""
     return (_half_sharded_ties(sch) + _unsharded_twins(sch, p) + _stray_token_shards(sch)
             + _ungathered_chain_members(sch) + _chain_gaps(sch) + _packed_outputs_read_whole(sch, p)
             + _chains_inside_pairs(sch, p) + _attention_on_sequence_shards(sch) + _lone_columns_in_chains(sch, p)
-            + _split_input_into_reducers(sch, p))
+            + _split_input_into_reducers(sch, p) + _functional_reads(sch, p) + _feature_syncs(sch))

@@ -40,6 +40,17 @@ class Reads(nn.Module):
         return F.linear(x, self.proj.weight, self.proj.bias)
 
 
+class CastsLikeT5(nn.Module):
+    """Reads a child's weight only for its dtype (T5's DenseReluDense): not a read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wo = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wo(x.to(self.wo.weight.dtype))
+
+
 class Branchy(nn.Module):
     """Control flow on a tensor's values: fx cannot trace it."""
 
@@ -75,6 +86,8 @@ def test_shapes_read_for_a_view_are_not_data_and_same_input_is_one_value() -> No
 def test_functional_reads_are_recorded_and_untraceable_parents_have_no_flow() -> None:
     fl = flow(Reads())
     assert fl is not None and fl.reads == {"proj"} and not fl.called("proj")
+    cast = flow(CastsLikeT5())
+    assert cast is not None and cast.reads == set() and cast.feeders("wo") == {INPUT}
     assert flow(Branchy()) is None
     assert flow(tiny_llama(1).model.layers[0].self_attn) is None  # unpacks *input_shape: module order then
 

@@ -624,25 +624,6 @@ def cases(draw: Any) -> Case:
 # predicates say which plans fall in the class from the tree's data flow and the plan's
 # ops, not from the library's own plan. See KNOWN_DEFECTS for each class's symptom.
 
-def _functional_child(f: Facts) -> bool:
-    for path, m in f.model.named_modules():
-        if isinstance(m, Functional):
-            proj = _join(path, "proj")
-            if f.in_sp(path) or any(op[1] == proj for op in f.ops if op[0] in ("shard", "sync")):
-                return True
-    return False
-
-
-def _feature_sync(f: Facts) -> bool:
-    outputs = output_paths(f.model)
-    return any(
-        op[2] in ("fwd_pre", "fwd_post") and op[3] == "S(-1)" and op[4] != "S(-1)"
-        and (op[1] not in f.roles or (op[2] == "fwd_pre" and f.kind(op[1]) in ("vocab", "embed_dim")))
-        and not (op[2] == "fwd_post" and op[1] in outputs)
-        for op in f.syncs
-    )
-
-
 def _sibling_order(f: Facts) -> bool:
     for c in f.columns():
         if flow(f.model.get_submodule(_parent(c))) is not None:
@@ -816,20 +797,6 @@ _MEGATRON_ATTN = (("shard", "0.q", 0, 1), ("shard", "0.k", 0, 1), ("shard", "0.v
 
 #: The open failure classes of the layout engine, excluded from the generation while open.
 KNOWN_DEFECTS: dict[str, Defect] = {
-    "functional-child": Defect(
-        _functional_child,
-        "a module that reads a child's parameters itself (F.linear(x, self.proj.weight, ...)) while the child is "
-        "sharded, synced or in a sequence-parallel chain: raw 'aten.mm got mixed torch.Tensor and DTensor' "
-        "RuntimeError in forward, not a LayoutError (dtensor/runtime.py _localise_replicated skips planned children)",
-        _c([Block("functional", bias=False)], ("shard", "0.proj", 0, 1)),
-    ),
-    "feature-sync": Defect(
-        _feature_sync,
-        "a fwd_pre/fwd_post sync to Shard(-1) on an unsharded module (or into an Embedding, whose ids' last "
-        "dimension is the sequence) splits the activation and hands the half to a consumer that needs it all: raw "
-        "shape error (mat1 and mat2 shapes cannot be multiplied); plan.refusals checks token shards only",
-        _c([_MLP], ("sync", "0.fc2", "fwd_pre", "S(-1)", None)),
-    ),
     "sibling-order": Defect(
         _sibling_order,
         "in a parent fx cannot trace (attention that reshapes by *h.shape[:2]), a column keeps its output sharded "

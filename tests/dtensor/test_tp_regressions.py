@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from models import tiny_llama, token_ids
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
@@ -172,6 +173,19 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[sf.Schedule], sf.Sched
         lambda s: sf.sequence_parallel(sf.sync(s, "1", "fwd_post", Shard(1)), ["0", "1"]),
         (X,),
     ),
+    # F.linear(x, self.proj.weight): the parent bypasses proj's installed forward ("mixed
+    # torch.Tensor and DTensor" inside the parent's code)
+    "child-read-functionally-while-sharded": (
+        lambda: nn.Sequential(OrderedDict(reads=ReadsChild(), out=nn.Linear(8, 8))),
+        lambda s: sf.shard(s, "reads.proj", axis=0),
+        (X,),
+    ),
+    # a feature shard handed to a Linear that needs all 8 features: a raw matmul shape error
+    "feature-sync-into-an-unsharded-linear": (
+        ShardThenLinear,
+        lambda s: sf.sync(s, "b", "fwd_pre", Shard(-1)),
+        (X,),
+    ),
     # a(x) + b(x) with b's output split along the sequence: in module order nothing with
     # parameters came after b, so it was let through (a raw shape error in the add)
     "token-shard-meets-a-branch": (
@@ -180,6 +194,15 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[sf.Schedule], sf.Sched
         (X,),
     ),
 }
+
+
+class ReadsChild(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(F.linear(x, self.proj.weight, self.proj.bias))
 
 
 class Branches(nn.Module):
@@ -237,6 +260,10 @@ EXPECTED = {
                                                       "sequence_parallel chain stated to receive its input split",
     "sp-exit-kept-split-before-a-linear": "refused: build: '2': receives a token shard from the fwd_post sync of "
                                           "'1' to S(1)",
+    "child-read-functionally-while-sharded": "refused: build: 'reads': reads the parameters of its child "
+                                             "'reads.proj' itself",
+    "feature-sync-into-an-unsharded-linear": "refused: build: 'b': takes its whole input, but the fwd_pre sync of "
+                                             "'b' to Shard(-1)",
     "token-shard-meets-a-branch": "refused: build: 'branches': receives a token shard from the fwd_post sync of "
                                   "'branches.b' to S(1) over 'tp', outside a sequence_parallel chain: its forward "
                                   "combines",

@@ -291,9 +291,6 @@ XFAIL: dict[str, str] = {
                         "loss 0.026978 vs 0.025432 unsharded (6% relative)",
     "bart+sp-decoder": "silent wrong gradients: sequence_parallel over decoder.layers.* only: shared.weight's gradient "
                        "off on ~12% of its elements (max abs 1e-3, relative up to 50x), and different on each rank",
-    "torch-encoder": "raw RuntimeError: a row-sharded self_attn.out_proj is read functionally by "
-                     "F.multi_head_attention_forward (functional.py, linear(attn_output, out_proj_weight, ...)): "
-                     "aten.addmm.default got mixed torch.Tensor and DTensor",
 }
 
 
