@@ -235,9 +235,12 @@ def plan(sch: Schedule) -> Plan:
             # partial output along the sequence; a column last leaves it by all-gathering its input
             if path == same[0] and own not in ("vocab", "row") and not spec.sharded_input:
                 entry = spec
-                # the chain's entry and exit are what sequence_parallel states: explicit
+                # the chain's entry and exit are what sequence_parallel states: explicit; token ids
+                # (an embedding first) have no gradient to gather back
+                ids = isinstance(get_module(sch.module, path), nn.Embedding)
                 bounds.append(
-                    Boundary(path, "input", "R", f"S({spec.seq_axis})", spec.mesh_axis, (), ("all_gather",), True)
+                    Boundary(path, "input", "R", f"S({spec.seq_axis})", spec.mesh_axis, (),
+                             () if ids else ("all_gather",), True)
                 )
             if path == same[-1] and out_sync is None and own != "column":
                 exit_ = spec
@@ -893,6 +896,16 @@ def _lone_columns_in_chains(sch: Schedule, p: Plan) -> list[Problem]:
         if role is None or seq is None or seq.mesh_axis != role.mesh_axis or mp.partnered:
             continue
         members = sorted((q for q, s in seqs.items() if s.mesh_axis == seq.mesh_axis), key=lambda q: order.get(q, 0))
+        if role.kind == "embed_dim":
+            problems.append(Problem(
+                path,
+                f"is an embedding sharded by features (axis=1) inside the sequence_parallel chain over "
+                f"{seq.mesh_axis!r}: slapo_fn does not split its token ids and gather its features in one step "
+                "(its numbers came out wrong)",
+                "shard it by vocabulary (axis=0), which enters the chain by a reduce-scatter, or leave it out of "
+                "the chain",
+            ))
+            continue
         if role.kind in ("row", "vocab") and path != members[0]:
             problems.append(Problem(
                 path,
@@ -973,9 +986,11 @@ def _functional_reads(sch: Schedule, p: Plan) -> list[Problem]:
 def _feature_syncs(sch: Schedule) -> list[Problem]:
     """A ``sync`` to ``Shard(-1)`` (this rank's features) hands a module a part of what it
     needs whole, unless that module is row-parallel (which takes its input split) or a
-    column (which gathers it back): refused for a ``fwd_pre`` sync into any other module,
-    and for a ``fwd_post`` sync whose output reaches anything but rows (where the data
-    flow is known), unless it is the model's output."""
+    column (which gathers it back): refused for a ``fwd_pre`` sync into a module with
+    parameters (or into a parameterless one that is neither pointwise nor states its own
+    output by a ``fwd_post`` sync, as a hand-written module on local features does), and
+    for a ``fwd_post`` sync (or a pointwise module handed split features) whose output
+    reaches anything but rows, unless it is the model's output."""
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
     problems = []
     for path, specs in sch.annotations.of_kind(SYNC).items():
@@ -986,15 +1001,23 @@ def _feature_syncs(sch: Schedule) -> list[Problem]:
                 continue
             role = roles.get(path)
             what = f"the {s.mode} sync of {path or '<root>'!r} to Shard(-1) over {s.mesh_axis!r}"
+            module = get_module(sch.module, path)
             if s.mode == "fwd_pre":
-                if role is None or role.kind not in ("row", "column"):
+                if role is not None and role.kind in ("row", "column"):
+                    continue
+                states_output = any(o.mode == "fwd_post" for o in specs)
+                if role is not None or _has_params(module) or not (pointwise(module) or states_output):
                     problems.append(Problem(
                         path, f"takes its whole input, but {what} hands it this rank's features only",
                         "shard it as a row (axis=1) so that it takes split features, or drop the sync",
                     ))
-                continue
-            if role is not None or _model_output(sch, path):
-                continue  # a role's own output boundary, or the model's sharded result
+                    continue
+                if states_output:
+                    continue  # a hand-written module on this rank's features, whose output the user states
+            elif role is not None:
+                continue  # a role's own output boundary
+            if _model_output(sch, path):
+                continue  # the model's sharded result
             users = _users(sch, path)
             if users is None:
                 named = "modules whose data flow slapo_fn cannot trace"

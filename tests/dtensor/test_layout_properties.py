@@ -661,10 +661,6 @@ def _equal_in_columns(f: Facts) -> bool:
     return False
 
 
-def _sp_ids_entry(f: Facts) -> bool:
-    return "0" in f.sp and isinstance(f.model[0], nn.Embedding) and f.kind("0") != "vocab"
-
-
 def _natural(f: Facts, path: str, mode: str) -> str:
     """The layout the plan has at a boundary (what a ``src`` should state)."""
     kind = f.kind(path)
@@ -818,13 +814,6 @@ KNOWN_DEFECTS: dict[str, Defect] = {
         "are taken as reading one input (q/k/v), so the plan predicts 1 backward all_reduce where the build does 2 "
         "(dtensor/plan.py _entry_key; a traceable parent is keyed by the value its columns are called on)",
         _c([_ATTN], ("shard", "0.q", 0, 1), ("shard", "0.o", 0, 1)),
-    ),
-    "sp-ids-entry": Defect(
-        _sp_ids_entry,
-        "plan counts: a chain entered by token ids (an unsharded Embedding first) predicts the entry's backward "
-        "all_gather, but ids have no gradient: predicted backward {all_gather: 1, all_reduce: 1}, counted "
-        "{all_reduce: 1}",
-        _c([_NORM], ("sp", ("0",), None), ids=True),
     ),
     "src-unchecked": Defect(
         _src_unchecked,

@@ -186,6 +186,12 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[sf.Schedule], sf.Sched
         lambda s: sf.sync(s, "b", "fwd_pre", Shard(-1)),
         (X,),
     ),
+    # an axis=1 embedding first in a chain: silently wrong (max abs diff 1.49 of 1.2)
+    "feature-sharded-embedding-in-a-chain": (
+        EmbedNorm,
+        lambda s: sf.sequence_parallel(sf.shard(s, "embed", axis=1), ["embed", "norm"]),
+        (IDS,),
+    ),
     # a(x) + b(x) with b's output split along the sequence: in module order nothing with
     # parameters came after b, so it was let through (a raw shape error in the add)
     "token-shard-meets-a-branch": (
@@ -264,6 +270,7 @@ EXPECTED = {
                                              "'reads.proj' itself",
     "feature-sync-into-an-unsharded-linear": "refused: build: 'b': takes its whole input, but the fwd_pre sync of "
                                              "'b' to Shard(-1)",
+    "feature-sharded-embedding-in-a-chain": "refused: build: 'embed': is an embedding sharded by features",
     "token-shard-meets-a-branch": "refused: build: 'branches': receives a token shard from the fwd_post sync of "
                                   "'branches.b' to S(1) over 'tp', outside a sequence_parallel chain: its forward "
                                   "combines",
