@@ -154,8 +154,7 @@ def plan(sch: Schedule) -> Plan:
     modules: dict[str, ModulePlan] = {}
     bounds: list[Boundary] = []
     fused: set[tuple[str, str, int | str | None]] = set()
-    flows = _Flows(sch.module)
-    partners = _partners(sch, flows)
+    partners = _partners(sch)
     for path in sorted(set(roles) | set(seqs) | set(syncs) | set(rngs), key=lambda p: order.get(p, 0)):
         role = roles.get(path)
         seq = region(path)
@@ -166,7 +165,7 @@ def plan(sch: Schedule) -> Plan:
             ax = role.mesh_axis
             if role.kind == "column":
                 in_seq = seq is not None and seq.mesh_axis == ax
-                key = (_parent(path), ax, _entry_key(sch, flows, path))
+                key = (_parent(path), ax, _entry_key(sch, path))
                 leader = key not in fused
                 fused.add(key)
                 if in_seq:
@@ -192,7 +191,7 @@ def plan(sch: Schedule) -> Plan:
                     bounds.append(Boundary(path, "output", out, "R", ax, ("all_gather",), (), False, "output"))
             elif role.kind == "row":
                 pre = next((s for s in spec_syncs if s.mode == "fwd_pre"), None)
-                if not partnered and pre is None and not _fed_split(sch, flows, path, ax):
+                if not partnered and pre is None and not _fed_split(sch, path, ax):
                     bounds.append(Boundary(path, "input", "R", "S(-1)", ax, (), ("all_gather",), False))
                 elif not partnered and isinstance(pre, SyncSpec) and isinstance(pre.layout, Replicate):
                     # stated replicated: the module splits it locally (all-gather of the gradient)
@@ -300,35 +299,27 @@ def plan(sch: Schedule) -> Plan:
     return Plan(modules, tuple(bounds))
 
 
-class _Flows:
-    """The data flow of each parent, traced once per plan (see :func:`.flow.flow`)."""
-
-    def __init__(self, root: nn.Module) -> None:
-        self.root = root
-        self.memo: dict[str, Flow | None] = {}
-
-    def __call__(self, parent: str) -> Flow | None:
-        if parent not in self.memo:
-            self.memo[parent] = flow(get_module(self.root, parent))
-        return self.memo[parent]
+def _flow_of(sch: Schedule, parent: str) -> Flow | None:
+    """The data flow among the children of the module at ``parent`` (cached by :func:`.flow.flow`)."""
+    return flow(get_module(sch.module, parent))
 
 
-def _entry_key(sch: Schedule, flows: _Flows, path: str) -> int | str | None:
+def _entry_key(sch: Schedule, path: str) -> int | str | None:
     """Columns of one parent with equal keys read one input tensor and enter the tensor-
     parallel region once (one backward all-reduce for all): the value they are called on
     where the parent's data flow is known, else their input width (q/k/v)."""
-    fl = flows(_parent(path)) if path else None
+    fl = _flow_of(sch, _parent(path)) if path else None
     name = split(path)[-1] if path else ""
     if fl is not None and name in fl.first:
         return "value " + fl.first[name]
     return _in_features(get_module(sch.module, path))
 
 
-def _fed_split(sch: Schedule, flows: _Flows, path: str, axis: str) -> bool:
+def _fed_split(sch: Schedule, path: str, axis: str) -> bool:
     """Whether everything that reaches row ``path`` comes from siblings whose ``fwd_post``
     sync states their output ``Shard(-1)`` over ``axis``: the row then takes its input
     split as it is (the sync's boundary carries the collective), with no split of its own."""
-    fl = flows(_parent(path)) if path else None
+    fl = _flow_of(sch, _parent(path)) if path else None
     if fl is None:
         return False
     fed = fl.feeders(split(path)[-1], _through(sch, _parent(path)))
@@ -342,7 +333,7 @@ def _fed_split(sch: Schedule, flows: _Flows, path: str, axis: str) -> bool:
     return bool(fed) and all(q not in (INPUT, OUTPUT) and split_out(q) for q in fed)
 
 
-def _partners(sch: Schedule, flows: _Flows) -> dict[str, tuple[str, ...]]:
+def _partners(sch: Schedule) -> dict[str, tuple[str, ...]]:
     """Megatron pairs: for each column that keeps its output sharded, the rows it feeds;
     for each such row, the columns that feed it (siblings, over one mesh axis).
 
@@ -362,7 +353,7 @@ def _partners(sch: Schedule, flows: _Flows) -> dict[str, tuple[str, ...]]:
     for (parent, _), paths in groups.items():
         if not any(roles[p].kind == "column" for p in paths) or not any(roles[p].kind == "row" for p in paths):
             continue
-        fl = flows(parent)
+        fl = _flow_of(sch, parent)
         names = {split(p)[-1]: p for p in paths}
         if fl is None or not all(fl.called(n) for n in names):
             out.update(_partners_in_module_order(sch, paths, roles))
@@ -519,7 +510,7 @@ def _unsharded_twins(sch: Schedule, p: Plan) -> list[Problem]:
     for path, mp in p.modules.items():
         if mp.role is None or mp.role.kind != "column" or not mp.partnered or mp.role.packed > 1:
             continue
-        if flow(get_module(sch.module, _parent(path))) is not None:
+        if _flow_of(sch, _parent(path)) is not None:
             continue  # the data flow paired it: nothing unsharded meets its output (see _partners)
         module = get_module(sch.module, path)
         shape = (_in_features(module), _out_features(module))
@@ -604,33 +595,27 @@ def _token_consumer(
     or ``None`` (a ``fwd_pre`` sync gathers it back first, or nothing that could take it
     follows): by the data flow of its parent (and of theirs, as long as it is known), then
     by module order — the later siblings, then the ancestors'."""
-    start = path
-    while start:
-        parent, name = _parent(start), split(start)[-1]
-        fl = flow(get_module(sch.module, parent))
-        if fl is None or not fl.called(name):
-            break
-        through = _through(sch, parent)
-        users = fl.consumers(name, through)
-        for user in sorted(users - {OUTPUT}):
-            q = join(parent, user)
+    levels, start = _downstream(sch, path)
+    for lv in levels:
+        for user in sorted(lv.users - {OUTPUT}):
+            q = join(lv.parent, user)
             if gathers_back(q, axis):
                 continue
             if in_chain(q, axis):
                 if _told_split(sch, q):
                     continue
                 return q, _SPLIT_TWICE
-            if fl.feeders(user, through) - {name}:
-                return q, f"it takes the shard together with whole-sequence values in {parent or '<root>'!r}'s forward"
+            if lv.flow.feeders(user, lv.through) - {lv.name}:
+                where = lv.parent or "<root>"
+                return q, f"it takes the shard together with whole-sequence values in {where!r}'s forward"
             if _has_params(get_module(sch.module, q)):
                 return q, "its parameters' gradients would be partial sums taken for whole ones"
             if not pointwise(get_module(sch.module, q)):
                 return q, "slapo_fn cannot tell that it works token by token"
-        if OUTPUT not in users:
-            return None
-        if fl.reaching_output(through) - {name}:
-            return parent, "its forward combines the shard with whole-sequence values"
-        start = parent
+        if OUTPUT in lv.users and lv.flow.reaching_output(lv.through) - {lv.name}:
+            return lv.parent, "its forward combines the shard with whole-sequence values"
+    if start is None:
+        return None
     for q in _later_modules(sch.module, start):
         if gathers_back(q, axis):
             return None
@@ -747,23 +732,17 @@ def _next_outside_chain(sch: Schedule, member: str, members: list[str], axis: st
         return any(s.mode == "fwd_pre" and s.mesh_axis == axis and isinstance(s.layout, Replicate)
                    for s in syncs.get(q, ()))
 
-    start = member
-    while start:  # where the data flow is known, what the member's output reaches runs next
-        parent, name = _parent(start), split(start)[-1]
-        fl = flow(get_module(sch.module, parent))
-        if fl is None or not fl.called(name):
-            break
-        users = fl.consumers(name, _through(sch, parent))
-        for q in sorted(users - {OUTPUT}):
-            path = join(parent, q)
+    levels, start = _downstream(sch, member)  # where the data flow is known, what the output reaches runs next
+    for lv in levels:
+        for q in sorted(lv.users - {OUTPUT}):
+            path = join(lv.parent, q)
             if any(r == path or contains(r, path) for r in members) or gathers(path):
                 continue
             module = get_module(sch.module, path)
             if _has_params(module) or mixes_tokens(module) or not pointwise(module):
                 return path
-        if OUTPUT not in users:
-            return None
-        start = parent  # it leaves the parent: what follows the parent takes it
+    if start is None:
+        return None
     for q in _later_modules(sch.module, start):
         if any(r == q or contains(r, q) for r in members):
             return None
@@ -1037,19 +1016,43 @@ def _feature_syncs(sch: Schedule) -> list[Problem]:
 def _users(sch: Schedule, path: str) -> list[str] | None:
     """The modules ``path``'s output reaches (through pointwise ones), by the data flow, up
     the tree while it leaves its parent; ``None`` where a parent's flow is unknown."""
-    out: list[str] = []
+    levels, start = _downstream(sch, path)
+    if start:
+        return None
+    return [join(lv.parent, q) for lv in levels for q in sorted(lv.users - {OUTPUT})]
+
+
+@dataclass(frozen=True)
+class _Level:
+    """One parent on the way of a module's output: what it reaches there (``users``, with
+    :data:`.flow.OUTPUT` where it leaves the parent), by the parent's ``flow``."""
+
+    parent: str
+    name: str
+    flow: Flow
+    through: Callable[[str], bool]
+    users: frozenset[str]
+
+
+def _downstream(sch: Schedule, path: str) -> tuple[list[_Level], str | None]:
+    """Where ``path``'s output goes by the data flow: one level per parent while it leaves
+    the parent (up to the root), and the path from which module order must go on — ``None``
+    if it stays inside a parent whose flow is known, ``""`` past the root, else the first
+    module whose parent's flow is unknown."""
+    levels: list[_Level] = []
     start = path
     while start:
         parent, name = _parent(start), split(start)[-1]
-        fl = flow(get_module(sch.module, parent))
+        fl = _flow_of(sch, parent)
         if fl is None or not fl.called(name):
-            return None
-        users = fl.consumers(name, _through(sch, parent))
-        out += [join(parent, q) for q in sorted(users - {OUTPUT})]
+            return levels, start
+        through = _through(sch, parent)
+        users = fl.consumers(name, through)
+        levels.append(_Level(parent, name, fl, through, users))
         if OUTPUT not in users:
-            return out
+            return levels, None
         start = parent
-    return out
+    return levels, start
 
 
 def _model_output(sch: Schedule, path: str) -> bool:
@@ -1060,7 +1063,7 @@ def _model_output(sch: Schedule, path: str) -> bool:
     tokens = split(path)
     for depth in range(len(tokens), 0, -1):  # at every level it reaches the parent's result alone
         here = ".".join(tokens[:depth])
-        fl = flow(get_module(sch.module, _parent(here)))
+        fl = _flow_of(sch, _parent(here))
         if fl is None or fl.reaching_output(_through(sch, _parent(here))) != {split(here)[-1]}:
             return False
     return True
