@@ -9,9 +9,9 @@ a ``save_pretrained`` folder:
 (b) ``AutoModelForCausalLM.from_pretrained(folder)`` on every rank, then
     ``sf.build(sch)`` of the same schedule.
 
-Each way runs in fresh worker processes (``ru_maxrss`` is a process's lifetime peak),
-one after the other, ``--repeats`` times, alternating. Per rank: the growth of peak RSS
-from just before loading to just after (file pages mapped by safetensors count, for
+Each way runs in fresh worker processes, one after the other, ``--repeats`` times,
+alternating. Per rank: the growth of peak RSS from just before loading to just after
+(Linux's VmHWM, reset just before loading; file pages mapped by safetensors count, for
 both) and the wall time (ranks synchronised by a barrier before and after). Both ways
 are checked to give the same logits. Prints one JSON line::
 
@@ -40,8 +40,13 @@ def _config(layers: int, hidden: int, vocab: int) -> Any:
                        tie_word_embeddings=False, use_cache=False)
 
 
+def _status_kib(key: str) -> int:
+    """A figure of this process's memory from the kernel's own accounting (Linux), in kB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+
 def _load(rank: int, world: int, how: str, folder: str) -> dict[str, Any]:
-    import resource
 
     import torch
     import torch.distributed as dist
@@ -56,7 +61,9 @@ def _load(rank: int, world: int, how: str, folder: str) -> dict[str, Any]:
         meta = AutoModelForCausalLM.from_config(config)
     recipe = sf.recipes.for_model(meta)
     dist.barrier()
-    start_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) starts again from now: the imports' peak must not hide the load's
+    start_rss = _status_kib("VmRSS")
     start = time.perf_counter()
     if how == "load_hf":
         model = sf.build(recipe(sf.create_schedule(meta, mesh=tp), tp=world), init="empty")
@@ -70,7 +77,7 @@ def _load(rank: int, world: int, how: str, folder: str) -> dict[str, Any]:
     done = time.perf_counter()
     dist.barrier()
     seconds = time.perf_counter() - start
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - start_rss
+    peak_kib = _status_kib("VmHWM") - start_rss
     with torch.no_grad():
         logits = model.eval()(torch.arange(16).view(1, 16)).logits
     return {"peak_mib": peak_kib / 1024, "seconds": seconds, "first_s": built - start, "second_s": done - built,

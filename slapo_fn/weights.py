@@ -285,6 +285,28 @@ def _read(sl: Any, ranges: Sequence[Ranges]) -> torch.Tensor:
     return torch.cat(parts, dim=many)
 
 
+class _Files(contextlib.ExitStack):
+    """The safetensors files one tensor is read from, each opened (memory-mapped) on first
+    use and all closed on exit. A load opens them per tensor: the pages a mapping has
+    touched count in the process's resident memory until it is unmapped, so one mapping
+    held over the whole load would grow it by every file read, up to the checkpoint's size
+    on each rank."""
+
+    def __init__(self, headers: Mapping[str, _Header]) -> None:
+        super().__init__()
+        self._headers = headers
+        self._open: dict[Path, Any] = {}
+
+    def handle(self, key: str) -> Any:
+        file = self._headers[key].file
+        if file not in self._open:
+            self._open[file] = self.enter_context(safe_open(str(file), framework="pt"))
+        return self._open[file]
+
+    def slice(self, key: str) -> Any:
+        return self.handle(key).get_slice(key)
+
+
 def _read_assembled(node: Assembly, ranges: Sequence[Ranges], slice_of: Callable[[str], Any],
                     headers: Mapping[str, _Header]) -> torch.Tensor:
     """The block at ``ranges`` (global runs per dimension of the assembled tensor) of a
@@ -518,27 +540,16 @@ def load_hf(model: Any, folder: str | os.PathLike[str], *, dtype: torch.dtype | 
                                                       "no initialisation that recomputes them",
                                                    "build from a model whose buffers hold values (not meta), or "
                                                    "give the module reset_parameters()") for p in bad])
-        with contextlib.ExitStack() as stack:
-            handles: dict[Path, Any] = {}
-
-            def handle(key: str) -> Any:
-                file = headers[key].file
-                if file not in handles:
-                    handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
-                return handles[file]
-
-            def slice_of(key: str) -> Any:
-                return handle(key).get_slice(key)
-
-            for plan in plans:
+        for plan in plans:
+            with _Files(headers) as files:  # closed after each tensor: see _Files
                 if plan.ranges is None:
                     shape = _shape(plan.source, headers) or ()
                     whole = tuple(((0, n),) for n in shape)
-                    data = (_read_assembled(plan.source, whole, slice_of, headers) if shape or not isinstance(
-                        plan.source, str) else handle(plan.source).get_tensor(plan.source))
+                    data = (_read_assembled(plan.source, whole, files.slice, headers) if shape or not isinstance(
+                        plan.source, str) else files.handle(plan.source).get_tensor(plan.source))
                     dst = plan.tensor
                 else:
-                    data = (_read_assembled(plan.source, plan.ranges, slice_of, headers) if all(plan.ranges)
+                    data = (_read_assembled(plan.source, plan.ranges, files.slice, headers) if all(plan.ranges)
                             else torch.empty(0))
                     dst = plan.tensor.to_local()  # type: ignore[attr-defined]
                 if dst.numel():

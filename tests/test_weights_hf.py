@@ -301,15 +301,16 @@ def _peak_kib(how: str, folder: Path) -> int:
 def test_peak_memory_while_loading_is_below_from_pretrained_plus_build(tmp_path: Path) -> None:
     """Rank 0 of tp=2 (a fake process group: loading moves no data between ranks), each
     way in a fresh process, a LLaMA of ~84 MB: the peak RSS growth while loading into
-    shards is below that of ``from_pretrained`` + ``build`` (measured ≈ 0.5×; the bound
-    leaves room for noise)."""
+    shards is below that of ``from_pretrained`` + ``build``: measured 78 MB to 171–192 MB
+    (0.41–0.46×). Holding the files' memory maps over the whole load, as load_hf once did,
+    gave 134 MB (0.70–0.78×, and over 0.8× once in CI); the bound catches that."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=8000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=False)
     LlamaForCausalLM(cfg).save_pretrained(str(tmp_path))
     ours, theirs = _peak_kib("load_hf", tmp_path), _peak_kib("from_pretrained", tmp_path)
-    assert ours < 0.8 * theirs, (ours, theirs)
+    assert ours < 0.65 * theirs, (ours, theirs)
 
 
 @pytest.mark.dist
