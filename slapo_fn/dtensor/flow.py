@@ -3,10 +3,17 @@ reach each child's input in the parent's ``forward`` (not the order the children
 registered in), for the layout planner (:mod:`.plan`).
 
 A parent is traced with ``torch.fx``, its children as leaves (their code is not run),
-on a shallow copy (an attribute its forward sets stays off the model). A parent that
-fx cannot trace (attention that unpacks shapes into ``*args``, control flow on tensor
-values) has no flow: :func:`flow` returns ``None`` and the planner falls back to module
-order and its refusals.
+on a shallow copy (an attribute its forward sets stays off the model). Where plain fx
+fails, a tracer whose values answer ``.shape`` with one size per dimension traces code
+that unpacks shapes into arguments (Hugging Face attention's ``view(*input_shape, -1,
+head_dim)``) and takes branches on sizes alone the way a sequence of several tokens
+does; a parent's optional tensor argument (``position_embeddings``) is traced where the
+forward needs it. The parent's first argument is the hidden states (:data:`INPUT`), the
+others side values (:data:`SIDE`). A parent that neither traces (control flow on tensor
+values, ``nn.MultiheadAttention``'s functional call) has no flow: :func:`flow` returns
+``None`` and the planner falls back to module order and its refusals. The flow also
+says how the parent takes each child's output apart (:class:`Apart`: split into blocks,
+viewed into heads), which packing and head counts are checked against.
 
 Example:
     >>> import torch.nn as nn, torch.nn.functional as F
@@ -35,28 +42,48 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-__all__ = ["INPUT", "OUTPUT", "Flow", "flow", "pointwise"]
+__all__ = ["INPUT", "OUTPUT", "SIDE", "Apart", "Flow", "flow", "pointwise"]
 
-#: What reaches a child from the parent's own arguments, and where the parent's result goes.
+#: What reaches a child from the parent's first argument (the hidden states), and where the
+#: parent's result goes.
 INPUT, OUTPUT = "<input>", "<output>"
+#: What reaches a child from the parent's other arguments: masks, rotary ``cos``/``sin``,
+#: ALiBi biases, encoder states; values that are not the activation the layouts split.
+SIDE = "<side>"
 _INNER = "inner"
+
+
+@dataclass(frozen=True)
+class Apart:
+    """How a parent's code first takes a child's output apart along its features:
+    ``kind`` ``"blocks"`` (split into ``count`` blocks: [Q|K|V], [gate|up]; ``None`` where
+    the trace does not say how many) or ``"heads"`` (viewed with the features as
+    ``dims``: ``(-1, 64)`` for ``view(B, S, -1, 64)``, ``(4, 3, 16)`` for BLOOM's per-head
+    [q|k|v]; ``None`` for a size the trace computes)."""
+
+    kind: str
+    count: int | None = None
+    dims: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True)
 class Flow:
     """Where data goes among one parent's children.
 
-    ``feeds[child]`` holds the children (or :data:`INPUT`) whose outputs reach ``child``'s
-    arguments, through any ops of the parent's code between; ``output`` what reaches the
-    parent's result; ``reads`` the children whose parameters or buffers the parent's own
-    code reads (``F.linear(x, self.proj.weight)``). Children called in no path of the
-    traced forward are absent from ``feeds``.
+    ``feeds[child]`` holds the children (or :data:`INPUT`, :data:`SIDE`) whose outputs
+    reach ``child``'s arguments, through any ops of the parent's code between; ``output``
+    what reaches the parent's result (the first element where it returns a tuple, as
+    Hugging Face modules return ``(hidden_states, attn_weights)``); ``reads`` the children
+    whose parameters or buffers the parent's own code reads (``F.linear(x,
+    self.proj.weight)``). Children called in no path of the traced forward are absent
+    from ``feeds``.
     """
 
     feeds: Mapping[str, frozenset[str]]
     output: frozenset[str]
     reads: frozenset[str] = frozenset()
     first: Mapping[str, str] = field(default_factory=dict)  # the value each child is first called on (a node)
+    apart: Mapping[str, Apart] = field(default_factory=dict)  # how the parent takes each output apart
 
     def same_input(self, a: str, b: str) -> bool:
         """Whether children ``a`` and ``b`` are called on the very same tensor (q/k/v on the
@@ -105,7 +132,7 @@ def _close(
         if q in seen:
             continue
         seen.add(q)
-        if q not in (INPUT, OUTPUT) and through(q):
+        if q not in (INPUT, OUTPUT, SIDE) and through(q):
             todo += feeds.get(q, frozenset())
         else:
             out.add(q)
@@ -127,7 +154,7 @@ def pointwise(module: nn.Module) -> bool:
 
 
 class _Caller(nn.Module):
-    """Calls ``inner`` with its ``n`` required positional arguments (fx cannot trace a root
+    """Calls ``inner`` with its first ``n`` positional arguments (fx cannot trace a root
     taking ``*args``/``**kwargs``, as Hugging Face decoder layers do)."""
 
     def __init__(self, inner: nn.Module, n: int) -> None:
@@ -144,60 +171,204 @@ class _Leaves(fx.Tracer):
         return module_qualified_name.startswith(_INNER + ".")
 
 
-def _required(module: nn.Module) -> int | None:
+#: The rank a traced value is taken to have where nothing in the trace says: the parent's
+#: arguments are hidden states ``(batch, sequence, features)``.
+_ASSUMED_RANK = 3
+_SAME_RANK = frozenset({"transpose", "contiguous", "float", "to", "type_as", "masked_fill", "clone", "softmax",
+                        "chunk", "split", "narrow", "__getitem__"})
+
+
+class _Shapes(_Leaves):
+    """A tracer whose values answer ``.shape`` and ``.size()`` with a tuple of one
+    ``size(i)`` node per dimension, so code that unpacks a shape into arguments
+    (``x.view(*x.shape[:-1], -1, d)``, which plain fx cannot trace) traces. The number of
+    dimensions is read from the trace (a view's arguments, a module keeps its input's) or
+    taken as :data:`_ASSUMED_RANK`; a wrong guess changes the arity of a traced view,
+    never which values reach which child, which is all :func:`flow` reads."""
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _ShapedProxy(node, self)
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        """A branch on sizes alone (``q_len > 1``) takes the way a sequence of more than
+        one token does; a branch on tensor values still fails the trace."""
+        if _sizes_only(obj.node):
+            return True
+        return super().to_bool(obj)
+
+
+class _ShapedProxy(fx.Proxy):
+    def __getattr__(self, k: str) -> Any:
+        if k == "shape":
+            return self._sizes()
+        if k == "size":
+            def size(*dim: Any) -> Any:
+                if dim:
+                    return self.tracer.create_proxy("call_method", "size", (self, *dim), {})
+                return self._sizes()
+            return size
+        return super().__getattr__(k)
+
+    def _sizes(self) -> tuple[fx.Proxy, ...]:
+        return tuple(self.tracer.create_proxy("call_method", "size", (self, i), {}) for i in range(_rank(self.node)))
+
+
+def _sizes_only(node: fx.Node) -> bool:
+    """Whether ``node`` is computed from tensors' sizes alone, not their values."""
+    if _metadata(node):
+        return True
+    inputs = node.all_input_nodes
+    return node.op == "call_function" and bool(inputs) and all(_sizes_only(a) for a in inputs)
+
+
+def _rank(node: fx.Node, depth: int = 0) -> int:
+    """The number of dimensions of a traced value, as far as the trace shows it."""
+    first = next(iter(node.all_input_nodes), None)
+    if node.op == "call_method" and node.target in ("view", "reshape", "expand", "repeat") and len(node.args) > 1:
+        shape = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], tuple | list) else node.args[1:]
+        return len(shape)
+    if first is None or depth > 32:
+        return _ASSUMED_RANK
+    inner = _rank(first, depth + 1)
+    if node.op == "call_method" and node.target == "unsqueeze":
+        return inner + 1
+    return inner
+
+
+def _positional(module: nn.Module) -> list[inspect.Parameter] | None:
+    """``module.forward``'s positional parameters, or ``None`` where they cannot be read."""
     try:
         params = inspect.signature(module.forward).parameters.values()
     except (TypeError, ValueError):
         return None
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(1 for p in params if p.kind in positional and p.default is inspect.Parameter.empty)
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p for p in params if p.kind in kinds]
+
+
+def _arguments(params: list[inspect.Parameter]) -> list[tuple[Any, ...]] | None:
+    """The ways to call a parent for tracing, tried in turn, each the value of its first
+    four positional arguments (:data:`_TRACED_ARG` for a traced value, else the default):
+    its required arguments traced; then also one optional argument typed as tensors
+    (Hugging Face attention declares ``position_embeddings`` optional, though it unpacks
+    it), never a cache. Other optional arguments keep their defaults (a mask of ``None``:
+    what the parent computes from its children is traced, not its masking)."""
+    required = [p for p in params if p.default is inspect.Parameter.empty]
+    if len(required) > 4:
+        return None
+    base = tuple(_TRACED_ARG if p.default is inspect.Parameter.empty else p.default for p in params[:4])
+    if not required:
+        base = (_TRACED_ARG, *base[1:]) if base else (_TRACED_ARG,)
+    out = [base]
+    for i, p in enumerate(params[:4]):
+        hint = str(p.annotation)
+        if (p.default is None and "Tensor" in hint and "Cache" not in hint and "mask" not in p.name):
+            out.append(tuple(_TRACED_ARG if j == i else v for j, v in enumerate(base)))
+    return out
+
+
+#: Marks an argument :func:`flow` traces (the others are passed as constants).
+_TRACED_ARG = object()
 
 
 #: Traced flows by parent module (weakly: a module no schedule holds any more drops out),
 #: with what they were traced from: its children and its plain attributes (a changed one
 #: traces again).
 _TRACED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], Flow | None]] = weakref.WeakKeyDictionary()
+#: Traced flows by what they can depend on: the parent's class, forward and children's names
+#: and classes, then the attributes its forward read and their values (plain ones by value,
+#: others by identity, held here so that an identity stays theirs). The 126 attention
+#: modules of a LLaMA-405B, alike but for ``layer_idx``, which their forward does not read
+#: without a cache, trace once. Bounded: cleared when it grows past :data:`_SHAPES_MAX`.
+_BY_SHAPE: dict[tuple[Any, ...], list[tuple[tuple[tuple[str, Any], ...], Flow | None]]] = {}
+_SHAPES_MAX = 1024
+_PLAIN = (int, float, str, bool, type(None))
+_MISSING = object()
 
 
 def flow(parent: nn.Module) -> Flow | None:
     """The data flow among ``parent``'s children, or ``None`` where fx cannot trace its
-    forward (the planner then reads module order). Traced once per module."""
-    plain = (int, float, str, bool, type(None))
+    forward (the planner then reads module order). Traced once per module, and once for
+    modules alike in what their forward reads."""
     key = (
         type(parent).forward,
         tuple((k, id(m)) for k, m in parent._modules.items()),
-        tuple((k, v) for k, v in vars(parent).items() if isinstance(v, plain)),
+        tuple((k, v) for k, v in vars(parent).items() if isinstance(v, _PLAIN)),
     )
     known = _TRACED.get(parent)
     if known is not None and known[0] == key:
         return known[1]
-    found = _trace(parent)
+    shape = (type(parent), type(parent).forward, tuple((k, type(m)) for k, m in parent._modules.items()))
+    own = vars(parent)
+    alike = next((f for reads, f in _BY_SHAPE.get(shape, ())
+                  if all(_same(own.get(name, _MISSING), value) for name, value in reads)), _MISSING)
+    if alike is not _MISSING:
+        found: Flow | None = alike  # type: ignore[assignment]
+    else:
+        found, read = _trace(parent)
+        if len(_BY_SHAPE) > _SHAPES_MAX:
+            _BY_SHAPE.clear()
+        _BY_SHAPE.setdefault(shape, []).append((tuple((n, own.get(n, _MISSING)) for n in sorted(read)), found))
     _TRACED[parent] = (key, found)
     return found
 
 
-def _trace(parent: nn.Module) -> Flow | None:
-    n = _required(parent)
-    if n is None or n > 4 or not parent._modules:
-        return None
-    shell = copy.copy(parent)  # attributes the traced forward sets land on the copy
-    n = max(n, 1)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            graph = _Leaves().trace(_Caller(shell, n), concrete_args={f"a{i}": None for i in range(n, 4)})
-    except Exception:  # any failure of symbolic tracing: no flow, module order instead
-        return None
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, _PLAIN) and isinstance(b, _PLAIN):
+        return type(a) is type(b) and a == b
+    return a is b
+
+
+def _recording(parent: nn.Module, read: set[str]) -> nn.Module:
+    """A shallow copy of ``parent`` (attributes its traced forward sets land on the copy)
+    that notes the names of the instance attributes its forward reads."""
+    shell = copy.copy(parent)
+    own = set(vars(parent))
+
+    base = type(parent)
+
+    def __getattribute__(self: nn.Module, name: str) -> Any:
+        if name in own and not name.startswith("_"):
+            read.add(name)
+        return base.__getattribute__(self, name)
+
+    kind = type(base.__name__, (base,), {"__getattribute__": __getattribute__})
+    shell.__class__ = kind
+    return shell
+
+
+def _trace(parent: nn.Module) -> tuple[Flow | None, set[str]]:
+    """The flow of ``parent`` and the names of the attributes its forward read."""
+    read: set[str] = set()
+    params = _positional(parent)
+    calls = _arguments(params) if params is not None and parent._modules else None
+    if not calls:
+        return None, read
+    shell = _recording(parent, read)
+    graph = None
+    attempts = [(tracer, call) for tracer in (_Leaves, _Shapes) for call in calls]
+    for tracer, call in attempts:  # plain fx first; shapes unpacked into arguments next
+        concrete = {f"a{i}": v for i, v in enumerate(call) if v is not _TRACED_ARG}
+        concrete.update({f"a{i}": None for i in range(len(call), 4)})
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                graph = tracer().trace(_Caller(shell, len(call)), concrete_args=concrete)
+            break
+        except Exception:  # any failure of symbolic tracing: try the next, else no flow
+            continue
+    if graph is None:
+        return None, read
     prefix = _INNER + "."
     sources: dict[fx.Node, frozenset[str]] = {}
     feeds: dict[str, frozenset[str]] = {}
     reads: set[str] = set()
     first: dict[str, str] = {}
+    apart: dict[str, Apart] = {}
     output: frozenset[str] = frozenset()
     for node in graph.nodes:
         upstream: frozenset[str] = frozenset().union(*(sources.get(a, frozenset()) for a in node.all_input_nodes))
         if node.op == "placeholder":
-            sources[node] = frozenset({INPUT})
+            sources[node] = frozenset({INPUT if node.target == "a0" else SIDE})
         elif node.op == "get_attr":
             target = str(node.target)
             used = any(not _metadata(user) for user in node.users)  # self.wo.weight.dtype is no read
@@ -213,13 +384,60 @@ def _trace(parent: nn.Module) -> Flow | None:
             if name not in first and isinstance(arg, fx.Node):
                 first[name] = arg.name
             sources[node] = frozenset({name})
+            if name not in apart and (how := _taken_apart(node)) is not None:
+                apart[name] = how
         elif node.op == "output":
-            output = upstream
+            result = node.args[0]  # (hidden states, attention weights, cache): the first is the result
+            main = result[0] if isinstance(result, tuple | list) and result else result
+            output = frozenset().union(*(sources.get(a, frozenset()) for a in _nodes_in(main)))
         elif _metadata(node):
             sources[node] = frozenset()  # a shape or dtype carries no data: x.size() to view by
         else:
             sources[node] = upstream
-    return Flow(MappingProxyType(feeds), output, frozenset(reads), MappingProxyType(first))
+    found = Flow(MappingProxyType(feeds), output, frozenset(reads), MappingProxyType(first), MappingProxyType(apart))
+    return found, read
+
+
+_SPLITS = frozenset({"split", "chunk", "tensor_split", "split_with_sizes"})
+
+
+def _taken_apart(node: fx.Node) -> Apart | None:
+    """How the parent first takes a child's output apart along its features (its last
+    dimension), where it does at once: split into blocks (``split``, ``chunk``,
+    ``x[..., :n]``), or viewed into heads (``view(..., n, d)``); else ``None``."""
+    users = [u for u in node.users if not _metadata(u)]
+    if len(users) != 1:
+        return None
+    use = users[0]
+    name = use.target if use.op == "call_method" else getattr(use.target, "__name__", "")
+    rest = use.args[1:]
+    dim = use.kwargs.get("dim", rest[1] if len(rest) > 1 else 0)
+    if name in _SPLITS and rest and dim in (-1, _ASSUMED_RANK - 1):
+        parts = rest[0]
+        if name == "chunk" and isinstance(parts, int):
+            return Apart("blocks", parts)
+        if isinstance(parts, tuple | list):
+            return Apart("blocks", len(parts))
+        return Apart("blocks")  # split(size): as many blocks as the width holds
+    if name == "getitem" and isinstance(rest[0], tuple) and len(rest[0]) > 0 and rest[0][0] is Ellipsis:
+        return Apart("blocks")
+    if name in ("view", "reshape") and rest:
+        shape = rest[0] if len(rest) == 1 and isinstance(rest[0], tuple | list) else rest
+        if len(shape) >= _ASSUMED_RANK + 1 and isinstance(shape[-1], int) and shape[-1] > 0:
+            dims = tuple(d if isinstance(d, int) else None for d in shape[_ASSUMED_RANK - 1 :])
+            return Apart("heads", dims=dims)
+    return None
+
+
+def _nodes_in(arg: Any) -> list[fx.Node]:
+    found: list[fx.Node] = []
+
+    def keep(n: fx.Node) -> fx.Node:
+        found.append(n)
+        return n
+
+    fx.node.map_arg(arg, keep)
+    return found
 
 
 _METADATA_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement", "get_device", "element_size"})

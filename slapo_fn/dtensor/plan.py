@@ -41,17 +41,17 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..errors import Problem
-from ..hf import is_conv1d, mixes_tokens
+from ..hf import HEAD_COUNT_ATTRS, HEAD_DIM_ATTRS, is_conv1d, mixes_tokens
 from ..rewrites._common import contains
 from ..schedule import Schedule
 from ..tree import child_names, get_module, join, split, walk
 from .experts import EXPERTS, Experts
-from .flow import INPUT, OUTPUT, Flow, flow, pointwise
+from .flow import INPUT, OUTPUT, SIDE, Flow, flow, pointwise
 from .layout import Layout
 from .local import LOCAL
 from .rng import RNG, RngSpec
 from .sequence import SEQ, SeqSpec
-from .shard import LAYOUT, ROLE, Role, tied_paths
+from .shard import LAYOUT, ROLE, Role, mesh_dims, tied_paths
 from .sync import SYNC, SyncSpec, collective_of
 
 __all__ = ["Boundary", "ModulePlan", "Plan", "implicit", "plan", "refusals"]
@@ -323,14 +323,16 @@ def _fed_split(sch: Schedule, path: str, axis: str) -> bool:
     if fl is None:
         return False
     fed = fl.feeders(split(path)[-1], _through(sch, _parent(path)))
-    syncs = sch.annotations.of_kind(SYNC)
+    return bool(fed) and all(q not in (INPUT, OUTPUT, SIDE) and _split_by_sync(sch, join(_parent(path), q), axis)
+                             for q in fed)
 
-    def split_out(q: str) -> bool:
-        return any(s.mode == "fwd_post" and s.mesh_axis == axis and isinstance(s.layout, Shard) and s.layout.dim == -1
-                   and not (isinstance(s.src, Shard) and s.src.dim == -1)  # a sync from Shard(-1) moves nothing
-                   for s in syncs.get(join(_parent(path), q), ()))
 
-    return bool(fed) and all(q not in (INPUT, OUTPUT) and split_out(q) for q in fed)
+def _split_by_sync(sch: Schedule, path: str, axis: str) -> bool:
+    """Whether a ``fwd_post`` sync states ``path``'s output ``Shard(-1)`` over ``axis``
+    (from another layout: a sync from Shard(-1) moves nothing)."""
+    return any(s.mode == "fwd_post" and s.mesh_axis == axis and isinstance(s.layout, Shard) and s.layout.dim == -1
+               and not (isinstance(s.src, Shard) and s.src.dim == -1)
+               for s in sch.annotations.of_kind(SYNC).get(path, ()))
 
 
 def _partners(sch: Schedule) -> dict[str, tuple[str, ...]]:
@@ -342,15 +344,17 @@ def _partners(sch: Schedule) -> dict[str, tuple[str, ...]]:
     whose input comes from such columns alone: a row that also takes an unsharded
     module's output, a row's reduced output or the parent's input (LLaMA's MLP with
     ``gate_proj`` unsharded, a residual inside the block) takes a gathered input and
-    splits it itself. Where it is not (attention that fx cannot trace), module order
-    decides: a column is paired with the rows after it among its siblings."""
+    splits it itself. The parent's other arguments (rotary ``cos``/``sin``, masks) do not
+    count: they broadcast over the heads. Where the flow is not known (a parent fx cannot
+    trace), module order decides: a column is paired with the rows after it among its
+    siblings."""
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
     groups: dict[tuple[str, str], list[str]] = {}
     for path, role in roles.items():
         if path and role.kind in ("column", "row"):
             groups.setdefault((_parent(path), role.mesh_axis), []).append(path)
     out: dict[str, tuple[str, ...]] = {}
-    for (parent, _), paths in groups.items():
+    for (parent, axis), paths in groups.items():
         if not any(roles[p].kind == "column" for p in paths) or not any(roles[p].kind == "row" for p in paths):
             continue
         fl = _flow_of(sch, parent)
@@ -362,27 +366,35 @@ def _partners(sch: Schedule) -> dict[str, tuple[str, ...]]:
         cols = {n for n, p in names.items() if roles[p].kind == "column"}
         rows = {n for n, p in names.items() if roles[p].kind == "row"}
         keep = {c for c in cols if (users := fl.consumers(c, through)) and users <= rows}
+        # side values (rotary cos/sin, masks) broadcast over the heads: they do not mix in; nor
+        # does a sibling whose fwd_post sync states its output Shard(-1) (split like a column's)
+        split_synced = {n for n in fl.feeds if _split_by_sync(sch, join(parent, n), axis)}
+        fed = {r: fl.feeders(r, through) - {SIDE} - split_synced for r in rows}
         while True:
-            mixed = {c for c in keep if any(not fl.feeders(r, through) <= keep for r in fl.consumers(c, through))}
+            mixed = {c for c in keep if any(not fed.get(r, frozenset()) <= keep for r in fl.consumers(c, through))}
             if not mixed:
                 break
             keep -= mixed
         for c in sorted(keep):
             out[names[c]] = tuple(sorted(names[r] for r in fl.consumers(c, through)))
         for r in sorted(rows):
-            fed = fl.feeders(r, through)
-            if fed and fed <= keep:
-                out[names[r]] = tuple(sorted(names[c] for c in fed))
+            fed_r = fed[r]
+            if fed_r and fed_r <= keep:
+                out[names[r]] = tuple(sorted(names[c] for c in fed_r))
     return out
 
 
 def _through(sch: Schedule, parent: str) -> Callable[[str], bool]:
     """Which children of ``parent`` a layout passes through unchanged: pointwise modules
-    (activations, dropouts) with no layout of their own."""
-    annotated = set(sch.annotations.of_kind(ROLE)) | set(sch.annotations.of_kind(SEQ)) | set(
-        sch.annotations.of_kind(SYNC))
+    (activations, dropouts) with no layout of their own (a sync from a layout to the
+    same one moves nothing), and modules declared to run on
+    this rank's shard (:func:`~slapo_fn.dtensor.tp_local`: Qwen3's per-head q/k norms)."""
+    moving = {q for q, specs in sch.annotations.of_kind(SYNC).items()
+              if any(s.mode == "bwd_post" or s.src is None or s.src != s.layout for s in specs)}
+    annotated = set(sch.annotations.of_kind(ROLE)) | set(sch.annotations.of_kind(SEQ)) | moving
+    local = set(sch.annotations.of_kind(LOCAL))  # tp_local: runs on this rank's shard as it is (per-head norms)
     pm = get_module(sch.module, parent)
-    return lambda q: join(parent, q) not in annotated and pointwise(get_module(pm, q))
+    return lambda q: join(parent, q) not in annotated and (join(parent, q) in local or pointwise(get_module(pm, q)))
 
 
 def _partners_in_module_order(sch: Schedule, paths: list[str], roles: Mapping[str, Role]) -> dict[str, tuple[str, ...]]:
@@ -753,6 +765,116 @@ def _next_outside_chain(sch: Schedule, member: str, members: list[str], axis: st
     return None
 
 
+def head_count_attrs(parent: nn.Module, out: int, packed: int) -> tuple[str, ...]:
+    """The attributes of ``parent`` (attention) that count the heads of a column of
+    ``out`` output features and ``packed`` blocks: the ones build's copy makes this
+    rank's count when the column's output stays sharded (OPT's ``view(bsz, -1,
+    self.num_heads, head_dim)``), as Megatron's per-partition head count does. Only a
+    count that, times a head size attribute, equals the block's width (so q/k/v of GQA
+    each have their own); none where the parent holds no head size."""
+    own = vars(parent)
+    head_dim = next((v for a in HEAD_DIM_ATTRS if isinstance(v := own.get(a), int) and v > 0), None)
+    if head_dim is None:
+        return ()
+    return tuple(a for a in HEAD_COUNT_ATTRS if type(own.get(a)) is int and own[a] * head_dim * packed == out)
+
+
+def _axis_size(sch: Schedule, axis: str) -> int:
+    if sch.mesh is None:
+        return 1
+    return dict(zip(mesh_dims(sch.mesh), (int(n) for n in sch.mesh.shape), strict=True)).get(axis, 1)
+
+
+def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
+    """A column kept sharded (or a module whose ``fwd_post`` sync splits its output by
+    features) into code that views its output into heads must leave each rank whole
+    heads, and sizes the view can be given this rank's share of: a ``-1`` (Hugging
+    Face's ``view(*shape[:-1], -1, head_dim)``) or a head count build makes local
+    (:func:`head_count_attrs`). Constant sizes from attributes of other names
+    (``self.nh``, BLOOM's ``(num_heads, 3, head_dim)``) would meet this rank's share of
+    the features: refused before running, naming the parent, with the two ways to write
+    it. Read from the traced data flow (:func:`.flow.flow`)."""
+    problems = []
+    split_out: dict[str, str] = {}  # path -> mesh axis: partnered columns, and outputs a sync splits
+    for path, mp in p.modules.items():
+        role = mp.role
+        if path and role is not None and role.kind == "column" and mp.partnered and role.packed == 1:
+            split_out[path] = role.mesh_axis
+    for path, specs in sch.annotations.of_kind(SYNC).items():
+        for sp in specs:
+            if path and path not in split_out and _split_by_sync(sch, path, sp.mesh_axis):
+                split_out[path] = sp.mesh_axis
+    for path, axis in sorted(split_out.items()):
+        parent = _parent(path)
+        fl = _flow_of(sch, parent)
+        how = fl.apart.get(split(path)[-1]) if fl is not None else None
+        out = _out_features(get_module(sch.module, path))
+        if how is None or how.kind != "heads" or None in how.dims or out is None:
+            continue
+        size = _axis_size(sch, axis)
+        local, where = out // size, parent or "<root>"
+        known = [d for d in how.dims if d is not None and d > 0]
+        per = 1
+        for d in known:
+            per *= d
+        shape = "(" + ", ".join(str(d) for d in how.dims) + ")"
+        if -1 in how.dims and local % per:
+            problems.append(Problem(
+                path,
+                f"{where!r}'s forward views its output's features as {shape}; this rank's {local} of its {out} "
+                "features do not fill that view",
+                f"use a mesh axis whose size divides its {out // per} heads, or leave it unsharded",
+            ))
+        elif -1 not in how.dims and per == out and not head_count_attrs(get_module(sch.module, parent), out, 1):
+            problems.append(Problem(
+                path,
+                f"{where!r}'s forward views its output's features as {shape}, sizes from attributes slapo_fn does "
+                f"not know to make this rank's (it holds {local} of the {out} features)",
+                "view it with -1 heads (view(B, S, -1, head_dim)), or keep the head count in num_heads and the head "
+                "size in head_dim (build makes them this rank's)",
+            ))
+    return problems
+
+
+def _packing_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
+    """A column kept sharded into its parent's code must hold what that code takes apart:
+    ``packed=k`` where the parent splits the output into k blocks along the features
+    (GPT-2's ``c_attn`` into [Q|K|V], Phi-3's ``gate_up_proj`` into [gate|up]); no
+    packing where it views the output into heads first (GPT-NeoX's, Falcon's and BLOOM's
+    ``query_key_value``: [q_h|k_h|v_h] head by head), where a rank's contiguous rows are
+    whole heads. Either mistake trains on the wrong features, silently where the widths
+    happen to fit; refused, naming the parent's code. Read from the traced data flow
+    (:func:`.flow.flow`)."""
+    problems = []
+    for path, mp in p.modules.items():
+        role = mp.role
+        if not path or role is None or role.kind != "column" or not mp.partnered:
+            continue
+        fl = _flow_of(sch, _parent(path))
+        how = fl.apart.get(split(path)[-1]) if fl is not None else None
+        if how is None:
+            continue
+        kind, count = how.kind, how.count
+        where = _parent(path) or "<root>"
+        if kind == "heads" and role.packed > 1:
+            problems.append(Problem(
+                path,
+                f"is packed={role.packed}, but {where!r}'s forward views its output into heads before it splits it, "
+                "so its features are grouped head by head ([q_h|k_h|v_h] for each head h), not in "
+                f"{role.packed} blocks",
+                "shard it without packed= (a rank's contiguous rows are then whole heads)",
+            ))
+        elif kind == "blocks" and role.packed == 1:
+            blocks = f"{count} blocks" if count else "blocks"
+            problems.append(Problem(
+                path,
+                f"{where!r}'s forward splits its output into {blocks} along the features (q/k/v, gate/up), but it is "
+                "sharded as one contiguous slice: each rank would hold whole blocks or parts of the wrong ones",
+                f"shard it with packed={count or 'k'} (k blocks, each split over the ranks)",
+            ))
+    return problems
+
+
 def _packed_outputs_read_whole(sch: Schedule, p: Plan) -> list[Problem]:
     """A packed column (``packed=k``) keeps its local output as this rank's slice of each
     of its k blocks side by side, ``[A_r|B_r]``: right for a parent that splits the blocks
@@ -996,6 +1118,15 @@ def _feature_syncs(sch: Schedule) -> list[Problem]:
             elif role is not None:
                 continue  # a role's own output boundary
             if _model_output(sch, path):
+                stated = [q for q in _ancestors(path) for o in sch.annotations.of_kind(SYNC).get(q, ())
+                          if o.mode == "fwd_post" and o.mesh_axis == s.mesh_axis and o.src is None]
+                if stated:
+                    problems.append(Problem(
+                        stated[0] or "<root>",
+                        f"has a fwd_post sync without src=, which takes its output as Replicate(), but {what} "
+                        "leaves it split by features",
+                        "state the split: sf.sync(..., src=Shard(-1))",
+                    ))
                 continue  # the model's sharded result
             users = _users(sch, path)
             if users is None:
@@ -1011,6 +1142,12 @@ def _feature_syncs(sch: Schedule) -> list[Problem]:
                     "state Replicate() instead, or shard the modules that read it as rows (axis=1)",
                 ))
     return problems
+
+
+def _ancestors(path: str) -> list[str]:
+    """The modules that hold ``path``, innermost first, the root (``""``) last."""
+    tokens = split(path)
+    return [".".join(tokens[:i]) for i in range(len(tokens) - 1, -1, -1)]
 
 
 def _users(sch: Schedule, path: str) -> list[str] | None:
@@ -1075,4 +1212,5 @@ def refusals(sch: Schedule, p: Plan) -> list[Problem]:
     return (_half_sharded_ties(sch) + _unsharded_twins(sch, p) + _stray_token_shards(sch)
             + _ungathered_chain_members(sch) + _chain_gaps(sch) + _packed_outputs_read_whole(sch, p)
             + _chains_inside_pairs(sch, p) + _attention_on_sequence_shards(sch) + _lone_columns_in_chains(sch, p)
-            + _split_input_into_reducers(sch, p) + _functional_reads(sch, p) + _feature_syncs(sch))
+            + _split_input_into_reducers(sch, p) + _functional_reads(sch, p) + _feature_syncs(sch)
+            + _packing_against_flow(sch, p) + _heads_against_flow(sch, p))

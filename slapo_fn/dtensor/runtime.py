@@ -24,8 +24,6 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from ..errors import LayoutError, Problem
 from ..hf import EXPERT_COUNT_ATTRS as _EXPERT_COUNTS
-from ..hf import HEAD_COUNT_ATTRS as _HEAD_COUNTS
-from ..hf import HEAD_DIM_ATTRS as _HEAD_DIMS
 from ..hf import is_conv1d
 from ..rewrites._common import contains
 from ..schedule import Key, Schedule, path_exists
@@ -35,7 +33,7 @@ from .data_parallel import DATA_PARALLEL
 from .experts import EXPERTS, experts_forward
 from .layout import Layout, shard_axes
 from .local import LOCAL
-from .plan import ModulePlan, Plan, _in_features, _parent, _sharded_output, implicit, plan, refusals
+from .plan import ModulePlan, Plan, _in_features, _parent, _sharded_output, head_count_attrs, implicit, plan, refusals
 from .rng import RNG, forked
 from .sequence import SEQ
 from .shard import LAYOUT, ROLE, Role, mesh_dims
@@ -410,21 +408,15 @@ def _adjust_packed_parent(model: nn.Module, path: str, role: Role, rt: _Runtime)
 
 def _adjust_head_counts(model: nn.Module, path: str, role: Role, rt: _Runtime, adjusted: set[tuple[int, str]]) -> None:
     """The parent (attention) of a column module whose output stays sharded runs on this
-    rank's heads: a head count it reshapes by (OPT's ``view(bsz, -1, self.num_heads,
-    head_dim)``) becomes the local count on build's copy, as Megatron's per-partition head
-    count does. Only an attribute that, times the head size, equals the module's output
-    size is touched (so q/k/v of GQA adjust their own counts)."""
+    rank's heads: each of its attributes :func:`.plan.head_count_attrs` names becomes the
+    local count on build's copy."""
     m = get_module(model, path)
     parent = get_module(model, _parent(path))
     out = int(vars(m)["nf"]) if is_conv1d(m) else int(getattr(m, "out_features", 0))
-    head_dim = next((v for a in _HEAD_DIMS if isinstance(v := vars(parent).get(a), int) and v > 0), None)
-    if head_dim is None:
-        return
-    for attr in _HEAD_COUNTS:
-        count = vars(parent).get(attr)
+    for attr in head_count_attrs(parent, out, role.packed):
         key = (id(parent), attr)
-        if type(count) is int and key not in adjusted and count * head_dim * role.packed == out:
-            object.__setattr__(parent, attr, count // rt.size(role.mesh_axis))
+        if key not in adjusted:
+            object.__setattr__(parent, attr, vars(parent)[attr] // rt.size(role.mesh_axis))
             adjusted.add(key)
 
 

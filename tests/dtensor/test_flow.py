@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 import torch.nn.functional as F
 from models import tiny_llama
 from torch import nn
 
-from slapo_fn.dtensor.flow import INPUT, OUTPUT, flow, pointwise
+from slapo_fn.dtensor.flow import INPUT, OUTPUT, SIDE, Apart, flow, pointwise
 
 
 class Residual(nn.Module):
@@ -89,7 +92,37 @@ def test_functional_reads_are_recorded_and_untraceable_parents_have_no_flow() ->
     cast = flow(CastsLikeT5())
     assert cast is not None and cast.reads == set() and cast.feeders("wo") == {INPUT}
     assert flow(Branchy()) is None
-    assert flow(tiny_llama(1).model.layers[0].self_attn) is None  # unpacks *input_shape: module order then
+
+
+def test_attention_that_unpacks_shapes_into_arguments_traces() -> None:
+    """Hugging Face attention views by ``(*hidden_states.shape[:-1], -1, head_dim)``, which
+    plain fx cannot trace, and unpacks ``position_embeddings``, declared optional: it traces
+    with a tuple of sizes for each shape. The rotary ``cos``/``sin`` reach ``o_proj`` as
+    side values, not as the hidden states; the attention weights returned beside the
+    result are not its output; q/k/v are viewed into heads."""
+    fl = flow(tiny_llama(1).model.layers[0].self_attn)
+    assert fl is not None
+    assert all(fl.feeders(c) == {INPUT} for c in ("q_proj", "k_proj", "v_proj"))
+    assert fl.feeders("o_proj") == {"q_proj", "k_proj", "v_proj", SIDE} and fl.output == {"o_proj"}
+    assert fl.same_input("q_proj", "v_proj") and fl.apart["k_proj"] == Apart("heads", dims=(-1, 16))
+
+
+def test_a_module_output_split_into_blocks_or_viewed_into_heads() -> None:
+    class Packed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.gate_up, self.heads, self.out = (nn.Linear(8, 24), nn.Linear(8, 16), nn.Linear(8, 24),
+                                                           nn.Linear(8, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x).split(8, dim=2)
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            h = self.heads(x).view(*x.shape[:-1], 2, 12)
+            return self.out(q * k + v + gate * up + h[..., :4].flatten(-2))
+
+    fl = flow(Packed())
+    assert fl is not None
+    assert fl.apart == {"qkv": Apart("blocks"), "gate_up": Apart("blocks", 2), "heads": Apart("heads", dims=(2, 12))}
 
 
 def test_tracing_leaves_the_module_as_it_was_and_a_changed_attribute_traces_again() -> None:
@@ -114,3 +147,35 @@ def test_tracing_leaves_the_module_as_it_was_and_a_changed_attribute_traces_agai
 def test_pointwise_modules() -> None:
     assert pointwise(nn.GELU()) and pointwise(nn.Dropout(0.1)) and pointwise(nn.Identity())
     assert not pointwise(nn.Softmax(-1)) and not pointwise(nn.LayerNorm(4)) and not pointwise(nn.GLU())
+
+
+def test_modules_alike_in_what_their_forward_reads_trace_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LLaMA's attention layers differ in ``layer_idx``, which their forward reads only
+    with a cache: the second layer's flow is the first's, traced once; a module whose
+    forward reads an attribute that differs traces again."""
+    import slapo_fn.dtensor.flow as flow_module
+
+    traced: list[str] = []
+    real = flow_module._trace
+
+    def counting(parent: nn.Module) -> Any:
+        traced.append(type(parent).__name__)
+        return real(parent)
+
+    monkeypatch.setattr(flow_module, "_trace", counting)
+    monkeypatch.setattr(flow_module, "_BY_SHAPE", {})
+    layers = tiny_llama(2).model.layers
+    first, second = flow(layers[0].self_attn), flow(layers[1].self_attn)
+    assert first is second and first is not None and traced == ["LlamaAttention"]
+
+    class Skips(nn.Module):
+        def __init__(self, skip: bool) -> None:
+            super().__init__()
+            self.a, self.skip = nn.Linear(4, 4), skip
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x if self.skip else self.a(x)
+
+    kept, skipped = flow(Skips(False)), flow(Skips(True))
+    assert kept is not None and skipped is not None and kept.called("a") and not skipped.called("a")
+    assert traced.count("Skips") == 2

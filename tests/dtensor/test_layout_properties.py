@@ -49,7 +49,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from tp_checks import CountCollectives
 
 import slapo_fn as sf
-from slapo_fn.dtensor.flow import flow
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
@@ -624,43 +623,6 @@ def cases(draw: Any) -> Case:
 # predicates say which plans fall in the class from the tree's data flow and the plan's
 # ops, not from the library's own plan. See KNOWN_DEFECTS for each class's symptom.
 
-def _sibling_order(f: Facts) -> bool:
-    for c in f.columns():
-        if flow(f.model.get_submodule(_parent(c))) is not None:
-            continue  # the planner reads the parent's data flow
-        sib = f.siblings(c)
-        for r in sib[sib.index(c) + 1 :]:
-            if f.kind(r) != "row":
-                continue
-            feeding = producers(f.model, r)
-            if c not in feeding or any(f.kind(q) not in (None, "column") for q in feeding):
-                return True
-    return False
-
-
-def _head_attr(f: Facts) -> bool:
-    for path, m in f.model.named_modules():
-        qkv = [_join(path, n) for n in "qkv"]
-        hidden = m.style == "fixed" or (m.style == "infer" and m.nh % 2) if isinstance(m, Attention) else False
-        if hidden and m.style != "hf" and any(q in f.columns() and f.partnered(q) for q in qkv):
-            return True
-    return False
-
-
-def _equal_in_columns(f: Facts) -> bool:
-    cols = f.columns()
-    for a in cols:
-        for b in cols:
-            if a < b and _parent(a) == _parent(b) and flow(f.model.get_submodule(_parent(a))) is None:
-                ma, mb = f.model.get_submodule(a), f.model.get_submodule(b)
-                shared = getattr(f.model.get_submodule(_parent(a)), "SHARED", ())
-                if getattr(ma, "in_features", -1) == getattr(mb, "in_features", -2) and not (
-                    _name(a) in shared and _name(b) in shared
-                ):
-                    return True
-    return False
-
-
 def _natural(f: Facts, path: str, mode: str) -> str:
     """The layout the plan has at a boundary (what a ``src`` should state)."""
     kind = f.kind(path)
@@ -793,28 +755,6 @@ _MEGATRON_ATTN = (("shard", "0.q", 0, 1), ("shard", "0.k", 0, 1), ("shard", "0.v
 
 #: The open failure classes of the layout engine, excluded from the generation while open.
 KNOWN_DEFECTS: dict[str, Defect] = {
-    "sibling-order": Defect(
-        _sibling_order,
-        "in a parent fx cannot trace (attention that reshapes by *h.shape[:2]), a column keeps its output sharded "
-        "because a row-sharded sibling comes after it in module order, though that row does not consume it (q "
-        "column, v row, o row): wrong gradients or a LayoutError in forward (dtensor/plan.py "
-        "_partners_in_module_order; a traceable parent is paired by its data flow)",
-        _c([_ATTN], ("shard", "0.q", 0, 1), ("shard", "0.k", 0, 1), ("shard", "0.v", 1, 1), ("shard", "0.o", 1, 1)),
-    ),
-    "head-attr": Defect(
-        _head_attr,
-        "attention whose head geometry is in attributes slapo_fn does not know (self.nh/self.hd, or view(B, S, -1, "
-        "hd) with 1 head): not refused at shard time (shard.py _heads_problem reads only 'head_dim'); fails in "
-        "forward as 'LayoutError: tensor parallel forward ... shape [2, 4, 2, 4] is invalid'",
-        _c([Block("attn", heads=2, style="fixed", bias=False)], *_MEGATRON_ATTN),
-    ),
-    "equal-in-columns": Defect(
-        _equal_in_columns,
-        "plan counts, in a parent fx cannot trace (attention): two columns of one parent with equal in_features "
-        "are taken as reading one input (q/k/v), so the plan predicts 1 backward all_reduce where the build does 2 "
-        "(dtensor/plan.py _entry_key; a traceable parent is keyed by the value its columns are called on)",
-        _c([_ATTN], ("shard", "0.q", 0, 1), ("shard", "0.o", 0, 1)),
-    ),
     "src-unchecked": Defect(
         _src_unchecked,
         "a sync's src= is trusted though the plan knows the activation's layout: sync(fwd_post, Replicate(), "

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from models import tiny_llama, token_ids
+from models import tiny_gpt2, tiny_llama, token_ids
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from tp_checks import parity
@@ -192,6 +192,28 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[sf.Schedule], sf.Sched
         lambda s: sf.sequence_parallel(sf.shard(s, "embed", axis=1), ["embed", "norm"]),
         (IDS,),
     ),
+    # an unsharded gate split by its own sync beside an up column: up was gathered (its row
+    # also read gate, not a column) and met gate's split output: raw "size of tensor a (4)"
+    "gate-split-by-a-sync-beside-an-up-column": (
+        lambda: Gated(),
+        lambda s: sf.sync(sf.shard(sf.shard(s, "up", axis=0), "down", axis=1), "gate", "fwd_post", Shard(-1),
+                          src=Replicate()),
+        (X,),
+    ),
+    # a pointwise module handed split features is the model's output, and the root's fwd_post
+    # sync to Replicate() without src= took it as replicated: output (2, 4, 4) for (2, 4, 8)
+    "split-output-under-a-root-sync-without-src": (
+        lambda: nn.Sequential(OrderedDict(fc=nn.Linear(8, 8), act=nn.ReLU())),
+        lambda s: sf.sync(sf.sync(s, "", "fwd_post", Replicate()), "act", "fwd_pre", Shard(-1), src=Replicate()),
+        (X,),
+    ),
+    # a token shard through an activation whose sync states a layout to itself (it moves
+    # nothing, but hid the activation from the walk): fc2 took half the sequence, output (2, 2, 8)
+    "token-shard-through-a-no-op-sync": (
+        lambda: nn.Sequential(OrderedDict(fc1=nn.Linear(8, 8), act=nn.ReLU(), fc2=nn.Linear(8, 8))),
+        lambda s: sf.sync(sf.sync(s, "act", "fwd_post", Shard(-1), src=Shard(-1)), "fc1", "fwd_post", Shard(1)),
+        (X,),
+    ),
     # a(x) + b(x) with b's output split along the sequence: in module order nothing with
     # parameters came after b, so it was let through (a raw shape error in the add)
     "token-shard-meets-a-branch": (
@@ -271,6 +293,9 @@ EXPECTED = {
     "feature-sync-into-an-unsharded-linear": "refused: build: 'b': takes its whole input, but the fwd_pre sync of "
                                              "'b' to Shard(-1)",
     "feature-sharded-embedding-in-a-chain": "refused: build: 'embed': is an embedding sharded by features",
+    "gate-split-by-a-sync-beside-an-up-column": "equal",
+    "split-output-under-a-root-sync-without-src": "refused: build: '<root>': has a fwd_post sync without src=",
+    "token-shard-through-a-no-op-sync": "refused: build: 'fc2': receives a token shard",
     "token-shard-meets-a-branch": "refused: build: 'branches': receives a token shard from the fwd_post sync of "
                                   "'branches.b' to S(1) over 'tp', outside a sequence_parallel chain: its forward "
                                   "combines",
@@ -288,20 +313,60 @@ def test_a_plan_is_right_or_refused(dist2, name: str) -> None:
         assert verdict.startswith(EXPECTED[name]), verdict
 
 
-def test_a_sharded_k_proj_with_an_unsharded_v_proj_is_refused_naming_both() -> None:
-    """Where the data flow is unknown (LLaMA's attention does not fx-trace), a column kept
-    sharded for the row after it whose unsharded twin's output would meet it is refused."""
-    model = tiny_llama(layers=1)
-    sch = sf.create_schedule(model, mesh=fake_mesh(2))
+def test_the_data_flow_of_attention_pairs_only_what_all_reaches_the_row() -> None:
+    """LLaMA's attention traces (shapes unpacked into arguments): with ``v_proj`` unsharded,
+    ``o_proj`` reads an unsharded value, so q and k are gathered and o splits its input
+    itself (module order paired them, and only a refusal kept that from going wrong);
+    rotary cos/sin reaching o do not count (they broadcast over the heads)."""
+    from slapo_fn.dtensor.plan import plan
+
+    sch = sf.create_schedule(tiny_llama(layers=1), mesh=fake_mesh(2))
     attn = "model.layers.0.self_attn."
-    sch = sf.shard(sf.shard(sch, [attn + "q_proj", attn + "k_proj"], axis=0), attn + "o_proj", axis=1)
-    with pytest.raises(sf.LayoutError, match=r"(?s)'model.layers.0.self_attn.v_proj'.*is not sharded.*k_proj"):
-        sf.build(sch)
+    part = sf.shard(sf.shard(sch, [attn + "q_proj", attn + "k_proj"], axis=0), attn + "o_proj", axis=1)
+    modules = plan(part).modules
+    assert not modules[attn + "k_proj"].partnered and not modules[attn + "o_proj"].partnered
+    whole = plan(sf.shard(sf.shard(sch, attn + "[qkv]_proj", axis=0), attn + "o_proj", axis=1)).modules
+    assert whole[attn + "o_proj"].partners == tuple(attn + f"{c}_proj" for c in "kqv")
+
+
+def _attention_without_v(rank: int, world: int) -> None:
+    attn = "model.layers.0.self_attn."
+    parity(tiny_llama(layers=1), lambda s: sf.shard(sf.shard(s, [attn + "q_proj", attn + "k_proj"], axis=0),
+                                                    attn + "o_proj", axis=1), (token_ids(),), shape=(world,))
+
+
+def test_attention_with_v_proj_unsharded_equals_the_single_process_model(dist2) -> None:
+    dist2.run(_attention_without_v, timeout=120)
+
+
+def _neox(packed: int) -> sf.Schedule:
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=1,
+                        vocab_size=128)
+    sch = sf.create_schedule(GPTNeoXForCausalLM(cfg), mesh=fake_mesh(2))
+    attn = "gpt_neox.layers.0.attention."
+    return sf.shard(sf.shard(sch, attn + "query_key_value", axis=0, packed=packed), attn + "dense", axis=1)
+
+
+def test_packing_must_match_how_the_parent_takes_the_output_apart() -> None:
+    """GPT-NeoX views ``query_key_value``'s output into heads ([q_h|k_h|v_h] per head) before
+    splitting it: packed=3 trained silently wrong (loss 6% off); GPT-2 splits ``c_attn``'s
+    into [Q|K|V] first: without packed= each rank would hold the wrong blocks."""
+    with pytest.raises(sf.LayoutError, match=r"(?s)query_key_value'.*is packed=3, but .*views its output into "
+                                             r"heads.*shard it without packed="):
+        sf.build(_neox(3))
+    sf.build(_neox(1))
+    sch = sf.create_schedule(tiny_gpt2(layers=1), mesh=fake_mesh(2))
+    attn = "transformer.h.0.attn."
+    with pytest.raises(sf.LayoutError, match=r"(?s)c_attn'.*splits its output into blocks.*packed="):
+        sf.build(sf.shard(sf.shard(sch, attn + "c_attn", axis=1), attn + "c_proj", axis=0))
+    sf.build(sf.shard(sf.shard(sch, attn + "c_attn", axis=1, packed=3), attn + "c_proj", axis=0))
 
 
 def test_the_data_flow_pairs_columns_with_the_rows_that_read_them() -> None:
     """LLaMA's MLP pairs gate and up with down; with gate unsharded, nothing is paired;
-    attention (not traceable) pairs by module order."""
+    attention pairs q/k/v with o."""
     from slapo_fn.dtensor.plan import plan
 
     sch = sf.create_schedule(tiny_llama(layers=1), mesh=fake_mesh(2))
