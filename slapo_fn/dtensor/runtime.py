@@ -89,6 +89,8 @@ class _Runtime:
         self.param_dims = tuple(d for d in self.dims if d in used) or self.dims
         self.param_mesh = self.mesh if self.param_dims == self.dims else self.mesh[self.param_dims]
         self.entries: list[tuple[torch.Tensor, str, int | None, torch.Tensor]] | None = None
+        # the other tensor arguments of parents that gathered their first one (see _gathering)
+        self.sides: list[torch.Tensor] = []
 
     def axis(self, name: str) -> C.Axis:
         return (self.mesh, self.dims.index(name))
@@ -120,6 +122,7 @@ class _Runtime:
                 return forward(*args, **kwargs)
             finally:
                 self.entries = None
+                self.sides = []
 
         return run
 
@@ -244,6 +247,8 @@ def _column(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> Callabl
                 x = rt.enter(x, ax, None)
             elif member:
                 x = rt.enter(x, ax, seq)
+            elif any(_same_tensor(x, side) for side in rt.sides):  # the parent's other input: not gathered
+                x = rt.enter(x, ax, None)
             w, b = _local(m.weight), _local(m.bias)  # type: ignore[arg-type]
             if conv:
                 assert w is not None
@@ -604,7 +609,15 @@ def _sp_parents(p: Plan, members: set[str]) -> dict[str, tuple[str, int]]:
 
 
 def _gathering(rt: _Runtime, forward: Callable[..., Any], ax: str, seq_axis: int) -> Callable[..., Any]:
+    """The parent of columns inside a chain member gathers its first tensor input (the
+    hidden states) along the sequence. Its other tensor inputs (a cross-attention's encoder
+    states) are noted: a column called on one of them enters the region itself (see
+    :func:`_column`), or its input gradient would stay a sum over this rank's heads."""
+
     def run(*args: Any, **kwargs: Any) -> Any:
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        rt.sides += [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a is not first]
+        del rt.sides[:-_RECENT]
         args, kwargs = _map_input(args, kwargs, functools.partial(rt.enter, name=ax, seq=seq_axis))
         return forward(*args, **kwargs)
 

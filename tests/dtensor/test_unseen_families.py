@@ -288,8 +288,6 @@ def _family(rank: int, world: int, name: str) -> dict[str, str]:
 # with a LayoutError naming the attention module (a decoder mask built for the whole sequence
 # fails on this rank's share): bart+sp, whisper+sp.
 XFAIL: dict[str, str] = {
-    "bart+sp-decoder": "silent wrong gradients: sequence_parallel over decoder.layers.* only: shared.weight's gradient "
-                       "off on ~12% of its elements (max abs 1e-3, relative up to 50x), and different on each rank",
 }
 
 
