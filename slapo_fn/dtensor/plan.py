@@ -33,8 +33,9 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -158,9 +159,10 @@ def plan(sch: Schedule) -> Plan:
     for path in sorted(set(roles) | set(seqs) | set(syncs) | set(rngs), key=lambda p: order.get(p, 0)):
         role = roles.get(path)
         seq = region(path)
-        spec_syncs = syncs.get(path, ())
-        out_sync = next((s for s in spec_syncs if s.mode == "fwd_post"), None)
         partnered = bool(partners.get(path))
+        spec_syncs = _resolved_syncs(path, syncs.get(path, ()), roles.get(path), seqs, seq_roots,
+                                     functools.partial(_stated_output, sch, path), partnered)
+        out_sync = next((s for s in spec_syncs if s.mode == "fwd_post"), None)
         if role is not None:
             ax = role.mesh_axis
             if role.kind == "column":
@@ -251,7 +253,7 @@ def plan(sch: Schedule) -> Plan:
         for s in spec_syncs:
             if role is not None and s.mode == "fwd_post" and role.kind != "param":
                 continue  # folded into the role's output boundary above
-            src = s.src or (Shard(seq.seq_axis) if (s.mode == "fwd_post" and path in seqs and seq) else Replicate())
+            src = s.src or Replicate()  # resolved above, but for bwd_post
             fwd, bwd = collective_of(src, s.layout)
             if s.mode == "bwd_post":
                 fwd, bwd = (), fwd
@@ -297,6 +299,59 @@ def plan(sch: Schedule) -> Plan:
         if mp.local_params:
             bounds += _param_grad_boundaries(sch, mp)
     return Plan(modules, tuple(bounds))
+
+
+def _resolved_syncs(path: str, specs: tuple[SyncSpec, ...], role: Role | None, seqs: Mapping[str, SeqSpec],
+                    chain_order: list[str], inner: Callable[[str], Placement | None],
+                    partnered: bool = False) -> tuple[SyncSpec, ...]:
+    """``path``'s syncs with the layout each converts from (``src``) filled in where the
+    user left it out, for the boundaries and the runtime alike: the layout the previous
+    sync on the same boundary left, else what the plan has there: the chain's sequence
+    shard on a chain member (after its entry; a row or vocab embedding first in a chain
+    takes its input whole), the columns' ``Shard(-1)`` at the input of a row in a
+    Megatron pair, for an output the layout a sync states on the child that alone makes
+    it (``inner(axis)``, :func:`_stated_output`), else ``Replicate()``.
+    ``bwd_post`` syncs keep theirs."""
+    seq = seqs.get(path)
+    first = seq is not None and next((r for r in chain_order if seqs[r].mesh_axis == seq.mesh_axis), None) == path
+    whole_in = first and role is not None and role.kind in ("row", "vocab") and role.mesh_axis == (
+        seq.mesh_axis if seq is not None else None)
+    out: list[SyncSpec] = []
+    last: dict[tuple[str, str], Placement] = {}
+    for s in specs:
+        key = (s.mode, s.mesh_axis)
+        src = s.src
+        if src is None and s.mode != "bwd_post":
+            if key in last:
+                src = last[key]
+            elif (s.mode == "fwd_pre" and partnered and role is not None and role.kind == "row"
+                  and role.mesh_axis == s.mesh_axis):
+                src = Shard(-1)
+            elif seq is not None and seq.mesh_axis == s.mesh_axis and not (s.mode == "fwd_pre" and whole_in):
+                src = Shard(seq.seq_axis)
+            else:
+                src = (inner(s.mesh_axis) if s.mode == "fwd_post" else None) or Replicate()
+        if s.mode != "bwd_post":
+            last[key] = s.layout
+        out.append(s if src is s.src else replace(s, src=src))
+    return tuple(out)
+
+
+def _stated_output(sch: Schedule, path: str, axis: str) -> Placement | None:
+    """The layout over ``axis`` that the last ``fwd_post`` sync of the child that alone
+    makes ``path``'s output states (looking down through such children, and through
+    pointwise ones after it), by the data flow; ``None`` where none states one."""
+    module = get_module(sch.module, path)
+    fl = flow(module) if module._modules else None
+    if fl is None:
+        return None
+    reach = fl.reaching_output(_through(sch, path))
+    if len(reach) != 1 or reach & {INPUT, SIDE}:
+        return None
+    child = join(path, next(iter(reach)))
+    stated = [s.layout for s in sch.annotations.of_kind(SYNC).get(child, ()) if s.mode == "fwd_post"
+              and s.mesh_axis == axis]
+    return stated[-1] if stated else _stated_output(sch, child, axis)
 
 
 def _flow_of(sch: Schedule, parent: str) -> Flow | None:

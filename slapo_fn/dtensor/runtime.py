@@ -644,9 +644,8 @@ def _wrap_boundaries(rt: _Runtime, mp: ModulePlan, forward: Callable[..., Any]) 
             if isinstance(s.src, Partial):
                 args, kwargs = _map_input(args, kwargs, functools.partial(C.enter, axis=rt.axis(s.mesh_axis)))
         out = forward(*args, **kwargs)
-        for s in post:
-            src = s.src or (Shard(mp.seq.seq_axis) if mp.seq is not None and (mp.entry or mp.exit) else Replicate())
-            out = _first_tensor(out, convert(src, s.layout, s.mesh_axis))
+        for s in post:  # the plan filled in each sync's src (plan._resolved_syncs)
+            out = _first_tensor(out, convert(s.src or Replicate(), s.layout, s.mesh_axis))
         if mp.exit is not None and not post:
             x = mp.exit
             out = _first_tensor(out, convert(Shard(x.seq_axis), Replicate(), x.mesh_axis))
