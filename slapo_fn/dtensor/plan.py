@@ -306,7 +306,8 @@ def _resolved_syncs(path: str, specs: tuple[SyncSpec, ...], role: Role | None, s
                     partnered: bool = False) -> tuple[SyncSpec, ...]:
     """``path``'s syncs with the layout each converts from (``src``) filled in where the
     user left it out, for the boundaries and the runtime alike: the layout the previous
-    sync on the same boundary left, else what the plan has there: the chain's sequence
+    sync on the same boundary moved to (one stating a layout to itself is not believed),
+    else what the plan has there: the chain's sequence
     shard on a chain member (after its entry; a row or vocab embedding first in a chain
     takes its input whole), the columns' ``Shard(-1)`` at the input of a row in a
     Megatron pair, for an output the layout a sync states on the child that alone makes
@@ -331,7 +332,7 @@ def _resolved_syncs(path: str, specs: tuple[SyncSpec, ...], role: Role | None, s
                 src = Shard(seq.seq_axis)
             else:
                 src = (inner(s.mesh_axis) if s.mode == "fwd_post" else None) or Replicate()
-        if s.mode != "bwd_post":
+        if s.mode != "bwd_post" and src != s.layout:  # a sync from a layout to itself moves nothing, asserts nothing
             last[key] = s.layout
         out.append(s if src is s.src else replace(s, src=src))
     return tuple(out)
@@ -350,7 +351,7 @@ def _stated_output(sch: Schedule, path: str, axis: str) -> Placement | None:
         return None
     child = join(path, next(iter(reach)))
     stated = [s.layout for s in sch.annotations.of_kind(SYNC).get(child, ()) if s.mode == "fwd_post"
-              and s.mesh_axis == axis]
+              and s.mesh_axis == axis and s.src != s.layout]
     return stated[-1] if stated else _stated_output(sch, child, axis)
 
 
@@ -727,6 +728,60 @@ def _half_sharded_ties(sch: Schedule) -> list[Problem]:
                 "this path is not, so the tie would come apart",
                 f"shard both alike, e.g. sf.shard(sch, [{_parent(sharded)!r}, {_parent(path)!r}], axis=0), "
                 "or untie them first",
+            ))
+    return problems
+
+
+def _unsplit_chain_inputs(sch: Schedule) -> list[Problem]:
+    """A chain told that its input arrives split along the sequence (``input_layout``)
+    must get it so: from the model's own input (the caller splits its batch), or from
+    modules whose ``fwd_post`` sync states that shard (PyTorch's ``RowwiseParallel(
+    output_layouts=Shard(1))`` on the embedding). Anything else hands it the whole
+    sequence, which the chain would run on and its exit gather again (twice the
+    length): refused, naming what feeds it. Read from the data flow, level by level up
+    the tree, and from module order where a parent's flow is unknown."""
+    seqs = sch.annotations.of_kind(SEQ)
+    order = {q: i for i, q in enumerate(sch.paths())}
+    syncs = sch.annotations.of_kind(SYNC)
+    problems = []
+    firsts: dict[str, str] = {}
+    for q in sorted(seqs, key=lambda q: order.get(q, 0)):
+        firsts.setdefault(seqs[q].mesh_axis, q)
+    for axis, first in sorted(firsts.items()):
+        spec = seqs[first]
+        if not spec.sharded_input:
+            continue
+
+        def splits(q: str, spec: SeqSpec = spec) -> bool:
+            stated = [o.layout for o in syncs.get(q, ()) if o.mode == "fwd_post" and o.mesh_axis == spec.mesh_axis]
+            if not stated:
+                found = _stated_output(sch, q, spec.mesh_axis)
+                stated = [found] if found is not None else []
+            return bool(stated) and isinstance(stated[-1], Shard) and stated[-1].dim % 3 == spec.seq_axis % 3
+
+        here, whole = first, []
+        while here:
+            parent, name = _parent(here), split(here)[-1]
+            fl = _flow_of(sch, parent)
+            if fl is not None and fl.called(name):
+                fed = fl.feeders(name, _through(sch, parent))
+                whole = [join(parent, q) for q in sorted(fed - {INPUT, SIDE}) if not splits(join(parent, q))]
+                if whole or fed - {INPUT}:
+                    break
+            else:
+                sib = _siblings(sch.module, here)
+                before = sib[: sib.index(here)]
+                if before:
+                    whole = [] if splits(before[-1]) else [before[-1]]
+                    break
+            here = parent
+        if whole:
+            problems.append(Problem(
+                first,
+                f"is first in a sequence_parallel chain over {axis!r} stated to receive its input split along "
+                f"the sequence (input_layout), but {', '.join(repr(q) for q in whole)} hands it the whole sequence",
+                f"sync that output to the shard (sf.sync(sch, {whole[0]!r}, 'fwd_post', Shard(1))), or drop "
+                "input_layout=",
             ))
     return problems
 
@@ -1191,12 +1246,43 @@ def _feature_syncs(sch: Schedule) -> list[Problem]:
             else:
                 bad = [q for q in users if (r := roles.get(q)) is None or r.kind != "row" or r.mesh_axis != s.mesh_axis]
                 named = ", ".join(repr(q) for q in bad)
+                if not named:
+                    mixed = _whole_beside_split(sch, path, users, s.mesh_axis)
+                    if mixed:
+                        problems.append(Problem(
+                            path, f"{what} splits its output by features, but in {_parent(path) or '<root>'!r}'s "
+                                  f"forward it meets the whole output of {', '.join(repr(q) for q in mixed)}",
+                            "shard those as columns (axis=0) too, or state Replicate() instead",
+                        ))
+                        continue
             if named:
                 problems.append(Problem(
                     path, f"{what} splits its output by features, but it goes on to {named}, which need it whole",
                     "state Replicate() instead, or shard the modules that read it as rows (axis=1)",
                 ))
     return problems
+
+
+def _whole_beside_split(sch: Schedule, path: str, rows: list[str], axis: str) -> list[str]:
+    """The siblings whose whole (unsplit) output reaches one of ``rows`` together with
+    ``path``'s output split by features: the two meet in the parent's code (``act(gate)
+    * up``) at different widths. Columns kept sharded and outputs a sync splits too are
+    split alike."""
+    parent = _parent(path)
+    fl = _flow_of(sch, parent)
+    if fl is None:
+        return []
+    through = _through(sch, parent)
+    kept = {split(q)[-1] for q, with_ in _partners(sch).items() if with_ and _parent(q) == parent
+            and (r := sch.annotations.get(q, ROLE)) is not None and r.kind == "column"}
+    out: set[str] = set()
+    for row in rows:
+        if _parent(row) != parent:
+            continue
+        for q in fl.feeders(split(row)[-1], through) - {SIDE, split(path)[-1]}:
+            if q == INPUT or not (q in kept or _split_by_sync(sch, join(parent, q), axis)):
+                out.add("<input>" if q == INPUT else join(parent, q))
+    return sorted(out)
 
 
 def _ancestors(path: str) -> list[str]:
@@ -1268,4 +1354,4 @@ def refusals(sch: Schedule, p: Plan) -> list[Problem]:
             + _ungathered_chain_members(sch) + _chain_gaps(sch) + _packed_outputs_read_whole(sch, p)
             + _chains_inside_pairs(sch, p) + _attention_on_sequence_shards(sch) + _lone_columns_in_chains(sch, p)
             + _split_input_into_reducers(sch, p) + _functional_reads(sch, p) + _feature_syncs(sch)
-            + _packing_against_flow(sch, p) + _heads_against_flow(sch, p))
+            + _packing_against_flow(sch, p) + _heads_against_flow(sch, p) + _unsplit_chain_inputs(sch))

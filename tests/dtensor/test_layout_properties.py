@@ -650,8 +650,7 @@ def _src_unchecked(f: Facts) -> bool:
 def _sp_input_unchecked(f: Facts) -> bool:
     if f.sp_input is None or f.kind(f.sp[0]) == "vocab":
         return False
-    before = str(int(f.sp[0]) - 1)
-    return not any(op[1] == before and op[2] == "fwd_post" and op[3] == "S(1)" for op in f.syncs)
+    return int(f.sp[0]) == 0  # fed by the model's input (a module before it is checked by the plan)
 
 
 def _pair_gathered_counts(f: Facts) -> bool:
@@ -737,8 +736,10 @@ KNOWN_DEFECTS: dict[str, Defect] = {
     ),
     "sp-input-unchecked": Defect(
         _sp_input_unchecked,
-        "sequence_parallel(..., input_layout=Shard(1)) is believed although nothing before the chain splits its "
-        "input: the chain runs on the full sequence and its exit gathers it again: output (2, 8, 8) for (2, 4, 8)",
+        "sequence_parallel(..., input_layout=Shard(1)) on a chain fed by the model's input is the caller's "
+        "promise that the batch arrives split; this harness hands every rank the whole batch, so the chain runs "
+        "on the full sequence and its exit gathers it again: output (2, 8, 8) for (2, 4, 8) (a chain fed by a "
+        "module that does not split is refused by plan._unsplit_chain_inputs)",
         _c([_MLP], ("shard", "0.fc1", 0, 1), ("shard", "0.fc2", 1, 1), ("sp", ("0",), "S(1)")),
     ),
     "pair-gathered-counts": Defect(
@@ -1020,6 +1021,9 @@ CLOSED: dict[str, Case] = {
                                 ("sync", "0", "fwd_pre", "S(-1)", None)),
     "pair-pre-sync-default-src": _c([Block("chain", widths=(8,), bias=False)], ("shard", "0.0", 0, 1),
                                     ("shard", "0.2", 1, 1), ("sync", "0.2", "fwd_pre", "S(-1)", None)),
+    # input_layout=Shard(1) on a chain that the module before it hands the whole sequence
+    "sp-input-unchecked-in-model": _c([_MLP, _MLP], ("shard", "1.fc1", 0, 1), ("shard", "1.fc2", 1, 1),
+                                      ("sp", ("1",), "S(1)")),
     # found by the explore profile
     "no-op-sync-hid-a-token-shard": _c([Block("mlp", hidden=16, act="relu", bias=False)],
                                        ("sync", "0.act", "fwd_post", "S(-1)", "S(-1)"),
@@ -1029,6 +1033,8 @@ CLOSED: dict[str, Case] = {
                                                    ("sync", "0.gate", "fwd_post", "S(-1)", "R"), dim=16),
     "split-output-under-a-root-sync": _c([Block("functional", bias=False)], ("sync", "", "fwd_post", "R", None),
                                          ("sync", "0.act", "fwd_pre", "S(-1)", "R"), dim=16),
+    "split-gate-meets-a-row-up": _c([Block("gated", hidden=16, bias=False)], ("shard", "0.up", 1, 1),
+                                    ("shard", "0.down", 1, 1), ("sync", "0.gate", "fwd_post", "S(-1)", None), dim=16),
     "split-sync-into-a-head-view": _c([Block("attn", heads=1, style="infer", bias=False)],
                                       ("shard", "0.q", 0, 1), ("shard", "0.o", 1, 1),
                                       ("sync", "0.q", "fwd_post", "S(-1)", "S(1)"), dim=16),
