@@ -38,13 +38,15 @@ def fresh() -> nn.Module:
 
 def tp(sch: sf.Schedule, packed: int = 3) -> sf.Schedule:
     """Megatron TP of every GPT-2 block; ``packed=1`` shards [Q|K|V] as one tensor instead
-    (a different layout of the same parameters: right for loading, not for the forward)."""
+    (a different layout of the same parameters), with ``attn.c_proj`` left unsharded: the
+    attention splits ``c_attn``'s output into q/k/v, so kept sharded for a row partner it
+    would need packed=3 (build refuses it), while gathered it is the same model."""
+    attn = sf.shard.at("attn.c_attn", axis=1, packed=packed)
+    if packed > 1:
+        attn = attn >> sf.shard.at("attn.c_proj", axis=0)
     return sf.foreach(
         "transformer.h.*",
-        sf.shard.at("attn.c_attn", axis=1, packed=packed)
-        >> sf.shard.at("attn.c_proj", axis=0)
-        >> sf.shard.at("mlp.c_fc", axis=1)
-        >> sf.shard.at("mlp.c_proj", axis=0),
+        attn >> sf.shard.at("mlp.c_fc", axis=1) >> sf.shard.at("mlp.c_proj", axis=0),
     )(sch)
 
 
@@ -93,7 +95,7 @@ def _load(rank: int, world: int, path: str, layout: str, resave: int) -> dict[st
     built = sf.build(sch)
     opt = torch.optim.AdamW(built.parameters(), lr=LR)
     step = sf.load(built, opt, path)
-    out = snapshot(built, opt, forward=layout != "unpacked")  # [Q|K|V] sharded as one: another model
+    out = snapshot(built, opt)
     out["step"] = step
     if resave:
         sf.save(built, opt, path, step=resave)

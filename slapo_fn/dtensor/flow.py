@@ -84,6 +84,7 @@ class Flow:
     reads: frozenset[str] = frozenset()
     first: Mapping[str, str] = field(default_factory=dict)  # the value each child is first called on (a node)
     apart: Mapping[str, Apart] = field(default_factory=dict)  # how the parent takes each output apart
+    leaves: tuple[frozenset[str], ...] = ()  # what reaches each tensor the parent returns (a ModelOutput's fields)
 
     def same_input(self, a: str, b: str) -> bool:
         """Whether children ``a`` and ``b`` are called on the very same tensor (q/k/v on the
@@ -101,6 +102,17 @@ class Flow:
     def reaching_output(self, through: Callable[[str], bool] = lambda _: False) -> frozenset[str]:
         """What reaches the parent's result, looking through the children ``through`` accepts."""
         return _close(self.output, self.feeds, through)
+
+    def returned_with(self, child: str, through: Callable[[str], bool] = lambda _: False) -> frozenset[str]:
+        """What reaches the tensors of the parent's result that ``child``'s output reaches
+        (itself included): the values it is combined with in one returned tensor, not the
+        ones returned beside it (a ``ModelOutput``'s other fields)."""
+        out: set[str] = set()
+        for leaf in self.leaves:
+            closed = _close(leaf, self.feeds, through)
+            if child in closed:
+                out |= closed
+        return frozenset(out)
 
     def consumers(self, child: str, through: Callable[[str], bool] = lambda _: False) -> frozenset[str]:
         """The children (and :data:`OUTPUT`) ``child``'s output reaches, looking through
@@ -365,6 +377,7 @@ def _trace(parent: nn.Module) -> tuple[Flow | None, set[str]]:
     first: dict[str, str] = {}
     apart: dict[str, Apart] = {}
     output: frozenset[str] = frozenset()
+    leaves: tuple[frozenset[str], ...] = ()
     for node in graph.nodes:
         upstream: frozenset[str] = frozenset().union(*(sources.get(a, frozenset()) for a in node.all_input_nodes))
         if node.op == "placeholder":
@@ -390,11 +403,13 @@ def _trace(parent: nn.Module) -> tuple[Flow | None, set[str]]:
             result = node.args[0]  # (hidden states, attention weights, cache): the first is the result
             main = result[0] if isinstance(result, tuple | list) and result else result
             output = frozenset().union(*(sources.get(a, frozenset()) for a in _nodes_in(main)))
+            leaves = tuple(sources.get(a, frozenset()) for a in _nodes_in(result))
         elif _metadata(node):
             sources[node] = frozenset()  # a shape or dtype carries no data: x.size() to view by
         else:
             sources[node] = upstream
-    found = Flow(MappingProxyType(feeds), output, frozenset(reads), MappingProxyType(first), MappingProxyType(apart))
+    found = Flow(MappingProxyType(feeds), output, frozenset(reads), MappingProxyType(first), MappingProxyType(apart),
+                 leaves)
     return found, read
 
 

@@ -1226,6 +1226,13 @@ def _feature_syncs(sch: Schedule) -> list[Problem]:
                 if states_output:
                     continue  # a hand-written module on this rank's features, whose output the user states
             elif role is not None:
+                mixed = _whole_beside_split(sch, path, None, s.mesh_axis) if role.kind == "column" else []
+                if mixed:
+                    problems.append(Problem(
+                        path, f"{what} keeps its output split by features, but in {_parent(path) or '<root>'!r}'s "
+                              f"forward it meets the whole output of {', '.join(repr(q) for q in mixed)}",
+                        "shard those as columns (axis=0) too, or state Replicate() instead",
+                    ))
                 continue  # a role's own output boundary
             if _model_output(sch, path):
                 stated = [q for q in _ancestors(path) for o in sch.annotations.of_kind(SYNC).get(q, ())
@@ -1263,23 +1270,29 @@ def _feature_syncs(sch: Schedule) -> list[Problem]:
     return problems
 
 
-def _whole_beside_split(sch: Schedule, path: str, rows: list[str], axis: str) -> list[str]:
-    """The siblings whose whole (unsplit) output reaches one of ``rows`` together with
+def _whole_beside_split(sch: Schedule, path: str, rows: list[str] | None, axis: str) -> list[str]:
+    """The siblings whose whole (unsplit) output reaches one of ``rows`` (``None``: any of
+    ``path``'s consumers in its parent, the parent's result included) together with
     ``path``'s output split by features: the two meet in the parent's code (``act(gate)
     * up``) at different widths. Columns kept sharded and outputs a sync splits too are
     split alike."""
     parent = _parent(path)
     fl = _flow_of(sch, parent)
-    if fl is None:
+    if fl is None or not fl.called(split(path)[-1]):
         return []
     through = _through(sch, parent)
+    if rows is None:
+        users = fl.consumers(split(path)[-1], through)
+        rows = [OUTPUT if u == OUTPUT else join(parent, u) for u in users]
     kept = {split(q)[-1] for q, with_ in _partners(sch).items() if with_ and _parent(q) == parent
             and (r := sch.annotations.get(q, ROLE)) is not None and r.kind == "column"}
     out: set[str] = set()
     for row in rows:
-        if _parent(row) != parent:
+        if row != OUTPUT and _parent(row) != parent:
             continue
-        for q in fl.feeders(split(row)[-1], through) - {SIDE, split(path)[-1]}:
+        # at the result: what it is returned with in one tensor (not beside it in a ModelOutput)
+        fed = fl.returned_with(split(path)[-1], through) if row == OUTPUT else fl.feeders(split(row)[-1], through)
+        for q in fed - {SIDE, split(path)[-1]}:
             if q == INPUT or not (q in kept or _split_by_sync(sch, join(parent, q), axis)):
                 out.add("<input>" if q == INPUT else join(parent, q))
     return sorted(out)
@@ -1347,6 +1360,41 @@ def _model_output(sch: Schedule, path: str) -> bool:
     return True
 
 
+def _partial_sources(sch: Schedule) -> list[Problem]:
+    """A ``fwd_post`` sync's ``src=Partial()`` says that each rank holds a share of the
+    output to be summed, as a row-parallel module's local result is. A built-in
+    ``torch.nn`` module without a layout (not sharded, not ``tp_local``) fed by nothing
+    stated partial computes the whole output on every rank: the sync would all-reduce
+    a replicated value (the output doubled at tp=2) or, on token ids, index out of
+    range on one rank while the other waits. A container (``nn.Sequential``) returns its
+    children's result, which rows have already summed. Refused, naming the module; a
+    hand-written module may legitimately return partial sums, so only ``torch.nn``'s own
+    are checked."""
+    roles = sch.annotations.of_kind(ROLE)
+    local = sch.annotations.of_kind(LOCAL)
+    syncs = sch.annotations.of_kind(SYNC)
+    stated_partial = {q for q, specs in syncs.items() for o in specs if isinstance(o.layout, Partial)}
+    problems = []
+    for path, specs in syncs.items():
+        if not path or path in roles or path in local:
+            continue
+        module = get_module(sch.module, path)
+        if not type(module).__module__.startswith("torch.nn.modules") or stated_partial - {path}:
+            continue
+        for o in specs:
+            if o.mode == "fwd_post" and isinstance(o.src, Partial):
+                problems.append(Problem(
+                    path,
+                    f"is {type(module).__name__} with no layout: every rank computes its whole output, but a "
+                    f"fwd_post sync states it src=Partial() (a share of a sum), so the sync would sum the ranks' "
+                    "copies",
+                    "drop src= (the output is Replicate()), or shard the module as a row (axis=1), whose output "
+                    "is the partial sum",
+                ))
+                break
+    return problems
+
+
 def refusals(sch: Schedule, p: Plan) -> list[Problem]:
     """Every layout of ``sch`` the build would get silently wrong or fail on inside model
     code, as problems naming the module and the fix (``build`` raises them at once)."""
@@ -1354,4 +1402,5 @@ def refusals(sch: Schedule, p: Plan) -> list[Problem]:
             + _ungathered_chain_members(sch) + _chain_gaps(sch) + _packed_outputs_read_whole(sch, p)
             + _chains_inside_pairs(sch, p) + _attention_on_sequence_shards(sch) + _lone_columns_in_chains(sch, p)
             + _split_input_into_reducers(sch, p) + _functional_reads(sch, p) + _feature_syncs(sch)
-            + _packing_against_flow(sch, p) + _heads_against_flow(sch, p) + _unsplit_chain_inputs(sch))
+            + _packing_against_flow(sch, p) + _heads_against_flow(sch, p) + _unsplit_chain_inputs(sch)
+            + _partial_sources(sch))

@@ -179,3 +179,22 @@ def test_modules_alike_in_what_their_forward_reads_trace_once(monkeypatch: pytes
     kept, skipped = flow(Skips(False)), flow(Skips(True))
     assert kept is not None and skipped is not None and kept.called("a") and not skipped.called("a")
     assert traced.count("Skips") == 2
+
+
+def test_what_a_child_is_returned_with_is_not_what_is_returned_beside_it() -> None:
+    """LlamaForCausalLM returns the logits beside the model's cache and hidden states in a
+    ModelOutput: the logits are combined with nothing else."""
+    fl = flow(tiny_llama(1))
+    assert fl is not None
+    assert fl.returned_with("lm_head") == {"lm_head"}
+
+    class Sum(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.a(x) * self.b(x), x
+
+    summed = flow(Sum())
+    assert summed is not None and summed.returned_with("a") == {"a", "b"}

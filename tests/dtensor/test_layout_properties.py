@@ -643,6 +643,8 @@ def _src_unchecked(f: Facts) -> bool:
     return any(
         op[4] is not None and op[4] != _natural(f, op[1], op[2]) and (op[4] != op[3] or op[1] in f.sp)
         and (op[1] not in f.roles or op[2] != "fwd_post")
+        and not (op[4] == "P" and op[2] == "fwd_post" and op[1] and op[1] not in f.roles  # plan._partial_sources
+                 and type(f.model.get_submodule(op[1])).__module__.startswith("torch.nn.modules"))
         for op in f.syncs
     )
 
@@ -1035,6 +1037,9 @@ CLOSED: dict[str, Case] = {
                                          ("sync", "0.act", "fwd_pre", "S(-1)", "R"), dim=16),
     "split-gate-meets-a-row-up": _c([Block("gated", hidden=16, bias=False)], ("shard", "0.up", 1, 1),
                                     ("shard", "0.down", 1, 1), ("sync", "0.gate", "fwd_post", "S(-1)", None), dim=16),
+    "partial-src-on-a-torch-linear": _c([_MLP], ("sync", "0.fc1", "fwd_post", "R", "P")),
+    "column-kept-split-meets-a-row": _c([Block("branches", bias=False, style="mul")], ("shard", "0.a", 0, 1),
+                                        ("shard", "0.b", 1, 1), ("sync", "0.a", "fwd_post", "S(-1)", "R"), dim=16),
     "split-sync-into-a-head-view": _c([Block("attn", heads=1, style="infer", bias=False)],
                                       ("shard", "0.q", 0, 1), ("shard", "0.o", 1, 1),
                                       ("sync", "0.q", "fwd_post", "S(-1)", "S(1)"), dim=16),
