@@ -1395,6 +1395,43 @@ def _partial_sources(sch: Schedule) -> list[Problem]:
     return problems
 
 
+def _code(p: Placement) -> str:
+    """A placement as it is written: ``Shard(-1)``, ``Replicate()``, ``Partial()``."""
+    if isinstance(p, Shard):
+        return f"Shard({p.dim})"
+    return "Partial()" if isinstance(p, Partial) else "Replicate()"
+
+
+def _contradicted_sources(sch: Schedule) -> list[Problem]:
+    """A ``fwd_post`` sync's stated ``src`` that contradicts what the plan knows is there:
+    the layout an earlier sync on the same output moved it to, or the one a sync states
+    on the child that alone makes the output (``_stated_output``). The runtime converts
+    from what is stated, so the output would be split twice or gathered wrongly (a root
+    sync from Replicate() over a child's Shard(-1): (2, 4, 4) for (2, 4, 8)). Refused,
+    naming both syncs."""
+    problems = []
+    for path, specs in sch.annotations.of_kind(SYNC).items():
+        known: dict[str, tuple[Placement, str]] = {}
+        for s in specs:
+            if s.mode != "fwd_post":
+                continue
+            if s.mesh_axis not in known:
+                inner = _stated_output(sch, path, s.mesh_axis) if path or sch.module._modules else None
+                if inner is not None:
+                    known[s.mesh_axis] = (inner, "a sync inside it")
+            if s.src is not None and s.src != s.layout and s.mesh_axis in known and known[s.mesh_axis][0] != s.src:
+                have, where = known[s.mesh_axis]
+                problems.append(Problem(
+                    path or "<root>",
+                    f"has a fwd_post sync from {_code(s.src)}, but {where} leaves its output {_code(have)}",
+                    f"drop src= (the plan knows the layout) or state src={_code(have)}",
+                ))
+                break
+            if s.src is None or s.src != s.layout:
+                known[s.mesh_axis] = (s.layout, "an earlier sync on it")
+    return problems
+
+
 def refusals(sch: Schedule, p: Plan) -> list[Problem]:
     """Every layout of ``sch`` the build would get silently wrong or fail on inside model
     code, as problems naming the module and the fix (``build`` raises them at once)."""
@@ -1403,4 +1440,4 @@ def refusals(sch: Schedule, p: Plan) -> list[Problem]:
             + _chains_inside_pairs(sch, p) + _attention_on_sequence_shards(sch) + _lone_columns_in_chains(sch, p)
             + _split_input_into_reducers(sch, p) + _functional_reads(sch, p) + _feature_syncs(sch)
             + _packing_against_flow(sch, p) + _heads_against_flow(sch, p) + _unsplit_chain_inputs(sch)
-            + _partial_sources(sch))
+            + _partial_sources(sch) + _contradicted_sources(sch))

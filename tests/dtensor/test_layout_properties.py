@@ -1040,6 +1040,8 @@ CLOSED: dict[str, Case] = {
     "partial-src-on-a-torch-linear": _c([_MLP], ("sync", "0.fc1", "fwd_post", "R", "P")),
     "column-kept-split-meets-a-row": _c([Block("branches", bias=False, style="mul")], ("shard", "0.a", 0, 1),
                                         ("shard", "0.b", 1, 1), ("sync", "0.a", "fwd_post", "S(-1)", "R"), dim=16),
+    "root-src-contradicts-a-child-sync": _c([Block("chain", widths=(16,))], ("sync", "0.2", "fwd_post", "S(-1)", None),
+                                            ("sync", "", "fwd_post", "S(-1)", "R")),
     "split-sync-into-a-head-view": _c([Block("attn", heads=1, style="infer", bias=False)],
                                       ("shard", "0.q", 0, 1), ("shard", "0.o", 1, 1),
                                       ("sync", "0.q", "fwd_post", "S(-1)", "S(1)"), dim=16),
