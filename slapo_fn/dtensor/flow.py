@@ -186,8 +186,6 @@ class _Leaves(fx.Tracer):
 #: The rank a traced value is taken to have where nothing in the trace says: the parent's
 #: arguments are hidden states ``(batch, sequence, features)``.
 _ASSUMED_RANK = 3
-_SAME_RANK = frozenset({"transpose", "contiguous", "float", "to", "type_as", "masked_fill", "clone", "softmax",
-                        "chunk", "split", "narrow", "__getitem__"})
 
 
 class _Shapes(_Leaves):
@@ -311,10 +309,10 @@ def flow(parent: nn.Module) -> Flow | None:
         return known[1]
     shape = (type(parent), type(parent).forward, tuple((k, type(m)) for k, m in parent._modules.items()))
     own = vars(parent)
-    alike = next((f for reads, f in _BY_SHAPE.get(shape, ())
-                  if all(_same(own.get(name, _MISSING), value) for name, value in reads)), _MISSING)
-    if alike is not _MISSING:
-        found: Flow | None = alike  # type: ignore[assignment]
+    alike = [f for reads, f in _BY_SHAPE.get(shape, ())
+             if all(_same(own.get(name, _MISSING), value) for name, value in reads)]
+    if alike:
+        found = alike[0]
     else:
         found, read = _trace(parent)
         if len(_BY_SHAPE) > _SHAPES_MAX:

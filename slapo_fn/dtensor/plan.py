@@ -342,8 +342,7 @@ def _stated_output(sch: Schedule, path: str, axis: str) -> Placement | None:
     """The layout over ``axis`` that the last ``fwd_post`` sync of the child that alone
     makes ``path``'s output states (looking down through such children, and through
     pointwise ones after it), by the data flow; ``None`` where none states one."""
-    module = get_module(sch.module, path)
-    fl = flow(module) if module._modules else None
+    fl = _flow_of(sch, path)
     if fl is None:
         return None
     reach = fl.reaching_output(_through(sch, path))
@@ -890,9 +889,8 @@ def head_count_attrs(parent: nn.Module, out: int, packed: int) -> tuple[str, ...
 
 
 def _axis_size(sch: Schedule, axis: str) -> int:
-    if sch.mesh is None:
-        return 1
-    return dict(zip(mesh_dims(sch.mesh), (int(n) for n in sch.mesh.shape), strict=True)).get(axis, 1)
+    dims = mesh_dims(sch.mesh) if sch.mesh is not None else ()
+    return int(sch.mesh.size(dims.index(axis))) if sch.mesh is not None and axis in dims else 1
 
 
 def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
@@ -1194,7 +1192,7 @@ def _functional_reads(sch: Schedule, p: Plan) -> list[Problem]:
     return problems
 
 
-def _feature_syncs(sch: Schedule) -> list[Problem]:
+def _feature_syncs(sch: Schedule, p: Plan) -> list[Problem]:
     """A ``sync`` to ``Shard(-1)`` (this rank's features) hands a module a part of what it
     needs whole, unless that module is row-parallel (which takes its input split) or a
     column (which gathers it back): refused for a ``fwd_pre`` sync into a module with
@@ -1203,7 +1201,19 @@ def _feature_syncs(sch: Schedule) -> list[Problem]:
     for a ``fwd_post`` sync (or a pointwise module handed split features) whose output
     reaches anything but rows, unless it is the model's output."""
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
+    kept = {q for q, mp in p.modules.items() if mp.role is not None and mp.role.kind == "column" and mp.partnered}
     problems = []
+
+    def meets_whole(path: str, what: str, rows: list[str] | None, axis: str, verb: str) -> bool:
+        mixed = _whole_beside_split(sch, path, rows, axis, kept)
+        if mixed:
+            problems.append(Problem(
+                path, f"{what} {verb} its output split by features, but in {_parent(path) or '<root>'!r}'s forward "
+                      f"it meets the whole output of {', '.join(repr(q) for q in mixed)}",
+                "shard those as columns (axis=0) too, or state Replicate() instead",
+            ))
+        return bool(mixed)
+
     for path, specs in sch.annotations.of_kind(SYNC).items():
         for s in specs:
             feature = isinstance(s.layout, Shard) and s.layout.dim == -1
@@ -1226,13 +1236,8 @@ def _feature_syncs(sch: Schedule) -> list[Problem]:
                 if states_output:
                     continue  # a hand-written module on this rank's features, whose output the user states
             elif role is not None:
-                mixed = _whole_beside_split(sch, path, None, s.mesh_axis) if role.kind == "column" else []
-                if mixed:
-                    problems.append(Problem(
-                        path, f"{what} keeps its output split by features, but in {_parent(path) or '<root>'!r}'s "
-                              f"forward it meets the whole output of {', '.join(repr(q) for q in mixed)}",
-                        "shard those as columns (axis=0) too, or state Replicate() instead",
-                    ))
+                if role.kind == "column":
+                    meets_whole(path, what, None, s.mesh_axis, "keeps")
                 continue  # a role's own output boundary
             if _model_output(sch, path):
                 stated = [q for q in _ancestors(path) for o in sch.annotations.of_kind(SYNC).get(q, ())
@@ -1253,15 +1258,8 @@ def _feature_syncs(sch: Schedule) -> list[Problem]:
             else:
                 bad = [q for q in users if (r := roles.get(q)) is None or r.kind != "row" or r.mesh_axis != s.mesh_axis]
                 named = ", ".join(repr(q) for q in bad)
-                if not named:
-                    mixed = _whole_beside_split(sch, path, users, s.mesh_axis)
-                    if mixed:
-                        problems.append(Problem(
-                            path, f"{what} splits its output by features, but in {_parent(path) or '<root>'!r}'s "
-                                  f"forward it meets the whole output of {', '.join(repr(q) for q in mixed)}",
-                            "shard those as columns (axis=0) too, or state Replicate() instead",
-                        ))
-                        continue
+                if not named and meets_whole(path, what, users, s.mesh_axis, "splits"):
+                    continue
             if named:
                 problems.append(Problem(
                     path, f"{what} splits its output by features, but it goes on to {named}, which need it whole",
@@ -1270,12 +1268,12 @@ def _feature_syncs(sch: Schedule) -> list[Problem]:
     return problems
 
 
-def _whole_beside_split(sch: Schedule, path: str, rows: list[str] | None, axis: str) -> list[str]:
+def _whole_beside_split(sch: Schedule, path: str, rows: list[str] | None, axis: str, kept: set[str]) -> list[str]:
     """The siblings whose whole (unsplit) output reaches one of ``rows`` (``None``: any of
     ``path``'s consumers in its parent, the parent's result included) together with
     ``path``'s output split by features: the two meet in the parent's code (``act(gate)
-    * up``) at different widths. Columns kept sharded and outputs a sync splits too are
-    split alike."""
+    * up``) at different widths. Columns kept sharded (``kept``: their paths) and outputs
+    a sync splits too are split alike."""
     parent = _parent(path)
     fl = _flow_of(sch, parent)
     if fl is None or not fl.called(split(path)[-1]):
@@ -1284,8 +1282,6 @@ def _whole_beside_split(sch: Schedule, path: str, rows: list[str] | None, axis: 
     if rows is None:
         users = fl.consumers(split(path)[-1], through)
         rows = [OUTPUT if u == OUTPUT else join(parent, u) for u in users]
-    kept = {split(q)[-1] for q, with_ in _partners(sch).items() if with_ and _parent(q) == parent
-            and (r := sch.annotations.get(q, ROLE)) is not None and r.kind == "column"}
     out: set[str] = set()
     for row in rows:
         if row != OUTPUT and _parent(row) != parent:
@@ -1293,7 +1289,7 @@ def _whole_beside_split(sch: Schedule, path: str, rows: list[str] | None, axis: 
         # at the result: what it is returned with in one tensor (not beside it in a ModelOutput)
         fed = fl.returned_with(split(path)[-1], through) if row == OUTPUT else fl.feeders(split(row)[-1], through)
         for q in fed - {SIDE, split(path)[-1]}:
-            if q == INPUT or not (q in kept or _split_by_sync(sch, join(parent, q), axis)):
+            if q == INPUT or not (join(parent, q) in kept or _split_by_sync(sch, join(parent, q), axis)):
                 out.add("<input>" if q == INPUT else join(parent, q))
     return sorted(out)
 
@@ -1438,6 +1434,6 @@ def refusals(sch: Schedule, p: Plan) -> list[Problem]:
     return (_half_sharded_ties(sch) + _unsharded_twins(sch, p) + _stray_token_shards(sch)
             + _ungathered_chain_members(sch) + _chain_gaps(sch) + _packed_outputs_read_whole(sch, p)
             + _chains_inside_pairs(sch, p) + _attention_on_sequence_shards(sch) + _lone_columns_in_chains(sch, p)
-            + _split_input_into_reducers(sch, p) + _functional_reads(sch, p) + _feature_syncs(sch)
+            + _split_input_into_reducers(sch, p) + _functional_reads(sch, p) + _feature_syncs(sch, p)
             + _packing_against_flow(sch, p) + _heads_against_flow(sch, p) + _unsplit_chain_inputs(sch)
             + _partial_sources(sch) + _contradicted_sources(sch))
