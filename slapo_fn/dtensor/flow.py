@@ -329,11 +329,17 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _recording(parent: nn.Module, read: set[str]) -> nn.Module:
-    """A shallow copy of ``parent`` (attributes its traced forward sets land on the copy)
-    that notes the names of the instance attributes its forward reads."""
+    """A shallow copy of ``parent`` that notes the names of the instance attributes its
+    forward reads. What the traced forward sets lands on the copy: its containers too
+    (``_buffers``, ``_parameters``, ``_modules``, any dict, list or set) are copies, so
+    GPT-J's ``self.embed_positions = self.embed_positions.to(...)``, a buffer, leaves the
+    model's own buffer as it was (a shared ``_buffers`` got the traced value, and the
+    model's next forward failed)."""
     shell = copy.copy(parent)
+    for name, value in vars(parent).items():
+        if isinstance(value, dict | list | set):
+            shell.__dict__[name] = copy.copy(value)
     own = set(vars(parent))
-
     base = type(parent)
 
     def __getattribute__(self: nn.Module, name: str) -> Any:

@@ -198,3 +198,19 @@ def test_what_a_child_is_returned_with_is_not_what_is_returned_beside_it() -> No
 
     summed = flow(Sum())
     assert summed is not None and summed.returned_with("a") == {"a", "b"}
+
+
+def test_tracing_leaves_the_model_s_buffers_as_they_were() -> None:
+    """GPT-J's attention assigns its ``embed_positions`` buffer in forward; traced on a copy
+    that shared ``_buffers`` with the model, the model's buffer took the traced value and
+    its next forward failed ("Input tensor rank should be one of [4, 5]")."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    model = GPTJForCausalLM(GPTJConfig(n_embd=64, n_head=4, n_layer=1, vocab_size=128, rotary_dim=8))
+    attn = model.transformer.h[0].attn
+    buffers = dict(attn._buffers)
+    ids = torch.randint(0, 128, (2, 8))
+    want = model(ids).logits
+    flow(attn)
+    assert attn._buffers == buffers and all(attn._buffers[k] is v for k, v in buffers.items())
+    torch.testing.assert_close(model(ids).logits, want)
