@@ -85,12 +85,14 @@ class Annotations(Mapping[str, Mapping[str, Any]]):
     (``sch.annotations["layers.0"]["checkpoint"]``), for display and inspection.
     """
 
-    __slots__ = ("_data",)
+    __slots__ = ("_data", "_kinds")
 
     def __init__(self, data: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         self._data: dict[str, MappingProxyType[str, Any]] = {
             path: MappingProxyType(dict(kinds)) for path, kinds in (data or {}).items() if kinds
         }
+        #: ``{kind name: {path: value}}``, built on the first ``of_kind`` (the map never changes)
+        self._kinds: dict[str, dict[str, Any]] | None = None
 
     def __getitem__(self, path: str) -> Mapping[str, Any]:
         return self._data[path]
@@ -120,12 +122,20 @@ class Annotations(Mapping[str, Mapping[str, Any]]):
         return self._data.get(path, *args)
 
     def of_kind(self, key: Key[T]) -> dict[str, T]:
-        """``{path: value}`` of every ``key`` annotation, in insertion order."""
+        """``{path: value}`` of every ``key`` annotation, in insertion order (a new dict:
+        the plan reads a few kinds thousands of times, so they are indexed once per map)."""
         name = _name(key)
-        return {path: kinds[name] for path, kinds in self._data.items() if name in kinds}
+        if self._kinds is None:
+            index: dict[str, dict[str, Any]] = {}
+            for path, kinds in self._data.items():
+                for kind, value in kinds.items():
+                    index.setdefault(kind, {})[path] = value
+            self._kinds = index
+        return dict(self._kinds.get(name, {}))
 
     def set(self, path: str, key: Key[T], value: T) -> Annotations:
         new = Annotations.__new__(Annotations)
+        new._kinds = None
         new._data = dict(self._data)
         new._data[path] = MappingProxyType({**self._data.get(path, {}), _name(key): value})
         return new
@@ -136,6 +146,7 @@ class Annotations(Mapping[str, Mapping[str, Any]]):
 
     def drop(self, paths: AbstractSet[str]) -> Annotations:
         new = Annotations.__new__(Annotations)
+        new._kinds = None
         new._data = {p: k for p, k in self._data.items() if p not in paths}
         return new
 
