@@ -43,7 +43,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..errors import Problem
 from ..hf import HEAD_COUNT_ATTRS, HEAD_DIM_ATTRS, is_conv1d, mixes_tokens
-from ..rewrites._common import contains
+from ..rewrites._common import INSTALLED, contains
 from ..schedule import Schedule
 from ..tree import child_names, get_module, join, split, walk
 from .experts import EXPERTS, Experts
@@ -156,6 +156,7 @@ def plan(sch: Schedule) -> Plan:
     bounds: list[Boundary] = []
     fused: set[tuple[str, str, int | str | None]] = set()
     partners = _partners(sch)
+    features: dict[str, _Features] = {}  # what the data flow brings, per mesh axis
     for path in sorted(set(roles) | set(seqs) | set(syncs) | set(rngs), key=lambda p: order.get(p, 0)):
         role = roles.get(path)
         seq = region(path)
@@ -167,7 +168,9 @@ def plan(sch: Schedule) -> Plan:
             ax = role.mesh_axis
             if role.kind == "column":
                 in_seq = seq is not None and seq.mesh_axis == ax
-                key = (_parent(path), ax, _entry_key(sch, path))
+                pre = _moving(spec_syncs, "fwd_pre")
+                # a column that a sync hands a converted tensor enters the region with it alone
+                key = (_parent(path), ax, _entry_key(sch, path) if pre is None else f"own {path}")
                 leader = key not in fused
                 fused.add(key)
                 if in_seq:
@@ -185,6 +188,10 @@ def plan(sch: Schedule) -> Plan:
                     )
                 else:
                     bounds.append(Boundary(path, "input", "R", "R", ax, (), ("all_reduce",) if leader else ()))
+                if not isinstance(get_module(sch.module, path), nn.Embedding) and _arrives_feature_split(
+                        sch, path, ax, pre, features):
+                    # split by a sync on it or before it: the column gathers its input back
+                    bounds.append(Boundary(path, "input", "S(-1)", "R", ax, ("all_gather",), (), False))
                 out = "S(-1)" if role.packed == 1 else f"S(-1)×{role.packed}"
                 if out_sync is not None:
                     fwd, bwd = collective_of(Shard(-1), out_sync.layout)
@@ -192,12 +199,17 @@ def plan(sch: Schedule) -> Plan:
                 elif not partnered:
                     bounds.append(Boundary(path, "output", out, "R", ax, ("all_gather",), (), False, "output"))
             elif role.kind == "row":
-                pre = next((s for s in spec_syncs if s.mode == "fwd_pre"), None)
-                if not partnered and pre is None and not _fed_split(sch, path, ax):
-                    bounds.append(Boundary(path, "input", "R", "S(-1)", ax, (), ("all_gather",), False))
-                elif not partnered and isinstance(pre, SyncSpec) and isinstance(pre.layout, Replicate):
-                    # stated replicated: the module splits it locally (all-gather of the gradient)
+                stated = next((s for s in spec_syncs if s.mode == "fwd_pre"), None)
+                pre = _moving(spec_syncs, "fwd_pre")
+                if (isinstance(stated, SyncSpec) and isinstance(stated.layout, Replicate)
+                        and (pre is not None or not partnered)):
+                    # stated replicated (gathered from the columns' split, or as it arrives): the
+                    # module splits it locally (all-gather of the gradient)
                     bounds.append(Boundary(path, "input", "R", "S(-1)", ax, (), ("all_gather",), True))
+                elif (pre is None and (not partnered or _partner_gathered(sch, partners[path], ax))
+                      and not _arrives_feature_split(sch, path, ax, None, features, stated)):
+                    # replicated input (or its columns' outputs gathered by syncs): split locally
+                    bounds.append(Boundary(path, "input", "R", "S(-1)", ax, (), ("all_gather",), False))
                 # a fwd_pre sync to Shard(-1) is the input boundary itself (added with the syncs below)
                 bounds.append(_reduce_boundary(path, ax, seq, out_sync))
             elif role.kind == "vocab":
@@ -301,6 +313,46 @@ def plan(sch: Schedule) -> Plan:
     return Plan(modules, tuple(bounds))
 
 
+def _moving(specs: tuple[SyncSpec, ...], mode: str) -> SyncSpec | None:
+    """The first sync of ``mode`` that moves a layout (a sync from a layout to itself
+    moves nothing: the module sees what arrives)."""
+    return next((s for s in specs if s.mode == mode and s.src != s.layout), None)
+
+
+def _last_dim(p: Placement | None) -> bool:
+    return isinstance(p, Shard) and p.dim == -1
+
+
+def _arrives_feature_split(sch: Schedule, path: str, axis: str, pre: SyncSpec | None,
+                           features: dict[str, _Features], stated: SyncSpec | None = None) -> bool:
+    """Whether ``path``'s input arrives split on its features over ``axis``: a ``fwd_pre``
+    sync moves it to ``Shard(-1)``, or, with none, the data flow brings this rank's
+    features (:class:`_Features`, one per axis in ``features``). Where the flow cannot
+    tell (columns in another parent: BERT's attention output), every sibling feeding it
+    states its output so (:func:`_fed_split`), or a sync from ``Shard(-1)`` to itself
+    (``stated``) says it arrives so."""
+    if pre is not None:
+        return pre.mesh_axis == axis and _last_dim(pre.layout)
+    if axis not in features:
+        features[axis] = _Features(sch, axis)
+    known = features[axis].arriving(path)
+    if known is not None:
+        return _last_dim(known)
+    return _fed_split(sch, path, axis) or (stated is not None and stated.mesh_axis == axis and _last_dim(stated.src)
+                                           and _last_dim(stated.layout))
+
+
+def _partner_gathered(sch: Schedule, columns: tuple[str, ...], axis: str) -> bool:
+    """Whether a ``fwd_post`` sync moves a paired column's output off its ``Shard(-1)``
+    (to ``Replicate()`` or a sequence shard): the row then takes a whole-width input and
+    splits it itself, a backward all-gather."""
+    syncs = sch.annotations.of_kind(SYNC)
+    return any(
+        s.mode == "fwd_post" and s.mesh_axis == axis and not _last_dim(s.layout)
+        for c in columns for s in syncs.get(c, ())
+    )
+
+
 def _resolved_syncs(path: str, specs: tuple[SyncSpec, ...], role: Role | None, seqs: Mapping[str, SeqSpec],
                     chain_order: list[str], inner: Callable[[str], Placement | None],
                     partnered: bool = False) -> tuple[SyncSpec, ...]:
@@ -383,11 +435,12 @@ def _fed_split(sch: Schedule, path: str, axis: str) -> bool:
 
 
 def _split_by_sync(sch: Schedule, path: str, axis: str) -> bool:
-    """Whether a ``fwd_post`` sync states ``path``'s output ``Shard(-1)`` over ``axis``
-    (from another layout: a sync from Shard(-1) moves nothing)."""
-    return any(s.mode == "fwd_post" and s.mesh_axis == axis and isinstance(s.layout, Shard) and s.layout.dim == -1
-               and not (isinstance(s.src, Shard) and s.src.dim == -1)
-               for s in sch.annotations.of_kind(SYNC).get(path, ()))
+    """Whether the ``fwd_post`` syncs of ``path`` leave its output ``Shard(-1)`` over
+    ``axis``: the last that moves a layout states it (a sync from a layout to itself moves
+    nothing; a later one may gather it back)."""
+    moving = [s for s in sch.annotations.of_kind(SYNC).get(path, ())
+              if s.mode == "fwd_post" and s.mesh_axis == axis and s.src != s.layout]
+    return bool(moving) and _last_dim(moving[-1].layout)
 
 
 def _partners(sch: Schedule) -> dict[str, tuple[str, ...]]:
@@ -422,8 +475,11 @@ def _partners(sch: Schedule) -> dict[str, tuple[str, ...]]:
         rows = {n for n, p in names.items() if roles[p].kind == "row"}
         keep = {c for c in cols if (users := fl.consumers(c, through)) and users <= rows}
         # side values (rotary cos/sin, masks) broadcast over the heads: they do not mix in; nor
-        # does a sibling whose fwd_post sync states its output Shard(-1) (split like a column's)
-        split_synced = {n for n in fl.feeds if _split_by_sync(sch, join(parent, n), axis)}
+        # does a sibling whose fwd_post sync states its output Shard(-1) (split like a column's),
+        # unless the parent is a chain member: its columns gather the sequence themselves, the
+        # sibling keeps the chain's shard
+        member = (spec := sch.annotations.get(parent, SEQ)) is not None and spec.mesh_axis == axis
+        split_synced = set() if member else {n for n in fl.feeds if _split_by_sync(sch, join(parent, n), axis)}
         fed = {r: fl.feeders(r, through) - {SIDE} - split_synced for r in rows}
         while True:
             mixed = {c for c in keep if any(not fed.get(r, frozenset()) <= keep for r in fl.consumers(c, through))}
@@ -782,6 +838,54 @@ def _unsplit_chain_inputs(sch: Schedule) -> list[Problem]:
                 f"sync that output to the shard (sf.sync(sch, {whole[0]!r}, 'fwd_post', Shard(1))), or drop "
                 "input_layout=",
             ))
+    return problems
+
+
+def _gathers_inside_chains(sch: Schedule, p: Plan) -> list[Problem]:
+    """A sync that moves an activation inside a sequence-parallel chain (on a member or a
+    module in one) to ``Replicate()`` gathers the sequence for that module alone (unless
+    it is the last member's output, the chain's exit): what it feeds in the chain takes
+    sequence shards (a raw shape error where a branch meets the others, or a column
+    gathering it twice), and its parameters' gradients, summed over the ranks as a
+    chain's are, would count every token twice. One to a token shard (``Shard(d)``, ``d``
+    not the last) splits again what the chain split, or what a column gathered whole for
+    attention, so that branches meet at different lengths. A sync that moves nothing
+    (its ``src`` is its layout), a column's own gather and a row's own reduce-scatter to
+    the chain's shard are layouts of the chain; the rest are refused, naming the module."""
+    roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
+    seqs: dict[str, SeqSpec] = sch.annotations.of_kind(SEQ)
+    order = {q: i for i, q in enumerate(sch.paths())}
+    problems = []
+    for path, mp in p.modules.items():
+        for s in mp.syncs:
+            token = isinstance(s.layout, Shard) and not _last_dim(s.layout)
+            if s.mode not in ("fwd_pre", "fwd_post") or not (isinstance(s.layout, Replicate) or token):
+                continue
+            members = sorted((r for r, spec in seqs.items() if spec.mesh_axis == s.mesh_axis),
+                             key=lambda r: order.get(r, 0))
+            chain = next((seqs[r] for r in members if r == path or contains(r, path)), None)
+            if chain is None:
+                continue
+            role = roles.get(path)
+            exit_ = s.mode == "fwd_post" and path == members[-1] and not token
+            if s.mode == "fwd_post" and role is not None and role.kind != "param":
+                natural = (role.kind in ("column", "embed_dim") and not token) or (
+                    role.kind in ("row", "vocab") and isinstance(s.layout, Shard) and s.layout.dim == chain.seq_axis)
+                if natural or exit_:
+                    continue
+            elif s.src == s.layout or exit_:
+                continue  # moves nothing; the chain's exit
+            what = ("splits the sequence again inside the chain, which splits and gathers it" if token else
+                    "gathers the sequence for this module alone, while what it feeds in the chain takes sequence "
+                    "shards")
+            problems.append(Problem(
+                path,
+                f"has a {s.mode} sync to {_code(s.layout)} over {s.mesh_axis!r} inside the sequence_parallel chain: "
+                f"it {what}",
+                f"end the chain before {path!r} (leave it out of sf.sequence_parallel), or drop the sync (the chain "
+                "gathers at its last member)",
+            ))
+            break
     return problems
 
 
@@ -1201,7 +1305,8 @@ def _feature_syncs(sch: Schedule, p: Plan) -> list[Problem]:
     for a ``fwd_post`` sync (or a pointwise module handed split features) whose output
     reaches anything but rows, unless it is the model's output."""
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
-    kept = {q for q, mp in p.modules.items() if mp.role is not None and mp.role.kind == "column" and mp.partnered}
+    kept = {q for q, mp in p.modules.items() if mp.role is not None and mp.role.kind == "column" and mp.partnered
+            and not _partner_gathered(sch, (q,), mp.role.mesh_axis)}
     problems = []
 
     def meets_whole(path: str, what: str, rows: list[str] | None, axis: str, verb: str) -> bool:
@@ -1218,9 +1323,11 @@ def _feature_syncs(sch: Schedule, p: Plan) -> list[Problem]:
         for s in specs:
             feature = isinstance(s.layout, Shard) and s.layout.dim == -1
             already = isinstance(s.src, Shard) and s.src.dim == -1
-            if s.mode not in ("fwd_pre", "fwd_post") or not feature or already:
-                continue
             role = roles.get(path)
+            # a sharded module's fwd_post sync converts from the role's own output, whatever src says
+            if s.mode not in ("fwd_pre", "fwd_post") or not feature or (
+                    already and (role is None or s.mode == "fwd_pre")):
+                continue
             what = f"the {s.mode} sync of {path or '<root>'!r} to Shard(-1) over {s.mesh_axis!r}"
             module = get_module(sch.module, path)
             if s.mode == "fwd_pre":
@@ -1235,10 +1342,22 @@ def _feature_syncs(sch: Schedule, p: Plan) -> list[Problem]:
                     continue
                 if states_output:
                     continue  # a hand-written module on this rank's features, whose output the user states
-            elif role is not None:
-                if role.kind == "column":
-                    meets_whole(path, what, None, s.mesh_axis, "keeps")
-                continue  # a role's own output boundary
+            elif role is not None and role.kind == "column":
+                if meets_whole(path, what, None, s.mesh_axis, "keeps"):
+                    continue
+                # kept split for rows: its own, or ones inside the modules it reaches (BERT's attention
+                # output); where the flow is unknown or it is the result (vocab-parallel logits), trusted
+                reached = _users(sch, path) or []
+                rows = [q for q, r in roles.items() if r.kind == "row" and r.mesh_axis == s.mesh_axis]
+                bad = [q for q in reached if not any(r == q or contains(q, r) for r in rows)]
+                if bad:
+                    problems.append(Problem(
+                        path, f"{what} keeps its output split by features, but it goes on to "
+                              f"{', '.join(map(repr, bad))}, which need it whole",
+                        "state Replicate() instead (or drop the sync), or shard the modules that read it as rows "
+                        "(axis=1)",
+                    ))
+                continue
             if _model_output(sch, path):
                 stated = [q for q in _ancestors(path) for o in sch.annotations.of_kind(SYNC).get(q, ())
                           if o.mode == "fwd_post" and o.mesh_axis == s.mesh_axis and o.src is None]
@@ -1251,6 +1370,8 @@ def _feature_syncs(sch: Schedule, p: Plan) -> list[Problem]:
                     ))
                 continue  # the model's sharded result
             users = _users(sch, path)
+            if users is None and role is not None:
+                continue  # a sharded module's stated output where the flow is unknown (loss-parallel logits)
             if users is None:
                 named = "modules whose data flow slapo_fn cannot trace"
             elif not users:
@@ -1268,6 +1389,28 @@ def _feature_syncs(sch: Schedule, p: Plan) -> list[Problem]:
     return problems
 
 
+def _half_gathered_pairs(sch: Schedule, p: Plan) -> list[Problem]:
+    """A row whose paired columns' outputs a ``fwd_post`` sync moves off ``Shard(-1)`` for
+    some and not others: the row would take whole-width values and this rank's features
+    together (q gathered while k and v stay split: a raw shape error in the attention).
+    Refused, naming the row and both groups."""
+    problems = []
+    for path, mp in p.modules.items():
+        if mp.role is None or mp.role.kind != "row" or not mp.partners:
+            continue
+        ax = mp.role.mesh_axis
+        gathered = [c for c in mp.partners if _partner_gathered(sch, (c,), ax)]
+        kept = [c for c in mp.partners if c not in gathered]
+        if gathered and kept:
+            problems.append(Problem(
+                path,
+                f"takes the outputs of {', '.join(map(repr, gathered))}, which a fwd_post sync gathers, together "
+                f"with those of {', '.join(map(repr, kept))}, kept split by features for it",
+                f"sync {', '.join(map(repr, kept))} alike, or drop the sync on {', '.join(map(repr, gathered))}",
+            ))
+    return problems
+
+
 def _whole_beside_split(sch: Schedule, path: str, rows: list[str] | None, axis: str, kept: set[str]) -> list[str]:
     """The siblings whose whole (unsplit) output reaches one of ``rows`` (``None``: any of
     ``path``'s consumers in its parent, the parent's result included) together with
@@ -1282,6 +1425,15 @@ def _whole_beside_split(sch: Schedule, path: str, rows: list[str] | None, axis: 
     if rows is None:
         users = fl.consumers(split(path)[-1], through)
         rows = [OUTPUT if u == OUTPUT else join(parent, u) for u in users]
+    # in a chain member, columns gather the sequence themselves and a synced sibling keeps the
+    # chain's shard: the two are not split alike
+    member = (spec := sch.annotations.get(parent, SEQ)) is not None and spec.mesh_axis == axis
+
+    def alike(q: str) -> bool:
+        if not (q in kept or _split_by_sync(sch, q, axis)):
+            return False
+        return not member or (q in kept) == (path in kept)
+
     out: set[str] = set()
     for row in rows:
         if row != OUTPUT and _parent(row) != parent:
@@ -1289,7 +1441,7 @@ def _whole_beside_split(sch: Schedule, path: str, rows: list[str] | None, axis: 
         # at the result: what it is returned with in one tensor (not beside it in a ModelOutput)
         fed = fl.returned_with(split(path)[-1], through) if row == OUTPUT else fl.feeders(split(row)[-1], through)
         for q in fed - {SIDE, split(path)[-1]}:
-            if q == INPUT or not (join(parent, q) in kept or _split_by_sync(sch, join(parent, q), axis)):
+            if q == INPUT or not alike(join(parent, q)):
                 out.add("<input>" if q == INPUT else join(parent, q))
     return sorted(out)
 
@@ -1391,6 +1543,111 @@ def _partial_sources(sch: Schedule) -> list[Problem]:
     return problems
 
 
+def _in_chain(sch: Schedule, path: str, axis: str) -> bool:
+    """Whether ``path`` is in (or is) a sequence-parallel chain over ``axis``."""
+    return any(s.mesh_axis == axis and (r == path or contains(r, path))
+               for r, s in sch.annotations.of_kind(SEQ).items())
+
+
+def _unsourced(sch: Schedule) -> list[Problem]:
+    """A sync's stated ``src`` that nothing in the schedule could have made. Only the
+    user's own code computes this rank's share of a value: modules installed by
+    ``sf.replace``, ``tp_local`` ones, experts; with none of them, the model is the
+    single-process one and a value is split or partial only where the schedule makes it
+    so. ``Partial()`` then needs a sync stating a partial value, or features split
+    somewhere (a module handed them may sum them; rows and vocabulary embeddings reduce
+    their own outputs); this rank's features (``Shard(-1)``) need a column, an embedding
+    split by features or a sync to them; a token shard (``Shard(d)``, ``d`` not the
+    last) a sequence-parallel chain or a sync to one. Otherwise every rank holds the
+    whole activation, and the sync would sum the ranks' copies or gather them into a
+    tensor ``world`` times too long: refused, naming the module. (A sharded module's
+    ``fwd_post`` converts from its role's own output, and a sync from a layout to itself
+    moves nothing; a ``torch.nn`` module stated partial is :func:`_partial_sources`'s.)"""
+    roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
+    syncs: dict[str, tuple[SyncSpec, ...]] = sch.annotations.of_kind(SYNC)
+    stated = [(q, s) for q, specs in syncs.items() for s in specs if s.mode != "bwd_post"]
+    own_code = bool(sch.annotations.of_kind(LOCAL) or sch.annotations.of_kind(EXPERTS)
+                    or sch.annotations.of_kind(INSTALLED))
+    chains = {spec.mesh_axis for spec in sch.annotations.of_kind(SEQ).values()}
+    problems = []
+    for path, specs in syncs.items():
+        module = get_module(sch.module, path)
+        for s in specs:
+            src = s.src
+            if src is None or src == s.layout:
+                continue
+            if s.mode == "bwd_post":
+                # slapo_fn's own layouts hand back whole input gradients (a column's entry reduces them)
+                if isinstance(src, Partial) and not own_code:
+                    problems.append(Problem(
+                        path or "<root>",
+                        f"has a bwd_post sync from Partial() over {s.mesh_axis!r}, but nothing in the schedule "
+                        "makes its input gradient partial: every rank holds the whole gradient, so the sync would "
+                        "sum the ranks' copies",
+                        "drop the sync (or src=Partial()): a partial input gradient comes only from your own "
+                        "tensor-parallel code (a module installed by sf.replace, or sf.tp_local)",
+                    ))
+                    break
+                continue
+            role = roles.get(path)
+            if role is not None and (s.mode == "fwd_post" or (role.kind == "row" and role.mesh_axis == s.mesh_axis)):
+                continue  # the role's own output; a row's stated input is _contradicted_sources's
+            others = [o for q, o in stated if o is not s and o.mesh_axis == s.mesh_axis]
+            features = any(_last_dim(o.layout) for o in others) or any(
+                r.mesh_axis == s.mesh_axis and r.kind in ("column", "embed_dim") for r in roles.values())
+            if isinstance(src, Partial):
+                if (s.mode == "fwd_post" and path and path not in sch.annotations.of_kind(LOCAL)
+                        and type(module).__module__.startswith("torch.nn.modules")):
+                    continue  # _partial_sources
+                # a module handed this rank's features may sum them (a partial sum)
+                possible = own_code or features or any(isinstance(o.layout, Partial) for o in others)
+            elif _last_dim(src):
+                possible = own_code or features
+            elif isinstance(src, Shard):
+                possible = own_code or s.mesh_axis in chains or any(
+                    isinstance(o.layout, Shard) and not _last_dim(o.layout) for o in others)
+            else:
+                continue
+            if not possible:
+                problems.append(Problem(
+                    path or "<root>",
+                    f"has a {s.mode} sync from {_code(src)} over {s.mesh_axis!r}, but nothing in the schedule makes "
+                    f"{_code(src)} there: every rank holds the whole activation, so the sync would "
+                    + ("sum the ranks' copies" if isinstance(src, Partial) else "gather copies of it"),
+                    "drop src= (the plan knows the layout: Replicate() here)",
+                ))
+                break
+    return problems
+
+
+def _role_output_syncs(sch: Schedule) -> list[Problem]:
+    """A sharded module's output boundary is one conversion, from its role's own output
+    (a column's or a feature-split embedding's ``Shard(-1)``, a row's or vocabulary
+    embedding's ``Partial()``) to the layout its ``fwd_post`` sync states. A second
+    ``fwd_post`` sync on it, or a ``src=`` naming another layout, would be ignored (the
+    output then not the layout stated last). Refused, naming the module."""
+    problems = []
+    syncs: dict[str, tuple[SyncSpec, ...]] = sch.annotations.of_kind(SYNC)
+    for path, role in sch.annotations.of_kind(ROLE).items():
+        if role.kind == "param":
+            continue
+        posts = [s for s in syncs.get(path, ()) if s.mode == "fwd_post"]
+        own: Placement = Shard(-1) if role.kind in ("column", "embed_dim") else Partial()
+        if len(posts) > 1:
+            problems.append(Problem(
+                path, f"is {role.kind}-parallel with {len(posts)} fwd_post syncs: its output boundary converts its "
+                f"own {_code(own)} once",
+                f"keep one fwd_post sync on {path!r}, to the layout its output should have",
+            ))
+        elif posts and posts[0].src is not None and posts[0].src != own:
+            problems.append(Problem(
+                path, f"is {role.kind}-parallel, so its output is {_code(own)}, but its fwd_post sync states "
+                f"src={_code(posts[0].src)}",
+                f"drop src= (or state src={_code(own)})",
+            ))
+    return problems
+
+
 def _code(p: Placement) -> str:
     """A placement as it is written: ``Shard(-1)``, ``Replicate()``, ``Partial()``."""
     if isinstance(p, Shard):
@@ -1398,15 +1655,169 @@ def _code(p: Placement) -> str:
     return "Partial()" if isinstance(p, Partial) else "Replicate()"
 
 
+class _Features:
+    """What the plan knows of activations' features over one mesh axis: ``Replicate()``
+    (every rank holds them whole) or ``Shard(-1)`` (this rank's), by the data flow from
+    the model's input; ``None`` where it cannot know (a flow fx cannot trace, a token
+    shard or a partial sum, a chain, the user's own code: installed, ``tp_local``,
+    experts). Roles give their outputs (a column kept for its rows ``Shard(-1)``, gathered
+    otherwise; rows and embeddings reduce or gather), a sync the layout it moves to, a
+    parent what reaches its result, a leaf module what reaches it."""
+
+    def __init__(self, sch: Schedule, axis: str) -> None:
+        self.sch, self.axis = sch, axis
+        self.roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
+        self.syncs: dict[str, tuple[SyncSpec, ...]] = sch.annotations.of_kind(SYNC)
+        self.own = set(sch.annotations.of_kind(LOCAL)) | set(sch.annotations.of_kind(INSTALLED)) | set(
+            sch.annotations.of_kind(EXPERTS))
+        self.kept = {q for q, ps in _partners(sch).items() if (r := self.roles.get(q)) is not None
+                     and r.kind == "column" and ps and not _partner_gathered(sch, (q,), axis)}
+        self.memo: dict[tuple[str, str], Placement | None] = {}
+        self.throughs: dict[str, Callable[[str], bool]] = {}
+
+    def _through(self, parent: str) -> Callable[[str], bool]:
+        if parent not in self.throughs:
+            self.throughs[parent] = _through(self.sch, parent)
+        return self.throughs[parent]
+
+    def _cached(self, kind: str, path: str, compute: Callable[[], Placement | None]) -> Placement | None:
+        key = (kind, path)
+        if key not in self.memo:
+            self.memo[key] = None  # a cycle knows nothing
+            self.memo[key] = compute()
+        return self.memo[key]
+
+    def _moved(self, path: str, mode: str) -> tuple[bool, Placement | None]:
+        role = self.roles.get(path)
+        specs = [s for s in self.syncs.get(path, ()) if s.mode == mode and s.mesh_axis == self.axis
+                 and (s.src != s.layout or (role is not None and mode == "fwd_post"))]
+        if not specs:
+            return False, None
+        layout = specs[-1].layout
+        return True, layout if isinstance(layout, Replicate) or _last_dim(layout) else None
+
+    def arriving(self, path: str) -> Placement | None:
+        """What reaches ``path``'s input, before its own ``fwd_pre`` syncs."""
+        return self._cached("in", path, lambda: self._arriving(path))
+
+    def _arriving(self, path: str) -> Placement | None:
+        if _in_chain(self.sch, path, self.axis) or path in self.own:
+            return None
+        if not path:
+            return Replicate()
+        parent, name = _parent(path), split(path)[-1]
+        fl = _flow_of(self.sch, parent)
+        if fl is None or not fl.called(name):
+            return None
+        return self._combine(parent, fl.feeders(name, self._through(parent)))
+
+    def inside(self, path: str) -> Placement | None:
+        """What ``path``'s own code receives, after its ``fwd_pre`` syncs."""
+        moved, layout = self._moved(path, "fwd_pre")
+        return layout if moved else self.arriving(path)
+
+    def made(self, path: str, own_syncs: bool = True) -> Placement | None:
+        """``path``'s output, after its ``fwd_post`` syncs (``own_syncs``) or before them."""
+        if own_syncs:
+            moved, layout = self._moved(path, "fwd_post")
+            if moved:
+                return layout
+        return self._cached("out", path, lambda: self._made(path))
+
+    def _made(self, path: str) -> Placement | None:
+        if path in self.own:
+            return None
+        role = self.roles.get(path)
+        column = role is not None and role.kind == "column" and role.mesh_axis == self.axis
+        if _in_chain(self.sch, path, self.axis) and not column:  # a column gathers the sequence itself
+            # the chain's exit gathers the last member's output; anything else in it is a shard
+            members = [r for r, s in self.sch.annotations.of_kind(SEQ).items() if s.mesh_axis == self.axis]
+            order = {q: i for i, q in enumerate(self.sch.paths())}
+            return Replicate() if path == max(members, key=lambda r: order.get(r, 0)) else None
+        if role is not None and role.kind != "param":
+            if role.mesh_axis != self.axis or (self.inside(path) is None and not isinstance(
+                    get_module(self.sch.module, path), nn.Embedding)):
+                return None  # fed a token shard, or what the flow cannot tell: its output is that too
+            return Shard(-1) if role.kind == "column" and path in self.kept else Replicate()
+        module = get_module(self.sch.module, path)
+        if not module._modules:
+            # whole in, whole out; this rank's features stay so only through pointwise code (a
+            # norm or a sum over them makes something else)
+            got = self.inside(path)
+            return got if isinstance(got, Replicate) or pointwise(module) else None
+        fl = _flow_of(self.sch, path)
+        if fl is None:
+            return None
+        return self._combine(path, fl.reaching_output(self._through(path)))
+
+    def _combine(self, parent: str, fed: frozenset[str]) -> Placement | None:
+        fed = fed - {SIDE}
+        if not fed:
+            return None
+        got = {self.inside(parent) if q == INPUT else self.made(join(parent, q)) for q in fed}
+        return got.pop() if len(got) == 1 else None
+
+
 def _contradicted_sources(sch: Schedule) -> list[Problem]:
-    """A ``fwd_post`` sync's stated ``src`` that contradicts what the plan knows is there:
-    the layout an earlier sync on the same output moved it to, or the one a sync states
-    on the child that alone makes the output (``_stated_output``). The runtime converts
-    from what is stated, so the output would be split twice or gathered wrongly (a root
-    sync from Replicate() over a child's Shard(-1): (2, 4, 4) for (2, 4, 8)). Refused,
-    naming both syncs."""
+    """A sync's stated ``src`` that contradicts what the plan knows is there: for a
+    ``fwd_pre`` sync, the features that reach the module (:class:`_Features`; a paired
+    row's columns' where fx cannot trace the parent); for a ``fwd_post`` sync, the
+    layout an earlier sync on the same output moved it to, the one a sync states on the
+    child that alone makes the output (``_stated_output``), else the features the
+    module makes by the data flow. The runtime converts from what is stated, so the
+    activation would be split twice or gathered wrongly (a root sync from Replicate()
+    over a child's Shard(-1): (2, 4, 4) for (2, 4, 8)). Refused, naming the module."""
     problems = []
+    roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
+    partners = _partners(sch)
+    features: dict[str, _Features] = {}
+
+    def know(axis: str) -> _Features:
+        if axis not in features:
+            features[axis] = _Features(sch, axis)
+        return features[axis]
+
+    seqs: dict[str, SeqSpec] = sch.annotations.of_kind(SEQ)
+    order = {q: i for i, q in enumerate(sch.paths())}
+
+    def member(path: str, axis: str) -> SeqSpec | None:
+        spec = seqs.get(path)
+        return spec if spec is not None and spec.mesh_axis == axis else None
+
+    def whole_in(path: str, spec: SeqSpec) -> bool:  # a row or vocab embedding first in its chain
+        first = min((r for r, o in seqs.items() if o.mesh_axis == spec.mesh_axis), key=lambda r: order.get(r, 0))
+        role = roles.get(path)
+        return first == path and role is not None and role.kind in ("row", "vocab") and role.mesh_axis == spec.mesh_axis
+
     for path, specs in sch.annotations.of_kind(SYNC).items():
+        role = roles.get(path)
+        pre = next((s for s in specs if s.mode == "fwd_pre" and s.src != s.layout), None)
+        chained = member(path, pre.mesh_axis) if pre is not None else None
+        if pre is not None and pre.src is not None and chained is not None:
+            # a chain member takes its input as the chain's sequence shard (after the chain's entry)
+            have_seq: Placement = Replicate() if whole_in(path, chained) else Shard(chained.seq_axis)
+            if pre.src != have_seq:
+                problems.append(Problem(
+                    path,
+                    f"has a fwd_pre sync from {_code(pre.src)}, but as a member of the sequence_parallel chain "
+                    f"over {pre.mesh_axis!r} it takes its input {_code(have_seq)}",
+                    f"drop src= (the plan knows the layout) or state src={_code(have_seq)}",
+                ))
+        elif pre is not None and pre.src is not None:
+            inside_chain = _in_chain(sch, path, pre.mesh_axis)
+            have: Placement | None = None if inside_chain else know(pre.mesh_axis).arriving(path)
+            cols = partners.get(path, ()) if role is not None and role.kind == "row" else ()
+            if have is None and cols:  # a pair in a chain member, or paired by module order (fx cannot trace)
+                have = Replicate() if _partner_gathered(sch, cols, pre.mesh_axis) else Shard(-1)
+            if have is not None and pre.src != have:
+                named = ", ".join(map(repr, cols))
+                why = f"its columns {named} keep their outputs split, so" if cols and _last_dim(have) else (
+                    "by the data flow")
+                problems.append(Problem(
+                    path,
+                    f"has a fwd_pre sync from {_code(pre.src)}, but {why} its input arrives {_code(have)}",
+                    f"drop src= (the plan knows the layout) or state src={_code(have)}",
+                ))
         known: dict[str, tuple[Placement, str]] = {}
         for s in specs:
             if s.mode != "fwd_post":
@@ -1415,6 +1826,12 @@ def _contradicted_sources(sch: Schedule) -> list[Problem]:
                 inner = _stated_output(sch, path, s.mesh_axis) if path or sch.module._modules else None
                 if inner is not None:
                     known[s.mesh_axis] = (inner, "a sync inside it")
+                elif role is None and (spec := member(path, s.mesh_axis)) is not None:
+                    known[s.mesh_axis] = (Shard(spec.seq_axis), "the sequence_parallel chain it is a member of")
+                elif role is None and not _in_chain(sch, path, s.mesh_axis):
+                    made = know(s.mesh_axis).made(path, own_syncs=False)
+                    if made is not None:
+                        known[s.mesh_axis] = (made, "by the data flow, what reaches it")
             if s.src is not None and s.src != s.layout and s.mesh_axis in known and known[s.mesh_axis][0] != s.src:
                 have, where = known[s.mesh_axis]
                 problems.append(Problem(
@@ -1435,5 +1852,13 @@ def refusals(sch: Schedule, p: Plan) -> list[Problem]:
             + _ungathered_chain_members(sch) + _chain_gaps(sch) + _packed_outputs_read_whole(sch, p)
             + _chains_inside_pairs(sch, p) + _attention_on_sequence_shards(sch) + _lone_columns_in_chains(sch, p)
             + _split_input_into_reducers(sch, p) + _functional_reads(sch, p) + _feature_syncs(sch, p)
+            + _half_gathered_pairs(sch, p) + _gathers_inside_chains(sch, p)
             + _packing_against_flow(sch, p) + _heads_against_flow(sch, p) + _unsplit_chain_inputs(sch)
-            + _partial_sources(sch) + _contradicted_sources(sch))
+            + _partial_sources(sch) + _sources(sch) + _role_output_syncs(sch))
+
+
+def _sources(sch: Schedule) -> list[Problem]:
+    """Stated ``src``s the data flow contradicts, then those nothing makes (one problem per module)."""
+    contradicted = _contradicted_sources(sch)
+    named = {p.path for p in contradicted}
+    return contradicted + [p for p in _unsourced(sch) if p.path not in named]

@@ -5,6 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..errors import Problem, ScheduleError
+from ..schedule import Key
+
+#: Set by :func:`~slapo_fn.replace` on each module it installs: the user's own code, which may
+#: compute this rank's share of a value (hand-written tensor parallelism, Slapo style). The rest
+#: of the tree is the single-process model's, which computes whole values on every rank.
+INSTALLED: Key[bool] = Key("installed")
 
 
 def contains(outer: str, inner: str) -> bool:

@@ -24,6 +24,7 @@ from ..hf import is_conv1d
 from ..schedule import Schedule
 from ..select import Selection
 from ..tree import get_module, set_at
+from ._common import INSTALLED
 from .graph.find import Match
 from .graph.subgraph import replace_subgraph
 
@@ -293,4 +294,7 @@ def replace(
     root = sch.module
     for path, made in replacements:
         root = set_at(root, path, made)
-    return sch.with_module(root, replaced=paths)
+    out = sch.with_module(root, replaced=paths)
+    for path in paths:
+        out = out.annotate_path(path, INSTALLED, True)
+    return out

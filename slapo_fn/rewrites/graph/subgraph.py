@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ...errors import Problem, ScheduleError, ScheduleTypeError
 from ...schedule import Key, Schedule
 from ...tree import join
+from .._common import INSTALLED
 from ._graph import graph_module_at
 from .find import Match, nodes_of, op_name
 from .outline import Outlined, outline
@@ -204,10 +205,11 @@ def replace_subgraph(
         problems.extend(_check(path, one, module, o))
         return module
 
-    result, _ = outline(sch, path, one, "replace", "replaced", make, inline_leaves=False, recompute_escaping=True)
+    result, new_path = outline(sch, path, one, "replace", "replaced", make, inline_leaves=False,
+                               recompute_escaping=True)
     if problems:
         raise ScheduleError("replace", problems)
-    return result
+    return result.annotate_path(new_path, INSTALLED, True)
 
 
 def checkpoint_subgraph(sch: Schedule, path: str, match: Match, key: Key[T], spec: T) -> Schedule:

@@ -1,0 +1,179 @@
+"""What the plan knows about the layouts that syncs state, without running anything
+(a fake 2-rank mesh): a stated ``src`` nothing in the schedule makes, a row's input stated
+against its columns, a sharded module's output stated twice or from another layout, a
+Megatron pair half gathered, a gather inside a sequence-parallel chain — each refused
+with the module named — and the collectives the plan counts where syncs gather a pair's
+activation or split a column's input. The same cases run on 2 ranks, equal or refused, in
+``test_layout_properties.CLOSED``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_tp_regressions import Branches  # a(x) + b(x)
+from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+import slapo_fn as sf
+from slapo_fn.dtensor.plan import plan, refusals
+from slapo_fn.dtensor.testing import fake_mesh
+from slapo_fn.rewrites._common import INSTALLED
+
+
+class Block(nn.Module):
+    """A hand-written block (not ``torch.nn``'s): ``fc2(gelu(fc1(x)))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+class Untraceable(nn.Module):
+    """A hand-written block fx cannot trace (control flow on a value): its flow is unknown."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) if x.sum() > 0 else self.fc(-x)
+
+
+class Sum(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(-1, keepdim=True)
+
+
+class LocalSum(nn.Module):
+    """Hand-written tensor parallelism: sums this rank's half of the features."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.chunk(2, -1)[0].sum(-1, keepdim=True)
+
+
+def schedule(model: nn.Module) -> sf.Schedule:
+    return sf.create_schedule(model, mesh=fake_mesh(2))
+
+
+def refused(sch: sf.Schedule) -> list[tuple[str, str]]:
+    return [(p.path, p.reason) for p in refusals(sch, plan(sch))]
+
+
+@pytest.mark.parametrize("src", [Partial(), Shard(1), Shard(-1)])
+def test_a_src_the_data_flow_contradicts_is_refused(src: object) -> None:
+    sch = sf.shard(schedule(nn.Sequential(Block(), Block())), "1.fc1", axis=0)  # features split after it
+    ((path, reason),) = refused(sf.sync(sch, "0", "fwd_post", Replicate(), src=src))
+    assert path == "0" and "by the data flow, what reaches it leaves its output Replicate()" in reason
+    ((path, reason),) = refused(sf.sync(sch, "1", "fwd_pre", Replicate(), src=src))
+    assert path == "1" and "by the data flow its input arrives Replicate()" in reason
+
+
+@pytest.mark.parametrize(
+    ("src", "words"),
+    [(Partial(), "sum the ranks' copies"), (Shard(1), "gather copies"), (Shard(-1), "gather copies")],
+)
+def test_where_the_flow_is_unknown_a_src_nothing_in_the_schedule_makes_is_refused(src: object, words: str) -> None:
+    sch = sf.sync(schedule(nn.Sequential(Untraceable())), "0", "fwd_post", Replicate(), src=src)
+    ((path, reason),) = refused(sch)
+    assert path == "0" and "nothing in the schedule makes" in reason and words in reason
+    # a column somewhere may split features (and a module handed them may sum them): trusted
+    col = sf.shard(schedule(nn.Sequential(Untraceable(), nn.Linear(8, 8))), "1", axis=0)
+    assert refused(sf.sync(col, "0", "fwd_post", Replicate(), src=src)) == [] or src == Shard(1)
+
+
+def test_a_src_the_schedule_makes_there_is_trusted() -> None:
+    # this rank's features summed by a hand-written module: a partial sum (Slapo's sync)
+    summed = sf.sync(schedule(nn.Sequential(nn.Linear(8, 8), Sum())), "1", "fwd_pre", Shard(-1))
+    assert refused(sf.sync(summed, "1", "fwd_post", Replicate(), src=Partial())) == []
+    # a chain member's output is a sequence shard
+    base = schedule(nn.Sequential(Block(), Block()))
+    sp = sf.sequence_parallel(sf.shard(sf.shard(base, "1.fc1", axis=0), "1.fc2", axis=1), ["1"])
+    assert refused(sf.sync(sp, "1", "fwd_post", Replicate(), src=Shard(1))) == []
+    # a sync from a layout to itself moves nothing
+    alone = schedule(nn.Sequential(Block()))
+    assert refused(sf.sync(alone, "0", "fwd_post", Shard(1), src=Shard(1))) == []
+
+
+def test_a_module_installed_by_replace_may_compute_this_ranks_share() -> None:
+    base = schedule(nn.Sequential(nn.Linear(8, 8), Block()))
+    plain = sf.sync(base, "1", "fwd_post", Replicate(), src=Partial())
+    assert [p for p, _ in refused(plain)] == ["1"]
+    installed = sf.replace(base, "1", LocalSum(), check_shapes=False)
+    assert installed.annotations.get("1", INSTALLED) is True
+    assert refused(sf.sync(installed, "1", "fwd_post", Replicate(), src=Partial())) == []
+    assert base.annotations.get("1", INSTALLED) is None  # the input is untouched
+
+
+def test_a_rows_stated_input_must_be_what_arrives() -> None:
+    branches = sf.shard(schedule(nn.Sequential(Branches())), "0.b", axis=1)
+    ((path, reason),) = refused(sf.sync(branches, "0.b", "fwd_pre", Replicate(), src=Shard(-1)))
+    assert path == "0.b" and "by the data flow its input arrives Replicate()" in reason
+    pair = sf.shard(sf.shard(schedule(nn.Sequential(Block())), "0.fc1", axis=0), "0.fc2", axis=1)
+    ((path, reason),) = refused(sf.sync(pair, "0.fc2", "fwd_pre", Replicate(), src=Partial()))
+    assert path == "0.fc2" and "'0.fc1' keep their outputs split, so its input arrives Shard(-1)" in reason
+    assert refused(sf.sync(pair, "0.fc2", "fwd_pre", Replicate(), src=Shard(-1))) == []
+    assert refused(sf.sync(pair, "0.fc2", "fwd_pre", Replicate(), src=Replicate())) == []  # moves nothing
+
+
+def test_a_sharded_modules_output_is_converted_once_from_its_own_layout() -> None:
+    row = sf.shard(schedule(nn.Sequential(Block())), "0.fc2", axis=1)
+    ((path, reason),) = refused(sf.sync(row, "0.fc2", "fwd_post", Replicate(), src=Shard(1)))
+    assert path == "0.fc2" and "its output is Partial()" in reason
+    twice = sf.sync(sf.sync(row, "0.fc2", "fwd_post", Shard(1)), "0.fc2", "fwd_post", Replicate())
+    assert [(p, "2 fwd_post syncs" in r) for p, r in refused(twice)] == [("0.fc2", True)]
+    assert refused(sf.sync(row, "0.fc2", "fwd_post", Shard(1), src=Partial())) == []
+
+
+def test_a_row_split_by_features_before_a_residual_add_is_refused() -> None:
+    row = sf.shard(schedule(nn.Sequential(Branches())), "0.a", axis=1)
+    problems = refused(sf.sync(row, "0.a", "fwd_post", Shard(-1)))
+    assert [p for p, _ in problems] == ["0.a"] and "combined with other values" in problems[0][1]
+
+
+def test_half_of_a_pair_gathered_is_refused() -> None:
+    sch = sf.shard(schedule(nn.Sequential(Gated())), "0.gate", axis=0)
+    sch = sf.shard(sf.shard(sch, "0.up", axis=0), "0.down", axis=1)
+    ((path, reason),) = refused(sf.sync(sch, "0.gate", "fwd_post", Replicate()))
+    assert path == "0.down" and "'0.gate', which a fwd_post sync gathers" in reason and "'0.up'" in reason
+
+
+def test_a_gather_inside_a_chain_is_refused_but_its_exit_is_not() -> None:
+    sch = sf.shard(schedule(nn.Sequential(Gated(), nn.LayerNorm(8))), "0.gate", axis=0)
+    sch = sf.sequence_parallel(sf.shard(sf.shard(sch, "0.up", axis=0), "0.down", axis=1), ["0", "1"])
+    ((path, reason),) = refused(sf.sync(sch, "0.gate", "fwd_pre", Replicate(), src=Shard(1)))
+    assert path == "0.gate" and "gathers the sequence for this module alone" in reason
+    assert [p for p, _ in refused(sf.sync(sch, "0", "fwd_post", Replicate()))] == ["0"]
+    assert refused(sf.sync(sch, "1", "fwd_post", Replicate())) == []  # the chain's exit
+
+
+def test_a_pair_whose_activation_a_sync_gathers_counts_the_rows_local_split() -> None:
+    pair = sf.shard(sf.shard(schedule(nn.Sequential(Block())), "0.fc1", axis=0), "0.fc2", axis=1)
+    kept = plan(pair).counts()
+    assert kept == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}
+    gathered = plan(sf.sync(pair, "0.fc1", "fwd_post", Replicate())).counts()
+    # the sync all-gathers forward; the row splits the whole input itself: its gradient all-gathers
+    assert gathered == {"forward": {"all_gather": 1, "all_reduce": 1},
+                        "backward": {"all_gather": 1, "all_reduce": 1}}
+    pre = plan(sf.sync(pair, "0.fc2", "fwd_pre", Replicate())).counts()
+    assert pre == gathered
+
+
+def test_a_column_handed_split_features_counts_its_gather_and_enters_alone() -> None:
+    sch = sf.shard(sf.shard(schedule(nn.Sequential(Branches())), "0.a", axis=0), "0.b", axis=0)
+    assert plan(sch).counts() == {"forward": {"all_gather": 2}, "backward": {"all_reduce": 1}}
+    split = plan(sf.sync(sch, "0.a", "fwd_pre", Shard(-1))).counts()
+    # split locally (backward all-gather), gathered back by the column (forward all-gather), and
+    # the column enters the region with that tensor alone (its own backward all-reduce)
+    assert split == {"forward": {"all_gather": 3}, "backward": {"all_gather": 1, "all_reduce": 2}}
