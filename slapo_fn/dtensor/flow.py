@@ -57,7 +57,8 @@ _INNER = "inner"
 class Apart:
     """How a parent's code first takes a child's output apart along its features:
     ``kind`` ``"blocks"`` (split into ``count`` blocks: [Q|K|V], [gate|up]; ``None`` where
-    the trace does not say how many) or ``"heads"`` (viewed with the features as
+    the trace does not say how many), ``"slices"`` (``count`` slices at positions fixed
+    by the full widths: Phi-3's ``qkv[..., :q]``, ``qkv[..., q:q + k]``) or ``"heads"`` (viewed with the features as
     ``dims``: ``(-1, 64)`` for ``view(B, S, -1, 64)``, ``(4, 3, 16)`` for BLOOM's per-head
     [q|k|v]; ``None`` for a size the trace computes)."""
 
@@ -425,6 +426,9 @@ def _taken_apart(node: fx.Node) -> Apart | None:
     dimension), where it does at once: split into blocks (``split``, ``chunk``,
     ``x[..., :n]``), or viewed into heads (``view(..., n, d)``); else ``None``."""
     users = [u for u in node.users if not _metadata(u)]
+    if len(users) > 1 and all(_fixed_slice(u) for u in users):
+        # x[..., :a], x[..., a:b], x[..., b:]: positions fixed by the full widths (Phi-3's qkv)
+        return Apart("slices", len(users))
     if len(users) != 1:
         return None
     use = users[0]
@@ -446,6 +450,15 @@ def _taken_apart(node: fx.Node) -> Apart | None:
             dims = tuple(d if isinstance(d, int) else None for d in shape[_ASSUMED_RANK - 1 :])
             return Apart("heads", dims=dims)
     return None
+
+
+def _fixed_slice(node: fx.Node) -> bool:
+    """Whether ``node`` is ``x[..., a:b]`` with constant bounds (the last dimension)."""
+    if node.op != "call_function" or getattr(node.target, "__name__", "") != "getitem" or len(node.args) < 2:
+        return False
+    index = node.args[1]
+    return (isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis and isinstance(index[1], slice)
+            and all(b is None or isinstance(b, int) for b in (index[1].start, index[1].stop)))
 
 
 def _nodes_in(arg: Any) -> list[fx.Node]:

@@ -1068,7 +1068,16 @@ def _packing_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
             continue
         kind, count = how.kind, how.count
         where = _parent(path) or "<root>"
-        if kind == "heads" and role.packed > 1:
+        if kind == "slices":
+            problems.append(Problem(
+                path,
+                f"{where!r}'s forward takes its output apart in {count} slices at fixed feature positions "
+                "(x[..., :a], x[..., a:b]: sizes of the whole output), but each rank holds only its share of the "
+                "features, so the slices would cut the wrong ones",
+                f"leave {path!r} unsharded (its row partner then splits its input itself), or replace "
+                f"{where!r} (sf.replace) with a module that projects q, k and v separately",
+            ))
+        elif kind == "heads" and role.packed > 1:
             problems.append(Problem(
                 path,
                 f"is packed={role.packed}, but {where!r}'s forward views its output into heads before it splits it, "

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from models import tiny_llama
 from torch import nn
 
+import slapo_fn as sf
 from slapo_fn.dtensor.flow import INPUT, OUTPUT, SIDE, Apart, flow, pointwise
+from slapo_fn.dtensor.testing import fake_mesh
 
 
 class Residual(nn.Module):
@@ -123,6 +125,24 @@ def test_a_module_output_split_into_blocks_or_viewed_into_heads() -> None:
     fl = flow(Packed())
     assert fl is not None
     assert fl.apart == {"qkv": Apart("blocks"), "gate_up": Apart("blocks", 2), "heads": Apart("heads", dims=(2, 12))}
+
+
+def test_an_output_sliced_at_fixed_positions() -> None:
+    class Sliced(nn.Module):  # Phi-3's attention: q, k, v sliced out of qkv by their full widths
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.out = nn.Linear(8, 16), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            qkv = self.qkv(x)
+            q, k, v = qkv[..., :8], qkv[..., 8:12], qkv[..., 12:]
+            return self.out(q + torch.cat([k, v], -1))
+
+    fl = flow(Sliced())
+    assert fl is not None and fl.apart == {"qkv": Apart("slices", 3)}
+    sch = sf.shard(sf.shard(sf.create_schedule(Sliced(), mesh=fake_mesh(2)), "qkv", axis=0), "out", axis=1)
+    with pytest.raises(sf.LayoutError, match="3 slices at fixed feature positions"):
+        sf.build(sch)
 
 
 def test_tracing_leaves_the_module_as_it_was_and_a_changed_attribute_traces_again() -> None:

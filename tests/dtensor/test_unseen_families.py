@@ -285,9 +285,10 @@ def _family(rank: int, world: int, name: str) -> dict[str, str]:
 #: Bugs of the library today (strict: a fix turns these into XPASS).
 # Refused before running: bloom (the traced attention views by sizes slapo_fn cannot make
 # local), gpt-neox-packed3 (packed=3 on an output viewed into heads first), bart+sp and
-# whisper+sp (the encoder's final norm between chain members). Refused at their first forward
-# with a LayoutError naming the attention module (it splits or reshapes by global sizes):
-# falcon (new decoder architecture) and phi3 (qkv_proj sliced by its full widths).
+# whisper+sp (the encoder's final norm between chain members), phi3 (qkv_proj sliced at
+# fixed positions, qkv[..., :q]: the traced flow's "slices"). Refused at its first forward
+# with a LayoutError naming the attention module (it reshapes by global sizes): falcon (new
+# decoder architecture).
 XFAIL: dict[str, str] = {
 }
 
