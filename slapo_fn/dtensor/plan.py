@@ -858,6 +858,17 @@ def _gathers_inside_chains(sch: Schedule, p: Plan) -> list[Problem]:
     problems = []
     for path, mp in p.modules.items():
         for s in mp.syncs:
+            role = roles.get(path)
+            if (s.mode == "fwd_pre" and s.src != s.layout and role is not None and role.kind == "column"
+                    and (spec := seqs.get(path)) is not None and spec.mesh_axis == s.mesh_axis
+                    and role.mesh_axis == s.mesh_axis):
+                problems.append(Problem(
+                    path,
+                    f"is a column and a member of the sequence_parallel chain over {s.mesh_axis!r}: it gathers the "
+                    f"chain's sequence shard itself, but its fwd_pre sync moves its input to {_code(s.layout)} first",
+                    f"drop the fwd_pre sync on {path!r} (or put the block that holds it in the chain instead)",
+                ))
+                break
             token = isinstance(s.layout, Shard) and not _last_dim(s.layout)
             if s.mode not in ("fwd_pre", "fwd_post") or not (isinstance(s.layout, Replicate) or token):
                 continue
@@ -866,7 +877,6 @@ def _gathers_inside_chains(sch: Schedule, p: Plan) -> list[Problem]:
             chain = next((seqs[r] for r in members if r == path or contains(r, path)), None)
             if chain is None:
                 continue
-            role = roles.get(path)
             exit_ = s.mode == "fwd_post" and path == members[-1] and not token
             if s.mode == "fwd_post" and role is not None and role.kind != "param":
                 natural = (role.kind in ("column", "embed_dim") and not token) or (

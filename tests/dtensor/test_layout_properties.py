@@ -986,6 +986,8 @@ CLOSED: dict[str, Case] = {
     "column-output-token-split-in-a-chain": _c([Block("mlp", hidden=8, norm=True)], ("shard", "0.fc1", 0, 1),
                                                ("shard", "0.fc2", 1, 1), ("sync", "0.fc1", "fwd_post", "S(1)", None),
                                                ("sp", ("0",), None), dim=16),
+    "column-member-pre-split": _c([Block("chain", act="relu", widths=(8, 8), flat=True)], ("shard", "4", 0, 1),
+                                  ("sync", "4", "fwd_pre", "S(-1)", None), ("sp", ("4",), None), dim=16),
     "unpaired-column-kept-split-into-a-head-view": _c([Block("attn", heads=2, style="hf")], ("shard", "0.k", 0, 1),
                                                       ("sync", "0.k", "fwd_post", "S(-1)", None)),
     "split-sync-into-a-head-view": _c([Block("attn", heads=1, style="infer", bias=False)],
