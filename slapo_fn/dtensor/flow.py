@@ -86,6 +86,7 @@ class Flow:
     first: Mapping[str, str] = field(default_factory=dict)  # the value each child is first called on (a node)
     apart: Mapping[str, Apart] = field(default_factory=dict)  # how the parent takes each output apart
     leaves: tuple[frozenset[str], ...] = ()  # what reaches each tensor the parent returns (a ModelOutput's fields)
+    hidden: Mapping[str, frozenset[str]] = field(default_factory=dict)  # what reaches each child's first argument
 
     def same_input(self, a: str, b: str) -> bool:
         """Whether children ``a`` and ``b`` are called on the very same tensor (q/k/v on the
@@ -99,6 +100,12 @@ class Flow:
         """What reaches ``child``, looking through the children ``through`` accepts
         (pointwise modules: an activation, a dropout)."""
         return _close(self.feeds.get(child, frozenset()), self.feeds, through)
+
+    def hidden_feeders(self, child: str, through: Callable[[str], bool] = lambda _: False) -> frozenset[str]:
+        """What reaches ``child``'s first argument (the hidden states, not a mask or the
+        rotary ``cos``/``sin`` passed beside them), looking through the children ``through``
+        accepts."""
+        return _close(self.hidden.get(child, frozenset()), self.feeds, through)
 
     def reaching_output(self, through: Callable[[str], bool] = lambda _: False) -> frozenset[str]:
         """What reaches the parent's result, looking through the children ``through`` accepts."""
@@ -168,15 +175,22 @@ def pointwise(module: nn.Module) -> bool:
 
 class _Caller(nn.Module):
     """Calls ``inner`` with its first ``n`` positional arguments (fx cannot trace a root
-    taking ``*args``/``**kwargs``, as Hugging Face decoder layers do)."""
+    taking ``*args``/``**kwargs``, as Hugging Face decoder layers do) and the keywords of
+    :data:`_FIXED` its ``forward`` takes beyond them."""
 
-    def __init__(self, inner: nn.Module, n: int) -> None:
+    def __init__(self, inner: nn.Module, n: int, fixed: Mapping[str, Any]) -> None:
         super().__init__()
         self.inner = inner
         self.n = n
+        self.fixed = dict(fixed)
 
     def forward(self, a0: Any, a1: Any = None, a2: Any = None, a3: Any = None) -> Any:
-        return self.inner(*(a0, a1, a2, a3)[: self.n])
+        return self.inner(*(a0, a1, a2, a3)[: self.n], **self.fixed)
+
+
+#: Arguments traced at a fixed value: no cache (a Hugging Face model's ``use_cache``
+#: defaults to its config's, and a ``DynamicCache`` is no value fx can trace).
+_FIXED: Mapping[str, Any] = MappingProxyType({"use_cache": False})
 
 
 class _Leaves(fx.Tracer):
@@ -187,6 +201,9 @@ class _Leaves(fx.Tracer):
 #: The rank a traced value is taken to have where nothing in the trace says: the parent's
 #: arguments are hidden states ``(batch, sequence, features)``.
 _ASSUMED_RANK = 3
+#: The rank tried next where unpacking a shape fails at :data:`_ASSUMED_RANK`: a model's
+#: root takes token ids ``(batch, sequence)`` (``_bsz, seq_len = tokens.size()``).
+_TOKENS_RANK = 2
 
 
 class _Shapes(_Leaves):
@@ -194,18 +211,32 @@ class _Shapes(_Leaves):
     ``size(i)`` node per dimension, so code that unpacks a shape into arguments
     (``x.view(*x.shape[:-1], -1, d)``, which plain fx cannot trace) traces. The number of
     dimensions is read from the trace (a view's arguments, a module keeps its input's) or
-    taken as :data:`_ASSUMED_RANK`; a wrong guess changes the arity of a traced view,
-    never which values reach which child, which is all :func:`flow` reads."""
+    taken as ``rank`` (:data:`_ASSUMED_RANK`); a wrong guess changes the arity of a traced
+    view, never which values reach which child, which is all :func:`flow` reads. An
+    unpacking that needs another arity fails the trace, which is then tried at
+    :data:`_TOKENS_RANK` (:class:`_TokenShapes`)."""
+
+    rank = _ASSUMED_RANK
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _ShapedProxy(node, self)
 
+    answers: tuple[bool, ...] = ()
+    taken: list[bool]
+
     def to_bool(self, obj: fx.Proxy) -> bool:
         """A branch on sizes alone (``q_len > 1``) takes the way a sequence of more than
-        one token does; a branch on tensor values still fails the trace."""
+        one token does, unless ``answers`` says otherwise for it (:func:`_traced`); a
+        branch on tensor values still fails the trace."""
         if _sizes_only(obj.node):
-            return True
+            i = len(self.taken)
+            self.taken.append(self.answers[i] if i < len(self.answers) else True)
+            return self.taken[-1]
         return super().to_bool(obj)
+
+
+class _TokenShapes(_Shapes):
+    rank = _TOKENS_RANK
 
 
 class _ShapedProxy(fx.Proxy):
@@ -221,7 +252,8 @@ class _ShapedProxy(fx.Proxy):
         return super().__getattr__(k)
 
     def _sizes(self) -> tuple[fx.Proxy, ...]:
-        return tuple(self.tracer.create_proxy("call_method", "size", (self, i), {}) for i in range(_rank(self.node)))
+        rank = _rank(self.node, getattr(self.tracer, "rank", _ASSUMED_RANK))
+        return tuple(self.tracer.create_proxy("call_method", "size", (self, i), {}) for i in range(rank))
 
 
 def _sizes_only(node: fx.Node) -> bool:
@@ -232,15 +264,15 @@ def _sizes_only(node: fx.Node) -> bool:
     return node.op == "call_function" and bool(inputs) and all(_sizes_only(a) for a in inputs)
 
 
-def _rank(node: fx.Node, depth: int = 0) -> int:
-    """The number of dimensions of a traced value, as far as the trace shows it."""
+def _rank(node: fx.Node, assumed: int, depth: int = 0) -> int:
+    """The number of dimensions of a traced value, as far as the trace shows it, else ``assumed``."""
     first = next(iter(node.all_input_nodes), None)
     if node.op == "call_method" and node.target in ("view", "reshape", "expand", "repeat") and len(node.args) > 1:
         shape = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], tuple | list) else node.args[1:]
         return len(shape)
     if first is None or depth > 32:
-        return _ASSUMED_RANK
-    inner = _rank(first, depth + 1)
+        return assumed
+    inner = _rank(first, assumed, depth + 1)
     if node.op == "call_method" and node.target == "unsqueeze":
         return inner + 1
     return inner
@@ -256,6 +288,16 @@ def _positional(module: nn.Module) -> list[inspect.Parameter] | None:
     return [p for p in params if p.kind in kinds]
 
 
+def _keywords(module: nn.Module) -> set[str]:
+    """The names ``module.forward`` takes by keyword."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name for p in params if p.kind in kinds}
+
+
 def _arguments(params: list[inspect.Parameter]) -> list[tuple[Any, ...]] | None:
     """The ways to call a parent for tracing, tried in turn, each the value of its first
     four positional arguments (:data:`_TRACED_ARG` for a traced value, else the default):
@@ -266,7 +308,8 @@ def _arguments(params: list[inspect.Parameter]) -> list[tuple[Any, ...]] | None:
     required = [p for p in params if p.default is inspect.Parameter.empty]
     if len(required) > 4:
         return None
-    base = tuple(_TRACED_ARG if p.default is inspect.Parameter.empty else p.default for p in params[:4])
+    base = tuple(_TRACED_ARG if p.default is inspect.Parameter.empty else _FIXED.get(p.name, p.default)
+                 for p in params[:4])
     if not required:
         base = (_TRACED_ARG, *base[1:]) if base else (_TRACED_ARG,)
     out = [base]
@@ -358,21 +401,17 @@ def _trace(parent: nn.Module) -> tuple[Flow | None, set[str]]:
     read: set[str] = set()
     params = _positional(parent)
     calls = _arguments(params) if params is not None and parent._modules else None
-    if not calls:
+    if not calls or params is None:
         return None, read
     shell = _recording(parent, read)
     graph = None
-    attempts = [(tracer, call) for tracer in (_Leaves, _Shapes) for call in calls]
-    for tracer, call in attempts:  # plain fx first; shapes unpacked into arguments next
-        concrete = {f"a{i}": v for i, v in enumerate(call) if v is not _TRACED_ARG}
-        concrete.update({f"a{i}": None for i in range(len(call), 4)})
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                graph = tracer().trace(_Caller(shell, len(call)), concrete_args=concrete)
+    named = {p.name for p in params[:4]}
+    fixed = {k: v for k, v in _FIXED.items() if k in _keywords(parent) and k not in named}
+    for tracer, call in [(t, c) for t in (_Leaves, _Shapes, _TokenShapes) for c in calls]:
+        # plain fx first; shapes unpacked into arguments next
+        graph = _traced(tracer, shell, call, fixed)
+        if graph is not None:
             break
-        except Exception:  # any failure of symbolic tracing: try the next, else no flow
-            continue
     if graph is None:
         return None, read
     prefix = _INNER + "."
@@ -380,6 +419,7 @@ def _trace(parent: nn.Module) -> tuple[Flow | None, set[str]]:
     feeds: dict[str, frozenset[str]] = {}
     reads: set[str] = set()
     first: dict[str, str] = {}
+    hidden: dict[str, frozenset[str]] = {}
     apart: dict[str, Apart] = {}
     output: frozenset[str] = frozenset()
     leaves: tuple[frozenset[str], ...] = ()
@@ -399,6 +439,8 @@ def _trace(parent: nn.Module) -> tuple[Flow | None, set[str]]:
             name = str(node.target)[len(prefix) :]
             feeds[name] = feeds.get(name, frozenset()) | upstream
             arg = next(iter([*node.args, *node.kwargs.values()]), None)
+            if isinstance(arg, fx.Node):
+                hidden[name] = hidden.get(name, frozenset()) | sources.get(arg, frozenset())
             if name not in first and isinstance(arg, fx.Node):
                 first[name] = arg.name
             sources[node] = frozenset({name})
@@ -414,8 +456,39 @@ def _trace(parent: nn.Module) -> tuple[Flow | None, set[str]]:
         else:
             sources[node] = upstream
     found = Flow(MappingProxyType(feeds), output, frozenset(reads), MappingProxyType(first), MappingProxyType(apart),
-                 leaves)
+                 leaves, MappingProxyType(hidden))
     return found, read
+
+
+#: How many ways through a parent's branches on sizes one tracer tries.
+_BRANCH_TRIES = 8
+
+
+def _traced(
+    tracer: type[_Leaves], shell: nn.Module, call: tuple[Any, ...], fixed: Mapping[str, Any]
+) -> fx.Graph | None:
+    """``shell``'s graph traced with ``tracer`` on ``call``'s arguments, or ``None``. A
+    tracer of shapes answers branches on sizes alone ``True`` first; where the trace then
+    fails (``if seq_len > self.max_seq_len: raise``), the last ``True`` is turned
+    ``False`` and the trace tried again, depth first."""
+    concrete = {f"a{i}": v for i, v in enumerate(call) if v is not _TRACED_ARG}
+    concrete.update({f"a{i}": None for i in range(len(call), 4)})
+    answers: tuple[bool, ...] = ()
+    for _ in range(_BRANCH_TRIES):
+        t = tracer()
+        if isinstance(t, _Shapes):
+            t.answers, t.taken = answers, []
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return t.trace(_Caller(shell, len(call), fixed), concrete_args=concrete)
+        except Exception:  # any failure of symbolic tracing: another way, else no graph
+            taken = t.taken if isinstance(t, _Shapes) else []
+            if True not in taken:
+                return None
+            last = len(taken) - 1 - taken[::-1].index(True)
+            answers = (*taken[:last], False)
+    return None
 
 
 _SPLITS = frozenset({"split", "chunk", "tensor_split", "split_with_sizes"})

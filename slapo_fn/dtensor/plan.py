@@ -411,6 +411,29 @@ def _flow_of(sch: Schedule, parent: str) -> Flow | None:
     return flow(get_module(sch.module, parent))
 
 
+def _caller(sch: Schedule, path: str) -> tuple[str, str, Flow] | None:
+    """The module whose traced ``forward`` calls ``path``, ``path``'s name in it and its
+    flow: the parent, or past containers with no ``forward`` of their own (an
+    ``nn.ModuleList`` of decoder layers, whose items the model's loop calls as
+    ``layers.0``, ``layers.1``). ``None`` where that module has no flow or never calls it."""
+    if not path:
+        return None
+    parts = split(path)
+    for depth in range(len(parts) - 1, -1, -1):
+        here, name = join(*parts[:depth]), join(*parts[depth:])
+        fl = _flow_of(sch, here)
+        if fl is not None and fl.called(name):
+            return here, name, fl
+        if not _container(get_module(sch.module, here)):
+            return None
+    return None
+
+
+def _container(module: nn.Module) -> bool:
+    """A module that only holds children for its parent to call (``ModuleList``, ``ModuleDict``)."""
+    return isinstance(module, nn.ModuleList | nn.ModuleDict)
+
+
 def _entry_key(sch: Schedule, path: str) -> int | str | None:
     """Columns of one parent with equal keys read one input tensor and enter the tensor-
     parallel region once (one backward all-reduce for all): the value they are called on
@@ -972,6 +995,14 @@ def _next_outside_chain(sch: Schedule, member: str, members: list[str], axis: st
         for q in sorted(lv.users - {OUTPUT}):
             path = join(lv.parent, q)
             if any(r == path or contains(r, path) for r in members) or gathers(path):
+                # the next member; a module outside the chain whose output the parent's code adds to
+                # its hidden states (a position embedding) would meet this member's shard there
+                joined = sorted(lv.flow.hidden_feeders(q, lv.through) - {lv.name, INPUT, SIDE, OUTPUT})
+                for j in joined:
+                    there = join(lv.parent, j)
+                    if not any(r == there or contains(r, there) for r in members) and _has_params(
+                            get_module(sch.module, there)):
+                        return there
                 continue
             module = get_module(sch.module, path)
             if _has_params(module) or mixes_tokens(module) or not pointwise(module):
@@ -1724,10 +1755,10 @@ class _Features:
             return None
         if not path:
             return Replicate()
-        parent, name = _parent(path), split(path)[-1]
-        fl = _flow_of(self.sch, parent)
-        if fl is None or not fl.called(name):
+        found = _caller(self.sch, path)
+        if found is None:
             return None
+        parent, name, fl = found
         return self._combine(parent, fl.feeders(name, self._through(parent)))
 
     def inside(self, path: str) -> Placement | None:
@@ -1770,6 +1801,8 @@ class _Features:
         return self._combine(path, fl.reaching_output(self._through(path)))
 
     def _combine(self, parent: str, fed: frozenset[str]) -> Placement | None:
+        if not fed and parent not in self.roles:
+            return Replicate()  # made in the parent's code from sizes alone (positions from arange)
         fed = fed - {SIDE}
         if not fed:
             return None

@@ -109,6 +109,29 @@ def test_attention_that_unpacks_shapes_into_arguments_traces() -> None:
     assert fl.same_input("q_proj", "v_proj") and fl.apart["k_proj"] == Apart("heads", dims=(-1, 16))
 
 
+def test_a_models_root_traces_past_size_checks_token_shapes_and_its_cache() -> None:
+    """PyTorch's test ``Transformer`` unpacks ``_bsz, seq_len = tokens.size()`` (token ids,
+    two dimensions) and raises where ``seq_len > max_seq_len``: the shape tracer tries two
+    dimensions and the other way of the size branch. A Hugging Face model whose config
+    asks for a cache traces without one. Both loops call their ``ModuleList``'s items by
+    their dotted names, in order."""
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    model = Transformer(ModelArgs(n_layers=2, vocab_size=16, max_seq_len=8, dim=16, n_heads=4, dropout_p=0.0))
+    fl = flow(model)
+    assert fl is not None and fl.feeders("layers.0", pointwise_only(model)) == {"tok_embeddings", "pos_embeddings"}
+    assert fl.feeders("layers.1") == {"layers.0"} and fl.feeders("pos_embeddings") == set()
+    assert fl.output == {"output"}
+    cached = tiny_llama(2, use_cache=True).model
+    fl = flow(cached)
+    assert fl is not None and fl.feeders("layers.1") == {"layers.0", "rotary_emb"}
+    assert fl.reaching_output() == {"norm"}
+
+
+def pointwise_only(parent: nn.Module) -> Any:
+    return lambda q: pointwise(parent.get_submodule(q))
+
+
 def test_a_module_output_split_into_blocks_or_viewed_into_heads() -> None:
     class Packed(nn.Module):
         def __init__(self) -> None:

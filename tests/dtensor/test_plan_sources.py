@@ -177,3 +177,42 @@ def test_a_column_handed_split_features_counts_its_gather_and_enters_alone() -> 
     # split locally (backward all-gather), gathered back by the column (forward all-gather), and
     # the column enters the region with that tensor alone (its own backward all-reduce)
     assert split == {"forward": {"all_gather": 3}, "backward": {"all_gather": 1, "all_reduce": 2}}
+
+
+def _megatron(prefix: str, names: tuple[str, ...], rows: tuple[str, ...]) -> sf.Combinator:
+    step = None
+    for name in names:
+        at = sf.shard.at(name, axis=1 if name in rows else 0)
+        step = at if step is None else step >> at
+    assert step is not None
+    return sf.foreach(prefix, step)
+
+
+def test_a_wrong_src_inside_a_module_lists_layers_is_refused() -> None:
+    """Decoder layers live in a ``ModuleList`` (no ``forward`` of its own) that the model's
+    loop calls: what reaches ``layers.1`` is read from the model's flow. A stated src the
+    flow contradicts there was trusted (a ``Partial()`` all-reduced a whole output: twice
+    the value), on PyTorch's test ``Transformer`` and on a Hugging Face LLaMA whose
+    config asks for a cache."""
+    from models import tiny_llama
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    args = ModelArgs(n_layers=2, vocab_size=16, max_seq_len=8, dim=16, n_heads=4, dropout_p=0.0)
+    torch_tp = _megatron("layers.*", ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                                      "feed_forward.w1", "feed_forward.w2"), ("attention.wo", "feed_forward.w2"))
+    sch = torch_tp(schedule(Transformer(args)))
+    assert refused(sch) == []
+    ((path, reason),) = refused(sf.sync(sch, "layers.0.feed_forward", "fwd_post", Replicate(), src=Partial()))
+    assert path == "layers.0.feed_forward" and "leaves its output Replicate()" in reason
+    ((path, reason),) = refused(sf.sync(sch, "layers.1.attention_norm", "fwd_pre", Replicate(), src=Shard(-1)))
+    assert path == "layers.1.attention_norm" and "its input arrives Replicate()" in reason
+
+    hf_tp = _megatron("model.layers.*", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                         "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+                      ("self_attn.o_proj", "mlp.down_proj"))
+    llama = hf_tp(schedule(tiny_llama(2, use_cache=True)))
+    assert refused(llama) == []
+    ((path, reason),) = refused(sf.sync(llama, "model.layers.1.mlp", "fwd_post", Replicate(), src=Partial()))
+    assert path == "model.layers.1.mlp" and "leaves its output Replicate()" in reason
+    ((path, _),) = refused(sf.sync(llama, "model.norm", "fwd_pre", Replicate(), src=Shard(-1)))
+    assert path == "model.norm"
