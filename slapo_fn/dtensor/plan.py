@@ -157,6 +157,12 @@ def plan(sch: Schedule) -> Plan:
     fused: set[tuple[str, str, int | str | None]] = set()
     partners = _partners(sch)
     features: dict[str, _Features] = {}  # what the data flow brings, per mesh axis
+
+    def know(axis: str) -> _Features:
+        if axis not in features:
+            features[axis] = _Features(sch, axis, partners)
+        return features[axis]
+
     for path in sorted(set(roles) | set(seqs) | set(syncs) | set(rngs), key=lambda p: order.get(p, 0)):
         role = roles.get(path)
         seq = region(path)
@@ -189,7 +195,7 @@ def plan(sch: Schedule) -> Plan:
                 else:
                     bounds.append(Boundary(path, "input", "R", "R", ax, (), ("all_reduce",) if leader else ()))
                 if not isinstance(get_module(sch.module, path), nn.Embedding) and _arrives_feature_split(
-                        sch, path, ax, pre, features):
+                        sch, path, ax, pre, know):
                     # split by a sync on it or before it: the column gathers its input back
                     bounds.append(Boundary(path, "input", "S(-1)", "R", ax, ("all_gather",), (), False))
                 out = "S(-1)" if role.packed == 1 else f"S(-1)×{role.packed}"
@@ -207,7 +213,7 @@ def plan(sch: Schedule) -> Plan:
                     # module splits it locally (all-gather of the gradient)
                     bounds.append(Boundary(path, "input", "R", "S(-1)", ax, (), ("all_gather",), True))
                 elif (pre is None and (not partnered or _partner_gathered(sch, partners[path], ax))
-                      and not _arrives_feature_split(sch, path, ax, None, features, stated)):
+                      and not _arrives_feature_split(sch, path, ax, None, know, stated)):
                     # replicated input (or its columns' outputs gathered by syncs): split locally
                     bounds.append(Boundary(path, "input", "R", "S(-1)", ax, (), ("all_gather",), False))
                 # a fwd_pre sync to Shard(-1) is the input boundary itself (added with the syncs below)
@@ -324,18 +330,16 @@ def _last_dim(p: Placement | None) -> bool:
 
 
 def _arrives_feature_split(sch: Schedule, path: str, axis: str, pre: SyncSpec | None,
-                           features: dict[str, _Features], stated: SyncSpec | None = None) -> bool:
+                           know: Callable[[str], _Features], stated: SyncSpec | None = None) -> bool:
     """Whether ``path``'s input arrives split on its features over ``axis``: a ``fwd_pre``
     sync moves it to ``Shard(-1)``, or, with none, the data flow brings this rank's
-    features (:class:`_Features`, one per axis in ``features``). Where the flow cannot
+    features (:class:`_Features` of the axis, from ``know``). Where the flow cannot
     tell (columns in another parent: BERT's attention output), every sibling feeding it
     states its output so (:func:`_fed_split`), or a sync from ``Shard(-1)`` to itself
     (``stated``) says it arrives so."""
     if pre is not None:
         return pre.mesh_axis == axis and _last_dim(pre.layout)
-    if axis not in features:
-        features[axis] = _Features(sch, axis)
-    known = features[axis].arriving(path)
+    known = know(axis).arriving(path)
     if known is not None:
         return _last_dim(known)
     return _fed_split(sch, path, axis) or (stated is not None and stated.mesh_axis == axis and _last_dim(stated.src)
@@ -366,9 +370,8 @@ def _resolved_syncs(path: str, specs: tuple[SyncSpec, ...], role: Role | None, s
     it (``inner(axis)``, :func:`_stated_output`), else ``Replicate()``.
     ``bwd_post`` syncs keep theirs."""
     seq = seqs.get(path)
-    first = seq is not None and next((r for r in chain_order if seqs[r].mesh_axis == seq.mesh_axis), None) == path
-    whole_in = first and role is not None and role.kind in ("row", "vocab") and role.mesh_axis == (
-        seq.mesh_axis if seq is not None else None)
+    rank = {q: i for i, q in enumerate(chain_order)}
+    whole_in = _enters_chain_whole(path, role, seqs, lambda q: rank.get(q, 0))
     out: list[SyncSpec] = []
     last: dict[tuple[str, str], Placement] = {}
     for s in specs:
@@ -688,8 +691,7 @@ def _stray_token_shards(sch: Schedule) -> list[Problem]:
     syncs = sch.annotations.of_kind(SYNC)
     order = list(sch.paths())
 
-    def in_chain(path: str, axis: str) -> bool:
-        return any(s.mesh_axis == axis and (r == path or contains(r, path)) for r, s in seqs.items())
+    in_chain = functools.partial(_in_chain, sch)
 
     def gathers_back(path: str, axis: str) -> bool:
         return any(s.mode == "fwd_pre" and s.mesh_axis == axis and isinstance(s.layout, Replicate)
@@ -1593,6 +1595,16 @@ def _partial_sources(sch: Schedule) -> list[Problem]:
     return problems
 
 
+def _enters_chain_whole(path: str, role: Role | None, seqs: Mapping[str, SeqSpec], rank: Callable[[str], int]) -> bool:
+    """Whether ``path`` is a row or vocab embedding over its chain's mesh axis and the
+    chain's first member (by ``rank``): it takes its input whole and makes the chain's
+    sequence shard itself (a reduce-scatter), where any other member takes that shard."""
+    seq = seqs.get(path)
+    if seq is None or role is None or role.kind not in ("row", "vocab") or role.mesh_axis != seq.mesh_axis:
+        return False
+    return min((r for r, o in seqs.items() if o.mesh_axis == seq.mesh_axis), key=rank) == path
+
+
 def _in_chain(sch: Schedule, path: str, axis: str) -> bool:
     """Whether ``path`` is in (or is) a sequence-parallel chain over ``axis``."""
     return any(s.mesh_axis == axis and (r == path or contains(r, path))
@@ -1714,14 +1726,17 @@ class _Features:
     otherwise; rows and embeddings reduce or gather), a sync the layout it moves to, a
     parent what reaches its result, a leaf module what reaches it."""
 
-    def __init__(self, sch: Schedule, axis: str) -> None:
+    def __init__(self, sch: Schedule, axis: str, partners: Mapping[str, tuple[str, ...]]) -> None:
         self.sch, self.axis = sch, axis
         self.roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
         self.syncs: dict[str, tuple[SyncSpec, ...]] = sch.annotations.of_kind(SYNC)
         self.own = set(sch.annotations.of_kind(LOCAL)) | set(sch.annotations.of_kind(INSTALLED)) | set(
             sch.annotations.of_kind(EXPERTS))
-        self.kept = {q for q, ps in _partners(sch).items() if (r := self.roles.get(q)) is not None
+        self.kept = {q for q, ps in partners.items() if (r := self.roles.get(q)) is not None
                      and r.kind == "column" and ps and not _partner_gathered(sch, (q,), axis)}
+        order = {q: i for i, q in enumerate(sch.paths())}
+        members = [r for r, s in sch.annotations.of_kind(SEQ).items() if s.mesh_axis == axis]
+        self.exit = max(members, key=lambda r: order.get(r, 0)) if members else None  # the chain's gather
         self.memo: dict[tuple[str, str], Placement | None] = {}
         self.throughs: dict[str, Callable[[str], bool]] = {}
 
@@ -1781,9 +1796,7 @@ class _Features:
         column = role is not None and role.kind == "column" and role.mesh_axis == self.axis
         if _in_chain(self.sch, path, self.axis) and not column:  # a column gathers the sequence itself
             # the chain's exit gathers the last member's output; anything else in it is a shard
-            members = [r for r, s in self.sch.annotations.of_kind(SEQ).items() if s.mesh_axis == self.axis]
-            order = {q: i for i, q in enumerate(self.sch.paths())}
-            return Replicate() if path == max(members, key=lambda r: order.get(r, 0)) else None
+            return Replicate() if path == self.exit else None
         if role is not None and role.kind != "param":
             if role.mesh_axis != self.axis or (self.inside(path) is None and not isinstance(
                     get_module(self.sch.module, path), nn.Embedding)):
@@ -1826,7 +1839,7 @@ def _contradicted_sources(sch: Schedule) -> list[Problem]:
 
     def know(axis: str) -> _Features:
         if axis not in features:
-            features[axis] = _Features(sch, axis)
+            features[axis] = _Features(sch, axis, partners)
         return features[axis]
 
     seqs: dict[str, SeqSpec] = sch.annotations.of_kind(SEQ)
@@ -1836,18 +1849,14 @@ def _contradicted_sources(sch: Schedule) -> list[Problem]:
         spec = seqs.get(path)
         return spec if spec is not None and spec.mesh_axis == axis else None
 
-    def whole_in(path: str, spec: SeqSpec) -> bool:  # a row or vocab embedding first in its chain
-        first = min((r for r, o in seqs.items() if o.mesh_axis == spec.mesh_axis), key=lambda r: order.get(r, 0))
-        role = roles.get(path)
-        return first == path and role is not None and role.kind in ("row", "vocab") and role.mesh_axis == spec.mesh_axis
-
     for path, specs in sch.annotations.of_kind(SYNC).items():
         role = roles.get(path)
         pre = next((s for s in specs if s.mode == "fwd_pre" and s.src != s.layout), None)
         chained = member(path, pre.mesh_axis) if pre is not None else None
         if pre is not None and pre.src is not None and chained is not None:
             # a chain member takes its input as the chain's sequence shard (after the chain's entry)
-            have_seq: Placement = Replicate() if whole_in(path, chained) else Shard(chained.seq_axis)
+            whole = _enters_chain_whole(path, role, seqs, lambda q: order.get(q, 0))
+            have_seq: Placement = Replicate() if whole else Shard(chained.seq_axis)
             if pre.src != have_seq:
                 problems.append(Problem(
                     path,
