@@ -1035,6 +1035,21 @@ def head_count_attrs(parent: nn.Module, out: int, packed: int) -> tuple[str, ...
     return tuple(a for a in HEAD_COUNT_ATTRS if type(own.get(a)) is int and own[a] * head_dim * packed == out)
 
 
+def _unadjusted_head_counts(parent: nn.Module, out: int, packed: int) -> tuple[str, ...]:
+    """The head counts of an attention-like ``parent`` (a head size attribute beside them)
+    when none of them counts its column's ``out`` features in ``packed`` blocks, so
+    :func:`head_count_attrs` finds none for build to make this rank's: Falcon's
+    ``num_heads`` beside a fused ``query_key_value`` of ``num_heads + 2 * num_kv_heads``
+    heads, whose ``reshape(batch, self.num_heads, ...)`` would meet this rank's share."""
+    own = vars(parent)
+    if not any(isinstance(own.get(a), int) for a in HEAD_DIM_ATTRS):
+        return ()
+    counts = tuple(a for a in HEAD_COUNT_ATTRS if type(own.get(a)) is int)
+    if not counts or head_count_attrs(parent, out, packed):
+        return ()
+    return counts
+
+
 def _axis_size(sch: Schedule, axis: str) -> int:
     dims = mesh_dims(sch.mesh) if sch.mesh is not None else ()
     return int(sch.mesh.size(dims.index(axis))) if sch.mesh is not None and axis in dims else 1
@@ -1048,7 +1063,9 @@ def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
     (:func:`head_count_attrs`). Constant sizes from attributes of other names
     (``self.nh``, BLOOM's ``(num_heads, 3, head_dim)``) would meet this rank's share of
     the features: refused before running, naming the parent, with the two ways to write
-    it. Read from the traced data flow (:func:`.flow.flow`)."""
+    it. Read from the traced data flow (:func:`.flow.flow`); traced or not, a parent
+    whose head count attributes count none of the column's features
+    (:func:`_unadjusted_head_counts`) is refused too."""
     problems = []
     split_out: dict[str, str] = {}  # path -> mesh axis: partnered columns, and outputs a sync splits
     for path, mp in p.modules.items():
@@ -1064,6 +1081,20 @@ def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
         fl = _flow_of(sch, parent)
         how = fl.apart.get(split(path)[-1]) if fl is not None else None
         out = _out_features(get_module(sch.module, path))
+        planned = p.modules.get(path)
+        packed = planned.role.packed if planned is not None and planned.role is not None else 1
+        if out is not None and (counts := _unadjusted_head_counts(get_module(sch.module, parent), out, packed)):
+            where = parent or "<root>"
+            problems.append(Problem(
+                path,
+                f"{where!r} counts heads in {', '.join(counts)}, which do not count this output's {out} features "
+                "(nor its packed blocks): slapo_fn cannot make them this rank's, so its code sizing heads by them "
+                "would meet this rank's share of the features",
+                f"keep {path!r}'s output whole (leave it and its row partner unsharded, or sf.sync(sch, {path!r}, "
+                "'fwd_post', Replicate())), or replace the attention by one whose head counts are its columns' "
+                "(sf.replace)",
+            ))
+            continue
         if how is None or how.kind != "heads" or None in how.dims or out is None:
             continue
         size = _axis_size(sch, axis)

@@ -216,3 +216,29 @@ def test_a_wrong_src_inside_a_module_lists_layers_is_refused() -> None:
     assert path == "model.layers.1.mlp" and "leaves its output Replicate()" in reason
     ((path, _),) = refused(sf.sync(llama, "model.norm", "fwd_pre", Replicate(), src=Shard(-1)))
     assert path == "model.norm"
+
+
+def test_an_untraceable_attention_with_head_counts_build_cannot_adjust_is_refused_before_running() -> None:
+    """Falcon's attention cannot be traced (it unpacks ``position_embeddings``, an argument
+    past the ones traced), and its ``num_heads`` counts neither the fused
+    ``query_key_value`` (``num_heads + 2 * num_kv_heads`` heads) nor anything else build
+    makes this rank's: its ``reshape(batch, self.num_heads, ...)`` met this rank's share at
+    the first forward. Refused before running, naming the column and the attention."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    cfg = FalconConfig(hidden_size=64, num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
+                       vocab_size=64, num_hidden_layers=1, use_cache=False)
+    base = schedule(FalconForCausalLM(cfg))
+    sch = sf.shard(sf.shard(base, "transformer.h.0.self_attention.query_key_value", axis=0),
+                   "transformer.h.0.self_attention.dense", axis=1)
+    ((path, reason),) = refused(sch)
+    assert path == "transformer.h.0.self_attention.query_key_value"
+    assert "'transformer.h.0.self_attention' counts heads in num_heads" in reason
+    # its output gathered, the attention sees the whole features: accepted
+    gathered = sf.sync(sf.shard(base, "transformer.h.0.self_attention.query_key_value", axis=0),
+                       "transformer.h.0.self_attention.query_key_value", "fwd_post", Replicate())
+    assert refused(gathered) == []
+    # the MLP beside it (no heads) is sharded as usual
+    mlp = sf.shard(sf.shard(base, "transformer.h.0.mlp.dense_h_to_4h", axis=0), "transformer.h.0.mlp.dense_4h_to_h",
+                   axis=1)
+    assert refused(mlp) == []

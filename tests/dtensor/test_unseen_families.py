@@ -286,9 +286,9 @@ def _family(rank: int, world: int, name: str) -> dict[str, str]:
 # Refused before running: bloom (the traced attention views by sizes slapo_fn cannot make
 # local), gpt-neox-packed3 (packed=3 on an output viewed into heads first), bart+sp and
 # whisper+sp (the encoder's final norm between chain members), phi3 (qkv_proj sliced at
-# fixed positions, qkv[..., :q]: the traced flow's "slices"). Refused at its first forward
-# with a LayoutError naming the attention module (it reshapes by global sizes): falcon (new
-# decoder architecture).
+# fixed positions, qkv[..., :q]: the traced flow's "slices"), falcon (new decoder
+# architecture: its num_heads counts no column's features, and its reshape(batch, num_heads,
+# ...) would meet this rank's share; it was refused only at its first forward).
 XFAIL: dict[str, str] = {
 }
 
