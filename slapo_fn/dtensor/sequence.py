@@ -21,7 +21,7 @@ from ..errors import LayoutError, Problem
 from ..rewrites._common import contains
 from ..schedule import Key, Schedule
 from ..select import Selection
-from .shard import _problem_mesh
+from .shard import _problem_mesh, _problem_uncalled
 
 __all__ = ["SEQ", "SeqSpec", "sequence_parallel"]
 
@@ -77,6 +77,7 @@ def sequence_parallel(
     """
     paths = where.modules(sch.module)
     problems = [p for p in (_problem_mesh(sch, path, mesh_axis) for path in paths) if p is not None]
+    problems += [p for p in (_problem_uncalled(sch, path) for path in paths) if p is not None]
     existing = set(sch.annotations.of_kind(SEQ))
     for path in paths:
         for other in existing | set(paths):

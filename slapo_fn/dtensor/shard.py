@@ -86,6 +86,20 @@ def _problem_mesh(sch: Schedule, path: str, mesh_axis: str) -> Problem | None:
     return None
 
 
+def _problem_uncalled(sch: Schedule, path: str) -> Problem | None:
+    """A module with no ``forward`` of its own (an ``nn.ModuleList``, ``nn.ModuleDict``)
+    is never called, its items are: a sync or a chain boundary on it would never run."""
+    m = get_module(sch.module, path)
+    if type(m).forward is not nn.Module.forward:
+        return None
+    return Problem(
+        path,
+        f"is a {type(m).__name__} with no forward of its own: its parent calls its items, never it, so a hook on "
+        "it would never run",
+        f"select its items instead: {join(path, '*')!r}",
+    )
+
+
 def _heads_problem(root: nn.Module, path: str, dim: int, packed: int, size: int, mesh_axis: str) -> Problem | None:
     parent = get_module(root, ".".join(split(path)[:-1]))
     # only ``head_dim`` (LLaMA, GPT-2, OPT …): BERT's 6 heads over 4 ranks build and match

@@ -35,7 +35,7 @@ from ..errors import LayoutError, Problem
 from ..schedule import Key, Schedule
 from ..select import Selection
 from .layout import describe
-from .shard import _problem_mesh
+from .shard import _problem_mesh, _problem_uncalled
 
 __all__ = ["SYNC", "SYNC_MODES", "SyncSpec", "collective_of", "sync"]
 
@@ -98,6 +98,7 @@ def sync(
     """
     paths = where.modules(sch.module)
     problems = [p for p in (_problem_mesh(sch, path, mesh_axis) for path in paths) if p is not None]
+    problems += [p for p in (_problem_uncalled(sch, path) for path in paths) if p is not None]
     if mode not in SYNC_MODES:
         problems += [Problem(p, f"unknown sync mode {mode!r}", f"use one of {', '.join(SYNC_MODES)}") for p in paths]
     if not isinstance(layout, Shard | Replicate):

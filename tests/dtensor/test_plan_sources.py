@@ -242,3 +242,25 @@ def test_an_untraceable_attention_with_head_counts_build_cannot_adjust_is_refuse
     mlp = sf.shard(sf.shard(base, "transformer.h.0.mlp.dense_h_to_4h", axis=0), "transformer.h.0.mlp.dense_4h_to_h",
                    axis=1)
     assert refused(mlp) == []
+
+
+def test_a_sync_or_chain_on_a_module_list_is_refused_when_stated() -> None:
+    """An ``nn.ModuleList`` is never called (the model's loop calls its items): a sync or a
+    chain boundary on it never ran, so ``sync(sch, 'layers', 'fwd_post', Shard(1))`` was
+    accepted and silently did nothing. Refused at the call, naming its items; the input
+    schedule is unchanged."""
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    sch = schedule(Transformer(ModelArgs(n_layers=2, vocab_size=16, max_seq_len=8, dim=16, n_heads=4)))
+    calls = [
+        lambda: sf.sync(sch, "layers", "fwd_post", Shard(1)),
+        lambda: sf.sync(sch, "layers", "fwd_pre", Replicate(), src=Shard(1)),
+        lambda: sf.sequence_parallel(sch, ["layers", "norm"]),
+    ]
+    for call in calls:
+        with pytest.raises(sf.LayoutError) as e:
+            call()
+        assert "'layers': is a ModuleList with no forward of its own" in str(e.value)
+        assert "select its items instead: 'layers.*'" in str(e.value)
+    assert len(sch.annotations) == 0
+    assert len(sf.sequence_parallel(sch, ["layers.*", "norm"]).annotations) == 3  # its items are accepted
