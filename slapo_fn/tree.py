@@ -28,6 +28,7 @@ __all__ = [
     "set_at",
     "shallow_clone",
     "split",
+    "uncalled",
     "walk",
 ]
 
@@ -47,6 +48,13 @@ def join(*parts: str) -> str:
 def child_names(module: nn.Module) -> list[str]:
     """Names of the (non-``None``) children of ``module``, in registration order."""
     return [name for name, child in module._modules.items() if child is not None]
+
+
+def uncalled(module: nn.Module) -> bool:
+    """Whether ``module`` has no ``forward`` of its own (``nn.ModuleList``,
+    ``nn.ModuleDict``): its parent's code calls its items, never it, so its hooks and a
+    forward set on it never run."""
+    return type(module).forward is nn.Module.forward
 
 
 def get_module(root: nn.Module, path: str) -> nn.Module:

@@ -27,7 +27,7 @@ from ..hf import EXPERT_COUNT_ATTRS as _EXPERT_COUNTS
 from ..hf import is_conv1d
 from ..rewrites._common import contains
 from ..schedule import Key, Schedule, path_exists
-from ..tree import get_module, join, split
+from ..tree import get_module, join, split, uncalled
 from . import collectives as C
 from .data_parallel import DATA_PARALLEL
 from .experts import EXPERTS, experts_forward
@@ -531,6 +531,21 @@ def _localise_replicated(model: nn.Module, sch: Schedule, p: Plan) -> None:
                 names += subtree(cp, child, join(prefix, name))
         return names
 
+    def beside(path: str, module: nn.Module, prefix: str) -> list[str]:
+        # the subtrees below ``module`` that hold nothing planned; a container on the way is
+        # never called (the loop of the module holding it calls its items), so its items'
+        # subtrees are localised by that module
+        names: list[str] = []
+        for name, child in module._modules.items():
+            cp = join(path, name)
+            if child is None or cp in blocks:
+                continue
+            if cp not in on_the_way:
+                names += subtree(cp, child, join(prefix, name))
+            elif uncalled(child):
+                names += beside(cp, child, join(prefix, name))
+        return names
+
     def install(path: str, names: list[str]) -> None:
         if names:
             m = get_module(model, path)
@@ -545,12 +560,10 @@ def _localise_replicated(model: nn.Module, sch: Schedule, p: Plan) -> None:
             or mp.experts is not None
             or (mp.role is not None and mp.role.kind in (*_OWN_FORWARDS, "param"))
         )
+        if uncalled(m):
+            continue
         names = [n for n, t in m._parameters.items() if t is not None] if own else []
-        for name, child in m._modules.items():
-            cp = join(path, name)
-            if child is not None and cp not in on_the_way and cp not in blocks:
-                names += subtree(cp, child, name)
-        install(path, names)
+        install(path, names + beside(path, m, ""))
     for path in sorted(blocks - on_the_way):
         if path_exists(model, path):  # a pipeline stage holds only its own blocks
             install(path, subtree(path, get_module(model, path), ""))

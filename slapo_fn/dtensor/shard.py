@@ -39,7 +39,7 @@ from ..errors import LayoutError, Problem, ScheduleTypeError
 from ..hf import head_dim_of, is_conv1d
 from ..schedule import Key, Schedule
 from ..select import Selection
-from ..tree import get_module, join, split, walk
+from ..tree import get_module, join, split, uncalled, walk
 from .layout import Layout, from_spec, packed_shard
 
 __all__ = ["LAYOUT", "ROLE", "Role", "mesh_dims", "shard", "tied_paths"]
@@ -90,7 +90,7 @@ def _problem_uncalled(sch: Schedule, path: str) -> Problem | None:
     """A module with no ``forward`` of its own (an ``nn.ModuleList``, ``nn.ModuleDict``)
     is never called, its items are: a sync or a chain boundary on it would never run."""
     m = get_module(sch.module, path)
-    if type(m).forward is not nn.Module.forward:
+    if not uncalled(m):
         return None
     return Problem(
         path,
