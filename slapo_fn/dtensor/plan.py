@@ -45,7 +45,7 @@ from ..errors import Problem
 from ..hf import HEAD_COUNT_ATTRS, HEAD_DIM_ATTRS, is_conv1d, mixes_tokens
 from ..rewrites._common import INSTALLED, contains
 from ..schedule import Schedule
-from ..tree import child_names, get_module, join, split, walk
+from ..tree import child_names, get_module, join, split, uncalled, walk
 from .experts import EXPERTS, Experts
 from .flow import INPUT, OUTPUT, SIDE, Flow, flow, pointwise
 from .layout import Layout
@@ -427,14 +427,9 @@ def _caller(sch: Schedule, path: str) -> tuple[str, str, Flow] | None:
         fl = _flow_of(sch, here)
         if fl is not None and fl.called(name):
             return here, name, fl
-        if not _container(get_module(sch.module, here)):
+        if not uncalled(get_module(sch.module, here)):
             return None
     return None
-
-
-def _container(module: nn.Module) -> bool:
-    """A module that only holds children for its parent to call (``ModuleList``, ``ModuleDict``)."""
-    return isinstance(module, nn.ModuleList | nn.ModuleDict)
 
 
 def _entry_key(sch: Schedule, path: str) -> int | str | None:
@@ -1564,10 +1559,10 @@ def _downstream(sch: Schedule, path: str) -> tuple[list[_Level], str | None]:
     levels: list[_Level] = []
     start = path
     while start:
-        parent, name = _parent(start), split(start)[-1]
-        fl = _flow_of(sch, parent)
-        if fl is None or not fl.called(name):
+        found = _caller(sch, start)  # past a ModuleList, to the module whose loop calls its items
+        if found is None:
             return levels, start
+        parent, name, fl = found
         through = _through(sch, parent)
         users = fl.consumers(name, through)
         levels.append(_Level(parent, name, fl, through, users))
