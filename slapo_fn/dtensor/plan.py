@@ -1905,6 +1905,19 @@ def _contradicted_sources(sch: Schedule) -> list[Problem]:
                     f"has a fwd_pre sync from {_code(pre.src)}, but {why} its input arrives {_code(have)}",
                     f"drop src= (the plan knows the layout) or state src={_code(have)}",
                 ))
+        moved: dict[str, Placement] = {}  # stacked fwd_pre syncs: each converts from what the one before made
+        for s in specs:
+            if s.mode != "fwd_pre" or s.src == s.layout:
+                continue  # one stating a layout to itself is not believed (it moves nothing)
+            before = moved.get(s.mesh_axis)
+            if before is not None and s.src is not None and s.src != before:
+                problems.append(Problem(
+                    path or "<root>",
+                    f"has a fwd_pre sync from {_code(s.src)}, but the fwd_pre sync before it moves its input to "
+                    f"{_code(before)}",
+                    f"drop src= (the plan knows the layout) or state src={_code(before)}",
+                ))
+            moved[s.mesh_axis] = s.layout
         known: dict[str, tuple[Placement, str]] = {}
         for s in specs:
             if s.mode != "fwd_post":

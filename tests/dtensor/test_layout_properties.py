@@ -993,6 +993,10 @@ CLOSED: dict[str, Case] = {
     "split-sync-into-a-head-view": _c([Block("attn", heads=1, style="infer", bias=False)],
                                       ("shard", "0.q", 0, 1), ("shard", "0.o", 1, 1),
                                       ("sync", "0.q", "fwd_post", "S(-1)", "S(1)"), dim=16),
+    # a second fwd_pre sync from Shard(-1) after one to Replicate(): it gathered a whole input again
+    "stacked-pre-syncs-from-another-layout": _c([Block("gated", hidden=8, bias=False)], ("shard", "0.up", 0, 1),
+                                                ("shard", "0.down", 0, 1), ("sync", "", "fwd_pre", "R", None),
+                                                ("sync", "", "fwd_pre", "R", "S(-1)")),
 }
 
 
