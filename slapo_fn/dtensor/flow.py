@@ -42,6 +42,8 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from ..tree import uncalled
+
 __all__ = ["INPUT", "OUTPUT", "SIDE", "Apart", "Flow", "flow", "pointwise"]
 
 #: What reaches a child from the parent's first argument (the hidden states), and where the
@@ -345,13 +347,13 @@ def flow(parent: nn.Module) -> Flow | None:
     modules alike in what their forward reads."""
     key = (
         type(parent).forward,
-        tuple((k, id(m)) for k, m in parent._modules.items()),
+        _identities(parent),
         tuple((k, v) for k, v in vars(parent).items() if isinstance(v, _PLAIN)),
     )
     known = _TRACED.get(parent)
     if known is not None and known[0] == key:
         return known[1]
-    shape = (type(parent), type(parent).forward, tuple((k, type(m)) for k, m in parent._modules.items()))
+    shape = (type(parent), type(parent).forward, _children(parent))
     own = vars(parent)
     alike = [f for reads, f in _BY_SHAPE.get(shape, ())
              if all(_same(own.get(name, _MISSING), value) for name, value in reads)]
@@ -364,6 +366,20 @@ def flow(parent: nn.Module) -> Flow | None:
         _BY_SHAPE.setdefault(shape, []).append((tuple((n, own.get(n, _MISSING)) for n in sorted(read)), found))
     _TRACED[parent] = (key, found)
     return found
+
+
+def _identities(parent: nn.Module) -> tuple[tuple[str, int, Any], ...]:
+    """The names and identities of ``parent``'s children, and of the items of its containers."""
+    return tuple((k, id(m), _identities(m) if m is not None and uncalled(m) else None)
+                 for k, m in parent._modules.items())
+
+
+def _children(parent: nn.Module) -> tuple[tuple[str, type, Any], ...]:
+    """The names and classes of ``parent``'s children, and inside a container it calls the
+    items of (an ``nn.ModuleList`` of layers) theirs: the flow names each item it calls, so
+    two models alike but for their number of layers have different flows."""
+    return tuple((k, type(m), _children(m) if m is not None and uncalled(m) else None)
+                 for k, m in parent._modules.items())
 
 
 def _same(a: Any, b: Any) -> bool:

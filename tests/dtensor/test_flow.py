@@ -128,6 +128,33 @@ def test_a_models_root_traces_past_size_checks_token_shapes_and_its_cache() -> N
     assert fl.reaching_output() == {"norm"}
 
 
+def test_models_alike_but_for_their_number_of_layers_have_their_own_flows() -> None:
+    """The flow of a model names each layer its loop calls: one traced for two layers is no
+    flow of four (the cache of flows by shape sees the items of the list)."""
+    two, four = tiny_llama(2).model, tiny_llama(4).model
+    assert flow(two) is not None and not flow(two).called("layers.2")
+    fl = flow(four)
+    assert fl is not None and fl.feeders("layers.3") == {"layers.2", "rotary_emb"}
+    assert not fl.called("layers.4")  # its loop runs config.num_hidden_layers of them
+    stack = Stack(2)
+    assert flow(stack) is not None and not flow(stack).called("layers.2")
+    deeper = flow(Stack(3))  # alike in class, forward and attributes read: not the flow of Stack(2)
+    assert deeper is not None and deeper.feeders("layers.2") == {"layers.1"}
+    stack.layers.append(nn.Linear(4, 4))  # the same list, an item more: traced again
+    assert flow(stack) is not None and flow(stack).feeders("layers.2") == {"layers.1"}
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
 def pointwise_only(parent: nn.Module) -> Any:
     return lambda q: pointwise(parent.get_submodule(q))
 
