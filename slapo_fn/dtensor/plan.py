@@ -717,6 +717,14 @@ def _stray_token_shards(sch: Schedule) -> list[Problem]:
                                             "or sync the output of the module before it instead"))
                     continue
             found = _token_consumer(sch, path, s.mesh_axis, in_chain, gathers_back)
+            if found is None and s.mode == "fwd_pre" and _downstream(sch, path)[1] == "":
+                # through pointwise code to the model's result, which nothing states split
+                problems.append(Problem(
+                    path, f"the {what} leaves the model's result split along the tokens, which no fwd_post sync "
+                          "states: each rank would return a part of the sequence",
+                    f"drop the sync, or state the result's layout with a fwd_post sync in its place "
+                    f"(sf.sync(sch, {path!r}, 'fwd_post', {_d(s.layout)}))",
+                ))
             if found is not None:
                 q, why = found
                 problems.append(Problem(
