@@ -436,10 +436,9 @@ def _entry_key(sch: Schedule, path: str) -> int | str | None:
     """Columns of one parent with equal keys read one input tensor and enter the tensor-
     parallel region once (one backward all-reduce for all): the value they are called on
     where the parent's data flow is known, else their input width (q/k/v)."""
-    fl = _flow_of(sch, _parent(path)) if path else None
-    name = split(path)[-1] if path else ""
-    if fl is not None and name in fl.first:
-        return "value " + fl.first[name]
+    found = _caller(sch, path)
+    if found is not None and found[1] in found[2].first:
+        return "value " + found[2].first[found[1]]
     return _in_features(get_module(sch.module, path))
 
 
@@ -447,11 +446,12 @@ def _fed_split(sch: Schedule, path: str, axis: str) -> bool:
     """Whether everything that reaches row ``path`` comes from siblings whose ``fwd_post``
     sync states their output ``Shard(-1)`` over ``axis``: the row then takes its input
     split as it is (the sync's boundary carries the collective), with no split of its own."""
-    fl = _flow_of(sch, _parent(path)) if path else None
-    if fl is None:
+    found = _caller(sch, path)
+    if found is None:
         return False
-    fed = fl.feeders(split(path)[-1], _through(sch, _parent(path)))
-    return bool(fed) and all(q not in (INPUT, OUTPUT, SIDE) and _split_by_sync(sch, join(_parent(path), q), axis)
+    parent, name, fl = found
+    fed = fl.feeders(name, _through(sch, parent))
+    return bool(fed) and all(q not in (INPUT, OUTPUT, SIDE) and _split_by_sync(sch, join(parent, q), axis)
                              for q in fed)
 
 
@@ -480,14 +480,15 @@ def _partners(sch: Schedule) -> dict[str, tuple[str, ...]]:
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
     groups: dict[tuple[str, str], list[str]] = {}
     for path, role in roles.items():
-        if path and role.kind in ("column", "row"):
-            groups.setdefault((_parent(path), role.mesh_axis), []).append(path)
+        if path and role.kind in ("column", "row"):  # grouped by the module whose forward calls them
+            found = _caller(sch, path)
+            groups.setdefault((found[0] if found is not None else _parent(path), role.mesh_axis), []).append(path)
     out: dict[str, tuple[str, ...]] = {}
     for (parent, axis), paths in groups.items():
         if not any(roles[p].kind == "column" for p in paths) or not any(roles[p].kind == "row" for p in paths):
             continue
         fl = _flow_of(sch, parent)
-        names = {split(p)[-1]: p for p in paths}
+        names = {(p[len(parent) + 1:] if parent else p): p for p in paths}
         if fl is None or not all(fl.called(n) for n in names):
             out.update(_partners_in_module_order(sch, paths, roles))
             continue
@@ -654,7 +655,7 @@ def _unsharded_twins(sch: Schedule, p: Plan) -> list[Problem]:
     for path, mp in p.modules.items():
         if mp.role is None or mp.role.kind != "column" or not mp.partnered or mp.role.packed > 1:
             continue
-        if _flow_of(sch, _parent(path)) is not None:
+        if _caller(sch, path) is not None:
             continue  # the data flow paired it: nothing unsharded meets its output (see _partners)
         module = get_module(sch.module, path)
         shape = (_in_features(module), _out_features(module))
@@ -844,9 +845,10 @@ def _unsplit_chain_inputs(sch: Schedule) -> list[Problem]:
 
         here, whole = first, []
         while here:
-            parent, name = _parent(here), split(here)[-1]
-            fl = _flow_of(sch, parent)
-            if fl is not None and fl.called(name):
+            found = _caller(sch, here)
+            parent = found[0] if found is not None else _parent(here)
+            if found is not None:
+                _, name, fl = found
                 fed = fl.feeders(name, _through(sch, parent))
                 whole = [join(parent, q) for q in sorted(fed - {INPUT, SIDE}) if not splits(join(parent, q))]
                 if whole or fed - {INPUT}:
@@ -1081,8 +1083,8 @@ def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
                 split_out[path] = sp.mesh_axis
     for path, axis in sorted(split_out.items()):
         parent = _parent(path)
-        fl = _flow_of(sch, parent)
-        how = fl.apart.get(split(path)[-1]) if fl is not None else None
+        found = _caller(sch, path)
+        how = found[2].apart.get(found[1]) if found is not None else None
         out = _out_features(get_module(sch.module, path))
         planned = p.modules.get(path)
         packed = planned.role.packed if planned is not None and planned.role is not None else 1
@@ -1139,8 +1141,8 @@ def _packing_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
         role = mp.role
         if not path or role is None or role.kind != "column" or not mp.partnered:
             continue
-        fl = _flow_of(sch, _parent(path))
-        how = fl.apart.get(split(path)[-1]) if fl is not None else None
+        found = _caller(sch, path)
+        how = found[2].apart.get(found[1]) if found is not None else None
         if how is None:
             continue
         kind, count = how.kind, how.count
@@ -1396,10 +1398,14 @@ def _feature_syncs(sch: Schedule, p: Plan) -> list[Problem]:
     problems = []
 
     def meets_whole(path: str, what: str, rows: list[str] | None, axis: str, verb: str) -> bool:
-        mixed = _whole_beside_split(sch, path, rows, axis, kept)
+        here, mixed = path, _whole_beside_split(sch, path, rows, axis, kept)
+        while not mixed and rows is None and (up := _result_of_caller(sch, here)) is not None:
+            # the split output is its caller's result too (x + body(x) around a Sequential body)
+            here, mixed = up, _whole_beside_split(sch, up, None, axis, kept, hidden_only=True)
         if mixed:
+            where = found[0] if (found := _caller(sch, here)) is not None else _parent(here)
             problems.append(Problem(
-                path, f"{what} {verb} its output split by features, but in {_parent(path) or '<root>'!r}'s forward "
+                path, f"{what} {verb} its output split by features, but in {where or '<root>'!r}'s forward "
                       f"it meets the whole output of {', '.join(repr(q) for q in mixed)}",
                 "shard those as columns (axis=0) too, or state Replicate() instead",
             ))
@@ -1497,19 +1503,22 @@ def _half_gathered_pairs(sch: Schedule, p: Plan) -> list[Problem]:
     return problems
 
 
-def _whole_beside_split(sch: Schedule, path: str, rows: list[str] | None, axis: str, kept: set[str]) -> list[str]:
+def _whole_beside_split(sch: Schedule, path: str, rows: list[str] | None, axis: str, kept: set[str],
+                        hidden_only: bool = False) -> list[str]:
     """The siblings whose whole (unsplit) output reaches one of ``rows`` (``None``: any of
     ``path``'s consumers in its parent, the parent's result included) together with
     ``path``'s output split by features: the two meet in the parent's code (``act(gate)
     * up``) at different widths. Columns kept sharded (``kept``: their paths) and outputs
-    a sync splits too are split alike."""
-    parent = _parent(path)
-    fl = _flow_of(sch, parent)
-    if fl is None or not fl.called(split(path)[-1]):
+    a sync splits too are split alike. ``hidden_only``: what reaches a consumer's first
+    argument only (BERT's ``self.output(attention, hidden_states)`` adds its residual
+    inside, after its row)."""
+    found = _caller(sch, path)
+    if found is None:
         return []
+    parent, name, fl = found
     through = _through(sch, parent)
     if rows is None:
-        users = fl.consumers(split(path)[-1], through)
+        users = fl.consumers(name, through)
         rows = [OUTPUT if u == OUTPUT else join(parent, u) for u in users]
     # in a chain member, columns gather the sequence themselves and a synced sibling keeps the
     # chain's shard: the two are not split alike
@@ -1522,14 +1531,28 @@ def _whole_beside_split(sch: Schedule, path: str, rows: list[str] | None, axis: 
 
     out: set[str] = set()
     for row in rows:
-        if row != OUTPUT and _parent(row) != parent:
+        inner = row[len(parent) + 1:] if parent else row
+        if row != OUTPUT and not (contains(parent, row) and fl.called(inner)):
             continue
         # at the result: what it is returned with in one tensor (not beside it in a ModelOutput)
-        fed = fl.returned_with(split(path)[-1], through) if row == OUTPUT else fl.feeders(split(row)[-1], through)
-        for q in fed - {SIDE, split(path)[-1]}:
+        if row == OUTPUT:
+            fed = fl.returned_with(name, through)
+        else:
+            fed = fl.hidden_feeders(inner, through) if hidden_only else fl.feeders(inner, through)
+        for q in fed - {SIDE, name}:
             if q == INPUT or not alike(join(parent, q)):
                 out.add("<input>" if q == INPUT else join(parent, q))
     return sorted(out)
+
+
+def _result_of_caller(sch: Schedule, path: str) -> str | None:
+    """The module whose result ``path``'s output reaches (through pointwise code) in its
+    forward, or ``None`` (it goes elsewhere first, or the flow is unknown, or it is the root)."""
+    found = _caller(sch, path)
+    if found is None:
+        return None
+    parent, name, fl = found
+    return parent if parent and OUTPUT in fl.consumers(name, _through(sch, parent)) else None
 
 
 def _ancestors(path: str) -> list[str]:
@@ -1585,12 +1608,12 @@ def _model_output(sch: Schedule, path: str) -> bool:
     users = _users(sch, path)
     if users != []:
         return False
-    tokens = split(path)
-    for depth in range(len(tokens), 0, -1):  # at every level it reaches the parent's result alone
-        here = ".".join(tokens[:depth])
-        fl = _flow_of(sch, _parent(here))
-        if fl is None or fl.reaching_output(_through(sch, _parent(here))) != {split(here)[-1]}:
+    here = path
+    while here:  # at every level it reaches the result of the module calling it alone
+        found = _caller(sch, here)
+        if found is None or found[2].reaching_output(_through(sch, found[0])) != {found[1]}:
             return False
+        here = found[0]
     return True
 
 
@@ -1940,7 +1963,10 @@ def _contradicted_sources(sch: Schedule) -> list[Problem]:
                     made = know(s.mesh_axis).made(path, own_syncs=False)
                     if made is not None:
                         known[s.mesh_axis] = (made, "by the data flow, what reaches it")
-            if s.src is not None and s.src != s.layout and s.mesh_axis in known and known[s.mesh_axis][0] != s.src:
+            # on a chain's last member a sync takes the place of the exit's gather, so one stating a
+            # layout to itself is believed there (it keeps the sequence shard)
+            moves = s.src != s.layout or know(s.mesh_axis).exit == path
+            if s.src is not None and moves and s.mesh_axis in known and known[s.mesh_axis][0] != s.src:
                 have, where = known[s.mesh_axis]
                 problems.append(Problem(
                     path or "<root>",

@@ -92,6 +92,7 @@ class Case:
     head: str  # "" | tied | untied (a Linear dim -> VOCAB last; tied shares the embedding's weight)
     blocks: tuple[Block, ...]
     plan: tuple[tuple[Any, ...], ...] = field(default=())
+    looped: bool = False  # the blocks in an nn.ModuleList the root's loop calls (paths layers.i)
 
 
 # Ops of a plan, as plain tuples:
@@ -348,7 +349,27 @@ def make_blocks(d: int, b: Block) -> list[nn.Module]:
     return [cls[b.kind](d, b)]
 
 
-def make_model(case: Case, device: str = "cpu") -> nn.Sequential:
+class Looped(nn.Module):
+    """A root that holds its blocks in an ``nn.ModuleList`` and calls them in a loop, as
+    Hugging Face models and PyTorch's test ``Transformer`` hold their layers (the list is
+    never called itself): paths ``layers.0``, ``layers.1``, ..."""
+
+    def __init__(self, mods: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(mods)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def top(model: nn.Module) -> tuple[str, nn.Module]:
+    """The path prefix of the top-level blocks and the module holding them in order."""
+    return ("layers.", model.layers) if isinstance(model, Looped) else ("", model)
+
+
+def make_model(case: Case, device: str = "cpu") -> nn.Module:
     with torch.device(device):
         mods: list[nn.Module] = []
         if case.ids:
@@ -360,7 +381,7 @@ def make_model(case: Case, device: str = "cpu") -> nn.Sequential:
             if case.head == "tied":
                 head.weight = mods[0].weight  # type: ignore[assignment]
             mods.append(head)
-        return nn.Sequential(*mods)
+        return Looped(mods) if case.looped else nn.Sequential(*mods)
 
 
 def make_input(case: Case) -> torch.Tensor:
@@ -406,7 +427,7 @@ def producers(model: nn.Module, path: str) -> tuple[str, ...]:
     activations and elementwise products only)."""
     parent = model.get_submodule(_parent(path))
     flow: dict[str, tuple[str, ...]] = getattr(parent, "FLOW", {})
-    if isinstance(parent, nn.Sequential):
+    if isinstance(parent, nn.Sequential | nn.ModuleList):
         names = list(parent._modules)
         i = names.index(_name(path)) - 1
         while i >= 0 and isinstance(parent._modules[names[i]], nn.GELU | nn.ReLU):
@@ -422,8 +443,10 @@ def output_paths(model: nn.Module) -> list[str]:
     out, path, m = [""], "", model
     while True:
         last: str | None = None
-        if isinstance(m, nn.Sequential) and m._modules:
+        if isinstance(m, nn.Sequential | nn.ModuleList) and m._modules:
             last = list(m._modules)[-1]
+        elif isinstance(m, Looped):
+            last = "layers"
         elif isinstance(m, Mlp | Gated | Attention | Functional) and not m.residual:
             last = {Mlp: "fc2", Gated: "down", Attention: "o"}.get(type(m), "out" if "out" in m._modules else "act")
         if last is None:
@@ -549,9 +572,14 @@ def _megatron(model: nn.Module) -> list[tuple[Any, ...]]:
         elif isinstance(m, nn.Sequential) and path:
             lin = [f"{path}.{n}" for n, c in m.named_children() if isinstance(c, nn.Linear)]
             ops += [("shard", p, i % 2, 1) for i, p in enumerate(lin)]
-        elif isinstance(m, nn.Embedding) or (path == str(len(model) - 1) and isinstance(m, nn.Linear)):
+        elif isinstance(m, nn.Embedding) or (path == _top_path(model, -1) and isinstance(m, nn.Linear)):
             ops.append(("shard", path, 0, 1))  # vocab embedding, column head
     return ops
+
+
+def _top_path(model: nn.Module, i: int) -> str:
+    prefix, items = top(model)
+    return f"{prefix}{i % len(items)}"
 
 
 SRCS = st.sampled_from([None, None, "R", "S(1)", "S(-1)", "P"])  # None: the plan fills it in
@@ -588,19 +616,19 @@ def plans(draw: Any, model: nn.Module) -> tuple[tuple[Any, ...], ...]:
         else:
             layout, src = draw(st.sampled_from(["R", "S(1)", "S(-1)"])), draw(SRCS)
         ops.append(("sync", draw(st.sampled_from(paths)), mode, layout, src))
-    top = len(model)
+    prefix, items = top(model)
     if draw(st.integers(0, 9)) < 3:
-        start = draw(st.integers(0, top - 1))
-        end = draw(st.integers(start + 1, top))
+        start = draw(st.integers(0, len(items) - 1))
+        end = draw(st.integers(start + 1, len(items)))
         given = "S(1)" if draw(st.integers(0, 4)) == 0 else None
         if given and start and draw(st.booleans()):  # the module before states its output split
-            ops.append(("sync", str(start - 1), "fwd_post", "S(1)", None))
-        ops.append(("sp", tuple(str(i) for i in range(start, end)), given))
+            ops.append(("sync", f"{prefix}{start - 1}", "fwd_post", "S(1)", None))
+        ops.append(("sp", tuple(f"{prefix}{i}" for i in range(start, end)), given))
     if not ops:  # every case states something (a build without annotations is the plain model)
         if shardable:
             ops.append(("shard", draw(st.sampled_from(shardable))[0], draw(st.sampled_from([0, 1])), 1))
         else:
-            ops.append(("sp", ("0",), None))
+            ops.append(("sp", (f"{prefix}0",), None))
     if len(ops) > 1 and draw(st.booleans()):
         ops = list(draw(st.permutations(ops)))
     return tuple(ops)
@@ -612,7 +640,7 @@ def cases(draw: Any) -> Case:
     ids = draw(st.booleans())
     head = draw(st.sampled_from(["", "tied", "untied"])) if ids else ""
     body = tuple(draw(st.lists(blocks(d), min_size=1, max_size=4)))
-    case = Case(d, ids, head, body)
+    case = Case(d, ids, head, body, looped=draw(st.integers(0, 3)) == 0)
     return replace(case, plan=draw(plans(make_model(case, device="meta"))))
 
 
@@ -712,7 +740,7 @@ def _run_one(case: Case, mesh: Any) -> dict[str, Any]:
     # a chain fed by the model's input and told that it arrives split (input_layout=Shard(1)):
     # the caller's promise, kept here by handing each rank its part of the sequence
     rank, world = mesh.get_local_rank(), mesh.size()
-    arrives_split = facts.sp_input is not None and int(facts.sp[0]) == 0
+    arrives_split = facts.sp_input is not None and facts.sp[0] == _top_path(facts.model, 0)
     xb = x.chunk(world, dim=1)[rank].clone() if arrives_split else x.clone()
     if x.is_floating_point():
         xb.requires_grad_(True)
@@ -997,6 +1025,23 @@ CLOSED: dict[str, Case] = {
     "stacked-pre-syncs-from-another-layout": _c([Block("gated", hidden=8, bias=False)], ("shard", "0.up", 0, 1),
                                                 ("shard", "0.down", 0, 1), ("sync", "", "fwd_pre", "R", None),
                                                 ("sync", "", "fwd_pre", "R", "S(-1)")),
+    # a token split before a pointwise module whose output is the model's: returned split, unstated
+    "token-split-into-the-result": _c([Block("functional")], ("sync", "0.act", "fwd_pre", "S(1)", "R")),
+    # a column kept split by a sync, the last of a residual's body: x + body(x) met the split a level up
+    "column-kept-split-out-of-a-residual-body": _c([Block("chain", residual=True)], ("shard", "0.body.0", 0, 1),
+                                                   ("sync", "0.body.0", "fwd_post", "S(-1)", None), dim=16),
+    # a sync from Replicate() to itself on a chain's last member took the place of the exit's gather
+    "same-layout-sync-at-a-chain-exit": _c([Block("chain", widths=(8,), flat=True)], ("shard", "2", 0, 1),
+                                           ("sync", "0", "fwd_post", "R", "R"), ("sp", ("0",), None)),
+    # columns held in the root's ModuleList: entries keyed by the value they read (the root's flow),
+    # not by their widths, which counted one backward all-reduce for two
+    "columns-in-a-module-list": replace(_c([Block("chain", act="relu", bias=False, widths=(16, 16), flat=True)],
+                                           ("shard", "layers.0", 0, 1), ("shard", "layers.4", 0, 1), dim=16),
+                                        looped=True),
+    # a Megatron pair held directly in the root's ModuleList: paired by the root's flow
+    "pair-in-a-module-list": replace(_c([Block("chain", act="relu", bias=False, widths=(16, 16), flat=True)],
+                                        ("shard", "layers.0", 0, 1), ("shard", "layers.2", 1, 1),
+                                        ("shard", "layers.4", 0, 1), dim=16), looped=True),
 }
 
 
