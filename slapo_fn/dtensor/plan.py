@@ -1794,6 +1794,7 @@ class _Features:
         order = {q: i for i, q in enumerate(sch.paths())}
         members = [r for r, s in sch.annotations.of_kind(SEQ).items() if s.mesh_axis == axis]
         self.exit = max(members, key=lambda r: order.get(r, 0)) if members else None  # the chain's gather
+        self.annotated = set(self.roles) | set(self.syncs) | set(sch.annotations.of_kind(SEQ)) | self.own
         self.memo: dict[tuple[str, str], Placement | None] = {}
         self.throughs: dict[str, Callable[[str], bool]] = {}
 
@@ -1867,7 +1868,10 @@ class _Features:
             return got if isinstance(got, Replicate) or pointwise(module) else None
         fl = _flow_of(self.sch, path)
         if fl is None:
-            return None
+            # untraceable, but with nothing planned at or inside it, it computes on what arrives as
+            # the model does: whole in, whole out (BERT's embeddings, Mixtral's routed experts)
+            untouched = not any(q == path or contains(path, q) for q in self.annotated)
+            return Replicate() if untouched and isinstance(self.inside(path), Replicate) else None
         return self._combine(path, fl.reaching_output(self._through(path)))
 
     def _combine(self, parent: str, fed: frozenset[str]) -> Placement | None:

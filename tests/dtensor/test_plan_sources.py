@@ -264,3 +264,29 @@ def test_a_sync_or_chain_on_a_module_list_is_refused_when_stated() -> None:
         assert "select its items instead: 'layers.*'" in str(e.value)
     assert len(sch.annotations) == 0
     assert len(sf.sequence_parallel(sch, ["layers.*", "norm"]).annotations) == 3  # its items are accepted
+
+
+def test_an_untraceable_module_with_nothing_planned_inside_gives_back_what_it_takes() -> None:
+    """BERT's embeddings and Mixtral's routed experts cannot be traced; with nothing planned
+    in them they compute on the whole values they are given, as the model does. What
+    follows them was 'unknown', so a ``src=Partial()`` on a whole output was trusted (twice
+    the value)."""
+    from transformers import BertConfig, BertForMaskedLM, MixtralConfig, MixtralForCausalLM
+
+    bert = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4))
+    mlp = sf.foreach("bert.encoder.layer.*", sf.shard.at("intermediate.dense", axis=0)
+                     >> sf.shard.at("output.dense", axis=1))(schedule(bert))
+    assert refused(mlp) == []
+    ((path, reason),) = refused(sf.sync(mlp, "bert.encoder.layer.0.output", "fwd_post", Replicate(), src=Partial()))
+    assert path == "bert.encoder.layer.0.output" and "leaves its output Replicate()" in reason
+    assert refused(sf.sync(mlp, "bert.encoder.layer.0.output.dense", "fwd_post", Replicate(), src=Partial())) == []
+
+    mixtral = MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               num_local_experts=4))
+    attn = _megatron("model.layers.*", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                        "self_attn.o_proj"), ("self_attn.o_proj",))(schedule(mixtral))
+    assert refused(attn) == []
+    ((path, reason),) = refused(sf.sync(attn, "model.layers.0.mlp", "fwd_post", Replicate(), src=Partial()))
+    assert path == "model.layers.0.mlp" and "leaves its output Replicate()" in reason
