@@ -439,9 +439,17 @@ def _trace(parent: nn.Module) -> tuple[Flow | None, set[str]]:
     apart: dict[str, Apart] = {}
     output: frozenset[str] = frozenset()
     leaves: tuple[frozenset[str], ...] = ()
+    # a pointwise child called more than once (T5's one dropout after the embedding and after the
+    # final norm) is traced as the code it is: one name for both calls would feed the first
+    # layer from the final norm, a cycle
+    called = [str(n.target)[len(prefix):] for n in graph.nodes
+              if n.op == "call_module" and str(n.target).startswith(prefix)]
+    reused = {n for n in set(called) if called.count(n) > 1 and pointwise(parent.get_submodule(n))}
     for node in graph.nodes:
         upstream: frozenset[str] = frozenset().union(*(sources.get(a, frozenset()) for a in node.all_input_nodes))
-        if node.op == "placeholder":
+        if node.op == "call_module" and str(node.target)[len(prefix):] in reused:
+            sources[node] = upstream
+        elif node.op == "placeholder":
             sources[node] = frozenset({INPUT if node.target == "a0" else SIDE})
         elif node.op == "get_attr":
             target = str(node.target)

@@ -168,7 +168,8 @@ def plan(sch: Schedule) -> Plan:
         seq = region(path)
         partnered = bool(partners.get(path))
         spec_syncs = _resolved_syncs(path, syncs.get(path, ()), roles.get(path), seqs, seq_roots,
-                                     functools.partial(_stated_output, sch, path), partnered)
+                                     functools.partial(_stated_output, sch, path), partnered,
+                                     functools.partial(_arriving_at, know, path))
         out_sync = next((s for s in spec_syncs if s.mode == "fwd_post"), None)
         if role is not None:
             ax = role.mesh_axis
@@ -359,7 +360,8 @@ def _partner_gathered(sch: Schedule, columns: tuple[str, ...], axis: str) -> boo
 
 def _resolved_syncs(path: str, specs: tuple[SyncSpec, ...], role: Role | None, seqs: Mapping[str, SeqSpec],
                     chain_order: list[str], inner: Callable[[str], Placement | None],
-                    partnered: bool = False) -> tuple[SyncSpec, ...]:
+                    partnered: bool = False,
+                    arriving: Callable[[str], Placement | None] = lambda _: None) -> tuple[SyncSpec, ...]:
     """``path``'s syncs with the layout each converts from (``src``) filled in where the
     user left it out, for the boundaries and the runtime alike: the layout the previous
     sync on the same boundary moved to (one stating a layout to itself is not believed),
@@ -367,7 +369,8 @@ def _resolved_syncs(path: str, specs: tuple[SyncSpec, ...], role: Role | None, s
     shard on a chain member (after its entry; a row or vocab embedding first in a chain
     takes its input whole), the columns' ``Shard(-1)`` at the input of a row in a
     Megatron pair, for an output the layout a sync states on the child that alone makes
-    it (``inner(axis)``, :func:`_stated_output`), else ``Replicate()``.
+    it (``inner(axis)``, :func:`_stated_output`), for an input the features the data flow
+    brings (``arriving(axis)``: a sync before it split them), else ``Replicate()``.
     ``bwd_post`` syncs keep theirs."""
     seq = seqs.get(path)
     rank = {q: i for i, q in enumerate(chain_order)}
@@ -386,11 +389,16 @@ def _resolved_syncs(path: str, specs: tuple[SyncSpec, ...], role: Role | None, s
             elif seq is not None and seq.mesh_axis == s.mesh_axis and not (s.mode == "fwd_pre" and whole_in):
                 src = Shard(seq.seq_axis)
             else:
-                src = (inner(s.mesh_axis) if s.mode == "fwd_post" else None) or Replicate()
+                src = (inner(s.mesh_axis) if s.mode == "fwd_post" else arriving(s.mesh_axis)) or Replicate()
         if s.mode != "bwd_post" and src != s.layout:  # a sync from a layout to itself moves nothing, asserts nothing
             last[key] = s.layout
         out.append(s if src is s.src else replace(s, src=src))
     return tuple(out)
+
+
+def _arriving_at(know: Callable[[str], _Features], path: str, axis: str) -> Placement | None:
+    """The features the data flow brings to ``path``'s input over ``axis`` (``None``: unknown)."""
+    return know(axis).arriving(path)
 
 
 def _stated_output(sch: Schedule, path: str, axis: str) -> Placement | None:
@@ -416,9 +424,10 @@ def _flow_of(sch: Schedule, parent: str) -> Flow | None:
 
 def _caller(sch: Schedule, path: str) -> tuple[str, str, Flow] | None:
     """The module whose traced ``forward`` calls ``path``, ``path``'s name in it and its
-    flow: the parent, or past containers with no ``forward`` of their own (an
+    flow: the parent, or an ancestor past containers with no ``forward`` of their own (an
     ``nn.ModuleList`` of decoder layers, whose items the model's loop calls as
-    ``layers.0``, ``layers.1``). ``None`` where that module has no flow or never calls it."""
+    ``layers.0``, ``layers.1``) or past modules that do not call it (OPT's root calls
+    ``self.model.decoder``, not ``self.model``). ``None`` where no traced ancestor calls it."""
     if not path:
         return None
     parts = split(path)
@@ -427,8 +436,8 @@ def _caller(sch: Schedule, path: str) -> tuple[str, str, Flow] | None:
         fl = _flow_of(sch, here)
         if fl is not None and fl.called(name):
             return here, name, fl
-        if not uncalled(get_module(sch.module, here)):
-            return None
+        if fl is None and not uncalled(get_module(sch.module, here)):
+            return None  # an untraced module between: what calls the path is unknown
     return None
 
 
@@ -690,8 +699,9 @@ def _stray_token_shards(sch: Schedule) -> list[Problem]:
     in_chain = functools.partial(_in_chain, sch)
 
     def gathers_back(path: str, axis: str) -> bool:
+        # from a stated layout: without src= the plan takes the input as Replicate(), which moves nothing
         return any(s.mode == "fwd_pre" and s.mesh_axis == axis and isinstance(s.layout, Replicate)
-                   for s in syncs.get(path, ()))
+                   and s.src is not None and s.src != s.layout for s in syncs.get(path, ()))
 
     def last_member(path: str, axis: str) -> bool:  # a chain's last member: the stream leaves the chain
         members = [r for r, s in seqs.items() if s.mesh_axis == axis]
@@ -1441,7 +1451,7 @@ def _feature_syncs(sch: Schedule, p: Plan) -> list[Problem]:
                 # output); where the flow is unknown or it is the result (vocab-parallel logits), trusted
                 reached = _users(sch, path) or []
                 rows = [q for q, r in roles.items() if r.kind == "row" and r.mesh_axis == s.mesh_axis]
-                bad = [q for q in reached if not any(r == q or contains(q, r) for r in rows)]
+                bad = [q for q in reached if not _takes_split(sch, q, set(rows))]
                 if bad:
                     problems.append(Problem(
                         path, f"{what} keeps its output split by features, but it goes on to "
@@ -1543,6 +1553,23 @@ def _whole_beside_split(sch: Schedule, path: str, rows: list[str] | None, axis: 
             if q == INPUT or not alike(join(parent, q)):
                 out.add("<input>" if q == INPUT else join(parent, q))
     return sorted(out)
+
+
+def _takes_split(sch: Schedule, path: str, rows: set[str], depth: int = 0) -> bool:
+    """Whether module ``path`` takes its input split by features: a row, or a module whose
+    code hands its input (through pointwise children) to such modules only (BERT's
+    ``self.output``: its ``dense`` row first, the residual added after); a module holding
+    rows whose flow is unknown is trusted. A norm or a plain Linear first needs it whole."""
+    if path in rows:
+        return True
+    if not any(contains(path, r) for r in rows) or depth > 8:
+        return False
+    fl = _flow_of(sch, path)
+    if fl is None:
+        return True
+    users = fl.consumers(INPUT, _through(sch, path))
+    return bool(users) and OUTPUT not in users and all(_takes_split(sch, join(path, u), rows, depth + 1)
+                                                        for u in users)
 
 
 def _result_of_caller(sch: Schedule, path: str) -> str | None:
@@ -1931,6 +1958,19 @@ def _contradicted_sources(sch: Schedule) -> list[Problem]:
             cols = partners.get(path, ()) if role is not None and role.kind == "row" else ()
             if have is None and cols:  # a pair in a chain member, or paired by module order (fx cannot trace)
                 have = Replicate() if _partner_gathered(sch, cols, pre.mesh_axis) else Shard(-1)
+            own = set(sch.annotations.of_kind(LOCAL)) | set(sch.annotations.of_kind(INSTALLED)) | set(
+                sch.annotations.of_kind(EXPERTS))
+            if (have is None and inside_chain and isinstance(pre.src, Partial)
+                    and not any(q == path or contains(q, path) or contains(path, q) or _parent(q) == _parent(path)
+                                for q in own)):
+                # in a chain activations are sequence shards or what columns gather; rows reduce-scatter
+                # their partial sums themselves, and no user code here makes one
+                problems.append(Problem(
+                    path,
+                    f"has a fwd_pre sync from Partial() inside a sequence_parallel chain over {pre.mesh_axis!r}, "
+                    "where nothing hands it a partial sum (rows reduce-scatter theirs)",
+                    "drop src= (the plan knows the layout)",
+                ))
             if have is not None and pre.src != have:
                 named = ", ".join(map(repr, cols))
                 why = f"its columns {named} keep their outputs split, so" if cols and _last_dim(have) else (

@@ -284,3 +284,20 @@ def test_tracing_leaves_the_model_s_buffers_as_they_were() -> None:
     flow(attn)
     assert attn._buffers == buffers and all(attn._buffers[k] is v for k, v in buffers.items())
     torch.testing.assert_close(model(ids).logits, want)
+
+
+class Reuses(nn.Module):
+    """One dropout called twice, as T5's stack does (after the embedding, after the final norm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.drop, self.b = nn.Linear(4, 4), nn.Dropout(0.0), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.b(self.drop(self.a(x))))
+
+
+def test_a_pointwise_child_called_twice_is_traced_as_code() -> None:
+    fl = flow(Reuses())
+    assert fl is not None and not fl.called("drop")
+    assert fl.feeders("b") == {"a"} and fl.reaching_output() == {"b"}

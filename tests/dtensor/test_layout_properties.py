@@ -1042,6 +1042,23 @@ CLOSED: dict[str, Case] = {
     "pair-in-a-module-list": replace(_c([Block("chain", act="relu", bias=False, widths=(16, 16), flat=True)],
                                         ("shard", "layers.0", 0, 1), ("shard", "layers.2", 1, 1),
                                         ("shard", "layers.4", 0, 1), dim=16), looped=True),
+    # a row's fwd_pre sync to Shard(-1) without src, after a sync that split the features: from Replicate()
+    # it split them again ((8x2) for (8x4)); its src is now what the flow brings
+    "pre-sync-after-a-split": _c([Block("chain", bias=False, widths=(8, 8))], ("shard", "0.0", 0, 1),
+                                 ("shard", "0.2", 1, 1), ("shard", "0.4", 1, 1),
+                                 ("sync", "0.4", "fwd_pre", "S(-1)", None), ("sync", "0.3", "fwd_post", "S(-1)", None)),
+    # a token split "gathered back" by a fwd_pre sync without src=, which takes its input as Replicate()
+    "token-split-gathered-without-src": _c([_NORM, Block("functional", bias=False, extra=True)],
+                                           ("shard", "1.out", 1, 1), ("sync", "1.act", "fwd_post", "S(1)", None),
+                                           ("sync", "1.out", "fwd_pre", "R", None)),
+    # a column kept split into a block that holds a row but takes its input into a norm first
+    "column-kept-split-into-a-norm-before-a-row": _c(
+        [_ATTN, Block("layer", hidden=8, bias=False, heads=4, style="fixed", extra=True)],
+        ("shard", "0.o", 0, 1), ("sync", "0.o", "fwd_post", "S(-1)", None), ("shard", "1.attn.o", 1, 1), dim=16),
+    # src=Partial() on a column's input inside a chain: reduce-scattered a whole value (wrong numbers)
+    "partial-src-inside-a-chain": _c([Block("mlp", hidden=8, act="relu", bias=False)], ("shard", "0.fc1", 0, 1),
+                                     ("shard", "0.fc2", 1, 1), ("sync", "0.fc1", "fwd_pre", "S(-1)", "P"),
+                                     ("sp", ("0",), None), dim=16),
 }
 
 

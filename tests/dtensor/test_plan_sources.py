@@ -290,3 +290,19 @@ def test_an_untraceable_module_with_nothing_planned_inside_gives_back_what_it_ta
     assert refused(attn) == []
     ((path, reason),) = refused(sf.sync(attn, "model.layers.0.mlp", "fwd_post", Replicate(), src=Partial()))
     assert path == "model.layers.0.mlp" and "leaves its output Replicate()" in reason
+
+
+def test_a_wrong_src_after_a_reused_dropout_is_refused() -> None:
+    """T5's stack calls one dropout after the embedding and again after its final norm: the
+    flow merged the two calls, so the first block seemed fed by the final norm (a cycle,
+    'unknown'), and a ``src=Partial()`` on a block's whole output was trusted."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4))
+    ff = _megatron("encoder.block.*", ("layer.1.DenseReluDense.wi", "layer.1.DenseReluDense.wo"),
+                   ("layer.1.DenseReluDense.wo",))(schedule(t5))
+    assert refused(ff) == []
+    block = "encoder.block.0.layer.1.DenseReluDense"
+    ((path, reason),) = refused(sf.sync(ff, block, "fwd_post", Replicate(), src=Partial()))
+    assert path == block and "leaves its output Replicate()" in reason
+    assert refused(sf.sync(ff, f"{block}.wo", "fwd_post", Replicate(), src=Partial())) == []
