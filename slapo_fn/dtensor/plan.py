@@ -1958,8 +1958,7 @@ def _contradicted_sources(sch: Schedule) -> list[Problem]:
             cols = partners.get(path, ()) if role is not None and role.kind == "row" else ()
             if have is None and cols:  # a pair in a chain member, or paired by module order (fx cannot trace)
                 have = Replicate() if _partner_gathered(sch, cols, pre.mesh_axis) else Shard(-1)
-            own = set(sch.annotations.of_kind(LOCAL)) | set(sch.annotations.of_kind(INSTALLED)) | set(
-                sch.annotations.of_kind(EXPERTS))
+            own = know(pre.mesh_axis).own  # the user's own code: installed, tp_local, experts
             if (have is None and inside_chain and isinstance(pre.src, Partial)
                     and not any(q == path or contains(q, path) or contains(path, q) or _parent(q) == _parent(path)
                                 for q in own)):
