@@ -1695,14 +1695,15 @@ def _in_chain(sch: Schedule, path: str, axis: str) -> bool:
                for r, s in sch.annotations.of_kind(SEQ).items())
 
 
-def _unsourced(sch: Schedule) -> list[Problem]:
+def _unsourced(sch: Schedule, partners: Mapping[str, tuple[str, ...]]) -> list[Problem]:
     """A sync's stated ``src`` that nothing in the schedule could have made. Only the
     user's own code computes this rank's share of a value: modules installed by
     ``sf.replace``, ``tp_local`` ones, experts; with none of them, the model is the
     single-process one and a value is split or partial only where the schedule makes it
-    so. ``Partial()`` then needs a sync stating a partial value, or features split
-    somewhere (a module handed them may sum them; rows and vocabulary embeddings reduce
-    their own outputs); this rank's features (``Shard(-1)``) need a column, an embedding
+    so. ``Partial()`` then needs a sync stating a partial value, or this rank's features
+    handed to a module's own code, which may sum them (:func:`_features_reach_code`;
+    rows reduce their own outputs, and columns kept for their rows hand them to rows
+    alone); this rank's features (``Shard(-1)``) need a column, an embedding
     split by features or a sync to them; a token shard (``Shard(d)``, ``d`` not the
     last) a sequence-parallel chain or a sync to one. Otherwise every rank holds the
     whole activation, and the sync would sum the ranks' copies or gather them into a
@@ -1746,7 +1747,8 @@ def _unsourced(sch: Schedule) -> list[Problem]:
                         and type(module).__module__.startswith("torch.nn.modules")):
                     continue  # _partial_sources
                 # a module handed this rank's features may sum them (a partial sum)
-                possible = own_code or features or any(isinstance(o.layout, Partial) for o in others)
+                possible = (own_code or _features_reach_code(sch, s.mesh_axis, partners)
+                            or any(isinstance(o.layout, Partial) for o in others))
             elif _last_dim(src):
                 possible = own_code or features
             elif isinstance(src, Shard):
@@ -1911,7 +1913,7 @@ class _Features:
         return got.pop() if len(got) == 1 else None
 
 
-def _contradicted_sources(sch: Schedule) -> list[Problem]:
+def _contradicted_sources(sch: Schedule, partners: Mapping[str, tuple[str, ...]]) -> list[Problem]:
     """A sync's stated ``src`` that contradicts what the plan knows is there: for a
     ``fwd_pre`` sync, the features that reach the module (:class:`_Features`; a paired
     row's columns' where fx cannot trace the parent); for a ``fwd_post`` sync, the
@@ -1922,7 +1924,6 @@ def _contradicted_sources(sch: Schedule) -> list[Problem]:
     over a child's Shard(-1): (2, 4, 4) for (2, 4, 8)). Refused, naming the module."""
     problems = []
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
-    partners = _partners(sch)
     features: dict[str, _Features] = {}
 
     def know(axis: str) -> _Features:
@@ -2036,6 +2037,31 @@ def refusals(sch: Schedule, p: Plan) -> list[Problem]:
 
 def _sources(sch: Schedule) -> list[Problem]:
     """Stated ``src``s the data flow contradicts, then those nothing makes (one problem per module)."""
-    contradicted = _contradicted_sources(sch)
+    partners = _partners(sch)
+    contradicted = _contradicted_sources(sch, partners)
     named = {p.path for p in contradicted}
-    return contradicted + [p for p in _unsourced(sch) if p.path not in named]
+    return contradicted + [p for p in _unsourced(sch, partners) if p.path not in named]
+
+
+def _features_reach_code(sch: Schedule, axis: str, partners: Mapping[str, tuple[str, ...]]) -> bool:
+    """Whether this rank's features over ``axis`` (``Shard(-1)``) may reach a module's own
+    code, which could sum them into a partial value: a sync splitting them for a module
+    without a role (Slapo's ``fwd_pre`` ``Shard(-1)`` in front of a hand-written sum), a
+    sharded module whose ``fwd_post`` sync keeps its output split, or a column kept
+    for rows by module order alone (fx cannot trace its parent, whose code between them
+    is then unknown). A column paired by the data flow hands its split to its rows
+    alone, a lone one or a feature-split embedding gathers its output, and a row or
+    vocabulary embedding reduces its own: no partial value leaves them (OPT's decoder,
+    which fx cannot trace, holds only such layers)."""
+    roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
+    for q, specs in sch.annotations.of_kind(SYNC).items():
+        role = roles.get(q)
+        own = role is not None and role.mesh_axis == axis and role.kind != "param"
+        for o in specs:
+            if o.mode == "bwd_post" or o.mesh_axis != axis or not _last_dim(o.layout):
+                continue
+            if not own or o.mode == "fwd_post":  # a role's output kept split leaves it
+                return True
+    return any(role.kind == "column" and role.mesh_axis == axis and partners.get(q)
+               and not _partner_gathered(sch, (q,), axis) and _caller(sch, q) is None
+               for q, role in roles.items())

@@ -51,6 +51,13 @@ class Untraceable(nn.Module):
         return self.fc(x) if x.sum() > 0 else self.fc(-x)
 
 
+class UntracedSum(nn.Module):
+    """A hand-written sum over the features behind a branch on a value (fx cannot trace it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(-1, keepdim=True) if x.sum() > 0 else -x.sum(-1, keepdim=True)
+
+
 class Sum(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.sum(-1, keepdim=True)
@@ -88,9 +95,14 @@ def test_where_the_flow_is_unknown_a_src_nothing_in_the_schedule_makes_is_refuse
     sch = sf.sync(schedule(nn.Sequential(Untraceable())), "0", "fwd_post", Replicate(), src=src)
     ((path, reason),) = refused(sch)
     assert path == "0" and "nothing in the schedule makes" in reason and words in reason
-    # a column somewhere may split features (and a module handed them may sum them): trusted
-    col = sf.shard(schedule(nn.Sequential(Untraceable(), nn.Linear(8, 8))), "1", axis=0)
-    assert refused(sf.sync(col, "0", "fwd_post", Replicate(), src=src)) == [] or src == Shard(1)
+    # this rank's features handed to a module's own code, which may sum them (a partial sum), or
+    # give them back: trusted
+    split = sf.sync(schedule(nn.Sequential(nn.Linear(8, 8), UntracedSum())), "1", "fwd_pre", Shard(-1))
+    assert refused(sf.sync(split, "1", "fwd_post", Replicate(), src=src)) == [] or src == Shard(1)
+    col = sf.shard(schedule(nn.Sequential(nn.Linear(8, 8), UntracedSum())), "0", axis=0)
+    # a lone column gathers its output: nothing split reaches a module's code, so no partial sum
+    lone = refused(sf.sync(col, "1", "fwd_post", Replicate(), src=src))
+    assert [p for p, _ in lone] == ["1"]
 
 
 def test_a_src_the_schedule_makes_there_is_trusted() -> None:
@@ -306,3 +318,62 @@ def test_a_wrong_src_after_a_reused_dropout_is_refused() -> None:
     ((path, reason),) = refused(sf.sync(ff, block, "fwd_post", Replicate(), src=Partial()))
     assert path == block and "leaves its output Replicate()" in reason
     assert refused(sf.sync(ff, f"{block}.wo", "fwd_post", Replicate(), src=Partial())) == []
+
+
+def test_a_partial_src_where_the_flow_is_unknown_needs_a_module_that_could_sum_split_features() -> None:
+    """Where fx cannot trace a model's stack (OPT's decoder did not: ``torch.ones(batch,
+    seq)`` in its mask code), what its layers make is 'unknown', and a ``src=Partial()``
+    on a layer's whole output was trusted because columns existed somewhere: an
+    all-reduce of a replicated value, twice the model's numbers. Columns paired with rows
+    by the data flow hand their split to rows alone, which reduce it: no module's code
+    could have made a partial sum, so the sync is refused. Where a sync hands split
+    features to a module's own code (or a column is paired by module order alone), the
+    ``src`` is still trusted."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    stack = sf.foreach("layers.*", sf.shard.at("fc1", axis=0) >> sf.shard.at("fc2", axis=1))(
+        schedule(UntracedStack()))
+    assert refused(stack) == []
+    ((path, reason),) = refused(sf.sync(stack, "layers.0", "fwd_post", Replicate(), src=Partial()))
+    assert path == "layers.0" and "nothing in the schedule makes Partial() there" in reason
+    assert refused(sf.sync(stack, "layers.0.fc2", "fwd_post", Replicate(), src=Partial())) == []  # a row's own
+    # paired by module order (fx cannot trace the parent): its code between them is unknown
+    pair = sf.shard(sf.shard(schedule(nn.Sequential(UntracedPair(), nn.Linear(8, 8))), "0.fc1", axis=0),
+                    "0.fc2", axis=1)
+    assert refused(sf.sync(pair, "0", "fwd_post", Replicate(), src=Partial())) == []
+
+    opt = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                                   num_attention_heads=4, max_position_embeddings=32, use_cache=False))
+    megatron = _megatron("model.decoder.layers.*", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                    "self_attn.out_proj", "fc1", "fc2"), ("self_attn.out_proj", "fc2"))
+    sch = megatron(schedule(opt))
+    assert refused(sch) == []
+    for layer in ("model.decoder.layers.0", "model.decoder.layers.1.self_attn"):
+        assert [p for p, _ in refused(sf.sync(sch, layer, "fwd_post", Replicate(), src=Partial()))] == [layer]
+    assert refused(sf.sync(sch, "model.decoder.layers.0.fc2", "fwd_post", Replicate(), src=Partial())) == []
+
+
+class UntracedPair(nn.Module):
+    """``fc2(fc1(x))`` behind a branch on a value, so fx cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        return self.fc2(h if h.sum() > 0 else -h)
+
+
+class UntracedStack(nn.Module):
+    """Two residual :class:`Block` layers in a ``ModuleList``, looped over behind a branch
+    on a value (fx cannot trace the loop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x) if x.sum() > 0 else x - layer(x)
+        return x
