@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -220,6 +221,14 @@ class _Shapes(_Leaves):
 
     rank = _ASSUMED_RANK
 
+    def __init__(self) -> None:
+        # torch's factories called on traced sizes (OPT's ``torch.ones(batch, seq)`` mask, T5's
+        # ``torch.zeros((1, heads, q, k))`` position bias) are recorded as calls, as fx records
+        # math's: fx looks for the ids it wraps in the modules of ``_autowrap_search``, and
+        # patches them back when the trace ends
+        super().__init__(autowrap_functions=_FACTORIES)
+        self._autowrap_search = [*self._autowrap_search, torch]
+
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _ShapedProxy(node, self)
 
@@ -237,6 +246,10 @@ class _Shapes(_Leaves):
         return super().to_bool(obj)
 
 
+#: torch's factories of new tensors from sizes, which fx cannot call on traced sizes.
+_FACTORIES = (torch.ones, torch.zeros, torch.full, torch.empty, torch.arange, torch.randn, torch.rand)
+
+
 class _TokenShapes(_Shapes):
     rank = _TOKENS_RANK
 
@@ -245,6 +258,8 @@ class _ShapedProxy(fx.Proxy):
     def __getattr__(self, k: str) -> Any:
         if k == "shape":
             return self._sizes()
+        if k == "dtype":  # a dtype carries no data: code reading it (torch.finfo(x.dtype).min) traces
+            return torch.get_default_dtype()
         if k == "size":
             def size(*dim: Any) -> Any:
                 if dim:

@@ -128,6 +128,28 @@ def test_a_models_root_traces_past_size_checks_token_shapes_and_its_cache() -> N
     assert fl.reaching_output() == {"norm"}
 
 
+def test_factories_on_traced_sizes_and_dtypes_trace() -> None:
+    """OPT's decoder builds its mask with ``torch.ones(batch, seq)`` and T5's attention its
+    position bias with ``torch.zeros((1, heads, q, k))`` and ``torch.finfo(key.dtype)``:
+    plain fx fails on a factory given traced sizes and on a dtype it cannot read. The shape
+    tracer records the factory as a call on sizes (no data reaches it) and answers a
+    dtype, so both trace; the factories are torch's own again after the trace."""
+    from transformers import OPTConfig, OPTForCausalLM, T5Config, T5ForConditionalGeneration
+
+    ones = torch.ones
+    opt = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                                   num_attention_heads=4, max_position_embeddings=32, use_cache=False))
+    fl = flow(opt.model.decoder)
+    assert fl is not None and fl.feeders("layers.1") == {"layers.0"}
+    assert fl.feeders("layers.0") == {"embed_tokens", "embed_positions"}
+    assert fl.reaching_output() == {"final_layer_norm"}
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4))
+    fl = flow(t5.encoder.block[0].layer[0].SelfAttention)
+    assert fl is not None and all(fl.feeders(c) == {INPUT} for c in "qkv")
+    assert fl.feeders("o") == {"q", "k", "v", "relative_attention_bias"} and fl.output == {"o"}
+    assert torch.ones is ones and torch.ones(2).sum() == 2
+
+
 def test_models_alike_but_for_their_number_of_layers_have_their_own_flows() -> None:
     """The flow of a model names each layer its loop calls: one traced for two layers is no
     flow of four (the cache of flows by shape sees the items of the list)."""
