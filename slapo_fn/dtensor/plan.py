@@ -1703,8 +1703,8 @@ def _unsourced(sch: Schedule, partners: Mapping[str, tuple[str, ...]]) -> list[P
     so. ``Partial()`` then needs a sync stating a partial value, or this rank's features
     handed to a module's own code, which may sum them (:func:`_features_reach_code`;
     rows reduce their own outputs, and columns kept for their rows hand them to rows
-    alone); this rank's features (``Shard(-1)``) need a column, an embedding
-    split by features or a sync to them; a token shard (``Shard(d)``, ``d`` not the
+    alone); this rank's features (``Shard(-1)``) the same (a module between a Megatron
+    pair with a sync of its own breaks the pair: the column gathers); a token shard (``Shard(d)``, ``d`` not the
     last) a sequence-parallel chain or a sync to one. Otherwise every rank holds the
     whole activation, and the sync would sum the ranks' copies or gather them into a
     tensor ``world`` times too long: refused, naming the module. (A sharded module's
@@ -1740,17 +1740,15 @@ def _unsourced(sch: Schedule, partners: Mapping[str, tuple[str, ...]]) -> list[P
             if role is not None and (s.mode == "fwd_post" or (role.kind == "row" and role.mesh_axis == s.mesh_axis)):
                 continue  # the role's own output; a row's stated input is _contradicted_sources's
             others = [o for q, o in stated if o is not s and o.mesh_axis == s.mesh_axis]
-            features = any(_last_dim(o.layout) for o in others) or any(
-                r.mesh_axis == s.mesh_axis and r.kind in ("column", "embed_dim") for r in roles.values())
             if isinstance(src, Partial):
                 if (s.mode == "fwd_post" and path and path not in sch.annotations.of_kind(LOCAL)
                         and type(module).__module__.startswith("torch.nn.modules")):
                     continue  # _partial_sources
                 # a module handed this rank's features may sum them (a partial sum)
-                possible = (own_code or _features_reach_code(sch, s.mesh_axis, partners)
+                possible = (own_code or _features_reach_code(sch, s, partners)
                             or any(isinstance(o.layout, Partial) for o in others))
             elif _last_dim(src):
-                possible = own_code or features
+                possible = own_code or _features_reach_code(sch, s, partners)
             elif isinstance(src, Shard):
                 possible = own_code or s.mesh_axis in chains or any(
                     isinstance(o.layout, Shard) and not _last_dim(o.layout) for o in others)
@@ -2043,9 +2041,10 @@ def _sources(sch: Schedule) -> list[Problem]:
     return contradicted + [p for p in _unsourced(sch, partners) if p.path not in named]
 
 
-def _features_reach_code(sch: Schedule, axis: str, partners: Mapping[str, tuple[str, ...]]) -> bool:
-    """Whether this rank's features over ``axis`` (``Shard(-1)``) may reach a module's own
-    code, which could sum them into a partial value: a sync splitting them for a module
+def _features_reach_code(sch: Schedule, besides: SyncSpec, partners: Mapping[str, tuple[str, ...]]) -> bool:
+    """Whether this rank's features (``Shard(-1)``) over the mesh axis of sync ``besides``
+    may reach a module's own code by anything but ``besides`` itself, which could sum
+    them into a partial value or hand them on: a sync splitting them for a module
     without a role (Slapo's ``fwd_pre`` ``Shard(-1)`` in front of a hand-written sum), a
     sharded module whose ``fwd_post`` sync keeps its output split, or a column kept
     for rows by module order alone (fx cannot trace its parent, whose code between them
@@ -2054,11 +2053,12 @@ def _features_reach_code(sch: Schedule, axis: str, partners: Mapping[str, tuple[
     vocabulary embedding reduces its own: no partial value leaves them (OPT's decoder,
     which fx cannot trace, holds only such layers)."""
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
+    axis = besides.mesh_axis
     for q, specs in sch.annotations.of_kind(SYNC).items():
         role = roles.get(q)
         own = role is not None and role.mesh_axis == axis and role.kind != "param"
         for o in specs:
-            if o.mode == "bwd_post" or o.mesh_axis != axis or not _last_dim(o.layout):
+            if o is besides or o.mode == "bwd_post" or o.mesh_axis != axis or not _last_dim(o.layout):
                 continue
             if not own or o.mode == "fwd_post":  # a role's output kept split leaves it
                 return True

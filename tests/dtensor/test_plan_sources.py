@@ -377,3 +377,29 @@ class UntracedStack(nn.Module):
         for layer in self.layers:
             x = x + layer(x) if x.sum() > 0 else x - layer(x)
         return x
+
+
+def test_split_features_stated_where_the_flow_is_unknown_need_a_column_that_hands_them_there() -> None:
+    """Bart's decoder layers call their cross-attention only with encoder states, which
+    the traced layer is not given: what reaches ``encoder_attn`` is 'unknown', and a
+    ``src=Shard(-1)`` there was trusted because columns existed somewhere. Gathering a
+    whole value made it twice as wide (a raw shape error inside the model). The columns
+    here are paired with their rows by the data flow, so this rank's features live only
+    between them: refused, naming the module."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    bart = BartForConditionalGeneration(BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32))
+    attn = [f"{a}.{n}" for a in ("self_attn", "encoder_attn") for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
+    sch = _megatron("model.decoder.layers.*", (*attn, "fc1", "fc2"),
+                    ("self_attn.out_proj", "encoder_attn.out_proj", "fc2"))(schedule(bart))
+    assert refused(sch) == []
+    layer = "model.decoder.layers.0"
+    for path, mode in [(f"{layer}.encoder_attn", "fwd_post"), (f"{layer}.encoder_attn_layer_norm", "fwd_pre"),
+                       (f"{layer}.encoder_attn.k_proj", "fwd_pre")]:
+        assert [p for p, _ in refused(sf.sync(sch, path, mode, Replicate(), src=Shard(-1)))] == [path]
+    # a reduce-scatter over the features does not make its own src plausible
+    self_made = sf.sync(sch, f"{layer}.encoder_attn", "fwd_post", Shard(-1), src=Partial())
+    assert any(p == f"{layer}.encoder_attn" and "nothing in the schedule makes Partial()" in r
+               for p, r in refused(self_made))
