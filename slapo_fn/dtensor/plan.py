@@ -1704,8 +1704,9 @@ def _unsourced(sch: Schedule, partners: Mapping[str, tuple[str, ...]]) -> list[P
     handed to a module's own code, which may sum them (:func:`_features_reach_code`;
     rows reduce their own outputs, and columns kept for their rows hand them to rows
     alone); this rank's features (``Shard(-1)``) the same (a module between a Megatron
-    pair with a sync of its own breaks the pair: the column gathers); a token shard (``Shard(d)``, ``d`` not the
-    last) a sequence-parallel chain or a sync to one. Otherwise every rank holds the
+    pair with a sync of its own breaks the pair: the column gathers); a token shard
+    (``Shard(d)``, ``d`` not the last) a member of a sequence-parallel chain at, inside or
+    within the module (the chain's exit gathers the shard back), or a sync to one. Otherwise every rank holds the
     whole activation, and the sync would sum the ranks' copies or gather them into a
     tensor ``world`` times too long: refused, naming the module. (A sharded module's
     ``fwd_post`` converts from its role's own output, and a sync from a layout to itself
@@ -1715,7 +1716,9 @@ def _unsourced(sch: Schedule, partners: Mapping[str, tuple[str, ...]]) -> list[P
     stated = [(q, s) for q, specs in syncs.items() for s in specs if s.mode != "bwd_post"]
     own_code = bool(sch.annotations.of_kind(LOCAL) or sch.annotations.of_kind(EXPERTS)
                     or sch.annotations.of_kind(INSTALLED))
-    chains = {spec.mesh_axis for spec in sch.annotations.of_kind(SEQ).values()}
+    chains: dict[str, list[str]] = {}
+    for r, spec in sch.annotations.of_kind(SEQ).items():
+        chains.setdefault(spec.mesh_axis, []).append(r)
     problems = []
     for path, specs in syncs.items():
         module = get_module(sch.module, path)
@@ -1750,8 +1753,10 @@ def _unsourced(sch: Schedule, partners: Mapping[str, tuple[str, ...]]) -> list[P
             elif _last_dim(src):
                 possible = own_code or _features_reach_code(sch, s, partners)
             elif isinstance(src, Shard):
-                possible = own_code or s.mesh_axis in chains or any(
-                    isinstance(o.layout, Shard) and not _last_dim(o.layout) for o in others)
+                # a chain's sequence shard lives in its members (its exit gathers it back)
+                possible = own_code or any(
+                    isinstance(o.layout, Shard) and not _last_dim(o.layout) for o in others) or any(
+                    r == path or contains(r, path) or contains(path, r) for r in chains.get(s.mesh_axis, ()))
             else:
                 continue
             if not possible:

@@ -386,14 +386,7 @@ def test_split_features_stated_where_the_flow_is_unknown_need_a_column_that_hand
     whole value made it twice as wide (a raw shape error inside the model). The columns
     here are paired with their rows by the data flow, so this rank's features live only
     between them: refused, naming the module."""
-    from transformers import BartConfig, BartForConditionalGeneration
-
-    bart = BartForConditionalGeneration(BartConfig(
-        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32))
-    attn = [f"{a}.{n}" for a in ("self_attn", "encoder_attn") for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
-    sch = _megatron("model.decoder.layers.*", (*attn, "fc1", "fc2"),
-                    ("self_attn.out_proj", "encoder_attn.out_proj", "fc2"))(schedule(bart))
+    sch = _bart_megatron()
     assert refused(sch) == []
     layer = "model.decoder.layers.0"
     for path, mode in [(f"{layer}.encoder_attn", "fwd_post"), (f"{layer}.encoder_attn_layer_norm", "fwd_pre"),
@@ -403,3 +396,35 @@ def test_split_features_stated_where_the_flow_is_unknown_need_a_column_that_hand
     self_made = sf.sync(sch, f"{layer}.encoder_attn", "fwd_post", Shard(-1), src=Partial())
     assert any(p == f"{layer}.encoder_attn" and "nothing in the schedule makes Partial()" in r
                for p, r in refused(self_made))
+
+
+def test_a_token_shard_stated_where_the_flow_is_unknown_needs_a_chain_there() -> None:
+    """With the encoder's layers in a sequence-parallel chain, a chain existed over the
+    axis, so a ``src=Shard(1)`` was trusted anywhere the flow is unknown (Bart's
+    cross-attention): the sync gathered a whole value along the sequence, twice as long.
+    A chain's shard lives in its members (its exit gathers it back): refused outside them,
+    trusted on a member."""
+    sch = _megatron("model.encoder.layers.*", (*_ATTN[:4], "fc1", "fc2"), ("self_attn.out_proj", "fc2"))(
+        _bart_megatron())
+    sch = sf.sequence_parallel(sch, ["model.encoder.layers.*"])
+    assert refused(sch) == []
+    layer = "model.decoder.layers.0"
+    for path, mode in [(f"{layer}.encoder_attn", "fwd_post"), (f"{layer}.encoder_attn.k_proj", "fwd_pre"),
+                       (f"{layer}.encoder_attn_layer_norm", "fwd_pre")]:
+        ((where, reason),) = refused(sf.sync(sch, path, mode, Replicate(), src=Shard(1)))
+        assert where == path and "nothing in the schedule makes Shard(1) there" in reason
+    assert refused(sf.sync(sch, "model.encoder.layers.0", "fwd_post", Replicate(), src=Shard(1))) == []
+
+
+_ATTN = tuple(f"{a}.{n}" for a in ("self_attn", "encoder_attn") for n in ("q_proj", "k_proj", "v_proj", "out_proj"))
+
+
+def _bart_megatron() -> sf.Schedule:
+    """A tiny Bart whose decoder layers are Megatron-sharded, cross-attention included."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    bart = BartForConditionalGeneration(BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32))
+    return _megatron("model.decoder.layers.*", (*_ATTN, "fc1", "fc2"),
+                     ("self_attn.out_proj", "encoder_attn.out_proj", "fc2"))(schedule(bart))
