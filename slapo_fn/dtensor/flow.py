@@ -90,6 +90,9 @@ class Flow:
     apart: Mapping[str, Apart] = field(default_factory=dict)  # how the parent takes each output apart
     leaves: tuple[frozenset[str], ...] = ()  # what reaches each tensor the parent returns (a ModelOutput's fields)
     hidden: Mapping[str, frozenset[str]] = field(default_factory=dict)  # what reaches each child's first argument
+    # the parameters of each child's forward that the parent hands a value (not a constant): what
+    # the child is traced with (a decoder layer's encoder states call its cross-attention)
+    given: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
     def same_input(self, a: str, b: str) -> bool:
         """Whether children ``a`` and ``b`` are called on the very same tensor (q/k/v on the
@@ -315,13 +318,15 @@ def _keywords(module: nn.Module) -> set[str]:
     return {p.name for p in params if p.kind in kinds}
 
 
-def _arguments(params: list[inspect.Parameter]) -> list[tuple[Any, ...]] | None:
+def _arguments(params: list[inspect.Parameter], given: frozenset[str] = frozenset()) -> list[tuple[Any, ...]] | None:
     """The ways to call a parent for tracing, tried in turn, each the value of its first
     four positional arguments (:data:`_TRACED_ARG` for a traced value, else the default):
-    its required arguments traced; then also one optional argument typed as tensors
-    (Hugging Face attention declares ``position_embeddings`` optional, though it unpacks
-    it), never a cache. Other optional arguments keep their defaults (a mask of ``None``:
-    what the parent computes from its children is traced, not its masking)."""
+    first, where its caller hands it values for optional ones (``given``: the encoder
+    states that make a decoder layer call its cross-attention), those traced too; then its
+    required arguments traced; then also one optional argument typed as tensors (Hugging
+    Face attention declares ``position_embeddings`` optional, though it unpacks it), never
+    a cache. Other optional arguments keep their defaults (a mask of ``None``: what the
+    parent computes from its children is traced, not its masking)."""
     required = [p for p in params if p.default is inspect.Parameter.empty]
     if len(required) > 4:
         return None
@@ -329,7 +334,10 @@ def _arguments(params: list[inspect.Parameter]) -> list[tuple[Any, ...]] | None:
                  for p in params[:4])
     if not required:
         base = (_TRACED_ARG, *base[1:]) if base else (_TRACED_ARG,)
-    out = [base]
+    handed = tuple(_TRACED_ARG if p.name in given and "mask" not in p.name else v
+                   for p, v in zip(params[:4], base, strict=False))
+    out = [handed] if handed != base else []
+    out.append(base)
     for i, p in enumerate(params[:4]):
         hint = str(p.annotation)
         if (p.default is None and "Tensor" in hint and "Cache" not in hint and "mask" not in p.name):
@@ -356,26 +364,28 @@ _PLAIN = (int, float, str, bool, type(None))
 _MISSING = object()
 
 
-def flow(parent: nn.Module) -> Flow | None:
+def flow(parent: nn.Module, given: frozenset[str] = frozenset()) -> Flow | None:
     """The data flow among ``parent``'s children, or ``None`` where fx cannot trace its
-    forward (the planner then reads module order). Traced once per module, and once for
-    modules alike in what their forward reads."""
+    forward (the planner then reads module order). ``given``: the parameters of its
+    ``forward`` its caller hands values (:attr:`Flow.given`), traced as such. Traced once
+    per module and ``given``, and once for modules alike in what their forward reads."""
     key = (
         type(parent).forward,
+        given,
         _identities(parent),
         tuple((k, v) for k, v in vars(parent).items() if isinstance(v, _PLAIN)),
     )
     known = _TRACED.get(parent)
     if known is not None and known[0] == key:
         return known[1]
-    shape = (type(parent), type(parent).forward, _children(parent))
+    shape = (type(parent), type(parent).forward, given, _children(parent))
     own = vars(parent)
     alike = [f for reads, f in _BY_SHAPE.get(shape, ())
              if all(_same(own.get(name, _MISSING), value) for name, value in reads)]
     if alike:
         found = alike[0]
     else:
-        found, read = _trace(parent)
+        found, read = _trace(parent, given)
         if len(_BY_SHAPE) > _SHAPES_MAX:
             _BY_SHAPE.clear()
         _BY_SHAPE.setdefault(shape, []).append((tuple((n, own.get(n, _MISSING)) for n in sorted(read)), found))
@@ -427,11 +437,11 @@ def _recording(parent: nn.Module, read: set[str]) -> nn.Module:
     return shell
 
 
-def _trace(parent: nn.Module) -> tuple[Flow | None, set[str]]:
+def _trace(parent: nn.Module, given: frozenset[str] = frozenset()) -> tuple[Flow | None, set[str]]:
     """The flow of ``parent`` and the names of the attributes its forward read."""
     read: set[str] = set()
     params = _positional(parent)
-    calls = _arguments(params) if params is not None and parent._modules else None
+    calls = _arguments(params, given) if params is not None and parent._modules else None
     if not calls or params is None:
         return None, read
     shell = _recording(parent, read)
@@ -452,6 +462,7 @@ def _trace(parent: nn.Module) -> tuple[Flow | None, set[str]]:
     first: dict[str, str] = {}
     hidden: dict[str, frozenset[str]] = {}
     apart: dict[str, Apart] = {}
+    handed: dict[str, frozenset[str]] = {}
     output: frozenset[str] = frozenset()
     leaves: tuple[frozenset[str], ...] = ()
     # a pointwise child called more than once (T5's one dropout after the embedding and after the
@@ -482,6 +493,7 @@ def _trace(parent: nn.Module) -> tuple[Flow | None, set[str]]:
                 hidden[name] = hidden.get(name, frozenset()) | sources.get(arg, frozenset())
             if name not in first and isinstance(arg, fx.Node):
                 first[name] = arg.name
+            handed[name] = handed.get(name, frozenset()) | _handed(parent.get_submodule(name), node)
             sources[node] = frozenset({name})
             if name not in apart and (how := _taken_apart(node)) is not None:
                 apart[name] = how
@@ -495,8 +507,15 @@ def _trace(parent: nn.Module) -> tuple[Flow | None, set[str]]:
         else:
             sources[node] = upstream
     found = Flow(MappingProxyType(feeds), output, frozenset(reads), MappingProxyType(first), MappingProxyType(apart),
-                 leaves, MappingProxyType(hidden))
+                 leaves, MappingProxyType(hidden), MappingProxyType(handed))
     return found, read
+
+
+def _handed(child: nn.Module, node: fx.Node) -> frozenset[str]:
+    """The parameters of ``child``'s forward that call ``node`` hands a traced value."""
+    params = _positional(child) or []
+    names = {params[i].name for i, a in enumerate(node.args[: len(params)]) if _nodes_in(a)}
+    return frozenset(names | {k for k, v in node.kwargs.items() if _nodes_in(v)})
 
 
 #: How many ways through a parent's branches on sizes one tracer tries.

@@ -33,8 +33,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 
 from torch import nn
@@ -139,6 +141,11 @@ def _in_features(module: nn.Module) -> int | None:
 def plan(sch: Schedule) -> Plan:
     """The boundary plan of ``sch``: per-module contracts and the boundaries with their
     collectives (what ``explain`` prints and ``build(strict=True)`` checks)."""
+    with _flows_memo():
+        return _plan(sch)
+
+
+def _plan(sch: Schedule) -> Plan:
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
     seqs: dict[str, SeqSpec] = sch.annotations.of_kind(SEQ)
     syncs: dict[str, tuple[SyncSpec, ...]] = sch.annotations.of_kind(SYNC)
@@ -418,8 +425,40 @@ def _stated_output(sch: Schedule, path: str, axis: str) -> Placement | None:
 
 
 def _flow_of(sch: Schedule, parent: str) -> Flow | None:
-    """The data flow among the children of the module at ``parent`` (cached by :func:`.flow.flow`)."""
-    return flow(get_module(sch.module, parent))
+    """The data flow among the children of the module at ``parent``, traced with the values
+    the module that calls it hands it (cached by :func:`.flow.flow`; within one
+    :func:`plan` or :func:`refusals`, looked up once per path)."""
+    memo = _FLOWS.get()
+    key = (id(sch.module), parent)
+    if memo is not None and key in memo:
+        return memo[key]
+    found = _caller(sch, parent) if parent else None
+    got = flow(get_module(sch.module, parent), found[2].given.get(found[1], frozenset()) if found else frozenset())
+    if memo is not None:
+        memo[key] = got
+    return got
+
+
+#: The flows looked up by the :func:`plan` or :func:`refusals` call under way (each path's
+#: caller is found from its ancestors' flows, so a lookup repeats theirs); ``None`` outside one.
+_FLOWS: ContextVar[dict[tuple[int, str], Flow | None] | None] = ContextVar("slapo_fn_plan_flows", default=None)
+_CALLERS: ContextVar[dict[tuple[int, str], tuple[str, str, Flow] | None] | None] = ContextVar(
+    "slapo_fn_plan_callers", default=None)
+
+
+@contextlib.contextmanager
+def _flows_memo() -> Iterator[None]:
+    """Memoise :func:`_flow_of` and :func:`_caller` for the call under way (the schedule
+    is not changed during it)."""
+    if _FLOWS.get() is not None:
+        yield
+        return
+    flows, callers = _FLOWS.set({}), _CALLERS.set({})
+    try:
+        yield
+    finally:
+        _FLOWS.reset(flows)
+        _CALLERS.reset(callers)
 
 
 def _caller(sch: Schedule, path: str) -> tuple[str, str, Flow] | None:
@@ -430,6 +469,17 @@ def _caller(sch: Schedule, path: str) -> tuple[str, str, Flow] | None:
     ``self.model.decoder``, not ``self.model``). ``None`` where no traced ancestor calls it."""
     if not path:
         return None
+    memo = _CALLERS.get()
+    key = (id(sch.module), path)
+    if memo is not None and key in memo:
+        return memo[key]
+    found = _find_caller(sch, path)
+    if memo is not None:
+        memo[key] = found
+    return found
+
+
+def _find_caller(sch: Schedule, path: str) -> tuple[str, str, Flow] | None:
     parts = split(path)
     for depth in range(len(parts) - 1, -1, -1):
         here, name = join(*parts[:depth]), join(*parts[depth:])
@@ -1377,7 +1427,7 @@ def _functional_reads(sch: Schedule, p: Plan) -> list[Problem]:
     problems = []
     for parent in sorted({_parent(q) for q in planned if q}):
         pm = get_module(sch.module, parent)
-        fl = flow(pm)
+        fl = _flow_of(sch, parent)
         reads = set(fl.reads) if fl is not None else set()
         if isinstance(pm, nn.MultiheadAttention):
             reads.add("out_proj")  # F.multi_head_attention_forward(..., self.out_proj.weight, ...)
@@ -2029,6 +2079,11 @@ def _contradicted_sources(sch: Schedule, partners: Mapping[str, tuple[str, ...]]
 def refusals(sch: Schedule, p: Plan) -> list[Problem]:
     """Every layout of ``sch`` the build would get silently wrong or fail on inside model
     code, as problems naming the module and the fix (``build`` raises them at once)."""
+    with _flows_memo():
+        return _refusals(sch, p)
+
+
+def _refusals(sch: Schedule, p: Plan) -> list[Problem]:
     return (_half_sharded_ties(sch) + _unsharded_twins(sch, p) + _stray_token_shards(sch)
             + _ungathered_chain_members(sch) + _chain_gaps(sch) + _packed_outputs_read_whole(sch, p)
             + _chains_inside_pairs(sch, p) + _attention_on_sequence_shards(sch) + _lone_columns_in_chains(sch, p)

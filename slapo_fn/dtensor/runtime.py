@@ -88,7 +88,7 @@ class _Runtime:
         used |= {q.mesh_axis for q in sch.annotations.of_kind(LOCAL).values()}
         self.param_dims = tuple(d for d in self.dims if d in used) or self.dims
         self.param_mesh = self.mesh if self.param_dims == self.dims else self.mesh[self.param_dims]
-        self.entries: list[tuple[torch.Tensor, str, int | None, torch.Tensor]] | None = None
+        self.entries: list[tuple[torch.Tensor, tuple[str, int | None, str], torch.Tensor]] | None = None
         # the other tensor arguments of parents that gathered their first one (see _gathering)
         self.sides: list[torch.Tensor] = []
 
@@ -126,21 +126,23 @@ class _Runtime:
 
         return run
 
-    def enter(self, x: torch.Tensor, name: str, seq: int | None) -> torch.Tensor:
-        """Enter the TP region once per input tensor within a pass: siblings handed the same
-        tensor share one entry, so autograd sums their input gradients before a single
-        collective. Tensors are matched by identity or as whole aliases of one base (module
-        backward hooks hand each module its own alias), never by storage address, so
-        ``torch.func`` transforms and ``torch.compile`` see plain code; every rank runs the
-        same module code, so every rank hits or misses alike. Anything else enters again:
-        one more collective, the same numbers."""
+    def enter(self, x: torch.Tensor, name: str, seq: int | None, parent: str) -> torch.Tensor:
+        """Enter the TP region once per input tensor within a pass: siblings (children of
+        ``parent``) handed the same tensor share one entry, so autograd sums their input
+        gradients before a single collective. Tensors are matched by identity or as whole
+        aliases of one base (module backward hooks hand each module its own alias), never
+        by storage address, so ``torch.func`` transforms and ``torch.compile`` see plain
+        code; every rank runs the same module code, so every rank hits or misses alike.
+        Anything else enters again: one more collective, the same numbers. Columns of
+        different parents enter apart even on one tensor (T5's cross-attention k/v of every
+        decoder block read the encoder's output), as the plan counts them."""
         if self.entries is not None:
-            for prev, prev_name, prev_seq, entered in self.entries:
-                if prev_name == name and prev_seq == seq and _same_tensor(prev, x):
+            for prev, prev_key, entered in self.entries:
+                if prev_key == (name, seq, parent) and _same_tensor(prev, x):
                     return entered
         entered = C.enter(x, self.axis(name)) if seq is None else C.gather_rs(x, seq, self.axis(name))
         if self.entries is not None:
-            self.entries.append((x, name, seq, entered))
+            self.entries.append((x, (name, seq, parent), entered))
             del self.entries[:-_RECENT]
         return entered
 
@@ -236,6 +238,7 @@ def _column(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> Callabl
     full_in = _in_features(m)
     out_sync = next((s for s in mp.syncs if s.mode == "fwd_post"), None)
     packed = role.packed
+    parent = _parent(mp.path)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if emb:
@@ -244,11 +247,11 @@ def _column(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> Callabl
             if full_in is not None and x.shape[-1] != full_in:  # arrived sharded (a column chain)
                 x = C.gather(x, -1, rt.axis(ax))
             if seq is None:  # with sequence parallelism the parent gathered the input (its own shape then fits)
-                x = rt.enter(x, ax, None)
+                x = rt.enter(x, ax, None, parent)
             elif member:
-                x = rt.enter(x, ax, seq)
+                x = rt.enter(x, ax, seq, parent)
             elif any(_same_tensor(x, side) for side in rt.sides):  # the parent's other input: not gathered
-                x = rt.enter(x, ax, None)
+                x = rt.enter(x, ax, None, parent)
             w, b = _local(m.weight), _local(m.bias)  # type: ignore[arg-type]
             if conv:
                 assert w is not None
@@ -474,7 +477,7 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
     # sequence, so that model code reading the input's shape (HF attention's view) sees the full length
     for parent, (ax, seq_axis) in _sp_parents(p, gathers_own).items():
         pm = get_module(model, parent)
-        pm.forward = _gathering(rt, pm.forward, ax, seq_axis)  # type: ignore[method-assign]
+        pm.forward = _gathering(rt, pm.forward, ax, seq_axis, parent)  # type: ignore[method-assign]
     # a parent that runs on this rank's heads and fails on their shapes (a head count it takes
     # from its config, a fused projection it splits by full sizes) says so as a LayoutError
     for parent in sorted({_parent(mp.path) for mp in p.modules.values()
@@ -621,7 +624,7 @@ def _sp_parents(p: Plan, members: set[str]) -> dict[str, tuple[str, int]]:
     return out
 
 
-def _gathering(rt: _Runtime, forward: Callable[..., Any], ax: str, seq_axis: int) -> Callable[..., Any]:
+def _gathering(rt: _Runtime, forward: Callable[..., Any], ax: str, seq_axis: int, parent: str) -> Callable[..., Any]:
     """The parent of columns inside a chain member gathers its first tensor input (the
     hidden states) along the sequence. Its other tensor inputs (a cross-attention's encoder
     states) are noted: a column called on one of them enters the region itself (see
@@ -631,7 +634,7 @@ def _gathering(rt: _Runtime, forward: Callable[..., Any], ax: str, seq_axis: int
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         rt.sides += [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a is not first]
         del rt.sides[:-_RECENT]
-        args, kwargs = _map_input(args, kwargs, functools.partial(rt.enter, name=ax, seq=seq_axis))
+        args, kwargs = _map_input(args, kwargs, functools.partial(rt.enter, name=ax, seq=seq_axis, parent=parent))
         return forward(*args, **kwargs)
 
     return run

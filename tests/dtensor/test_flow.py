@@ -150,6 +150,30 @@ def test_factories_on_traced_sizes_and_dtypes_trace() -> None:
     assert torch.ones is ones and torch.ones(2).sum() == 2
 
 
+def test_a_module_is_traced_with_the_values_its_caller_hands_it() -> None:
+    """A decoder block calls its cross-attention only when handed encoder states, which a
+    block traced alone is not: the values a parent hands a child (``Flow.given``) trace it.
+    T5's cross-attention then reads k/v from its ``key_value_states`` and q from its hidden
+    states, where traced alone all three read the hidden states; the plan's flows follow
+    the calls down from the model, and predict the entries the run makes."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from slapo_fn.dtensor.plan import _flow_of
+
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4))
+    block, cross = t5.decoder.block[0], t5.decoder.block[0].layer[1]
+    alone = flow(block)
+    assert alone is not None and not alone.called("layer.1") and flow(cross.EncDecAttention) is not None
+    handed = flow(block, frozenset({"encoder_hidden_states"}))
+    assert handed is not None and handed.called("layer.1") and "key_value_states" in handed.given["layer.1"]
+    attn = flow(cross.EncDecAttention, frozenset({"key_value_states"}))
+    assert attn is not None and attn.feeders("q") == {INPUT} and attn.feeders("k") == attn.feeders("v") == {SIDE}
+    assert not attn.same_input("q", "k") and attn.same_input("k", "v")
+    sch = sf.create_schedule(t5, mesh=fake_mesh(2))
+    assert _flow_of(sch, "decoder.block.1.layer.1.EncDecAttention") == attn
+    assert _flow_of(sch, "encoder.block.0.layer.0.SelfAttention").feeders("k") == {INPUT}
+
+
 def test_models_alike_but_for_their_number_of_layers_have_their_own_flows() -> None:
     """The flow of a model names each layer its loop calls: one traced for two layers is no
     flow of four (the cache of flows by shape sees the items of the list)."""
@@ -250,9 +274,9 @@ def test_modules_alike_in_what_their_forward_reads_trace_once(monkeypatch: pytes
     traced: list[str] = []
     real = flow_module._trace
 
-    def counting(parent: nn.Module) -> Any:
+    def counting(parent: nn.Module, given: frozenset[str] = frozenset()) -> Any:
         traced.append(type(parent).__name__)
-        return real(parent)
+        return real(parent, given)
 
     monkeypatch.setattr(flow_module, "_trace", counting)
     monkeypatch.setattr(flow_module, "_BY_SHAPE", {})

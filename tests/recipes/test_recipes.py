@@ -103,16 +103,13 @@ def test_recipe_tp2_matches_the_unsharded_model(dist2: Any, name: str) -> None:
         # Megatron's optimum: one all-reduce per attention block and per MLP block, each way
         blocks = 10 if name == "t5" else 4  # T5: 2 encoder blocks x 2 + 2 decoder blocks x 3 (cross-attention)
         assert r["fwd"] == {"all_reduce": blocks}, r["fwd"]
-        # T5's cross-attention k/v of both decoder blocks read the encoder output: it enters the
-        # tensor-parallel region once, so their input gradients share one more all-reduce
+        # T5's cross-attention q reads the decoder's states, k/v the encoder's output: each block's
+        # cross-attention enters the tensor-parallel region twice (one more all-reduce backward)
         # Qwen3's per-head q/k norms (tp_local) see this rank's heads: their weight gradients are
         # all-reduced (2 per layer), so that every gradient is Replicate like its parameter
         norms = 4 if name == "qwen3" else 0
-        assert r["bwd"] == {"all_reduce": blocks + (1 if name == "t5" else 0) + norms}, r["bwd"]
-        if name == "t5":  # the static plan assumes sibling columns read one input: q does not, in cross-attention
-            assert r["predicted"] == {"forward": r["fwd"], "backward": {"all_reduce": blocks}}
-        else:
-            assert r["predicted"] == {"forward": r["fwd"], "backward": r["bwd"]}
+        assert r["bwd"] == {"all_reduce": blocks + (2 if name == "t5" else 0) + norms}, r["bwd"]
+        assert r["predicted"] == {"forward": r["fwd"], "backward": r["bwd"]}
 
 
 @pytest.mark.dist
