@@ -824,6 +824,13 @@ def _token_consumer(
                 return q, "its parameters' gradients would be partial sums taken for whole ones"
             if not pointwise(get_module(sch.module, q)):
                 return q, "slapo_fn cannot tell that it works token by token"
+            # a pointwise module with a sync of its own (not looked through) hands the shard on,
+            # unless its fwd_post sync gathers it back
+            gathered = any(o.mode == "fwd_post" and o.mesh_axis == axis and isinstance(o.layout, Replicate)
+                           and o.src is not None and o.src != o.layout
+                           for o in sch.annotations.of_kind(SYNC).get(q, ()))
+            if not gathered and (deeper := _token_consumer(sch, q, axis, in_chain, gathers_back)) is not None:
+                return deeper
         if OUTPUT in lv.users and lv.flow.reaching_output(lv.through) - {lv.name}:
             return lv.parent, "its forward combines the shard with whole-sequence values"
     if start is None:

@@ -465,8 +465,9 @@ def stated_output(case: Case, model: nn.Module) -> str | None:
     layout = "R"
     for path in reversed(output_paths(model)):
         posts = [op for op in case.plan if op[0] == "sync" and op[1] == path and op[2] == "fwd_post"]
-        if posts and chain and path == chain[-1]:
-            layout = "S(1)"  # a sync on a chain's last member takes the place of its exit's gather
+        if chain and path == chain[-1]:
+            # the chain's exit gathers the last member's output, unless a sync on it takes its place
+            layout = "S(1)" if posts else "R"
         for op in posts[:1] if path in roles else posts:
             if path in roles or op[4] != op[3]:
                 layout = op[3]
@@ -1059,6 +1060,16 @@ CLOSED: dict[str, Case] = {
     "partial-src-inside-a-chain": _c([Block("mlp", hidden=8, act="relu", bias=False)], ("shard", "0.fc1", 0, 1),
                                      ("shard", "0.fc2", 1, 1), ("sync", "0.fc1", "fwd_pre", "S(-1)", "P"),
                                      ("sp", ("0",), None), dim=16),
+    # a token split handed on by a pointwise module with a (backward) sync of its own reached a lone
+    # column and the model's result unrefused: half the sequence
+    "token-split-through-a-synced-activation": _c(
+        [Block("chain", bias=False, widths=(16, 8), flat=True)], ("shard", "2", 0, 1), ("shard", "4", 0, 1),
+        ("sync", "3", "bwd_post", "R", "R"), ("sync", "2", "fwd_post", "S(1)", None)),
+    # the chain's exit gathers the last member's output where a row inside it states Shard(1): the test
+    # took the model's result as split
+    "row-in-the-last-member-states-a-token-shard": _c(
+        [Block("mlp", hidden=16)], ("shard", "0.fc1", 0, 1), ("shard", "0.fc2", 1, 1),
+        ("sync", "0.fc2", "fwd_post", "S(1)", None), ("sp", ("0",), None), dim=16),
 }
 
 
