@@ -372,13 +372,13 @@ def flow(parent: nn.Module, given: frozenset[str] = frozenset()) -> Flow | None:
     key = (
         type(parent).forward,
         given,
-        _identities(parent),
+        _children(parent, id),
         tuple((k, v) for k, v in vars(parent).items() if isinstance(v, _PLAIN)),
     )
     known = _TRACED.get(parent)
     if known is not None and known[0] == key:
         return known[1]
-    shape = (type(parent), type(parent).forward, given, _children(parent))
+    shape = (type(parent), type(parent).forward, given, _children(parent, type))
     own = vars(parent)
     alike = [f for reads, f in _BY_SHAPE.get(shape, ())
              if all(_same(own.get(name, _MISSING), value) for name, value in reads)]
@@ -393,17 +393,12 @@ def flow(parent: nn.Module, given: frozenset[str] = frozenset()) -> Flow | None:
     return found
 
 
-def _identities(parent: nn.Module) -> tuple[tuple[str, int, Any], ...]:
-    """The names and identities of ``parent``'s children, and of the items of its containers."""
-    return tuple((k, id(m), _identities(m) if m is not None and uncalled(m) else None)
-                 for k, m in parent._modules.items())
-
-
-def _children(parent: nn.Module) -> tuple[tuple[str, type, Any], ...]:
-    """The names and classes of ``parent``'s children, and inside a container it calls the
-    items of (an ``nn.ModuleList`` of layers) theirs: the flow names each item it calls, so
-    two models alike but for their number of layers have different flows."""
-    return tuple((k, type(m), _children(m) if m is not None and uncalled(m) else None)
+def _children(parent: nn.Module, key: Callable[[nn.Module | None], Any]) -> tuple[tuple[str, Any, Any], ...]:
+    """The names of ``parent``'s children with ``key`` of each (its identity for a module's
+    own flow, its class for modules alike), and inside a container it calls the items of
+    (an ``nn.ModuleList`` of layers) theirs: the flow names each item it calls, so two
+    models alike but for their number of layers, or a list appended to, have different flows."""
+    return tuple((k, key(m), _children(m, key) if m is not None and uncalled(m) else None)
                  for k, m in parent._modules.items())
 
 

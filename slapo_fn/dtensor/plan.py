@@ -1472,7 +1472,7 @@ def _feature_syncs(sch: Schedule, p: Plan) -> list[Problem]:
         if mixed:
             where = found[0] if (found := _caller(sch, here)) is not None else _parent(here)
             problems.append(Problem(
-                path, f"{what} {verb} its output split by features, but in {where or '<root>'!r}'s forward "
+                path, f"{what} {verb} by features, but in {where or '<root>'!r}'s forward "
                       f"it meets the whole output of {', '.join(repr(q) for q in mixed)}",
                 "shard those as columns (axis=0) too, or state Replicate() instead",
             ))
@@ -1502,7 +1502,7 @@ def _feature_syncs(sch: Schedule, p: Plan) -> list[Problem]:
                 if states_output:
                     continue  # a hand-written module on this rank's features, whose output the user states
             elif role is not None and role.kind == "column":
-                if meets_whole(path, what, None, s.mesh_axis, "keeps"):
+                if meets_whole(path, what, None, s.mesh_axis, "keeps its output split"):
                     continue
                 # kept split for rows: its own, or ones inside the modules it reaches (BERT's attention
                 # output); where the flow is unknown or it is the result (vocab-parallel logits), trusted
@@ -1538,7 +1538,8 @@ def _feature_syncs(sch: Schedule, p: Plan) -> list[Problem]:
             else:
                 bad = [q for q in users if (r := roles.get(q)) is None or r.kind != "row" or r.mesh_axis != s.mesh_axis]
                 named = ", ".join(repr(q) for q in bad)
-                if not named and meets_whole(path, what, users, s.mesh_axis, "splits"):
+                # every consumer in its parent, the parent's result included (a(x) + b(x) with b whole)
+                if not named and meets_whole(path, what, None, s.mesh_axis, "splits its output"):
                     continue
             if named:
                 problems.append(Problem(

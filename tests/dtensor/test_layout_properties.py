@@ -1070,6 +1070,12 @@ CLOSED: dict[str, Case] = {
     "row-in-the-last-member-states-a-token-shard": _c(
         [Block("mlp", hidden=16)], ("shard", "0.fc1", 0, 1), ("shard", "0.fc2", 1, 1),
         ("sync", "0.fc2", "fwd_post", "S(1)", None), ("sp", ("0",), None), dim=16),
+    # a row's output reduce-scattered over the features, added to its whole sibling in the parent's code
+    # (a raw shape error): the check looked only at the rows beyond the parent
+    "row-split-by-features-beside-a-whole-branch": _c(
+        [Block("branches", style="add", bias=False), Block("chain", widths=(16,), flat=True)],
+        ("shard", "0.a", 1, 1), ("shard", "0.b", 1, 1), ("sync", "0.a", "fwd_post", "S(-1)", "P"),
+        ("shard", "1", 1, 1)),
 }
 
 
