@@ -1806,10 +1806,10 @@ def _unsourced(sch: Schedule, partners: Mapping[str, tuple[str, ...]]) -> list[P
                         and type(module).__module__.startswith("torch.nn.modules")):
                     continue  # _partial_sources
                 # a module handed this rank's features may sum them (a partial sum)
-                possible = (own_code or _features_reach_code(sch, s, partners)
+                possible = (own_code or _features_reach_code(sch, path, s, partners)
                             or any(isinstance(o.layout, Partial) for o in others))
             elif _last_dim(src):
-                possible = own_code or _features_reach_code(sch, s, partners)
+                possible = own_code or _features_reach_code(sch, path, s, partners)
             elif isinstance(src, Shard):
                 # a chain's sequence shard lives in its members (its exit gathers it back)
                 possible = own_code or any(
@@ -2109,14 +2109,17 @@ def _sources(sch: Schedule) -> list[Problem]:
     return contradicted + [p for p in _unsourced(sch, partners) if p.path not in named]
 
 
-def _features_reach_code(sch: Schedule, besides: SyncSpec, partners: Mapping[str, tuple[str, ...]]) -> bool:
+def _features_reach_code(sch: Schedule, besides_path: str, besides: SyncSpec,
+                         partners: Mapping[str, tuple[str, ...]]) -> bool:
     """Whether this rank's features (``Shard(-1)``) over the mesh axis of sync ``besides``
-    may reach a module's own code by anything but ``besides`` itself, which could sum
+    (on ``besides_path``) may reach a module's own code by anything but ``besides``
+    itself, which could sum
     them into a partial value or hand them on: a sync splitting them for a module
     without a role (Slapo's ``fwd_pre`` ``Shard(-1)`` in front of a hand-written sum), a
-    sharded module whose ``fwd_post`` sync keeps its output split, or a column kept
-    for rows by module order alone (fx cannot trace its parent, whose code between them
-    is then unknown). A column paired by the data flow hands its split to its rows
+    sharded module whose ``fwd_post`` sync keeps its output split, or, for a sync at or
+    inside the untraced module around them, a column kept for rows by module order alone
+    (fx cannot trace that module, whose code between them is then unknown; GPT-Neo's
+    attention). A column paired by the data flow hands its split to its rows
     alone, a lone one or a feature-split embedding gathers its output, and a row or
     vocabulary embedding reduces its own: no partial value leaves them (OPT's decoder,
     which fx cannot trace, holds only such layers)."""
@@ -2130,6 +2133,14 @@ def _features_reach_code(sch: Schedule, besides: SyncSpec, partners: Mapping[str
                 continue
             if not own or o.mode == "fwd_post":  # a role's output kept split leaves it
                 return True
-    return any(role.kind == "column" and role.mesh_axis == axis and partners.get(q)
-               and not _partner_gathered(sch, (q,), axis) and _caller(sch, q) is None
-               for q, role in roles.items())
+    for q, role in roles.items():
+        if (role.kind == "column" and role.mesh_axis == axis and partners.get(q)
+                and not _partner_gathered(sch, (q,), axis) and _caller(sch, q) is None):
+            # paired by module order: the untraced module around the pair may make a partial sum
+            # of what passes between them, and the sync that reduces it is on that module or inside
+            unknown = _parent(q)
+            while unknown and _flow_of(sch, unknown) is not None:
+                unknown = _parent(unknown)
+            if besides_path == unknown or contains(unknown, besides_path):
+                return True
+    return False

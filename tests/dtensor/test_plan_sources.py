@@ -428,3 +428,23 @@ def _bart_megatron() -> sf.Schedule:
         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32))
     return _megatron("model.decoder.layers.*", (*_ATTN, "fc1", "fc2"),
                      ("self_attn.out_proj", "encoder_attn.out_proj", "fc2"))(schedule(bart))
+
+
+def test_a_pair_matched_by_module_order_vouches_for_a_partial_sum_only_around_it() -> None:
+    """GPT-Neo's attention does not trace (it slices a buffer by traced sizes), so its
+    q/k/v and out_proj pair by module order and the code between them is unknown: it
+    might make a partial sum, stated by a sync on the attention. It made
+    ``src=Partial()`` plausible anywhere, and a sync on a whole decoder layer summed the
+    ranks' copies. Now trusted only at or inside the untraced attention."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    neo = GPTNeoForCausalLM(GPTNeoConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
+                                         attention_types=[[["global", "local"], 1]], max_position_embeddings=32))
+    sch = _megatron("transformer.h.*", ("attn.attention.q_proj", "attn.attention.k_proj", "attn.attention.v_proj",
+                                        "attn.attention.out_proj", "mlp.c_fc", "mlp.c_proj"),
+                    ("attn.attention.out_proj", "mlp.c_proj"))(schedule(neo))
+    assert refused(sch) == []
+    for layer in ("transformer.h.1", "transformer.h.1.attn"):
+        ((path, reason),) = refused(sf.sync(sch, layer, "fwd_post", Replicate(), src=Partial()))
+        assert path == layer and "nothing in the schedule makes Partial() there" in reason
+    assert refused(sf.sync(sch, "transformer.h.1.attn.attention", "fwd_post", Replicate(), src=Partial())) == []
