@@ -956,13 +956,17 @@ def _gathers_inside_chains(sch: Schedule, p: Plan) -> list[Problem]:
     for path, mp in p.modules.items():
         for s in mp.syncs:
             role = roles.get(path)
+            member = (spec := seqs.get(path)) is not None and spec.mesh_axis == s.mesh_axis
             if (s.mode == "fwd_pre" and s.src != s.layout and role is not None and role.kind == "column"
-                    and (spec := seqs.get(path)) is not None and spec.mesh_axis == s.mesh_axis
-                    and role.mesh_axis == s.mesh_axis):
+                    and role.mesh_axis == s.mesh_axis and (member or (
+                        _last_dim(s.layout) and _in_chain(sch, path, s.mesh_axis)))):
+                # a column inside a member (a gated MLP's up) reads what its parent gathered and entered
+                # for all its columns: a split and gather of its own left it out of that entry (wrong numbers)
+                where = "a member of" if member else "inside"
                 problems.append(Problem(
                     path,
-                    f"is a column and a member of the sequence_parallel chain over {s.mesh_axis!r}: it gathers the "
-                    f"chain's sequence shard itself, but its fwd_pre sync moves its input to {_code(s.layout)} first",
+                    f"is a column {where} the sequence_parallel chain over {s.mesh_axis!r}: the chain's sequence "
+                    f"shard is gathered for it, but its fwd_pre sync moves its input to {_code(s.layout)} first",
                     f"drop the fwd_pre sync on {path!r} (or put the block that holds it in the chain instead)",
                 ))
                 break

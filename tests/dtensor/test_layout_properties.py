@@ -1076,6 +1076,11 @@ CLOSED: dict[str, Case] = {
         [Block("branches", style="add", bias=False), Block("chain", widths=(16,), flat=True)],
         ("shard", "0.a", 1, 1), ("shard", "0.b", 1, 1), ("sync", "0.a", "fwd_post", "S(-1)", "P"),
         ("shard", "1", 1, 1)),
+    # a fwd_pre sync on a column inside a chain member: it split and gathered its input apart from the
+    # entry its parent made for its columns (wrong numbers)
+    "column-sync-inside-a-chain-member": _c(
+        [Block("gated", hidden=8, bias=False, residual=True)], ("shard", "0.gate", 0, 1), ("shard", "0.up", 0, 1),
+        ("shard", "0.down", 1, 1), ("sync", "0.up", "fwd_pre", "S(-1)", "R"), ("sp", ("0",), None), dim=16),
 }
 
 
