@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 
@@ -365,6 +365,15 @@ def _partner_gathered(sch: Schedule, columns: tuple[str, ...], axis: str) -> boo
     )
 
 
+def _kept_columns(sch: Schedule, paired: Iterable[str]) -> frozenset[str]:
+    """The columns among ``paired`` (those with rows to hand their output to) whose output
+    stays this rank's features (``Shard(-1)``) for those rows: no ``fwd_post`` sync of
+    theirs moves it off the split over the column's mesh axis."""
+    roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
+    return frozenset(q for q in paired if (r := roles.get(q)) is not None and r.kind == "column"
+                     and not _partner_gathered(sch, (q,), r.mesh_axis))
+
+
 def _resolved_syncs(path: str, specs: tuple[SyncSpec, ...], role: Role | None, seqs: Mapping[str, SeqSpec],
                     chain_order: list[str], inner: Callable[[str], Placement | None],
                     partnered: bool = False,
@@ -428,37 +437,43 @@ def _flow_of(sch: Schedule, parent: str) -> Flow | None:
     """The data flow among the children of the module at ``parent``, traced with the values
     the module that calls it hands it (cached by :func:`.flow.flow`; within one
     :func:`plan` or :func:`refusals`, looked up once per path)."""
-    memo = _FLOWS.get()
+    memo = _LOOKUPS.get()
     key = (id(sch.module), parent)
-    if memo is not None and key in memo:
-        return memo[key]
+    if memo is not None and key in memo.flows:
+        return memo.flows[key]
     found = _caller(sch, parent) if parent else None
     got = flow(get_module(sch.module, parent), found[2].given.get(found[1], frozenset()) if found else frozenset())
     if memo is not None:
-        memo[key] = got
+        memo.flows[key] = got
     return got
 
 
-#: The flows looked up by the :func:`plan` or :func:`refusals` call under way (each path's
-#: caller is found from its ancestors' flows, so a lookup repeats theirs); ``None`` outside one.
-_FLOWS: ContextVar[dict[tuple[int, str], Flow | None] | None] = ContextVar("slapo_fn_plan_flows", default=None)
-_CALLERS: ContextVar[dict[tuple[int, str], tuple[str, str, Flow] | None] | None] = ContextVar(
-    "slapo_fn_plan_callers", default=None)
+@dataclass
+class _Lookups:
+    """The flows (:func:`_flow_of`) and callers (:func:`_caller`) found by the :func:`plan`
+    or :func:`refusals` call under way, keyed by the model's id and a path: each path's
+    caller is found from its ancestors' flows, so a lookup repeats theirs."""
+
+    flows: dict[tuple[int, str], Flow | None] = field(default_factory=dict)
+    callers: dict[tuple[int, str], tuple[str, str, Flow] | None] = field(default_factory=dict)
+
+
+#: The lookups of the call under way; ``None`` outside one.
+_LOOKUPS: ContextVar[_Lookups | None] = ContextVar("slapo_fn_plan_lookups", default=None)
 
 
 @contextlib.contextmanager
 def _flows_memo() -> Iterator[None]:
     """Memoise :func:`_flow_of` and :func:`_caller` for the call under way (the schedule
     is not changed during it)."""
-    if _FLOWS.get() is not None:
+    if _LOOKUPS.get() is not None:
         yield
         return
-    flows, callers = _FLOWS.set({}), _CALLERS.set({})
+    token = _LOOKUPS.set(_Lookups())
     try:
         yield
     finally:
-        _FLOWS.reset(flows)
-        _CALLERS.reset(callers)
+        _LOOKUPS.reset(token)
 
 
 def _caller(sch: Schedule, path: str) -> tuple[str, str, Flow] | None:
@@ -469,13 +484,13 @@ def _caller(sch: Schedule, path: str) -> tuple[str, str, Flow] | None:
     ``self.model.decoder``, not ``self.model``). ``None`` where no traced ancestor calls it."""
     if not path:
         return None
-    memo = _CALLERS.get()
+    memo = _LOOKUPS.get()
     key = (id(sch.module), path)
-    if memo is not None and key in memo:
-        return memo[key]
+    if memo is not None and key in memo.callers:
+        return memo.callers[key]
     found = _find_caller(sch, path)
     if memo is not None:
-        memo[key] = found
+        memo.callers[key] = found
     return found
 
 
@@ -748,9 +763,9 @@ def _stray_token_shards(sch: Schedule) -> list[Problem]:
 
     in_chain = functools.partial(_in_chain, sch)
 
-    def gathers_back(path: str, axis: str) -> bool:
-        # from a stated layout: without src= the plan takes the input as Replicate(), which moves nothing
-        return any(s.mode == "fwd_pre" and s.mesh_axis == axis and isinstance(s.layout, Replicate)
+    def gathers_back(path: str, axis: str, mode: str = "fwd_pre") -> bool:
+        # from a stated layout: without src= the plan takes the value as Replicate(), which moves nothing
+        return any(s.mode == mode and s.mesh_axis == axis and isinstance(s.layout, Replicate)
                    and s.src is not None and s.src != s.layout for s in syncs.get(path, ()))
 
     def last_member(path: str, axis: str) -> bool:  # a chain's last member: the stream leaves the chain
@@ -801,17 +816,18 @@ def _token_consumer(
     path: str,
     axis: str,
     in_chain: Callable[[str, str], bool],
-    gathers_back: Callable[[str, str], bool],
+    gathers_back: Callable[[str, str, str], bool],
 ) -> tuple[str, str] | None:
     """The first module that would take ``path``'s token-sharded output wrongly, with why,
     or ``None`` (a ``fwd_pre`` sync gathers it back first, or nothing that could take it
     follows): by the data flow of its parent (and of theirs, as long as it is known), then
-    by module order — the later siblings, then the ancestors'."""
+    by module order — the later siblings, then the ancestors'. ``gathers_back(q, axis,
+    mode)`` tells whether a sync of ``q`` in ``mode`` gathers the shard back."""
     levels, start = _downstream(sch, path)
     for lv in levels:
         for user in sorted(lv.users - {OUTPUT}):
             q = join(lv.parent, user)
-            if gathers_back(q, axis):
+            if gathers_back(q, axis, "fwd_pre"):
                 continue
             if in_chain(q, axis):
                 if _told_split(sch, q):
@@ -826,17 +842,16 @@ def _token_consumer(
                 return q, "slapo_fn cannot tell that it works token by token"
             # a pointwise module with a sync of its own (not looked through) hands the shard on,
             # unless its fwd_post sync gathers it back
-            gathered = any(o.mode == "fwd_post" and o.mesh_axis == axis and isinstance(o.layout, Replicate)
-                           and o.src is not None and o.src != o.layout
-                           for o in sch.annotations.of_kind(SYNC).get(q, ()))
-            if not gathered and (deeper := _token_consumer(sch, q, axis, in_chain, gathers_back)) is not None:
+            if gathers_back(q, axis, "fwd_post"):
+                continue
+            if (deeper := _token_consumer(sch, q, axis, in_chain, gathers_back)) is not None:
                 return deeper
         if OUTPUT in lv.users and lv.flow.reaching_output(lv.through) - {lv.name}:
             return lv.parent, "its forward combines the shard with whole-sequence values"
     if start is None:
         return None
     for q in _later_modules(sch.module, start):
-        if gathers_back(q, axis):
+        if gathers_back(q, axis, "fwd_pre"):
             return None
         if in_chain(q, axis):
             return None if _told_split(sch, q) else (q, _SPLIT_TWICE)
@@ -1464,8 +1479,7 @@ def _feature_syncs(sch: Schedule, p: Plan) -> list[Problem]:
     for a ``fwd_post`` sync (or a pointwise module handed split features) whose output
     reaches anything but rows, unless it is the model's output."""
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
-    kept = {q for q, mp in p.modules.items() if mp.role is not None and mp.role.kind == "column" and mp.partnered
-            and not _partner_gathered(sch, (q,), mp.role.mesh_axis)}
+    kept = _kept_columns(sch, (q for q, mp in p.modules.items() if mp.partnered))
     problems = []
 
     def meets_whole(path: str, what: str, rows: list[str] | None, axis: str, verb: str) -> bool:
@@ -1575,7 +1589,7 @@ def _half_gathered_pairs(sch: Schedule, p: Plan) -> list[Problem]:
     return problems
 
 
-def _whole_beside_split(sch: Schedule, path: str, rows: list[str] | None, axis: str, kept: set[str],
+def _whole_beside_split(sch: Schedule, path: str, rows: list[str] | None, axis: str, kept: frozenset[str],
                         hidden_only: bool = False) -> list[str]:
     """The siblings whose whole (unsplit) output reaches one of ``rows`` (``None``: any of
     ``path``'s consumers in its parent, the parent's result included) together with
@@ -1781,6 +1795,7 @@ def _unsourced(sch: Schedule, partners: Mapping[str, tuple[str, ...]]) -> list[P
     chains: dict[str, list[str]] = {}
     for r, spec in sch.annotations.of_kind(SEQ).items():
         chains.setdefault(spec.mesh_axis, []).append(r)
+    reach = _features_reach_code(sch, partners)
     problems = []
     for path, specs in syncs.items():
         module = get_module(sch.module, path)
@@ -1810,10 +1825,10 @@ def _unsourced(sch: Schedule, partners: Mapping[str, tuple[str, ...]]) -> list[P
                         and type(module).__module__.startswith("torch.nn.modules")):
                     continue  # _partial_sources
                 # a module handed this rank's features may sum them (a partial sum)
-                possible = (own_code or _features_reach_code(sch, path, s, partners)
+                possible = (own_code or reach(path, s)
                             or any(isinstance(o.layout, Partial) for o in others))
             elif _last_dim(src):
-                possible = own_code or _features_reach_code(sch, path, s, partners)
+                possible = own_code or reach(path, s)
             elif isinstance(src, Shard):
                 # a chain's sequence shard lives in its members (its exit gathers it back)
                 possible = own_code or any(
@@ -1883,8 +1898,7 @@ class _Features:
         self.syncs: dict[str, tuple[SyncSpec, ...]] = sch.annotations.of_kind(SYNC)
         self.own = set(sch.annotations.of_kind(LOCAL)) | set(sch.annotations.of_kind(INSTALLED)) | set(
             sch.annotations.of_kind(EXPERTS))
-        self.kept = {q for q, ps in partners.items() if (r := self.roles.get(q)) is not None
-                     and r.kind == "column" and ps and not _partner_gathered(sch, (q,), axis)}
+        self.kept = _kept_columns(sch, (q for q, ps in partners.items() if ps))
         order = {q: i for i, q in enumerate(sch.paths())}
         members = [r for r, s in sch.annotations.of_kind(SEQ).items() if s.mesh_axis == axis]
         self.exit = max(members, key=lambda r: order.get(r, 0)) if members else None  # the chain's gather
@@ -2113,38 +2127,43 @@ def _sources(sch: Schedule) -> list[Problem]:
     return contradicted + [p for p in _unsourced(sch, partners) if p.path not in named]
 
 
-def _features_reach_code(sch: Schedule, besides_path: str, besides: SyncSpec,
-                         partners: Mapping[str, tuple[str, ...]]) -> bool:
-    """Whether this rank's features (``Shard(-1)``) over the mesh axis of sync ``besides``
-    (on ``besides_path``) may reach a module's own code by anything but ``besides``
-    itself, which could sum
-    them into a partial value or hand them on: a sync splitting them for a module
-    without a role (Slapo's ``fwd_pre`` ``Shard(-1)`` in front of a hand-written sum), a
-    sharded module whose ``fwd_post`` sync keeps its output split, or, for a sync at or
-    inside the untraced module around them, a column kept for rows by module order alone
-    (fx cannot trace that module, whose code between them is then unknown; GPT-Neo's
-    attention). A column paired by the data flow hands its split to its rows
-    alone, a lone one or a feature-split embedding gathers its output, and a row or
-    vocabulary embedding reduces its own: no partial value leaves them (OPT's decoder,
-    which fx cannot trace, holds only such layers)."""
+def _features_reach_code(sch: Schedule, partners: Mapping[str, tuple[str, ...]]) -> Callable[[str, SyncSpec], bool]:
+    """For a sync ``besides`` on ``besides_path``, whether this rank's features
+    (``Shard(-1)``) over its mesh axis may reach a module's own code by anything but
+    ``besides`` itself, which could sum them into a partial value or hand them on: a sync
+    splitting them for a module without a role (Slapo's ``fwd_pre`` ``Shard(-1)`` in front
+    of a hand-written sum), a sharded module whose ``fwd_post`` sync keeps its output
+    split, or, for a sync at or inside the untraced module around them, a column kept for
+    rows by module order alone (fx cannot trace that module, whose code between them is
+    then unknown; GPT-Neo's attention). A column paired by the data flow hands its split
+    to its rows alone, a lone one or a feature-split embedding gathers its output, and a
+    row or vocabulary embedding reduces its own: no partial value leaves them (OPT's
+    decoder, which fx cannot trace, holds only such layers).
+
+    Both sets are gathered once per mesh axis, so each check is a lookup."""
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
-    axis = besides.mesh_axis
+    splitting: dict[str, list[SyncSpec]] = {}  # mesh axis -> the syncs handing split features to code
     for q, specs in sch.annotations.of_kind(SYNC).items():
         role = roles.get(q)
-        own = role is not None and role.mesh_axis == axis and role.kind != "param"
         for o in specs:
-            if o is besides or o.mode == "bwd_post" or o.mesh_axis != axis or not _last_dim(o.layout):
+            if o.mode == "bwd_post" or not _last_dim(o.layout):
                 continue
+            own = role is not None and role.mesh_axis == o.mesh_axis and role.kind != "param"
             if not own or o.mode == "fwd_post":  # a role's output kept split leaves it
-                return True
-    for q, role in roles.items():
-        if (role.kind == "column" and role.mesh_axis == axis and partners.get(q)
-                and not _partner_gathered(sch, (q,), axis) and _caller(sch, q) is None):
-            # paired by module order: the untraced module around the pair may make a partial sum
-            # of what passes between them, and the sync that reduces it is on that module or inside
-            unknown = _parent(q)
-            while unknown and _flow_of(sch, unknown) is not None:
-                unknown = _parent(unknown)
-            if besides_path == unknown or contains(unknown, besides_path):
-                return True
-    return False
+                splitting.setdefault(o.mesh_axis, []).append(o)
+    unknown: dict[str, set[str]] = {}  # mesh axis -> the untraced modules around pairs matched by module order
+    for q in _kept_columns(sch, (q for q, ps in partners.items() if ps)):
+        if _caller(sch, q) is None:
+            # the untraced module around the pair may make a partial sum of what passes between
+            # them, and the sync that reduces it is on that module or inside
+            around = _parent(q)
+            while around and _flow_of(sch, around) is not None:
+                around = _parent(around)
+            unknown.setdefault(roles[q].mesh_axis, set()).add(around)
+
+    def reach(besides_path: str, besides: SyncSpec) -> bool:
+        axis = besides.mesh_axis
+        return any(o is not besides for o in splitting.get(axis, ())) or any(
+            besides_path == u or contains(u, besides_path) for u in unknown.get(axis, ()))
+
+    return reach
