@@ -257,6 +257,16 @@ class _TokenShapes(_Shapes):
     rank = _TOKENS_RANK
 
 
+class _BufferShapes(_Shapes):
+    """A tracer of shapes whose buffers are traced values too, tried last: code that
+    slices a buffer by traced sizes (GPT-Neo's causal mask, ``self.bias[:, :, k - q:k,
+    :k]``) fails on a real tensor. A buffer reaches no child's features (its node has no
+    sources), so the flow is the same; it is not the first try because code that reads a
+    buffer's values (``if self.flag.item()``) traces only where the buffer is real."""
+
+    proxy_buffer_attributes = True
+
+
 class _ShapedProxy(fx.Proxy):
     def __getattr__(self, k: str) -> Any:
         if k == "shape":
@@ -443,8 +453,8 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset()) -> tuple[Flow
     graph = None
     named = {p.name for p in params[:4]}
     fixed = {k: v for k, v in _FIXED.items() if k in _keywords(parent) and k not in named}
-    for tracer, call in [(t, c) for t in (_Leaves, _Shapes, _TokenShapes) for c in calls]:
-        # plain fx first; shapes unpacked into arguments next
+    for tracer, call in [(t, c) for t in (_Leaves, _Shapes, _TokenShapes, _BufferShapes) for c in calls]:
+        # plain fx first; shapes unpacked into arguments next; buffers traced last
         graph = _traced(tracer, shell, call, fixed)
         if graph is not None:
             break

@@ -430,21 +430,62 @@ def _bart_megatron() -> sf.Schedule:
                      ("self_attn.out_proj", "encoder_attn.out_proj", "fc2"))(schedule(bart))
 
 
+class UntracedAttention(nn.Module):
+    """A hand-written attention fx cannot trace (a branch on a value): its q/k/v and out
+    pair by module order, and the code between them is unknown."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.out = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        scores = (q @ k.transpose(-1, -2)).softmax(-1)
+        return self.out(scores @ v if x.sum() > 0 else v)
+
+
+class UntracedLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.mlp = UntracedAttention(), Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
 def test_a_pair_matched_by_module_order_vouches_for_a_partial_sum_only_around_it() -> None:
-    """GPT-Neo's attention does not trace (it slices a buffer by traced sizes), so its
-    q/k/v and out_proj pair by module order and the code between them is unknown: it
-    might make a partial sum, stated by a sync on the attention. It made
-    ``src=Partial()`` plausible anywhere, and a sync on a whole decoder layer summed the
-    ranks' copies. Now trusted only at or inside the untraced attention."""
+    """An attention fx cannot trace pairs its q/k/v and out by module order, and the code
+    between them is unknown: it might make a partial sum, stated by a sync on the
+    attention. It made ``src=Partial()`` plausible anywhere, and a sync on a whole layer
+    summed the ranks' copies (GPT-Neo's layers, when its attention did not trace). Now
+    trusted only at or inside the untraced attention."""
+    sch = _megatron("*", ("attn.q", "attn.k", "attn.v", "attn.out", "mlp.fc1", "mlp.fc2"),
+                    ("attn.out", "mlp.fc2"))(schedule(nn.Sequential(UntracedLayer(), UntracedLayer())))
+    assert refused(sch) == []
+    for layer in ("1", "1.mlp"):
+        ((path, reason),) = refused(sf.sync(sch, layer, "fwd_post", Replicate(), src=Partial()))
+        assert path == layer and "nothing in the schedule makes Partial() there" in reason
+    assert refused(sf.sync(sch, "1.attn", "fwd_post", Replicate(), src=Partial())) == []
+
+
+def test_gpt_neos_attention_traces_so_its_row_is_known_to_reduce() -> None:
+    """GPT-Neo's attention slices its causal-mask buffer by traced sizes
+    (``self.bias[:, :, k - q:k, :k]``), which fx traced only once buffers were traced
+    values too. Its q/k/v and out_proj now pair by the data flow, out_proj reduces its
+    own output, and a ``src=Partial()`` on the attention itself is refused as well."""
     from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    from slapo_fn.dtensor.flow import flow
 
     neo = GPTNeoForCausalLM(GPTNeoConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4,
                                          attention_types=[[["global", "local"], 1]], max_position_embeddings=32))
+    fl = flow(neo.transformer.h[1].attn.attention)
+    assert fl is not None and fl.feeders("out_proj") == {"v_proj", "attn_dropout"}
     sch = _megatron("transformer.h.*", ("attn.attention.q_proj", "attn.attention.k_proj", "attn.attention.v_proj",
                                         "attn.attention.out_proj", "mlp.c_fc", "mlp.c_proj"),
                     ("attn.attention.out_proj", "mlp.c_proj"))(schedule(neo))
     assert refused(sch) == []
-    for layer in ("transformer.h.1", "transformer.h.1.attn"):
-        ((path, reason),) = refused(sf.sync(sch, layer, "fwd_post", Replicate(), src=Partial()))
-        assert path == layer and "nothing in the schedule makes Partial() there" in reason
-    assert refused(sf.sync(sch, "transformer.h.1.attn.attention", "fwd_post", Replicate(), src=Partial())) == []
+    for module in ("transformer.h.1", "transformer.h.1.attn", "transformer.h.1.attn.attention"):
+        ((path, reason),) = refused(sf.sync(sch, module, "fwd_post", Replicate(), src=Partial()))
+        assert path == module and "Partial()" in reason

@@ -103,6 +103,19 @@ def _neox(packed: int) -> Callable[[], tuple[nn.Module, tuple[Any, ...], Plan]]:
     return make
 
 
+def _gpt_neo() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    # global and local (sliding window) attention; the causal mask is a buffer sliced by sizes
+    cfg = GPTNeoConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, max_position_embeddings=32,
+                       attention_types=[[["global", "local"], 1]], window_size=4, embed_dropout=0.0,
+                       attention_dropout=0.0, resid_dropout=0.0, use_cache=False, attn_implementation="eager")
+    plan = sf.foreach("transformer.h.*",
+                      sf.scope("attn.attention", _column("q_proj", "k_proj", "v_proj") >> _row("out_proj"))
+                      >> sf.scope("mlp", _column("c_fc") >> _row("c_proj")))
+    return GPTNeoForCausalLM(cfg), (_ids(),), plan
+
+
 def _falcon() -> tuple[nn.Module, tuple[Any, ...], Plan]:
     from transformers import FalconConfig, FalconForCausalLM
 
@@ -220,6 +233,8 @@ CASES: dict[str, Case] = {
     "gpt-neox": Case(_neox(1)),
     "gpt-neox+sp": Case(_neox(1), ("gpt_neox.layers.*", "gpt_neox.final_layer_norm")),
     "gpt-neox-packed3": Case(_neox(3)),
+    "gpt-neo": Case(_gpt_neo),
+    "gpt-neo+sp": Case(_gpt_neo, ("transformer.h.*", "transformer.ln_f")),
     "falcon": Case(_falcon),
     "bloom": Case(_bloom),
     "bart": Case(_bart),
