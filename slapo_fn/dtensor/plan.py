@@ -552,15 +552,8 @@ def _partners(sch: Schedule) -> dict[str, tuple[str, ...]]:
     trace), module order decides: a column is paired with the rows after it among its
     siblings."""
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
-    groups: dict[tuple[str, str], list[str]] = {}
-    for path, role in roles.items():
-        if path and role.kind in ("column", "row"):  # grouped by the module whose forward calls them
-            found = _caller(sch, path)
-            groups.setdefault((found[0] if found is not None else _parent(path), role.mesh_axis), []).append(path)
     out: dict[str, tuple[str, ...]] = {}
-    for (parent, axis), paths in groups.items():
-        if not any(roles[p].kind == "column" for p in paths) or not any(roles[p].kind == "row" for p in paths):
-            continue
+    for (parent, axis), paths in _pair_groups(sch).items():
         fl = _flow_of(sch, parent)
         names = {(p[len(parent) + 1:] if parent else p): p for p in paths}
         if fl is None or not all(fl.called(n) for n in names):
@@ -589,6 +582,57 @@ def _partners(sch: Schedule) -> dict[str, tuple[str, ...]]:
             if fed_r and fed_r <= keep:
                 out[names[r]] = tuple(sorted(names[c] for c in fed_r))
     return out
+
+
+def _pair_groups(sch: Schedule) -> dict[tuple[str, str], list[str]]:
+    """The columns and rows that may pair, grouped by the module whose ``forward`` calls
+    them (:func:`_caller`, else their parent) and their mesh axis: groups holding both."""
+    roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
+    groups: dict[tuple[str, str], list[str]] = {}
+    for path, role in roles.items():
+        if path and role.kind in ("column", "row"):
+            found = _caller(sch, path)
+            groups.setdefault((found[0] if found is not None else _parent(path), role.mesh_axis), []).append(path)
+    return {g: paths for g, paths in groups.items()
+            if {roles[q].kind for q in paths} == {"column", "row"}}
+
+
+def _untraced_pairs(sch: Schedule) -> list[Problem]:
+    """A column kept split for a row that only module order pairs it with: fx cannot
+    trace the parent's ``forward`` (a branch on a tensor's values), so what its code does
+    with this rank's features between them is unknown. A view by a head count slapo_fn
+    does not know (``view(B, S, self.nh, -1)``) would take them for whole heads, silently
+    wrong. Refused, naming the parent and its columns, with what to declare: gather the
+    columns' outputs (the row then splits its whole input; right whatever the code), or
+    make the forward traceable. A module installed by ``sf.replace`` is code written for
+    this rank's share (slapo_fn's attention kernels take their head counts from the
+    recipe): trusted, as :func:`_unsourced` trusts it."""
+    kept = _kept_columns(sch, _partners(sch))
+    order = {q: i for i, q in enumerate(sch.paths())}
+    installed = sch.annotations.of_kind(INSTALLED)
+    problems = []
+    for (parent, axis), paths in _pair_groups(sch).items():
+        if parent in installed:
+            continue  # code written for this rank's share (slapo_fn's kernels take head counts from the recipe)
+        fl = _flow_of(sch, parent)
+        names = {(q[len(parent) + 1:] if parent else q): q for q in paths}
+        if fl is not None and all(fl.called(n) for n in names):
+            continue
+        columns = sorted((q for q in paths if q in kept), key=lambda q: order.get(q, 0))
+        if not columns:
+            continue
+        listed = ", ".join(map(repr, columns))
+        problems.append(Problem(
+            parent or "<root>",
+            f"holds {listed}, kept split by features over {axis!r} for the rows after them, but fx cannot trace its "
+            "forward (a branch on a tensor's values, or a child called from code it cannot follow): slapo_fn cannot "
+            "tell what that code does with this rank's features (a view by heads would take them for whole heads)",
+            "gather the columns' outputs, " + ", ".join(f"sf.sync(sch, {q!r}, 'fwd_post', Replicate())"
+                                                          for q in columns)
+            + " (the rows then split their whole input), make its forward traceable by torch.fx, or replace it "
+            "(sf.replace) by a module written for this rank's share of the heads",
+        ))
+    return problems
 
 
 def _through(sch: Schedule, parent: str) -> Callable[[str], bool]:
@@ -1771,7 +1815,7 @@ def _in_chain(sch: Schedule, path: str, axis: str) -> bool:
                for r, s in sch.annotations.of_kind(SEQ).items())
 
 
-def _unsourced(sch: Schedule, partners: Mapping[str, tuple[str, ...]]) -> list[Problem]:
+def _unsourced(sch: Schedule) -> list[Problem]:
     """A sync's stated ``src`` that nothing in the schedule could have made. Only the
     user's own code computes this rank's share of a value: modules installed by
     ``sf.replace``, ``tp_local`` ones, experts; with none of them, the model is the
@@ -1795,7 +1839,7 @@ def _unsourced(sch: Schedule, partners: Mapping[str, tuple[str, ...]]) -> list[P
     chains: dict[str, list[str]] = {}
     for r, spec in sch.annotations.of_kind(SEQ).items():
         chains.setdefault(spec.mesh_axis, []).append(r)
-    reach = _features_reach_code(sch, partners)
+    reach = _features_reach_code(sch)
     problems = []
     for path, specs in syncs.items():
         module = get_module(sch.module, path)
@@ -1825,10 +1869,10 @@ def _unsourced(sch: Schedule, partners: Mapping[str, tuple[str, ...]]) -> list[P
                         and type(module).__module__.startswith("torch.nn.modules")):
                     continue  # _partial_sources
                 # a module handed this rank's features may sum them (a partial sum)
-                possible = (own_code or reach(path, s)
+                possible = (own_code or reach(s)
                             or any(isinstance(o.layout, Partial) for o in others))
             elif _last_dim(src):
-                possible = own_code or reach(path, s)
+                possible = own_code or reach(s)
             elif isinstance(src, Shard):
                 # a chain's sequence shard lives in its members (its exit gathers it back)
                 possible = own_code or any(
@@ -2112,9 +2156,9 @@ def refusals(sch: Schedule, p: Plan) -> list[Problem]:
 def _refusals(sch: Schedule, p: Plan) -> list[Problem]:
     return (_half_sharded_ties(sch) + _unsharded_twins(sch, p) + _stray_token_shards(sch)
             + _ungathered_chain_members(sch) + _chain_gaps(sch) + _packed_outputs_read_whole(sch, p)
-            + _chains_inside_pairs(sch, p) + _attention_on_sequence_shards(sch) + _lone_columns_in_chains(sch, p)
-            + _split_input_into_reducers(sch, p) + _functional_reads(sch, p) + _feature_syncs(sch, p)
-            + _half_gathered_pairs(sch, p) + _gathers_inside_chains(sch, p)
+            + _untraced_pairs(sch) + _chains_inside_pairs(sch, p) + _attention_on_sequence_shards(sch)
+            + _lone_columns_in_chains(sch, p) + _split_input_into_reducers(sch, p) + _functional_reads(sch, p)
+            + _feature_syncs(sch, p) + _half_gathered_pairs(sch, p) + _gathers_inside_chains(sch, p)
             + _packing_against_flow(sch, p) + _heads_against_flow(sch, p) + _unsplit_chain_inputs(sch)
             + _partial_sources(sch) + _sources(sch) + _role_output_syncs(sch))
 
@@ -2124,23 +2168,20 @@ def _sources(sch: Schedule) -> list[Problem]:
     partners = _partners(sch)
     contradicted = _contradicted_sources(sch, partners)
     named = {p.path for p in contradicted}
-    return contradicted + [p for p in _unsourced(sch, partners) if p.path not in named]
+    return contradicted + [p for p in _unsourced(sch) if p.path not in named]
 
 
-def _features_reach_code(sch: Schedule, partners: Mapping[str, tuple[str, ...]]) -> Callable[[str, SyncSpec], bool]:
-    """For a sync ``besides`` on ``besides_path``, whether this rank's features
+def _features_reach_code(sch: Schedule) -> Callable[[SyncSpec], bool]:
+    """For a sync ``besides``, whether this rank's features
     (``Shard(-1)``) over its mesh axis may reach a module's own code by anything but
     ``besides`` itself, which could sum them into a partial value or hand them on: a sync
     splitting them for a module without a role (Slapo's ``fwd_pre`` ``Shard(-1)`` in front
-    of a hand-written sum), a sharded module whose ``fwd_post`` sync keeps its output
-    split, or, for a sync at or inside the untraced module around them, a column kept for
-    rows by module order alone (fx cannot trace that module, whose code between them is
-    then unknown; GPT-Neo's attention). A column paired by the data flow hands its split
-    to its rows alone, a lone one or a feature-split embedding gathers its output, and a
-    row or vocabulary embedding reduces its own: no partial value leaves them (OPT's
-    decoder, which fx cannot trace, holds only such layers).
-
-    Both sets are gathered once per mesh axis, so each check is a lookup."""
+    of a hand-written sum) or a sharded module whose ``fwd_post`` sync keeps its output
+    split. A column paired by the data flow hands its split to its rows alone (one paired
+    by module order alone is :func:`_untraced_pairs`'s), a lone one or a feature-split
+    embedding gathers its output, and a row or vocabulary embedding reduces its own: no
+    partial value leaves them (OPT's decoder, which fx cannot trace, holds only such
+    layers). The syncs are gathered once per mesh axis, so each check is a lookup."""
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
     splitting: dict[str, list[SyncSpec]] = {}  # mesh axis -> the syncs handing split features to code
     for q, specs in sch.annotations.of_kind(SYNC).items():
@@ -2151,19 +2192,4 @@ def _features_reach_code(sch: Schedule, partners: Mapping[str, tuple[str, ...]])
             own = role is not None and role.mesh_axis == o.mesh_axis and role.kind != "param"
             if not own or o.mode == "fwd_post":  # a role's output kept split leaves it
                 splitting.setdefault(o.mesh_axis, []).append(o)
-    unknown: dict[str, set[str]] = {}  # mesh axis -> the untraced modules around pairs matched by module order
-    for q in _kept_columns(sch, (q for q, ps in partners.items() if ps)):
-        if _caller(sch, q) is None:
-            # the untraced module around the pair may make a partial sum of what passes between
-            # them, and the sync that reduces it is on that module or inside
-            around = _parent(q)
-            while around and _flow_of(sch, around) is not None:
-                around = _parent(around)
-            unknown.setdefault(roles[q].mesh_axis, set()).add(around)
-
-    def reach(besides_path: str, besides: SyncSpec) -> bool:
-        axis = besides.mesh_axis
-        return any(o is not besides for o in splitting.get(axis, ())) or any(
-            besides_path == u or contains(u, besides_path) for u in unknown.get(axis, ()))
-
-    return reach
+    return lambda besides: any(o is not besides for o in splitting.get(besides.mesh_axis, ()))

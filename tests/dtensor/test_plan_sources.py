@@ -327,8 +327,8 @@ def test_a_partial_src_where_the_flow_is_unknown_needs_a_module_that_could_sum_s
     all-reduce of a replicated value, twice the model's numbers. Columns paired with rows
     by the data flow hand their split to rows alone, which reduce it: no module's code
     could have made a partial sum, so the sync is refused. Where a sync hands split
-    features to a module's own code (or a column is paired by module order alone), the
-    ``src`` is still trusted."""
+    features to a module's own code, the ``src`` is still trusted (a column paired by
+    module order alone is refused itself)."""
     from transformers import OPTConfig, OPTForCausalLM
 
     stack = sf.foreach("layers.*", sf.shard.at("fc1", axis=0) >> sf.shard.at("fc2", axis=1))(
@@ -337,10 +337,10 @@ def test_a_partial_src_where_the_flow_is_unknown_needs_a_module_that_could_sum_s
     ((path, reason),) = refused(sf.sync(stack, "layers.0", "fwd_post", Replicate(), src=Partial()))
     assert path == "layers.0" and "nothing in the schedule makes Partial() there" in reason
     assert refused(sf.sync(stack, "layers.0.fc2", "fwd_post", Replicate(), src=Partial())) == []  # a row's own
-    # paired by module order (fx cannot trace the parent): its code between them is unknown
+    # paired by module order (fx cannot trace the parent): refused whatever the src
     pair = sf.shard(sf.shard(schedule(nn.Sequential(UntracedPair(), nn.Linear(8, 8))), "0.fc1", axis=0),
                     "0.fc2", axis=1)
-    assert refused(sf.sync(pair, "0", "fwd_post", Replicate(), src=Partial())) == []
+    assert [p for p, _ in refused(pair)] == ["0"]
 
     opt = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
                                    num_attention_heads=4, max_position_embeddings=32, use_cache=False))
@@ -454,19 +454,28 @@ class UntracedLayer(nn.Module):
         return x + self.mlp(x)
 
 
-def test_a_pair_matched_by_module_order_vouches_for_a_partial_sum_only_around_it() -> None:
-    """An attention fx cannot trace pairs its q/k/v and out by module order, and the code
-    between them is unknown: it might make a partial sum, stated by a sync on the
-    attention. It made ``src=Partial()`` plausible anywhere, and a sync on a whole layer
-    summed the ranks' copies (GPT-Neo's layers, when its attention did not trace). Now
-    trusted only at or inside the untraced attention."""
+def test_a_pair_matched_by_module_order_alone_is_refused_until_its_columns_gather() -> None:
+    """An attention fx cannot trace pairs its q/k/v and out by module order alone, and
+    what its code does with this rank's features between them is unknown (a view by a
+    head count slapo_fn does not know would take them for whole heads). It used to be
+    trusted, and so was a ``src=Partial()`` on it. Refused, naming the attention and the
+    syncs that gather its columns; with those, accepted, and a ``src=Partial()`` nothing
+    makes is refused anywhere."""
     sch = _megatron("*", ("attn.q", "attn.k", "attn.v", "attn.out", "mlp.fc1", "mlp.fc2"),
                     ("attn.out", "mlp.fc2"))(schedule(nn.Sequential(UntracedLayer(), UntracedLayer())))
-    assert refused(sch) == []
-    for layer in ("1", "1.mlp"):
-        ((path, reason),) = refused(sf.sync(sch, layer, "fwd_post", Replicate(), src=Partial()))
-        assert path == layer and "nothing in the schedule makes Partial() there" in reason
-    assert refused(sf.sync(sch, "1.attn", "fwd_post", Replicate(), src=Partial())) == []
+    problems = refusals(sch, plan(sch))
+    assert [p.path for p in problems] == ["0.attn", "1.attn"]
+    assert "fx cannot trace its forward" in problems[0].reason and "'0.attn.q', '0.attn.k', '0.attn.v'" in (
+        problems[0].reason)
+    assert "sf.sync(sch, '0.attn.v', 'fwd_post', Replicate())" in problems[0].fix
+    gathered = sch
+    for layer in ("0", "1"):
+        for col in ("q", "k", "v"):
+            gathered = sf.sync(gathered, f"{layer}.attn.{col}", "fwd_post", Replicate())
+    assert refused(gathered) == []
+    for module in ("1", "1.attn", "1.mlp"):
+        ((path, reason),) = refused(sf.sync(gathered, module, "fwd_post", Replicate(), src=Partial()))
+        assert path == module and "nothing in the schedule makes Partial() there" in reason
 
 
 def test_gpt_neos_attention_traces_so_its_row_is_known_to_reduce() -> None:

@@ -260,6 +260,40 @@ class Residual(nn.Module):
         return self.b(torch.relu(self.a(x)) + x)
 
 
+class UntracedHeads(nn.Module):
+    """Attention viewed by a head count of a name slapo_fn does not know (``self.nh``),
+    behind a branch on a value, so fx cannot trace it: at tp=2 the view would take this
+    rank's 4 features for 2 whole heads of 2 — silently wrong attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nh = 2
+        self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (m(x).view(b, s, self.nh, -1).transpose(1, 2) for m in (self.q, self.k, self.v))
+        a = torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+        a = a if x.sum() > 0 else -a
+        return self.o(a.transpose(1, 2).reshape(b, s, -1))
+
+
+def _untraced_heads(gather: bool) -> Callable[[sf.Schedule], sf.Schedule]:
+    def rewrite(s: sf.Schedule) -> sf.Schedule:
+        s = sf.shard(sf.shard(s, ["0.q", "0.k", "0.v"], axis=0), "0.o", axis=1)
+        for c in ("q", "k", "v") if gather else ():
+            s = sf.sync(s, f"0.{c}", "fwd_post", Replicate())
+        return s
+
+    return rewrite
+
+
+CASES["untraced-attention-paired-by-module-order"] = (
+    lambda: nn.Sequential(UntracedHeads(), nn.Linear(8, 8)), _untraced_heads(gather=False), (X,))
+CASES["untraced-attention-with-its-columns-gathered"] = (
+    lambda: nn.Sequential(UntracedHeads(), nn.Linear(8, 8)), _untraced_heads(gather=True), (X,))
+
+
 def _case(rank: int, world: int, name: str) -> str:
     make, rewrite, inputs = CASES[name]
     torch.manual_seed(0)
@@ -304,6 +338,9 @@ EXPECTED = {
     "sp-norms-without-their-layers": "refused: build: 'model.layers.0.mlp': runs after "
                                      "'model.layers.0.post_attention_layernorm', a member of the sequence_parallel",
     "uneven-sequence": "refused: split: <root>: dimension 1 of an activation of shape (2, 5, 8) has 5 elements",
+    "untraced-attention-paired-by-module-order": "refused: build: '0': holds '0.q', '0.k', '0.v', kept split by "
+                                                 "features over 'tp' for the rows after them, but fx cannot trace",
+    "untraced-attention-with-its-columns-gathered": "equal",
 }
 
 
