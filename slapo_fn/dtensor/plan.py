@@ -100,6 +100,7 @@ class ModulePlan:
     local_axis: str = ""  # tp_local: the mesh axis of those Partial gradients
     experts: Experts | None = None  # expert_parallel: this experts module runs its pairs by all-to-all
     partners: tuple[str, ...] = ()  # a column kept local: the rows it feeds; a row: the columns feeding it
+    entry_group: str = ""  # a column: columns of one group handed one tensor enter the region once
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ def _plan(sch: Schedule) -> Plan:
 
     modules: dict[str, ModulePlan] = {}
     bounds: list[Boundary] = []
-    fused: set[tuple[str, str, int | str | None]] = set()
+    fused: set[str] = set()  # the entry groups a leader has entered
     partners = _partners(sch)
     features: dict[str, _Features] = {}  # what the data flow brings, per mesh axis
 
@@ -178,15 +179,16 @@ def _plan(sch: Schedule) -> Plan:
                                      functools.partial(_stated_output, sch, path), partnered,
                                      functools.partial(_arriving_at, know, path))
         out_sync = next((s for s in spec_syncs if s.mode == "fwd_post"), None)
+        group = ""
         if role is not None:
             ax = role.mesh_axis
             if role.kind == "column":
                 in_seq = seq is not None and seq.mesh_axis == ax
                 pre = _moving(spec_syncs, "fwd_pre")
                 # a column that a sync hands a converted tensor enters the region with it alone
-                key = (_parent(path), ax, _entry_key(sch, path) if pre is None else f"own {path}")
-                leader = key not in fused
-                fused.add(key)
+                group = f"{_parent(path)} {ax} " + (_entry_key(sch, path) if pre is None else f"own {path}")
+                leader = group not in fused
+                fused.add(group)
                 if in_seq:
                     assert seq is not None
                     bounds.append(
@@ -306,7 +308,7 @@ def _plan(sch: Schedule) -> Plan:
             )
         )
         modules[path] = ModulePlan(path, role, seq, partnered, entry, exit_, spec_syncs, rngs.get(path), local,
-                                   partners=partners.get(path, ()))
+                                   partners=partners.get(path, ()), entry_group=group)
     # modules with parameters inside a sequence-parallel chain (norms): replicated, Partial gradients
     for root in seq_roots:
         for path, module in walk(get_module(sch.module, root), root):
@@ -506,14 +508,17 @@ def _find_caller(sch: Schedule, path: str) -> tuple[str, str, Flow] | None:
     return None
 
 
-def _entry_key(sch: Schedule, path: str) -> int | str | None:
+def _entry_key(sch: Schedule, path: str) -> str:
     """Columns of one parent with equal keys read one input tensor and enter the tensor-
     parallel region once (one backward all-reduce for all): the value they are called on
-    where the parent's data flow is known, else their input width (q/k/v)."""
+    where the parent's data flow is known, else the column's own (fx cannot trace the
+    parent, so which columns read one tensor is unknown; equal input widths are no proof:
+    an attention's ``v`` and ``o``). The runtime shares an entry only within one key
+    (:attr:`ModulePlan.entry_group`), so it makes what the plan counts."""
     found = _caller(sch, path)
     if found is not None and found[1] in found[2].first:
         return "value " + found[2].first[found[1]]
-    return _in_features(get_module(sch.module, path))
+    return f"own {path}"
 
 
 def _fed_split(sch: Schedule, path: str, axis: str) -> bool:
@@ -597,7 +602,7 @@ def _pair_groups(sch: Schedule) -> dict[tuple[str, str], list[str]]:
             if {roles[q].kind for q in paths} == {"column", "row"}}
 
 
-def _untraced_pairs(sch: Schedule) -> list[Problem]:
+def _untraced_pairs(sch: Schedule, p: Plan) -> list[Problem]:
     """A column kept split for a row that only module order pairs it with: fx cannot
     trace the parent's ``forward`` (a branch on a tensor's values), so what its code does
     with this rank's features between them is unknown. A view by a head count slapo_fn
@@ -607,7 +612,7 @@ def _untraced_pairs(sch: Schedule) -> list[Problem]:
     make the forward traceable. A module installed by ``sf.replace`` is code written for
     this rank's share (slapo_fn's attention kernels take their head counts from the
     recipe): trusted, as :func:`_unsourced` trusts it."""
-    kept = _kept_columns(sch, _partners(sch))
+    kept = _kept_columns(sch, (q for q, mp in p.modules.items() if mp.partnered))
     order = {q: i for i, q in enumerate(sch.paths())}
     installed = sch.annotations.of_kind(INSTALLED)
     problems = []
@@ -2156,7 +2161,7 @@ def refusals(sch: Schedule, p: Plan) -> list[Problem]:
 def _refusals(sch: Schedule, p: Plan) -> list[Problem]:
     return (_half_sharded_ties(sch) + _unsharded_twins(sch, p) + _stray_token_shards(sch)
             + _ungathered_chain_members(sch) + _chain_gaps(sch) + _packed_outputs_read_whole(sch, p)
-            + _untraced_pairs(sch) + _chains_inside_pairs(sch, p) + _attention_on_sequence_shards(sch)
+            + _untraced_pairs(sch, p) + _chains_inside_pairs(sch, p) + _attention_on_sequence_shards(sch)
             + _lone_columns_in_chains(sch, p) + _split_input_into_reducers(sch, p) + _functional_reads(sch, p)
             + _feature_syncs(sch, p) + _half_gathered_pairs(sch, p) + _gathers_inside_chains(sch, p)
             + _packing_against_flow(sch, p) + _heads_against_flow(sch, p) + _unsplit_chain_inputs(sch)

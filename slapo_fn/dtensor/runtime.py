@@ -126,9 +126,10 @@ class _Runtime:
 
         return run
 
-    def enter(self, x: torch.Tensor, name: str, seq: int | None, parent: str) -> torch.Tensor:
-        """Enter the TP region once per input tensor within a pass: siblings (children of
-        ``parent``) handed the same tensor share one entry, so autograd sums their input
+    def enter(self, x: torch.Tensor, name: str, seq: int | None, group: str) -> torch.Tensor:
+        """Enter the TP region once per input tensor within a pass: columns of one entry
+        ``group`` (:attr:`.plan.ModulePlan.entry_group`: siblings the plan knows are called
+        on one value) handed the same tensor share one entry, so autograd sums their input
         gradients before a single collective. Tensors are matched by identity or as whole
         aliases of one base (module backward hooks hand each module its own alias), never
         by storage address, so ``torch.func`` transforms and ``torch.compile`` see plain
@@ -138,11 +139,11 @@ class _Runtime:
         decoder block read the encoder's output), as the plan counts them."""
         if self.entries is not None:
             for prev, prev_key, entered in self.entries:
-                if prev_key == (name, seq, parent) and _same_tensor(prev, x):
+                if prev_key == (name, seq, group) and _same_tensor(prev, x):
                     return entered
         entered = C.enter(x, self.axis(name)) if seq is None else C.gather_rs(x, seq, self.axis(name))
         if self.entries is not None:
-            self.entries.append((x, (name, seq, parent), entered))
+            self.entries.append((x, (name, seq, group), entered))
             del self.entries[:-_RECENT]
         return entered
 
@@ -238,7 +239,7 @@ def _column(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> Callabl
     full_in = _in_features(m)
     out_sync = next((s for s in mp.syncs if s.mode == "fwd_post"), None)
     packed = role.packed
-    parent = _parent(mp.path)
+    group = mp.entry_group or _parent(mp.path)  # columns of one group handed one tensor enter once
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if emb:
@@ -247,11 +248,11 @@ def _column(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> Callabl
             if full_in is not None and x.shape[-1] != full_in:  # arrived sharded (a column chain)
                 x = C.gather(x, -1, rt.axis(ax))
             if seq is None:  # with sequence parallelism the parent gathered the input (its own shape then fits)
-                x = rt.enter(x, ax, None, parent)
+                x = rt.enter(x, ax, None, group)
             elif member:
-                x = rt.enter(x, ax, seq, parent)
+                x = rt.enter(x, ax, seq, group)
             elif any(_same_tensor(x, side) for side in rt.sides):  # the parent's other input: not gathered
-                x = rt.enter(x, ax, None, parent)
+                x = rt.enter(x, ax, None, group)
             w, b = _local(m.weight), _local(m.bias)  # type: ignore[arg-type]
             if conv:
                 assert w is not None
@@ -634,7 +635,7 @@ def _gathering(rt: _Runtime, forward: Callable[..., Any], ax: str, seq_axis: int
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         rt.sides += [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a is not first]
         del rt.sides[:-_RECENT]
-        args, kwargs = _map_input(args, kwargs, functools.partial(rt.enter, name=ax, seq=seq_axis, parent=parent))
+        args, kwargs = _map_input(args, kwargs, functools.partial(rt.enter, name=ax, seq=seq_axis, group=parent))
         return forward(*args, **kwargs)
 
     return run

@@ -239,6 +239,12 @@ def attention(
     return out.transpose(1, 2).contiguous()
 
 
+# torch.fx records a call to attention() as one node and does not trace into it (its
+# checks branch on masks and devices): a module built on it (the kernels below) traces,
+# and the layout planner reads which projections feed which from that trace
+torch.fx.wrap("attention")
+
+
 class Attention(nn.Module):
     """Base of the attention kernels; ``Attention.from_hf(old, path)`` picks the right one.
 
@@ -429,7 +435,8 @@ class RotaryAttention(Attention):
         v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
         if "q_norm" in self._modules:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), *position_embeddings)
+        cos, sin = position_embeddings
+        q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         out = self._attend(q, k, v, attention_mask, self.sliding_window)
@@ -520,7 +527,8 @@ class FusedQKVAttention(Attention):
                 "do not replace attention modules that are used as cross-attention",
             )
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        q, k, v = (t.view(shape).transpose(1, 2) for t in self.c_attn(hidden_states).chunk(3, dim=-1))
+        q, k, v = self.c_attn(hidden_states).chunk(3, dim=-1)  # unpacked as such: torch.fx traces it
+        q, k, v = q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
         out = self._attend(q, k, v, attention_mask)

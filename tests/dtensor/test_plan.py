@@ -112,14 +112,23 @@ def test_a_row_before_a_column_is_no_pair() -> None:
     ]
 
 
+class _Attention(nn.Module):
+    def __init__(self, traceable: bool = True) -> None:
+        super().__init__()
+        self.traceable = traceable
+        self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        y = torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+        if not self.traceable and not bool(y.isfinite().all()):  # a branch on values: fx cannot trace it
+            y = y.nan_to_num()
+        return self.o(y)
+
+
 def test_sibling_columns_reading_one_input_enter_once() -> None:
     # q / k / v of an attention: one all-reduce of the summed input gradient, not three
-    class Attention(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
-
-    sch = sf.shard(sf.shard(schedule(nn.Sequential(Attention())), ["0.q", "0.k", "0.v"], axis=0), "0.o", axis=1)
+    sch = sf.shard(sf.shard(schedule(nn.Sequential(_Attention())), ["0.q", "0.k", "0.v"], axis=0), "0.o", axis=1)
     p = plan(sch)
     assert listing(p) == [
         "0.q input: R→R@tp  fwd: -  bwd: all_reduce",
@@ -128,6 +137,18 @@ def test_sibling_columns_reading_one_input_enter_once() -> None:
         "0.o output: P→R@tp  fwd: all_reduce  bwd: -",
     ]
     assert all(p.modules[c].partnered for c in ("0.q", "0.k", "0.v", "0.o"))
+    assert len({p.modules[c].entry_group for c in ("0.q", "0.k", "0.v")}) == 1
+
+
+def test_columns_of_a_parent_fx_cannot_trace_enter_each_on_their_own() -> None:
+    """Which columns read one tensor is unknown there, and equal input widths are no proof
+    (an attention's ``v`` and ``o``): each column is its own entry group, which the
+    runtime keeps to, so explain counts what runs."""
+    sch = sf.shard(schedule(nn.Sequential(_Attention(traceable=False))), ["0.q", "0.k", "0.v"], axis=0)
+    p = plan(sch)
+    assert [line for line in listing(p) if " input:" in line] == [
+        f"0.{c} input: R→R@tp  fwd: -  bwd: all_reduce" for c in "qkv"]
+    assert len({p.modules[c].entry_group for c in ("0.q", "0.k", "0.v")}) == 3
 
 
 def test_a_sharded_root_module_prints_as_root() -> None:
