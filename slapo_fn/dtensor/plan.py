@@ -555,15 +555,16 @@ def _partners(sch: Schedule) -> dict[str, tuple[str, ...]]:
     splits it itself. The parent's other arguments (rotary ``cos``/``sin``, masks) do not
     count: they broadcast over the heads. Where the flow is not known (a parent fx cannot
     trace), module order decides: a column is paired with the rows after it among its
-    siblings."""
+    siblings (and :func:`_untraced_pairs` refuses such a pair, unless a column gathers)."""
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
     out: dict[str, tuple[str, ...]] = {}
     for (parent, axis), paths in _pair_groups(sch).items():
-        fl = _flow_of(sch, parent)
-        names = {(p[len(parent) + 1:] if parent else p): p for p in paths}
-        if fl is None or not all(fl.called(n) for n in names):
+        if _by_module_order(sch, parent, paths):
             out.update(_partners_in_module_order(sch, paths, roles))
             continue
+        fl = _flow_of(sch, parent)
+        assert fl is not None
+        names = {(p[len(parent) + 1:] if parent else p): p for p in paths}
         through = _through(sch, parent)
         cols = {n for n, p in names.items() if roles[p].kind == "column"}
         rows = {n for n, p in names.items() if roles[p].kind == "row"}
@@ -602,6 +603,13 @@ def _pair_groups(sch: Schedule) -> dict[tuple[str, str], list[str]]:
             if {roles[q].kind for q in paths} == {"column", "row"}}
 
 
+def _by_module_order(sch: Schedule, parent: str, paths: list[str]) -> bool:
+    """Whether the columns and rows ``paths`` that ``parent`` calls pair by module order:
+    fx cannot trace its ``forward``, or the trace does not call them all."""
+    fl = _flow_of(sch, parent)
+    return fl is None or not all(fl.called(q[len(parent) + 1:] if parent else q) for q in paths)
+
+
 def _untraced_pairs(sch: Schedule, p: Plan) -> list[Problem]:
     """A column kept split for a row that only module order pairs it with: fx cannot
     trace the parent's ``forward`` (a branch on a tensor's values), so what its code does
@@ -617,12 +625,8 @@ def _untraced_pairs(sch: Schedule, p: Plan) -> list[Problem]:
     installed = sch.annotations.of_kind(INSTALLED)
     problems = []
     for (parent, axis), paths in _pair_groups(sch).items():
-        if parent in installed:
-            continue  # code written for this rank's share (slapo_fn's kernels take head counts from the recipe)
-        fl = _flow_of(sch, parent)
-        names = {(q[len(parent) + 1:] if parent else q): q for q in paths}
-        if fl is not None and all(fl.called(n) for n in names):
-            continue
+        if parent in installed or not _by_module_order(sch, parent, paths):
+            continue  # installed: code written for this rank's share (the kernels take head counts from the recipe)
         columns = sorted((q for q in paths if q in kept), key=lambda q: order.get(q, 0))
         if not columns:
             continue
