@@ -46,7 +46,8 @@ def reference_losses() -> list[float]:
     return losses
 
 
-def _train(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], knobs: dict[str, Any]) -> Any:
+def _train(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...], knobs: dict[str, Any],
+           fused: bool = False) -> Any:
     import torch.distributed as dist
 
     m = mesh(shape, names)
@@ -55,8 +56,8 @@ def _train(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...]
     dp_rank = m.get_local_rank("dp") if "dp" in names else 0
     pipelined = "pp" in names
     model = sf.build_pipeline(sch, microbatches=2, schedule="1f1b", loss_fn=ce) if pipelined else sf.build(sch)
-    # foreach=True, AdamW's default on CUDA: every parameter is a DTensor, none plain
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    # foreach=True (AdamW's default on CUDA) or fused=True: every parameter is a DTensor, none plain
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **({"fused": True} if fused else {"foreach": True}))
     losses = []
     for step in range(STEPS):
         ids, target = (t.chunk(dp)[dp_rank] for t in batch(step))
@@ -74,10 +75,13 @@ def _train(rank: int, world: int, shape: tuple[int, ...], names: tuple[str, ...]
     return losses
 
 
+#: name: (mesh shape, axis names, recipe knobs); a name ending in "-fused" steps AdamW with fused=True
 CASES = {
     "dp2xpp2xtp2": ((2, 2, 2), ("dp", "pp", "tp"), {"tp": 2, "stages": 2, "dp_mode": "fsdp"}),
+    "dp2xpp2xtp2-fused": ((2, 2, 2), ("dp", "pp", "tp"), {"tp": 2, "stages": 2, "dp_mode": "fsdp"}),
     "dp2xtp2": ((2, 2), ("dp", "tp"), {"tp": 2, "dp_mode": "fsdp"}),
     "pp2xtp2": ((2, 2), ("pp", "tp"), {"tp": 2, "stages": 2}),
+    "pp2xtp2-fused": ((2, 2), ("pp", "tp"), {"tp": 2, "stages": 2}),
     "dp2xtp2-ddp-sp-checkpoint": ((2, 2), ("dp", "tp"), {"tp": 2, "dp_mode": "ddp", "sequence_parallel": True,
                                                          "checkpoint": 1.0}),
 }
@@ -90,6 +94,7 @@ CASES = {
 def test_parallel_training_matches_single_process(dist_pool: Any, case: str) -> None:
     shape, names, knobs = CASES[case]
     expected = reference_losses()
-    results = dist_pool(len(names) and int(torch.tensor(shape).prod())).run(_train, shape, names, knobs, timeout=400)
+    results = dist_pool(len(names) and int(torch.tensor(shape).prod())).run(
+        _train, shape, names, knobs, case.endswith("-fused"), timeout=400)
     for losses in results:
         torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
