@@ -530,8 +530,21 @@ def _fed_split(sch: Schedule, path: str, axis: str) -> bool:
         return False
     parent, name, fl = found
     fed = fl.feeders(name, _through(sch, parent))
-    return bool(fed) and all(q not in (INPUT, OUTPUT, SIDE) and _split_by_sync(sch, join(parent, q), axis)
+    return bool(fed) and all(q not in (INPUT, OUTPUT, SIDE) and (_split_by_sync(sch, join(parent, q), axis)
+                                                                 or _splits_pointwise(sch, join(parent, q), axis))
                              for q in fed)
+
+
+def _splits_pointwise(sch: Schedule, path: str, axis: str) -> bool:
+    """Whether ``path`` is a pointwise module (an activation) whose ``fwd_pre`` sync splits
+    its input by features over ``axis`` and no ``fwd_post`` sync moves its output: it
+    hands this rank's features on (a row in a chain after ``sync(act, 'fwd_pre',
+    Shard(-1))`` takes them as they are)."""
+    syncs = sch.annotations.of_kind(SYNC).get(path, ())
+    pre = _moving(syncs, "fwd_pre")
+    return (pre is not None and pre.mesh_axis == axis and _last_dim(pre.layout)
+            and not any(s.mode == "fwd_post" and s.src != s.layout for s in syncs)
+            and pointwise(get_module(sch.module, path)))
 
 
 def _split_by_sync(sch: Schedule, path: str, axis: str) -> bool:
@@ -1575,8 +1588,16 @@ def _feature_syncs(sch: Schedule, p: Plan) -> list[Problem]:
             elif role is not None and role.kind == "column":
                 if meets_whole(path, what, None, s.mesh_axis, "keeps its output split"):
                     continue
+                if (taker := _untraced_taker(sch, path)) is not None:
+                    problems.append(Problem(
+                        path, f"{what} keeps its output split by features, but fx cannot trace the forward of "
+                              f"{taker or '<root>'!r}, which takes it: slapo_fn cannot tell that its code takes "
+                              "this rank's features",
+                        "state Replicate() instead (or drop the sync), or make that forward traceable by torch.fx",
+                    ))
+                    continue
                 # kept split for rows: its own, or ones inside the modules it reaches (BERT's attention
-                # output); where the flow is unknown or it is the result (vocab-parallel logits), trusted
+                # output); where it is the result (vocab-parallel logits) or an installed module takes it, trusted
                 reached = _users(sch, path) or []
                 rows = [q for q, r in roles.items() if r.kind == "row" and r.mesh_axis == s.mesh_axis]
                 bad = [q for q in reached if not _takes_split(sch, q, set(rows))]
@@ -1600,8 +1621,8 @@ def _feature_syncs(sch: Schedule, p: Plan) -> list[Problem]:
                     ))
                 continue  # the model's sharded result
             users = _users(sch, path)
-            if users is None and role is not None:
-                continue  # a sharded module's stated output where the flow is unknown (loss-parallel logits)
+            if users is None and role is not None and _untraced_taker(sch, path) is None:
+                continue  # a sharded module's stated output taken by a module installed by sf.replace
             if users is None:
                 named = "modules whose data flow slapo_fn cannot trace"
             elif not users:
@@ -1757,6 +1778,21 @@ def _downstream(sch: Schedule, path: str) -> tuple[list[_Level], str | None]:
             return levels, None
         start = parent
     return levels, start
+
+
+def _untraced_taker(sch: Schedule, path: str) -> str | None:
+    """The module fx cannot trace whose code takes ``path``'s output (past containers
+    without a ``forward`` of their own), or ``None``: the flow is known all the way, or
+    that module was installed by ``sf.replace`` (code written for this rank's share)."""
+    start = _downstream(sch, path)[1]
+    if not start:
+        return None
+    around = _parent(start)
+    while around and uncalled(get_module(sch.module, around)):
+        around = _parent(around)
+    if any(a == around or contains(a, around) for a in sch.annotations.of_kind(INSTALLED)):
+        return None
+    return around
 
 
 def _model_output(sch: Schedule, path: str) -> bool:

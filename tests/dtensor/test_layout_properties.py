@@ -1095,6 +1095,16 @@ CLOSED: dict[str, Case] = {
     # (one backward all-reduce) though o reads the attention's output: the plan predicted one too few
     "untraced-columns-of-one-width-enter-apart": _c(
         [Block("attn", heads=2, style="untraced", bias=False)], ("shard", "0.v", 0, 2), ("shard", "0.o", 0, 1)),
+    # a column's output kept split by a fwd_post sync, taken by the code of an attention fx cannot trace
+    # (its residual add: a raw shape error); the flow being unknown, it was trusted
+    "column-kept-split-into-untraced-code": _c(
+        [Block("attn", heads=4, style="untraced", residual=True)], ("shard", "0.o", 0, 1),
+        ("sync", "0.o", "fwd_post", "S(-1)", None), ("shard", "0.q", 0, 1)),
+    # a row first in a chain after an activation whose fwd_pre sync splits the features: the row takes
+    # them as they arrive, but the plan counted a split of its own (one backward all-gather too many)
+    "row-in-a-chain-after-a-split-activation": _c(
+        [Block("chain", bias=False, widths=(16,), flat=True)], ("shard", "0", 0, 2), ("shard", "2", 1, 1),
+        ("sync", "1", "fwd_pre", "S(-1)", None), ("sp", ("2",), None), dim=16),
 }
 
 
