@@ -1884,6 +1884,8 @@ def _unsourced(sch: Schedule) -> list[Problem]:
     chains: dict[str, list[str]] = {}
     for r, spec in sch.annotations.of_kind(SEQ).items():
         chains.setdefault(spec.mesh_axis, []).append(r)
+    order = {q: i for i, q in enumerate(sch.paths())}
+    exits = {axis: max(members, key=lambda r: order.get(r, 0)) for axis, members in chains.items()}
     reach = _features_reach_code(sch)
     problems = []
     for path, specs in syncs.items():
@@ -1919,10 +1921,14 @@ def _unsourced(sch: Schedule) -> list[Problem]:
             elif _last_dim(src):
                 possible = own_code or reach(s)
             elif isinstance(src, Shard):
-                # a chain's sequence shard lives in its members (its exit gathers it back)
+                # a chain's sequence shard lives in its members; its exit gathers it back, so a module
+                # holding the last member returns it whole
+                last = exits.get(s.mesh_axis)
+                holds_exit = last is not None and (last != path and contains(path, last))
                 possible = own_code or any(
                     isinstance(o.layout, Shard) and not _last_dim(o.layout) for o in others) or any(
-                    r == path or contains(r, path) or contains(path, r) for r in chains.get(s.mesh_axis, ()))
+                    r == path or contains(r, path) or (contains(path, r) and not holds_exit)
+                    for r in chains.get(s.mesh_axis, ()))
             else:
                 continue
             if not possible:

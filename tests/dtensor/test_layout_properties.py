@@ -1105,6 +1105,12 @@ CLOSED: dict[str, Case] = {
     "row-in-a-chain-after-a-split-activation": _c(
         [Block("chain", bias=False, widths=(16,), flat=True)], ("shard", "0", 0, 2), ("shard", "2", 1, 1),
         ("sync", "1", "fwd_pre", "S(-1)", None), ("sp", ("2",), None), dim=16),
+    # a root sync from S(1) over a model whose chain (the head alone) ends inside it: the chain's exit
+    # gathers the sequence, so the root sync gathered it twice (twice the sequence length)
+    "token-src-on-a-module-holding-the-chain-exit": Case(
+        8, True, "untied", (Block("mlp", hidden=16, norm=True, residual=True),),
+        (("shard", "layers.0", 0, 1), ("shard", "layers.1.fc1", 0, 2), ("shard", "layers.2", 0, 1),
+         ("sync", "", "fwd_post", "R", "S(1)"), ("sp", ("layers.2",), None)), looped=True),
 }
 
 
