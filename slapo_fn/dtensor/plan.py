@@ -823,7 +823,6 @@ def _stray_token_shards(sch: Schedule) -> list[Problem]:
     parameters' gradients would be partial sums taken for whole ones.
     Refused, naming the module, unless a ``fwd_pre`` sync gathers the activation back
     before any such module (feature shards, ``Shard(-1)``, are the roles' business)."""
-    seqs = sch.annotations.of_kind(SEQ)
     syncs = sch.annotations.of_kind(SYNC)
     order = list(sch.paths())
 
@@ -834,9 +833,10 @@ def _stray_token_shards(sch: Schedule) -> list[Problem]:
         return any(s.mode == mode and s.mesh_axis == axis and isinstance(s.layout, Replicate)
                    and s.src is not None and s.src != s.layout for s in syncs.get(path, ()))
 
+    exits = _chain_exits(sch)
+
     def last_member(path: str, axis: str) -> bool:  # a chain's last member: the stream leaves the chain
-        members = [r for r, s in seqs.items() if s.mesh_axis == axis]
-        return path in members and max(members, key=order.index) == path
+        return exits.get(axis) == path
 
     problems = []
     for path, specs in syncs.items():
@@ -1854,6 +1854,16 @@ def _enters_chain_whole(path: str, role: Role | None, seqs: Mapping[str, SeqSpec
     return min((r for r, o in seqs.items() if o.mesh_axis == seq.mesh_axis), key=rank) == path
 
 
+def _chain_exits(sch: Schedule) -> dict[str, str]:
+    """Per mesh axis, the last member of its sequence-parallel chain in module order: the
+    chain's exit gathers that member's output back to the whole sequence."""
+    order = {q: i for i, q in enumerate(sch.paths())}
+    members: dict[str, list[str]] = {}
+    for r, spec in sch.annotations.of_kind(SEQ).items():
+        members.setdefault(spec.mesh_axis, []).append(r)
+    return {axis: max(rs, key=lambda r: order.get(r, 0)) for axis, rs in members.items()}
+
+
 def _in_chain(sch: Schedule, path: str, axis: str) -> bool:
     """Whether ``path`` is in (or is) a sequence-parallel chain over ``axis``."""
     return any(s.mesh_axis == axis and (r == path or contains(r, path))
@@ -1884,8 +1894,7 @@ def _unsourced(sch: Schedule) -> list[Problem]:
     chains: dict[str, list[str]] = {}
     for r, spec in sch.annotations.of_kind(SEQ).items():
         chains.setdefault(spec.mesh_axis, []).append(r)
-    order = {q: i for i, q in enumerate(sch.paths())}
-    exits = {axis: max(members, key=lambda r: order.get(r, 0)) for axis, members in chains.items()}
+    exits = _chain_exits(sch)
     reach = _features_reach_code(sch)
     problems = []
     for path, specs in syncs.items():
@@ -1924,7 +1933,7 @@ def _unsourced(sch: Schedule) -> list[Problem]:
                 # a chain's sequence shard lives in its members; its exit gathers it back, so a module
                 # holding the last member returns it whole
                 last = exits.get(s.mesh_axis)
-                holds_exit = last is not None and (last != path and contains(path, last))
+                holds_exit = last is not None and last != path and contains(path, last)
                 possible = own_code or any(
                     isinstance(o.layout, Shard) and not _last_dim(o.layout) for o in others) or any(
                     r == path or contains(r, path) or (contains(path, r) and not holds_exit)
@@ -1994,9 +2003,7 @@ class _Features:
         self.own = set(sch.annotations.of_kind(LOCAL)) | set(sch.annotations.of_kind(INSTALLED)) | set(
             sch.annotations.of_kind(EXPERTS))
         self.kept = _kept_columns(sch, (q for q, ps in partners.items() if ps))
-        order = {q: i for i, q in enumerate(sch.paths())}
-        members = [r for r, s in sch.annotations.of_kind(SEQ).items() if s.mesh_axis == axis]
-        self.exit = max(members, key=lambda r: order.get(r, 0)) if members else None  # the chain's gather
+        self.exit = _chain_exits(sch).get(axis)  # the chain's gather
         self.annotated = set(self.roles) | set(self.syncs) | set(sch.annotations.of_kind(SEQ)) | self.own
         self.memo: dict[tuple[str, str], Placement | None] = {}
         self.throughs: dict[str, Callable[[str], bool]] = {}
