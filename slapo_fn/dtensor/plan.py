@@ -153,6 +153,7 @@ def _plan(sch: Schedule) -> Plan:
     rngs: dict[str, RngSpec] = sch.annotations.of_kind(RNG)
     order = {p: i for i, p in enumerate(sch.paths())}
     seq_roots = sorted(seqs, key=lambda p: order.get(p, 0))
+    entries = _chain_entries(sch)
 
     def region(path: str) -> SeqSpec | None:
         for root in seq_roots:
@@ -175,7 +176,7 @@ def _plan(sch: Schedule) -> Plan:
         role = roles.get(path)
         seq = region(path)
         partnered = bool(partners.get(path))
-        spec_syncs = _resolved_syncs(path, syncs.get(path, ()), roles.get(path), seqs, seq_roots,
+        spec_syncs = _resolved_syncs(path, syncs.get(path, ()), roles.get(path), seqs, entries,
                                      functools.partial(_stated_output, sch, path), partnered,
                                      functools.partial(_arriving_at, know, path))
         out_sync = next((s for s in spec_syncs if s.mode == "fwd_post"), None)
@@ -377,7 +378,7 @@ def _kept_columns(sch: Schedule, paired: Iterable[str]) -> frozenset[str]:
 
 
 def _resolved_syncs(path: str, specs: tuple[SyncSpec, ...], role: Role | None, seqs: Mapping[str, SeqSpec],
-                    chain_order: list[str], inner: Callable[[str], Placement | None],
+                    entries: Mapping[str, str], inner: Callable[[str], Placement | None],
                     partnered: bool = False,
                     arriving: Callable[[str], Placement | None] = lambda _: None) -> tuple[SyncSpec, ...]:
     """``path``'s syncs with the layout each converts from (``src``) filled in where the
@@ -391,8 +392,7 @@ def _resolved_syncs(path: str, specs: tuple[SyncSpec, ...], role: Role | None, s
     brings (``arriving(axis)``: a sync before it split them), else ``Replicate()``.
     ``bwd_post`` syncs keep theirs."""
     seq = seqs.get(path)
-    rank = {q: i for i, q in enumerate(chain_order)}
-    whole_in = _enters_chain_whole(path, role, seqs, lambda q: rank.get(q, 0))
+    whole_in = _enters_chain_whole(path, role, seqs, entries)
     out: list[SyncSpec] = []
     last: dict[tuple[str, str], Placement] = {}
     for s in specs:
@@ -635,10 +635,9 @@ def _untraced_pairs(sch: Schedule, p: Plan) -> list[Problem]:
     recipe): trusted, as :func:`_unsourced` trusts it."""
     kept = _kept_columns(sch, (q for q, mp in p.modules.items() if mp.partnered))
     order = {q: i for i, q in enumerate(sch.paths())}
-    installed = sch.annotations.of_kind(INSTALLED)
     problems = []
     for (parent, axis), paths in _pair_groups(sch).items():
-        if parent in installed or not _by_module_order(sch, parent, paths):
+        if _installed(sch, parent) or not _by_module_order(sch, parent, paths):
             continue  # installed: code written for this rank's share (the kernels take head counts from the recipe)
         columns = sorted((q for q in paths if q in kept), key=lambda q: order.get(q, 0))
         if not columns:
@@ -1588,7 +1587,8 @@ def _feature_syncs(sch: Schedule, p: Plan) -> list[Problem]:
             elif role is not None and role.kind == "column":
                 if meets_whole(path, what, None, s.mesh_axis, "keeps its output split"):
                     continue
-                if (taker := _untraced_taker(sch, path)) is not None:
+                users, taker = _reach(sch, path)
+                if taker is not None:
                     problems.append(Problem(
                         path, f"{what} keeps its output split by features, but fx cannot trace the forward of "
                               f"{taker or '<root>'!r}, which takes it: slapo_fn cannot tell that its code takes "
@@ -1598,7 +1598,7 @@ def _feature_syncs(sch: Schedule, p: Plan) -> list[Problem]:
                     continue
                 # kept split for rows: its own, or ones inside the modules it reaches (BERT's attention
                 # output); where it is the result (vocab-parallel logits) or an installed module takes it, trusted
-                reached = _users(sch, path) or []
+                reached = users or []
                 rows = [q for q, r in roles.items() if r.kind == "row" and r.mesh_axis == s.mesh_axis]
                 bad = [q for q in reached if not _takes_split(sch, q, set(rows))]
                 if bad:
@@ -1620,8 +1620,8 @@ def _feature_syncs(sch: Schedule, p: Plan) -> list[Problem]:
                         "state the split: sf.sync(..., src=Shard(-1))",
                     ))
                 continue  # the model's sharded result
-            users = _users(sch, path)
-            if users is None and role is not None and _untraced_taker(sch, path) is None:
+            users, taker = _reach(sch, path)
+            if users is None and role is not None and taker is None:
                 continue  # a sharded module's stated output taken by a module installed by sf.replace
             if users is None:
                 named = "modules whose data flow slapo_fn cannot trace"
@@ -1741,10 +1741,7 @@ def _ancestors(path: str) -> list[str]:
 def _users(sch: Schedule, path: str) -> list[str] | None:
     """The modules ``path``'s output reaches (through pointwise ones), by the data flow, up
     the tree while it leaves its parent; ``None`` where a parent's flow is unknown."""
-    levels, start = _downstream(sch, path)
-    if start:
-        return None
-    return [join(lv.parent, q) for lv in levels for q in sorted(lv.users - {OUTPUT})]
+    return _reach(sch, path)[0]
 
 
 @dataclass(frozen=True)
@@ -1780,19 +1777,26 @@ def _downstream(sch: Schedule, path: str) -> tuple[list[_Level], str | None]:
     return levels, start
 
 
-def _untraced_taker(sch: Schedule, path: str) -> str | None:
-    """The module fx cannot trace whose code takes ``path``'s output (past containers
-    without a ``forward`` of their own), or ``None``: the flow is known all the way, or
-    that module was installed by ``sf.replace`` (code written for this rank's share)."""
-    start = _downstream(sch, path)[1]
+def _installed(sch: Schedule, path: str) -> bool:
+    """Whether ``path`` is, or is inside, a module installed by ``sf.replace``: code written
+    for this rank's share (slapo_fn's attention kernels take their head counts from the
+    recipe), trusted with what it is handed."""
+    return any(a == path or contains(a, path) for a in sch.annotations.of_kind(INSTALLED))
+
+
+def _reach(sch: Schedule, path: str) -> tuple[list[str] | None, str | None]:
+    """Where ``path``'s output goes, from one walk of :func:`_downstream`: the modules it
+    reaches (through pointwise ones, up the tree while it leaves its parent; ``None`` where
+    a parent's flow is unknown), and the module fx cannot trace whose code takes it (past
+    containers without a ``forward`` of their own; ``None`` where the flow is known all the
+    way, or that module is :func:`_installed`)."""
+    levels, start = _downstream(sch, path)
     if not start:
-        return None
+        return [join(lv.parent, q) for lv in levels for q in sorted(lv.users - {OUTPUT})], None
     around = _parent(start)
     while around and uncalled(get_module(sch.module, around)):
         around = _parent(around)
-    if any(a == around or contains(a, around) for a in sch.annotations.of_kind(INSTALLED)):
-        return None
-    return around
+    return None, None if _installed(sch, around) else around
 
 
 def _model_output(sch: Schedule, path: str) -> bool:
@@ -1844,24 +1848,37 @@ def _partial_sources(sch: Schedule) -> list[Problem]:
     return problems
 
 
-def _enters_chain_whole(path: str, role: Role | None, seqs: Mapping[str, SeqSpec], rank: Callable[[str], int]) -> bool:
+def _enters_chain_whole(path: str, role: Role | None, seqs: Mapping[str, SeqSpec], entries: Mapping[str, str]) -> bool:
     """Whether ``path`` is a row or vocab embedding over its chain's mesh axis and the
-    chain's first member (by ``rank``): it takes its input whole and makes the chain's
-    sequence shard itself (a reduce-scatter), where any other member takes that shard."""
+    chain's first member (``entries``, :func:`_chain_ends`): it takes its input whole and
+    makes the chain's sequence shard itself (a reduce-scatter), where any other member
+    takes that shard."""
     seq = seqs.get(path)
     if seq is None or role is None or role.kind not in ("row", "vocab") or role.mesh_axis != seq.mesh_axis:
         return False
-    return min((r for r, o in seqs.items() if o.mesh_axis == seq.mesh_axis), key=rank) == path
+    return entries.get(seq.mesh_axis) == path
 
 
-def _chain_exits(sch: Schedule) -> dict[str, str]:
-    """Per mesh axis, the last member of its sequence-parallel chain in module order: the
-    chain's exit gathers that member's output back to the whole sequence."""
+def _chain_ends(sch: Schedule) -> dict[str, tuple[str, str]]:
+    """Per mesh axis, the first and last members of its sequence-parallel chain in module
+    order: the chain's entry shards the sequence at the first, its exit gathers the last
+    one's output back to the whole sequence."""
     order = {q: i for i, q in enumerate(sch.paths())}
     members: dict[str, list[str]] = {}
     for r, spec in sch.annotations.of_kind(SEQ).items():
         members.setdefault(spec.mesh_axis, []).append(r)
-    return {axis: max(rs, key=lambda r: order.get(r, 0)) for axis, rs in members.items()}
+    return {axis: (min(rs, key=lambda r: order.get(r, 0)), max(rs, key=lambda r: order.get(r, 0)))
+            for axis, rs in members.items()}
+
+
+def _chain_entries(sch: Schedule) -> dict[str, str]:
+    """Per mesh axis, the first member of its chain in module order (:func:`_chain_ends`)."""
+    return {axis: first for axis, (first, _) in _chain_ends(sch).items()}
+
+
+def _chain_exits(sch: Schedule) -> dict[str, str]:
+    """Per mesh axis, the last member of its chain in module order (:func:`_chain_ends`)."""
+    return {axis: last for axis, (_, last) in _chain_ends(sch).items()}
 
 
 def _in_chain(sch: Schedule, path: str, axis: str) -> bool:
@@ -2113,7 +2130,7 @@ def _contradicted_sources(sch: Schedule, partners: Mapping[str, tuple[str, ...]]
         return features[axis]
 
     seqs: dict[str, SeqSpec] = sch.annotations.of_kind(SEQ)
-    order = {q: i for i, q in enumerate(sch.paths())}
+    entries = _chain_entries(sch)
 
     def member(path: str, axis: str) -> SeqSpec | None:
         spec = seqs.get(path)
@@ -2125,7 +2142,7 @@ def _contradicted_sources(sch: Schedule, partners: Mapping[str, tuple[str, ...]]
         chained = member(path, pre.mesh_axis) if pre is not None else None
         if pre is not None and pre.src is not None and chained is not None:
             # a chain member takes its input as the chain's sequence shard (after the chain's entry)
-            whole = _enters_chain_whole(path, role, seqs, lambda q: order.get(q, 0))
+            whole = _enters_chain_whole(path, role, seqs, entries)
             have_seq: Placement = Replicate() if whole else Shard(chained.seq_axis)
             if pre.src != have_seq:
                 problems.append(Problem(
