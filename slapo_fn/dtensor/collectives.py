@@ -20,6 +20,7 @@ function               forward                backward
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..errors import LayoutError, Problem
 
-__all__ = ["Axis", "enter", "gather", "gather_rs", "redistribute", "reduce", "reduce_scatter", "split"]
+__all__ = ["Axis", "enter", "enter_all", "gather", "gather_rs", "redistribute", "reduce", "reduce_scatter", "split"]
 
 Axis = tuple[DeviceMesh, int]
 
@@ -99,6 +100,30 @@ class _Enter(torch.autograd.Function):
         return _all_reduce(grad, ctx.axis), None
 
 
+class _EnterAll(torch.autograd.Function):
+    """``_Enter`` over several tensors whose gradients are reduced in one all-reduce per
+    dtype (a module's replicated parameters used on activation shards): one node, so
+    autograd hands it every gradient at once; an unused one arrives as zeros."""
+
+    @staticmethod
+    def forward(axis: Axis, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.axis = inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        out: list[torch.Tensor] = list(grads)
+        for dtype in dict.fromkeys(g.dtype for g in grads):
+            idx = [i for i, g in enumerate(grads) if g.dtype == dtype]
+            flat = _all_reduce(torch.cat([grads[i].reshape(-1) for i in idx]), ctx.axis)
+            for i, piece in zip(idx, flat.split([grads[i].numel() for i in idx]), strict=True):
+                out[i] = piece.view_as(grads[i])
+        return (None, *out)
+
+
 class _Reduce(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, axis: Axis) -> torch.Tensor:
@@ -160,6 +185,18 @@ class _ReduceScatter(torch.autograd.Function):
 def enter(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward (enter a TP region)."""
     return _Enter.apply(x, axis)  # type: ignore[no-any-return]
+
+
+def enter_all(xs: Sequence[torch.Tensor], axis: Axis) -> tuple[torch.Tensor, ...]:
+    """:func:`enter` over several tensors at once: their gradients are all-reduced in one
+    collective per dtype, flattened together (as Megatron-LM buckets its sequence-parallel
+    norms' gradients), instead of one each.
+
+    Example (a module's weight and bias, one all-reduce backward)::
+
+        w, b = enter_all([weight, bias], (mesh, 0))
+    """
+    return _EnterAll.apply(axis, *xs)  # type: ignore[no-any-return]
 
 
 def reduce(x: torch.Tensor, axis: Axis) -> torch.Tensor:

@@ -141,9 +141,9 @@ class ActivationShapes:
 
     def bytes_of(self, boundary: Boundary, params: Mapping[str, ParamLayout]) -> int | None:
         """Bytes of the full tensor at ``boundary`` (``None`` when the shape is unknown)."""
-        if boundary.tensor.startswith("param:"):
-            p = params.get(join(boundary.path, boundary.tensor.removeprefix("param:")))
-            return None if p is None else p.bytes
+        if boundary.tensor.startswith("param:"):  # one parameter, or several reduced together
+            found = [params.get(join(boundary.path, n)) for n in boundary.tensor.removeprefix("param:").split(",")]
+            return None if any(p is None for p in found) else sum(p.bytes for p in found if p is not None)
         table = self.outputs if boundary.tensor == "output" else self.inputs
         entry = table.get(boundary.path)
         if entry is None:

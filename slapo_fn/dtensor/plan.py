@@ -74,7 +74,7 @@ class Boundary:
     forward: tuple[str, ...] = ()
     backward: tuple[str, ...] = ()
     explicit: bool = True
-    tensor: str = "input"  # which tensor's full size the collective moves: input, output, param:<name>
+    tensor: str = "input"  # which tensor's full size the collective moves: input, output, param:<name>[,<name>...]
 
     def __str__(self) -> str:
         flag = "" if self.explicit else "  (implicit)"
@@ -720,16 +720,19 @@ def _sharded_output(seq: int | SeqSpec | None, out_sync: SyncSpec | None) -> boo
 
 
 def _param_grad_boundaries(sch: Schedule, mp: ModulePlan) -> list[Boundary]:
-    """The backward all-reduce of each replicated parameter of a module that runs on
-    activation shards (see ``_Runtime.reduced_grad``)."""
+    """The backward all-reduce of a module's replicated parameters that run on activation
+    shards (see ``_Runtime.reduced_grads``): one for all of them, flattened together (one
+    per dtype where they differ)."""
     ax = mp.role.mesh_axis if mp.role is not None else (mp.seq.mesh_axis if mp.seq is not None else mp.local_axis)
     layouts = sch.annotations.of_kind(LAYOUT)
     module = get_module(sch.module, mp.path)
-    return [
-        Boundary(mp.path, f"param grad {n}", "P", "R", ax, (), ("all_reduce",), True, f"param:{n}")
-        for n, p in module._parameters.items()
-        if p is not None and not (join(mp.path, n) in layouts and not layouts[join(mp.path, n)].is_replicated)
-    ]
+    reduced = {n: p for n, p in module._parameters.items()
+               if p is not None and not (join(mp.path, n) in layouts and not layouts[join(mp.path, n)].is_replicated)}
+    if not reduced:
+        return []
+    dtypes = len({p.dtype for p in reduced.values()})
+    return [Boundary(mp.path, f"param grads {', '.join(reduced)}", "P", "R", ax, (), ("all_reduce",) * dtypes,
+                     True, "param:" + ",".join(reduced))]
 
 
 def _d(p: Placement) -> str:

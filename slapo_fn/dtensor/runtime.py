@@ -98,15 +98,17 @@ class _Runtime:
     def size(self, name: str) -> int:
         return int(self.mesh.size(self.dims.index(name)))
 
-    def reduced_grad(self, name: str, p: torch.Tensor) -> torch.Tensor:
-        """The local value of a replicated parameter used on this rank's shard of the
-        activations (sequence positions, heads): its local gradient is a partial sum, all-
-        reduced over ``name`` in backward, so the parameter's gradient is ``Replicate`` like
-        the parameter (an optimizer step or a norm then needs no collective)."""
+    def reduced_grads(self, name: str, ps: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The local values of one module's replicated parameters used on this rank's shard
+        of the activations (sequence positions, heads): their local gradients are partial
+        sums, all-reduced over ``name`` in backward in one collective (per dtype), so each
+        parameter's gradient is ``Replicate`` like the parameter (an optimizer step or a
+        norm then needs no collective)."""
         if _in_transform():
-            return C.enter(_constant(p, local=True), self.axis(name))
-        assert isinstance(p, DTensor)
-        return C.enter(p.to_local(grad_placements=p.placements), self.axis(name))
+            return C.enter_all([_constant(p, local=True) for p in ps], self.axis(name))
+        assert all(isinstance(p, DTensor) for p in ps)
+        return C.enter_all([p.to_local(grad_placements=p.placements) for p in ps],  # type: ignore[attr-defined]
+                           self.axis(name))
 
     def scoped(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         """``forward`` run as one pass: the entries it makes are shared by the modules it
@@ -360,6 +362,7 @@ def _generic(rt: _Runtime, m: nn.Module, mp: ModulePlan, forward: Callable[..., 
 
     def run(*args: Any, **kwargs: Any) -> Any:
         params: dict[str, torch.Tensor] = {}
+        reduced: dict[str, torch.Tensor] = {}
         for n in names:
             p = getattr(m, n)  # the module's, or torch.func.functional_call's tensor in its place
             inner = _underlying(p)
@@ -371,9 +374,11 @@ def _generic(rt: _Runtime, m: nn.Module, mp: ModulePlan, forward: Callable[..., 
                     else p.redistribute(placements=[Replicate()] * len(p.placements)).to_local()
                 )
             elif mp.local_params:
-                params[n] = rt.reduced_grad(ax, p)
+                reduced[n] = p
             else:
                 params[n] = _local(p)  # type: ignore[assignment]
+        if reduced:  # the module's replicated parameters, their gradients reduced together
+            params.update(zip(reduced, rt.reduced_grads(ax, list(reduced.values())), strict=True))
         with _reparametrize_module(m, params):
             return forward(*args, **kwargs)
 
