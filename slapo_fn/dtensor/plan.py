@@ -102,6 +102,21 @@ class ModulePlan:
     partners: tuple[str, ...] = ()  # a column kept local: the rows it feeds; a row: the columns feeding it
     entry_group: str = ""  # a column: columns of one group handed one tensor enter the region once
 
+    @property
+    def keeps_features(self) -> bool:
+        """A column paired with rows whose output stays this rank's features for them: no
+        ``fwd_post`` sync of its own gathers it (:func:`_gathers_output`). Its parent's code
+        then runs on this rank's heads, and build makes the parent's head counts local."""
+        role = self.role
+        return (self.partnered and role is not None and role.kind == "column"
+                and not _gathers_output(self.syncs, role.mesh_axis))
+
+
+def _gathers_output(specs: Iterable[SyncSpec], axis: str) -> bool:
+    """Whether a ``fwd_post`` sync among ``specs`` moves an output split by features over
+    ``axis`` off that split (to ``Replicate()`` or a sequence shard)."""
+    return any(s.mode == "fwd_post" and s.mesh_axis == axis and not _last_dim(s.layout) for s in specs)
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -362,10 +377,7 @@ def _partner_gathered(sch: Schedule, columns: tuple[str, ...], axis: str) -> boo
     (to ``Replicate()`` or a sequence shard): the row then takes a whole-width input and
     splits it itself, a backward all-gather."""
     syncs = sch.annotations.of_kind(SYNC)
-    return any(
-        s.mode == "fwd_post" and s.mesh_axis == axis and not _last_dim(s.layout)
-        for c in columns for s in syncs.get(c, ())
-    )
+    return any(_gathers_output(syncs.get(c, ()), axis) for c in columns)
 
 
 def _kept_columns(sch: Schedule, paired: Iterable[str]) -> frozenset[str]:
@@ -1229,7 +1241,7 @@ def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
     split_out: dict[str, str] = {}  # path -> mesh axis: partnered columns, and outputs a sync splits
     for path, mp in p.modules.items():
         role = mp.role
-        if path and role is not None and role.kind == "column" and mp.partnered and role.packed == 1:
+        if path and role is not None and mp.keeps_features and role.packed == 1:
             split_out[path] = role.mesh_axis
     for path, specs in sch.annotations.of_kind(SYNC).items():
         for sp in specs:

@@ -466,9 +466,9 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
                 _adjust_expert_count(m, mp.experts.num_experts, mp.experts.local_experts(rt.size(ep)))
         elif mp.role is not None and mp.role.kind in ("column", "embed_dim"):
             forward = _column(rt, m, mp, path in gathers_own)
-            if mp.role.packed > 1:
-                _adjust_packed_parent(model, path, mp.role, rt)
-            if mp.role.kind == "column" and mp.partnered:
+            if mp.keeps_features:  # not where the output is gathered: the parent then sees all of it
+                if mp.role.packed > 1:
+                    _adjust_packed_parent(model, path, mp.role, rt)
                 _adjust_head_counts(model, path, mp.role, rt, adjusted)
         elif mp.role is not None and mp.role.kind in ("row", "vocab"):
             forward = _row(rt, m, mp)

@@ -199,7 +199,8 @@ class Gated(nn.Module):
 
 class Attention(nn.Module):
     """q/k/v/o and softmax attention, reshaping by heads. ``style``: ``hf`` reads
-    ``self.num_heads``/``self.head_dim`` (Hugging Face's names); ``infer`` views as
+    ``self.num_heads``/``self.head_dim`` (Hugging Face's names); ``hf-seq`` views as
+    ``(B, -1, self.num_heads, self.head_dim)`` (OPT's: the sequence inferred); ``infer`` views as
     ``(B, S, -1, self.hd)``; ``fixed`` views as ``(B, S, self.nh, self.hd)`` (names that no
     library can guess); ``untraced`` as ``fixed``, behind a branch on a tensor's values
     (it always takes the same way) that fx cannot trace."""
@@ -213,14 +214,15 @@ class Attention(nn.Module):
         if b.norm:
             self.norm = nn.LayerNorm(d)
         hd = d // b.heads
-        if b.style == "hf":
+        if b.style in ("hf", "hf-seq"):
             self.num_heads, self.head_dim = b.heads, hd
         else:
             self.nh, self.hd = b.heads, hd
         self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=b.bias) for _ in range(4))
 
     def extra_repr(self) -> str:
-        view = {"hf": "(B, S, self.num_heads, self.head_dim)", "infer": "(B, S, -1, self.hd)"}
+        view = {"hf": "(B, S, self.num_heads, self.head_dim)", "hf-seq": "(B, -1, self.num_heads, self.head_dim)",
+                "infer": "(B, S, -1, self.hd)"}
         heads = getattr(self, "num_heads", getattr(self, "nh", 0))
         return f"{heads} heads, view{view.get(self.style, '(B, S, self.nh, self.hd)')}" + (
             ", untraceable" if self.style == "untraced" else "") + (", + x" if self.residual else "")
@@ -229,6 +231,8 @@ class Attention(nn.Module):
         bsz, s = t.shape[:2]
         if self.style == "hf":
             t = t.view(bsz, s, self.num_heads, self.head_dim)
+        elif self.style == "hf-seq":
+            t = t.view(bsz, -1, self.num_heads, self.head_dim)
         elif self.style == "infer":
             t = t.view(bsz, s, -1, self.hd)
         else:
@@ -542,7 +546,7 @@ def blocks(draw: Any, d: int) -> Block:
         return Block(kind, hidden=draw(WIDTHS), act=act, bias=bias, norm=norm, residual=residual)
     if kind in ("attn", "layer"):
         heads = draw(st.sampled_from([1, 2, 4]))
-        style = draw(st.sampled_from(["hf", "infer", "fixed", "untraced"]))
+        style = draw(st.sampled_from(["hf", "hf-seq", "infer", "fixed", "untraced"]))
         if kind == "layer":
             return Block(kind, hidden=draw(WIDTHS), act=act, bias=bias, heads=heads, style=style,
                          extra=draw(st.booleans()))
@@ -1111,6 +1115,12 @@ CLOSED: dict[str, Case] = {
         8, True, "untied", (Block("mlp", hidden=16, norm=True, residual=True),),
         (("shard", "layers.0", 0, 1), ("shard", "layers.1.fc1", 0, 2), ("shard", "layers.2", 0, 1),
          ("sync", "", "fwd_post", "R", "S(1)"), ("sp", ("layers.2",), None)), looped=True),
+    # wrong numbers (OPT's view): q/k/v gathered by syncs before a row o, but build made the head
+    # count this rank's as for kept columns, so view(B, -1, self.num_heads, ...) on the whole output
+    # doubled the sequence
+    "gathered-pair-keeps-its-head-count": _c(
+        [Block("attn", heads=2, style="hf-seq", bias=False)], *_MEGATRON_ATTN,
+        *(("sync", f"0.{c}", "fwd_post", "R", None) for c in "qkv")),
 }
 
 
