@@ -294,9 +294,20 @@ def _check_arguments(axis: object, mesh_axis: object, packed: object, layout: ob
 
 
 def _shardable(module: nn.Module) -> bool:
-    return (isinstance(module, nn.Linear | nn.Embedding) or is_conv1d(module)) and module._parameters.get(
-        "weight"
-    ) is not None
+    """A Linear, Embedding or Conv1D with a weight, and with the forward of its kind: a
+    sharded layer's installed forward replaces the module's own, so a subclass with one of
+    its own (OPT's learned positions, which compute position ids from a mask) is sharded by
+    its parameters instead."""
+    return (_own_forward(module) is None and (isinstance(module, nn.Linear | nn.Embedding) or is_conv1d(module))
+            and module._parameters.get("weight") is not None)
+
+
+def _own_forward(module: nn.Module) -> str | None:
+    """The base layer (``"Linear"``, ``"Embedding"``) whose forward a subclass overrides."""
+    for base in (nn.Linear, nn.Embedding):
+        if isinstance(module, base) and type(module).forward is not base.forward:
+            return base.__name__
+    return None
 
 
 def _whole_module_problem(root: nn.Module, path: str, module: nn.Module) -> Problem:
@@ -304,6 +315,9 @@ def _whole_module_problem(root: nn.Module, path: str, module: nn.Module) -> Prob
     its own parameters, else the shardable modules inside it, else those beside it."""
     kind = type(module).__name__
     reason = f"cannot shard a {kind} as a whole (known: Linear, Embedding, Conv1D)"
+    if (base := _own_forward(module)) is not None:
+        reason = (f"cannot shard a {kind} as a whole: it subclasses nn.{base} with a forward of its own, which a "
+                  "sharded layer's forward would replace")
     own = [join(path, n) for n, p in module._parameters.items() if p is not None]
     if own:
         return Problem(path, reason, f"shard its parameters by path, e.g. shard(sch, {own[0]!r}, axis=0)")

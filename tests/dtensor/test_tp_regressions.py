@@ -294,6 +294,28 @@ CASES["untraced-attention-with-its-columns-gathered"] = (
     lambda: nn.Sequential(UntracedHeads(), nn.Linear(8, 8)), _untraced_heads(gather=True), (X,))
 
 
+class Positions(nn.Embedding):
+    """Learned positions (OPT's): an Embedding whose own forward computes the ids it looks up."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(torch.arange(ids.shape[-1]).expand_as(ids) + 2)
+
+
+class TokensAndPositions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.pos, self.out = nn.Embedding(16, 8), Positions(8, 8), nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(ids) + self.pos(ids))
+
+
+# a vocab-parallel forward would replace Positions' own: raw "unexpected keyword argument" on OPT's
+CASES["embedding-subclass-with-its-own-forward"] = (TokensAndPositions, lambda s: sf.shard(s, "pos", axis=0), (IDS,))
+CASES["embedding-subclass-sharded-by-its-weight"] = (
+    TokensAndPositions, lambda s: sf.shard(s, "pos.weight", axis=0), (IDS,))
+
+
 def _case(rank: int, world: int, name: str) -> str:
     make, rewrite, inputs = CASES[name]
     torch.manual_seed(0)
@@ -341,6 +363,9 @@ EXPECTED = {
     "untraced-attention-paired-by-module-order": "refused: build: '0': holds '0.q', '0.k', '0.v', kept split by "
                                                  "features over 'tp' for the rows after them, but fx cannot trace",
     "untraced-attention-with-its-columns-gathered": "equal",
+    "embedding-subclass-with-its-own-forward": "refused: shard: 'pos': cannot shard a Positions as a whole: it "
+                                               "subclasses nn.Embedding with a forward of its own",
+    "embedding-subclass-sharded-by-its-weight": "equal",
 }
 
 
