@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -294,20 +295,46 @@ def _check_arguments(axis: object, mesh_axis: object, packed: object, layout: ob
 
 
 def _shardable(module: nn.Module) -> bool:
-    """A Linear, Embedding or Conv1D with a weight, and with the forward of its kind: a
-    sharded layer's installed forward replaces the module's own, so a subclass with one of
-    its own (OPT's learned positions, which compute position ids from a mask) is sharded by
-    its parameters instead."""
+    """A Linear, Embedding or Conv1D with a weight, computing what its kind computes: a
+    sharded layer's installed forward replaces the module's own, so a subclass with a
+    forward of its own that does more (OPT's learned positions compute their ids from a
+    mask; Llama-4's router picks its top experts) is sharded by its parameters instead."""
     return (_own_forward(module) is None and (isinstance(module, nn.Linear | nn.Embedding) or is_conv1d(module))
             and module._parameters.get("weight") is not None)
 
 
 def _own_forward(module: nn.Module) -> str | None:
-    """The base layer (``"Linear"``, ``"Embedding"``) whose forward a subclass overrides."""
+    """The base layer (``"Linear"``, ``"Embedding"``) whose forward a subclass overrides
+    with one that computes something else, or ``None``. Read by running both forwards on
+    a small probe of the module (its own attributes, small random parameters, no
+    children): Falcon's ``FalconLinear`` (``x @ W.T + b``) is a Linear; a forward that
+    differs, or fails on the probe, is not."""
     for base in (nn.Linear, nn.Embedding):
         if isinstance(module, base) and type(module).forward is not base.forward:
-            return base.__name__
+            return None if _acts_as(module, base) else base.__name__
     return None
+
+
+def _acts_as(module: nn.Module, base: type[nn.Linear] | type[nn.Embedding]) -> bool:
+    g = torch.Generator().manual_seed(0)
+    probe = copy.copy(module)  # its own __dict__: the module itself is not touched
+    params: dict[str, torch.Tensor | None]
+    if base is nn.Linear:
+        params = {"weight": torch.randn(3, 5, generator=g),
+                  "bias": torch.randn(3, generator=g) if module._parameters.get("bias") is not None else None}
+        vars(probe).update(in_features=5, out_features=3)
+        x = torch.randn(2, 5, generator=g)
+    else:
+        params = {"weight": torch.randn(7, 3, generator=g)}
+        vars(probe).update(num_embeddings=7, embedding_dim=3, padding_idx=None)
+        x = torch.tensor([[0, 3, 6, 2]])
+    vars(probe).update(_parameters=params, _buffers={}, _modules={}, _forward_hooks={}, _forward_pre_hooks={})
+    try:
+        with torch.no_grad():
+            got, want = type(module).forward(probe, x), base.forward(probe, x)  # type: ignore[arg-type]
+        return isinstance(got, torch.Tensor) and got.shape == want.shape and bool(torch.allclose(got, want))
+    except Exception:  # the subclass's forward needs more than a layer of its kind: not one
+        return False
 
 
 def _whole_module_problem(root: nn.Module, path: str, module: nn.Module) -> Problem:
@@ -316,8 +343,9 @@ def _whole_module_problem(root: nn.Module, path: str, module: nn.Module) -> Prob
     kind = type(module).__name__
     reason = f"cannot shard a {kind} as a whole (known: Linear, Embedding, Conv1D)"
     if (base := _own_forward(module)) is not None:
-        reason = (f"cannot shard a {kind} as a whole: it subclasses nn.{base} with a forward of its own, which a "
-                  "sharded layer's forward would replace")
+        reason = (f"cannot shard a {kind} as a whole: it subclasses nn.{base} with a forward of its own that "
+                  f"computes more than {'an' if base[0] in 'AEIOU' else 'a'} {base} (a sharded layer's forward would "
+                  "replace it)")
     own = [join(path, n) for n, p in module._parameters.items() if p is not None]
     if own:
         return Problem(path, reason, f"shard its parameters by path, e.g. shard(sch, {own[0]!r}, axis=0)")

@@ -515,3 +515,25 @@ def _checkpointed_tp_llama_with_its_cache(rank: int, world: int) -> str:
 def test_a_checkpointed_tp_llama_with_hf_default_use_cache_is_equal(dist2) -> None:
     # The TP runtime replaces the root's forward: the no-cache hook reads the class's signature.
     assert dist2.run(_checkpointed_tp_llama_with_its_cache, timeout=120) == ["equal", "equal"]
+
+
+def test_a_layer_subclass_is_sharded_whole_only_where_it_computes_what_its_base_does() -> None:
+    """A sharded layer's forward replaces the module's own. Falcon's ``FalconLinear``
+    (``x @ W.T + b``) is a Linear; Llama-4's router (a Linear subclass that picks its top
+    experts) is not: sharding it whole would have dropped the routing. Read by running
+    both forwards on a small probe; the model is not touched."""
+    from transformers import Llama4TextConfig
+    from transformers.models.falcon.modeling_falcon import FalconLinear
+    from transformers.models.llama4.modeling_llama4 import Llama4Router
+
+    from slapo_fn.dtensor.testing import fake_mesh
+
+    model = nn.Sequential(FalconLinear(8, 16), nn.ReLU(), FalconLinear(16, 8, bias=False))
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    sch = sf.shard(sf.shard(sf.create_schedule(model, mesh=fake_mesh(2)), "0", axis=0), "2", axis=1)
+    assert sf.dtensor.plan(sch).modules["0"].role is not None
+    assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())
+    router = nn.Sequential(Llama4Router(Llama4TextConfig(hidden_size=8, num_local_experts=4, num_experts_per_tok=1)))
+    with pytest.raises(sf.LayoutError, match=r"'0': cannot shard a Llama4Router as a whole: it subclasses nn.Linear "
+                                             r"with a forward of its own that computes more than a Linear"):
+        sf.shard(sf.create_schedule(router, mesh=fake_mesh(2)), "0", axis=0)
