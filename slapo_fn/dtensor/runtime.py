@@ -11,7 +11,7 @@ read the same one).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -43,6 +43,11 @@ __all__ = ["apply_tensor_parallel"]
 
 
 def _first_tensor(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with ``fn`` applied to the tensor a module's output stands for: the value
+    itself, the first tensor of a tuple (Hugging Face layers return ``(hidden, weights)``),
+    or the first tensor field of a mapping other than ``loss`` (a ``ModelOutput``'s
+    ``logits`` or ``last_hidden_state``; its loss is computed from them), in a new object.
+    ``value`` unchanged where it holds none (:func:`_converts` says so first)."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, tuple | list) and value:
@@ -51,7 +56,20 @@ def _first_tensor(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any
                 items = list(value)
                 items[i] = fn(v)
                 return type(value)(items) if isinstance(value, list) else tuple(items)
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if isinstance(v, torch.Tensor) and k != "loss":
+                return type(value)(**{**value, k: fn(v)})
     return value
+
+
+def _converts(value: Any) -> bool:
+    """Whether :func:`_first_tensor` finds a tensor in ``value`` to convert."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, tuple | list):
+        return any(isinstance(v, torch.Tensor) for v in value)
+    return isinstance(value, Mapping) and any(isinstance(v, torch.Tensor) and k != "loss" for k, v in value.items())
 
 
 def _map_input(
@@ -666,6 +684,14 @@ def _wrap_boundaries(rt: _Runtime, mp: ModulePlan, forward: Callable[..., Any]) 
             if isinstance(s.src, Partial):
                 args, kwargs = _map_input(args, kwargs, functools.partial(C.enter, axis=rt.axis(s.mesh_axis)))
         out = forward(*args, **kwargs)
+        if (post or mp.exit is not None) and not _converts(out):
+            what = "a fwd_post sync" if post else "the sequence_parallel chain's exit"
+            raise LayoutError("tensor parallel forward", [Problem(
+                mp.path or "<root>",
+                f"returned {type(out).__name__}, with no tensor for {what} to convert (a tensor, a tuple's first "
+                "tensor, or a mapping's first tensor field other than loss)",
+                "sync a module that returns its activation as a tensor (a child of this one), or drop the sync",
+            )])
         for s in post:  # the plan filled in each sync's src (plan._resolved_syncs)
             out = _first_tensor(out, convert(s.src or Replicate(), s.layout, s.mesh_axis))
         if mp.exit is not None and not post:

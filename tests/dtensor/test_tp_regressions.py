@@ -55,6 +55,8 @@ class ShardThenLinear(nn.Module):
 
 
 def _weighted(out: Any, _: Any) -> torch.Tensor:
+    if isinstance(out, dict) and set(out) == {"loss"}:
+        return out["loss"]
     out = out if isinstance(out, torch.Tensor) else out.logits
     return (out.float() * torch.linspace(0.5, 1.5, out.shape[-1])).pow(2).mean()
 
@@ -316,6 +318,20 @@ CASES["embedding-subclass-sharded-by-its-weight"] = (
     TokensAndPositions, lambda s: sf.shard(s, "pos.weight", axis=0), (IDS,))
 
 
+class LossOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": self.lin(x).pow(2).mean()}
+
+
+# a fwd_post sync on a module whose output holds no tensor it converts was skipped silently
+CASES["sync-on-an-output-without-an-activation"] = (
+    LossOnly, lambda s: sf.sync(s, "", "fwd_post", Shard(1)), (X,))
+
+
 def _case(rank: int, world: int, name: str) -> str:
     make, rewrite, inputs = CASES[name]
     torch.manual_seed(0)
@@ -366,6 +382,8 @@ EXPECTED = {
     "embedding-subclass-with-its-own-forward": "refused: shard: 'pos': cannot shard a Positions as a whole: it "
                                                "subclasses nn.Embedding with a forward of its own",
     "embedding-subclass-sharded-by-its-weight": "equal",
+    "sync-on-an-output-without-an-activation": "refused: tensor parallel forward: '<root>': returned dict, with no "
+                                               "tensor for a fwd_post sync to convert",
 }
 
 
