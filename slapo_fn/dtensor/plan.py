@@ -2271,14 +2271,18 @@ def _features_reach_code(sch: Schedule) -> Callable[[SyncSpec], bool]:
     by module order alone is :func:`_untraced_pairs`'s), a lone one or a feature-split
     embedding gathers its output, and a row or vocabulary embedding reduces its own: no
     partial value leaves them (OPT's decoder, which fx cannot trace, holds only such
-    layers). The syncs are gathered once per mesh axis, so each check is a lookup."""
+    layers). A sync from a layout to itself splits nothing, nor does one splitting the
+    model's result (a ``fwd_post`` on the root). The syncs are gathered once per mesh axis,
+    so each check is a lookup."""
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
     splitting: dict[str, list[SyncSpec]] = {}  # mesh axis -> the syncs handing split features to code
     for q, specs in sch.annotations.of_kind(SYNC).items():
         role = roles.get(q)
         for o in specs:
-            if o.mode == "bwd_post" or not _last_dim(o.layout):
-                continue
+            if o.mode == "bwd_post" or not _last_dim(o.layout) or o.src == o.layout:
+                continue  # a sync from a layout to itself moves nothing
+            if o.mode == "fwd_post" and (not q or _model_output(sch, q)):
+                continue  # a split of the model's result reaches no module's code
             own = role is not None and role.mesh_axis == o.mesh_axis and role.kind != "param"
             if not own or o.mode == "fwd_post":  # a role's output kept split leaves it
                 splitting.setdefault(o.mesh_axis, []).append(o)

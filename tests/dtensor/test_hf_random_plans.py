@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from slapo_fn.hf import is_conv1d
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 BATCH = 8
+_TRACE = bool(os.environ.get("SLAPO_HF_PLANS_TRACE"))
 BATCHES = int(os.environ.get("SLAPO_HF_PLANS", "5"))
 VOCAB = 128
 
@@ -206,6 +208,8 @@ def _run(rank: int, world: int, batch: list[Case]) -> list[tuple[str, str]]:
     out = []
     ids = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
     for case in batch:
+        if _TRACE:  # which case a rank was on when it died (a native crash leaves no traceback)
+            print(f"rank {rank}: {case!r}", file=sys.stderr, flush=True)
         model = _model(case.family)
         with torch.no_grad():
             loss = _loss_against(model(ids))

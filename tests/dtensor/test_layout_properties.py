@@ -1121,6 +1121,14 @@ CLOSED: dict[str, Case] = {
     "gathered-pair-keeps-its-head-count": _c(
         [Block("attn", heads=2, style="hf-seq", bias=False)], *_MEGATRON_ATTN,
         *(("sync", f"0.{c}", "fwd_post", "R", None) for c in "qkv")),
+    # a stated Shard(-1) src believed because a sync elsewhere split features: one from a layout to
+    # itself on the root, or one splitting the model's result, splits nothing any module reads
+    "src-believed-for-a-root-sync-to-itself": _c(
+        [Block("attn", heads=4, style="untraced", norm=True, bias=False)], ("shard", "0.k", 0, 1),
+        ("sync", "", "fwd_post", "S(-1)", "S(-1)"), ("sync", "0", "fwd_post", "R", "S(-1)")),
+    "src-believed-for-a-split-of-the-result": _c(
+        [Block("attn", heads=4, style="untraced", norm=True, bias=False)], ("shard", "0.k", 0, 1),
+        ("sync", "", "fwd_post", "S(-1)", None), ("sync", "0", "fwd_post", "R", "S(-1)")),
 }
 
 
