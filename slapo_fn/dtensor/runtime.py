@@ -42,34 +42,35 @@ from .sync import SYNC, SyncSpec
 __all__ = ["apply_tensor_parallel"]
 
 
+def _slot(value: Any) -> int | str | None:
+    """Where in a module's output ``value`` the tensor it stands for sits: ``-1`` for the
+    value itself, the index of a tuple's first tensor (Hugging Face layers return
+    ``(hidden, weights)``), the key of a mapping's first tensor field other than ``loss``
+    (a ``ModelOutput``'s ``logits`` or ``last_hidden_state``; its loss is computed from
+    them); ``None`` where it holds none."""
+    if isinstance(value, torch.Tensor):
+        return -1
+    if isinstance(value, tuple | list):
+        return next((i for i, v in enumerate(value) if isinstance(v, torch.Tensor)), None)
+    if isinstance(value, Mapping):
+        return next((k for k, v in value.items() if isinstance(v, torch.Tensor) and k != "loss"), None)
+    return None
+
+
 def _first_tensor(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``value`` with ``fn`` applied to the tensor a module's output stands for: the value
-    itself, the first tensor of a tuple (Hugging Face layers return ``(hidden, weights)``),
-    or the first tensor field of a mapping other than ``loss`` (a ``ModelOutput``'s
-    ``logits`` or ``last_hidden_state``; its loss is computed from them), in a new object.
-    ``value`` unchanged where it holds none (:func:`_converts` says so first)."""
+    """``value`` with ``fn`` applied to the tensor at its :func:`_slot`, in a new object;
+    ``value`` itself where it holds none."""
+    slot = _slot(value)
+    if slot is None:
+        return value
     if isinstance(value, torch.Tensor):
         return fn(value)
-    if isinstance(value, tuple | list) and value:
-        for i, v in enumerate(value):
-            if isinstance(v, torch.Tensor):
-                items = list(value)
-                items[i] = fn(v)
-                return type(value)(items) if isinstance(value, list) else tuple(items)
     if isinstance(value, Mapping):
-        for k, v in value.items():
-            if isinstance(v, torch.Tensor) and k != "loss":
-                return type(value)(**{**value, k: fn(v)})
-    return value
-
-
-def _converts(value: Any) -> bool:
-    """Whether :func:`_first_tensor` finds a tensor in ``value`` to convert."""
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, tuple | list):
-        return any(isinstance(v, torch.Tensor) for v in value)
-    return isinstance(value, Mapping) and any(isinstance(v, torch.Tensor) and k != "loss" for k, v in value.items())
+        return type(value)(**{**value, slot: fn(value[slot])})
+    assert isinstance(slot, int)
+    items = list(value)
+    items[slot] = fn(items[slot])
+    return type(value)(items) if isinstance(value, list) else tuple(items)
 
 
 def _map_input(
@@ -684,7 +685,7 @@ def _wrap_boundaries(rt: _Runtime, mp: ModulePlan, forward: Callable[..., Any]) 
             if isinstance(s.src, Partial):
                 args, kwargs = _map_input(args, kwargs, functools.partial(C.enter, axis=rt.axis(s.mesh_axis)))
         out = forward(*args, **kwargs)
-        if (post or mp.exit is not None) and not _converts(out):
+        if (post or mp.exit is not None) and _slot(out) is None:
             what = "a fwd_post sync" if post else "the sequence_parallel chain's exit"
             raise LayoutError("tensor parallel forward", [Problem(
                 mp.path or "<root>",
