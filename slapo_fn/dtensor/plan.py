@@ -383,7 +383,8 @@ def _partner_gathered(sch: Schedule, columns: tuple[str, ...], axis: str) -> boo
 def _kept_columns(sch: Schedule, paired: Iterable[str]) -> frozenset[str]:
     """The columns among ``paired`` (those with rows to hand their output to) whose output
     stays this rank's features (``Shard(-1)``) for those rows: no ``fwd_post`` sync of
-    theirs moves it off the split over the column's mesh axis."""
+    theirs moves it off the split over the column's mesh axis. Before the plan is made;
+    after, :attr:`ModulePlan.keeps_features` says the same of each module."""
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
     return frozenset(q for q in paired if (r := roles.get(q)) is not None and r.kind == "column"
                      and not _partner_gathered(sch, (q,), r.mesh_axis))
@@ -645,7 +646,7 @@ def _untraced_pairs(sch: Schedule, p: Plan) -> list[Problem]:
     make the forward traceable. A module installed by ``sf.replace`` is code written for
     this rank's share (slapo_fn's attention kernels take their head counts from the
     recipe): trusted, as :func:`_unsourced` trusts it."""
-    kept = _kept_columns(sch, (q for q, mp in p.modules.items() if mp.partnered))
+    kept = frozenset(q for q, mp in p.modules.items() if mp.keeps_features)
     order = {q: i for i, q in enumerate(sch.paths())}
     problems = []
     for (parent, axis), paths in _pair_groups(sch).items():
@@ -1559,7 +1560,7 @@ def _feature_syncs(sch: Schedule, p: Plan) -> list[Problem]:
     for a ``fwd_post`` sync (or a pointwise module handed split features) whose output
     reaches anything but rows, unless it is the model's output."""
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
-    kept = _kept_columns(sch, (q for q, mp in p.modules.items() if mp.partnered))
+    kept = frozenset(q for q, mp in p.modules.items() if mp.keeps_features)
     problems = []
 
     def meets_whole(path: str, what: str, rows: list[str] | None, axis: str, verb: str) -> bool:
@@ -2036,7 +2037,8 @@ class _Features:
             sch.annotations.of_kind(EXPERTS))
         self.kept = _kept_columns(sch, (q for q, ps in partners.items() if ps))
         self.exit = _chain_exits(sch).get(axis)  # the chain's gather
-        self.annotated = set(self.roles) | set(self.syncs) | set(sch.annotations.of_kind(SEQ)) | self.own
+        self.moving = set(self.syncs) | set(sch.annotations.of_kind(SEQ)) | self.own  # all but roles
+        self.annotated = set(self.roles) | self.moving
         self.memo: dict[tuple[str, str], Placement | None] = {}
         self.throughs: dict[str, Callable[[str], bool]] = {}
 
@@ -2110,10 +2112,13 @@ class _Features:
             return got if isinstance(got, Replicate) or pointwise(module) else None
         fl = _flow_of(self.sch, path)
         if fl is None:
-            # untraceable, but with nothing planned at or inside it, it computes on what arrives as
-            # the model does: whole in, whole out (BERT's embeddings, Mixtral's routed experts)
-            untouched = not any(q == path or contains(path, q) for q in self.annotated)
-            return Replicate() if untouched and isinstance(self.inside(path), Replicate) else None
+            # untraceable, but whole in and nothing inside it handing on anything but whole values,
+            # it computes on what arrives as the model does: whole out (BERT's embeddings, one sharded
+            # by features; Mixtral's routed experts). Roles without syncs gather or reduce their
+            # outputs, but for a column kept split for its rows
+            inner = [q for q in self.annotated if q == path or contains(path, q)]
+            whole = all(q != path and q in self.roles and q not in self.moving and q not in self.kept for q in inner)
+            return Replicate() if whole and isinstance(self.inside(path), Replicate) else None
         return self._combine(path, fl.reaching_output(self._through(path)))
 
     def _combine(self, parent: str, fed: frozenset[str]) -> Placement | None:
