@@ -1950,8 +1950,9 @@ def _unsourced(sch: Schedule) -> list[Problem]:
                     break
                 continue
             role = roles.get(path)
-            if role is not None and (s.mode == "fwd_post" or (role.kind == "row" and role.mesh_axis == s.mesh_axis)):
-                continue  # the role's own output; a row's stated input is _contradicted_sources's
+            if role is not None and (s.mode == "fwd_post" or (
+                    role.kind == "row" and role.mesh_axis == s.mesh_axis and _last_dim(src))):
+                continue  # the role's own output; a row's stated split input is _contradicted_sources's
             others = [o for q, o in stated if o is not s and o.mesh_axis == s.mesh_axis]
             if isinstance(src, Partial):
                 if (s.mode == "fwd_post" and path and path not in sch.annotations.of_kind(LOCAL)

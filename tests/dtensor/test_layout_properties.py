@@ -1126,6 +1126,11 @@ CLOSED: dict[str, Case] = {
     "src-believed-for-a-root-sync-to-itself": _c(
         [Block("attn", heads=4, style="untraced", norm=True, bias=False)], ("shard", "0.k", 0, 1),
         ("sync", "", "fwd_post", "S(-1)", "S(-1)"), ("sync", "0", "fwd_post", "R", "S(-1)")),
+    # wrong numbers: a row's fwd_pre src=Partial() in an attention fx cannot trace was left to the
+    # data flow (which cannot tell there), so the sync summed the ranks' whole copies of its input
+    "row-input-stated-partial-in-untraced-code": _c(
+        [Block("attn", heads=4, style="untraced", norm=True, bias=False)], ("shard", "0.k", 1, 1),
+        ("sync", "0.k", "fwd_pre", "R", "P")),
     "src-believed-for-a-split-of-the-result": _c(
         [Block("attn", heads=4, style="untraced", norm=True, bias=False)], ("shard", "0.k", 0, 1),
         ("sync", "", "fwd_post", "S(-1)", None), ("sync", "0", "fwd_post", "R", "S(-1)")),
