@@ -305,7 +305,9 @@ def _unpack(gathered: torch.Tensor, packed: int, size: int) -> torch.Tensor:
     return gathered.unflatten(-1, (size, packed, -1)).transpose(-3, -2).flatten(-3)
 
 
-def _row(rt: _Runtime, m: nn.Module, mp: ModulePlan) -> Callable[..., Any]:
+def _row(rt: _Runtime, m: nn.Module, mp: ModulePlan, split_in: bool = False) -> Callable[..., Any]:
+    """``split_in``: every column feeding it keeps its output split for it (a Megatron pair)
+    and no sync of its own converts it, so its input must arrive as this rank's features."""
     role = mp.role
     assert role is not None
     ax = role.mesh_axis
@@ -338,6 +340,17 @@ def _row(rt: _Runtime, m: nn.Module, mp: ModulePlan) -> Callable[..., Any]:
             y = F.embedding(ids, w, pad).masked_fill(outside.unsqueeze(-1), 0.0)
             return reduce(y)
         if full_in is not None and size > 1 and x.shape[-1] == full_in:  # arrived replicated
+            if split_in:
+                raise LayoutError("tensor parallel forward", [Problem(
+                    mp.path,
+                    f"takes this rank's {full_in // size} of the {full_in} features its column-parallel partners "
+                    f"({', '.join(map(repr, mp.partners))}) keep split, but all {full_in} arrived: the code between "
+                    "them broadcast this rank's heads against values made for all heads (a position bias such as "
+                    "ALiBi, built by the model for every head) — the numbers would be wrong",
+                    "gather the columns' outputs (sf.sync(sch, '<column>', 'fwd_post', Replicate())), keep the "
+                    "attention's projections unsharded, or replace it (sf.replace) by one written for this rank's "
+                    "heads",
+                )])
             x = C.split(x, -1, rt.axis(ax))
         if conv:
             flat = x.reshape(-1, x.shape[-1])
@@ -490,7 +503,11 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
                     _adjust_packed_parent(model, path, mp.role, rt)
                 _adjust_head_counts(model, path, mp.role, rt, adjusted)
         elif mp.role is not None and mp.role.kind in ("row", "vocab"):
-            forward = _row(rt, m, mp)
+            # its input split by its partners alone: no fwd_pre sync of its own converting it
+            fed = [p.modules[c] for c in mp.partners if c in p.modules]
+            split_in = bool(fed) and all(c.keeps_features for c in fed) and not any(
+                s.mode == "fwd_pre" for s in mp.syncs)
+            forward = _row(rt, m, mp, split_in=split_in)
         elif (mp.role is not None and mp.role.kind == "param") or mp.local_params:
             forward = _generic(rt, m, mp, forward)
         forward = _wrap_boundaries(rt, mp, forward)

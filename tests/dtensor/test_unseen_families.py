@@ -460,3 +460,15 @@ def test_unseen_family_is_equal_or_refused(dist2, name: str) -> None:
     assert not bad, f"{name}: {bad}"
     if CASES[name].equal:
         assert set(results[0].values()) == {"equal"}, f"{name}: {results[0]}"
+
+
+def test_alibi_over_one_head_per_rank_is_refused_at_its_first_forward(dist4) -> None:
+    """MPT at tp=4 with 4 heads: each rank's one head broadcasts against the model's ALiBi
+    bias for all 4, so the attention hands its row partner all 64 features. The row took
+    them for replicated and split them: equal loss, wrong gradients, no error. A row whose
+    partners keep their outputs split refuses a whole-width input instead."""
+    results = dist4.run(_family, "mpt", timeout=150)
+    assert all(r == results[0] for r in results), results
+    assert results[0]["hand"].startswith(
+        "refused (LayoutError): tensor parallel forward: 'transformer.blocks.0.attn.out_proj': takes this rank's 16 "
+        "of the 64 features"), results[0]
