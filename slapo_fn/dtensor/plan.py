@@ -220,8 +220,9 @@ def _plan(sch: Schedule) -> Plan:
                     )
                 else:
                     bounds.append(Boundary(path, "input", "R", "R", ax, (), ("all_reduce",) if leader else ()))
+                last_pre = next((s for s in reversed(spec_syncs) if s.mode == "fwd_pre" and s.src != s.layout), None)
                 if not isinstance(get_module(sch.module, path), nn.Embedding) and _arrives_feature_split(
-                        sch, path, ax, pre, know):
+                        sch, path, ax, last_pre, know):  # the layout the last of stacked syncs leaves
                     # split by a sync on it or before it: the column gathers its input back
                     bounds.append(Boundary(path, "input", "S(-1)", "R", ax, ("all_gather",), (), False))
                 out = "S(-1)" if role.packed == 1 else f"S(-1)×{role.packed}"
@@ -231,7 +232,8 @@ def _plan(sch: Schedule) -> Plan:
                 elif not partnered:
                     bounds.append(Boundary(path, "output", out, "R", ax, ("all_gather",), (), False, "output"))
             elif role.kind == "row":
-                stated = next((s for s in spec_syncs if s.mode == "fwd_pre"), None)
+                # the layout the last fwd_pre sync leaves is what the row takes (stacked syncs)
+                stated = next((s for s in reversed(spec_syncs) if s.mode == "fwd_pre"), None)
                 pre = _moving(spec_syncs, "fwd_pre")
                 if (isinstance(stated, SyncSpec) and isinstance(stated.layout, Replicate)
                         and (pre is not None or not partnered)):

@@ -1131,6 +1131,13 @@ CLOSED: dict[str, Case] = {
     "row-input-stated-partial-in-untraced-code": _c(
         [Block("attn", heads=4, style="untraced", norm=True, bias=False)], ("shard", "0.k", 1, 1),
         ("sync", "0.k", "fwd_pre", "R", "P")),
+    # explain counts: stacked fwd_pre syncs (to Shard(-1), then to Replicate()) leave the module the
+    # last one's layout; the plan read the first (a row's own split, a column's gather miscounted)
+    "stacked-pre-syncs-row": _c([Block("mlp", hidden=8, act="relu")], ("shard", "0.fc1", 1, 1),
+                                ("sync", "0.fc1", "fwd_pre", "S(-1)", None), ("sync", "0.fc1", "fwd_pre", "R", None)),
+    "stacked-pre-syncs-column": _c(
+        [Block("mlp", hidden=8, act="relu")], ("shard", "0.fc1", 0, 1),
+        ("sync", "0.fc1", "fwd_pre", "S(-1)", None), ("sync", "0.fc1", "fwd_pre", "R", None)),
     "src-believed-for-a-split-of-the-result": _c(
         [Block("attn", heads=4, style="untraced", norm=True, bias=False)], ("shard", "0.k", 0, 1),
         ("sync", "", "fwd_post", "S(-1)", None), ("sync", "0", "fwd_post", "R", "S(-1)")),
