@@ -123,6 +123,18 @@ class Plan:
     modules: Mapping[str, ModulePlan]
     boundaries: tuple[Boundary, ...] = field(default=())
 
+    def split_by_partners(self, path: str) -> bool:
+        """Whether the row at ``path`` takes this rank's features from its partners alone:
+        every column feeding it keeps its output split for it
+        (:attr:`ModulePlan.keeps_features`) and no ``fwd_pre`` sync of its own converts
+        its input. A whole-width input then means the data flow broke the pair (the
+        runtime refuses it)."""
+        mp = self.modules.get(path)
+        if mp is None or mp.role is None or mp.role.kind not in ("row", "vocab"):
+            return False
+        fed = [self.modules[c] for c in mp.partners if c in self.modules]
+        return bool(fed) and all(c.keeps_features for c in fed) and not any(s.mode == "fwd_pre" for s in mp.syncs)
+
     def counts(self) -> dict[str, dict[str, int]]:
         """``{"forward": {op: n}, "backward": {op: n}}`` for one step (each module called once)."""
         out: dict[str, dict[str, int]] = {"forward": {}, "backward": {}}
@@ -193,7 +205,8 @@ def _plan(sch: Schedule) -> Plan:
         partnered = bool(partners.get(path))
         spec_syncs = _resolved_syncs(path, syncs.get(path, ()), roles.get(path), seqs, entries,
                                      functools.partial(_stated_output, sch, path), partnered,
-                                     functools.partial(_arriving_at, know, path))
+                                     functools.partial(_arriving_at, know, path),
+                                     role is None and pointwise(get_module(sch.module, path)))
         out_sync = next((s for s in spec_syncs if s.mode == "fwd_post"), None)
         group = ""
         if role is not None:
@@ -220,9 +233,8 @@ def _plan(sch: Schedule) -> Plan:
                     )
                 else:
                     bounds.append(Boundary(path, "input", "R", "R", ax, (), ("all_reduce",) if leader else ()))
-                last_pre = next((s for s in reversed(spec_syncs) if s.mode == "fwd_pre" and s.src != s.layout), None)
                 if not isinstance(get_module(sch.module, path), nn.Embedding) and _arrives_feature_split(
-                        sch, path, ax, last_pre, know):  # the layout the last of stacked syncs leaves
+                        sch, path, ax, pre, know):
                     # split by a sync on it or before it: the column gathers its input back
                     bounds.append(Boundary(path, "input", "S(-1)", "R", ax, ("all_gather",), (), False))
                 out = "S(-1)" if role.packed == 1 else f"S(-1)×{role.packed}"
@@ -348,9 +360,10 @@ def _plan(sch: Schedule) -> Plan:
 
 
 def _moving(specs: tuple[SyncSpec, ...], mode: str) -> SyncSpec | None:
-    """The first sync of ``mode`` that moves a layout (a sync from a layout to itself
-    moves nothing: the module sees what arrives)."""
-    return next((s for s in specs if s.mode == mode and s.src != s.layout), None)
+    """The last sync of ``mode`` that moves a layout: stacked syncs run in order, so the
+    module sees what the last leaves (a sync from a layout to itself moves nothing: the
+    module sees what arrives)."""
+    return next((s for s in reversed(specs) if s.mode == mode and s.src != s.layout), None)
 
 
 def _last_dim(p: Placement | None) -> bool:
@@ -395,7 +408,8 @@ def _kept_columns(sch: Schedule, paired: Iterable[str]) -> frozenset[str]:
 def _resolved_syncs(path: str, specs: tuple[SyncSpec, ...], role: Role | None, seqs: Mapping[str, SeqSpec],
                     entries: Mapping[str, str], inner: Callable[[str], Placement | None],
                     partnered: bool = False,
-                    arriving: Callable[[str], Placement | None] = lambda _: None) -> tuple[SyncSpec, ...]:
+                    arriving: Callable[[str], Placement | None] = lambda _: None,
+                    passes: bool = False) -> tuple[SyncSpec, ...]:
     """``path``'s syncs with the layout each converts from (``src``) filled in where the
     user left it out, for the boundaries and the runtime alike: the layout the previous
     sync on the same boundary moved to (one stating a layout to itself is not believed),
@@ -404,8 +418,9 @@ def _resolved_syncs(path: str, specs: tuple[SyncSpec, ...], role: Role | None, s
     takes its input whole), the columns' ``Shard(-1)`` at the input of a row in a
     Megatron pair, for an output the layout a sync states on the child that alone makes
     it (``inner(axis)``, :func:`_stated_output`), for an input the features the data flow
-    brings (``arriving(axis)``: a sync before it split them), else ``Replicate()``.
-    ``bwd_post`` syncs keep theirs."""
+    brings (``arriving(axis)``: a sync before it split them), else ``Replicate()``. A
+    module that ``passes`` its input's layout on (pointwise) has, at its output, the layout
+    its ``fwd_pre`` syncs left, else what arrives. ``bwd_post`` syncs keep theirs."""
     seq = seqs.get(path)
     whole_in = _enters_chain_whole(path, role, seqs, entries)
     out: list[SyncSpec] = []
@@ -421,6 +436,8 @@ def _resolved_syncs(path: str, specs: tuple[SyncSpec, ...], role: Role | None, s
                 src = Shard(-1)
             elif seq is not None and seq.mesh_axis == s.mesh_axis and not (s.mode == "fwd_pre" and whole_in):
                 src = Shard(seq.seq_axis)
+            elif s.mode == "fwd_post" and passes:
+                src = last.get(("fwd_pre", s.mesh_axis)) or arriving(s.mesh_axis) or Replicate()
             else:
                 src = (inner(s.mesh_axis) if s.mode == "fwd_post" else arriving(s.mesh_axis)) or Replicate()
         if s.mode != "bwd_post" and src != s.layout:  # a sync from a layout to itself moves nothing, asserts nothing

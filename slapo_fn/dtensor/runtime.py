@@ -503,11 +503,7 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
                     _adjust_packed_parent(model, path, mp.role, rt)
                 _adjust_head_counts(model, path, mp.role, rt, adjusted)
         elif mp.role is not None and mp.role.kind in ("row", "vocab"):
-            # its input split by its partners alone: no fwd_pre sync of its own converting it
-            fed = [p.modules[c] for c in mp.partners if c in p.modules]
-            split_in = bool(fed) and all(c.keeps_features for c in fed) and not any(
-                s.mode == "fwd_pre" for s in mp.syncs)
-            forward = _row(rt, m, mp, split_in=split_in)
+            forward = _row(rt, m, mp, split_in=p.split_by_partners(path))
         elif (mp.role is not None and mp.role.kind == "param") or mp.local_params:
             forward = _generic(rt, m, mp, forward)
         forward = _wrap_boundaries(rt, mp, forward)

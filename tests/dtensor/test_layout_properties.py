@@ -466,11 +466,16 @@ def stated_output(case: Case, model: nn.Module) -> str | None:
     """The layout that ``fwd_post`` syncs state for the model's output, or ``None`` for
     Replicate: a sharded output is then compared all-gathered. Innermost module first; a
     sharded module's output takes its first such sync (from its own layout), any other
-    module's each in turn (one from ``src`` to the same layout converts nothing)."""
+    module's each in turn (one from ``src`` to the same layout converts nothing). An
+    activation passes on the layout its own ``fwd_pre`` syncs leave."""
     roles = {op[1] for op in case.plan if op[0] == "shard"}
     chain = next((op[1] for op in case.plan if op[0] == "sp"), ())
     layout = "R"
     for path in reversed(output_paths(model)):
+        if isinstance(model.get_submodule(path), nn.GELU | nn.ReLU):
+            for op in case.plan:
+                if op[0] == "sync" and op[1] == path and op[2] == "fwd_pre" and op[4] != op[3]:
+                    layout = op[3]
         posts = [op for op in case.plan if op[0] == "sync" and op[1] == path and op[2] == "fwd_post"]
         if chain and path == chain[-1]:
             # the chain's exit gathers the last member's output, unless a sync on it takes its place
@@ -1141,6 +1146,12 @@ CLOSED: dict[str, Case] = {
     "src-believed-for-a-split-of-the-result": _c(
         [Block("attn", heads=4, style="untraced", norm=True, bias=False)], ("shard", "0.k", 0, 1),
         ("sync", "", "fwd_post", "S(-1)", None), ("sync", "0", "fwd_post", "R", "S(-1)")),
+    # raw shape error: an activation's fwd_post sync without src= was taken to convert from
+    # Replicate(), though its own fwd_pre sync had split what it passes on (nothing gathered)
+    "pointwise-post-sync-after-its-own-split": _c(
+        [Block("gated", hidden=16, act="relu")], ("shard", "0.gate", 0, 1), ("shard", "0.up", 0, 1),
+        ("shard", "0.down", 1, 1), ("sync", "0.act", "fwd_pre", "S(-1)", None),
+        ("sync", "0.act", "fwd_post", "R", None)),
 }
 
 
