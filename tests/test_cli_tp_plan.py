@@ -1,5 +1,5 @@
 """The ``slapo-fn`` command on a family without a recipe: the model's own Hugging Face
-``base_model_tp_plan`` schedules it (GPT-NeoX, Gemma2), checked by ``verify`` on 2 gloo
+``base_model_tp_plan`` schedules it (GPT-NeoX, Gemma2, Phi-3), checked by ``verify`` on 2 gloo
 ranks; a family with neither a recipe nor a plan is refused in one line, before any
 process starts."""
 
@@ -28,7 +28,8 @@ TINY: dict[str, dict[str, Any]] = {
     # neither a recipe nor a base_model_tp_plan
     "stablelm": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                  "intermediate_size": 128, "vocab_size": 128, "max_position_embeddings": 64},
-    # a plan whose styles slapo_fn has no equivalent for (colwise_gather_output, rowwise_split_input)
+    # a plan of gathered columns and rows that split their whole input (colwise_gather_output,
+    # rowwise_split_input) over a packed [q|k|v] projection
     "phi3": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
              "vocab_size": 128, "max_position_embeddings": 64, "pad_token_id": 0, "bos_token_id": 1,
              "eos_token_id": 2},
@@ -50,7 +51,7 @@ def own_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("slapo-fn")]
 
 
-@pytest.mark.parametrize("model_type", ["gpt_neox", "gemma2"])
+@pytest.mark.parametrize("model_type", ["gpt_neox", "gemma2", "phi3"])
 def test_explain_uses_the_models_own_plan_with_the_other_knobs(tmp_path: Path, model_type: str) -> None:
     result = run("explain", "--model", tiny(tmp_path, model_type), "--dp", "2", "--tp", "2", "--checkpoint", "1.0")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -59,6 +60,7 @@ def test_explain_uses_the_models_own_plan_with_the_other_knobs(tmp_path: Path, m
     layers, column, row = {
         "gpt_neox": ("gpt_neox.layers", "attention.query_key_value", "attention.dense"),
         "gemma2": ("model.layers", "self_attn.q_proj", "self_attn.o_proj"),
+        "phi3": ("model.layers", "self_attn.qkv_proj", "self_attn.o_proj"),
     }[model_type]
     assert f"{layers}.[0,1].{column}: tp=column@tp" in out  # the layers named
     assert f"{layers}.[0,1].{row}: tp=row@tp" in out
@@ -69,12 +71,13 @@ def test_explain_uses_the_models_own_plan_with_the_other_knobs(tmp_path: Path, m
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("model_type", ["gpt_neox", "gemma2"])
+@pytest.mark.parametrize("model_type", ["gpt_neox", "gemma2", "phi3"])
 def test_verify_of_the_models_own_plan_passes_on_two_ranks(tmp_path: Path, model_type: str) -> None:
     result = run("verify", "--model", tiny(tmp_path, model_type), "--tp", "2")
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
     assert result.stdout.count(NOTE) == 1  # said once, by the first rank
-    column = {"gpt_neox": "gpt_neox.layers.0.attention.query_key_value", "gemma2": "model.layers.0.self_attn.v_proj"}
+    column = {"gpt_neox": "gpt_neox.layers.0.attention.query_key_value", "gemma2": "model.layers.0.self_attn.v_proj",
+              "phi3": "model.layers.0.self_attn.qkv_proj"}
     assert column[model_type] in result.stdout and "OK: verified" in result.stdout
 
 
@@ -100,13 +103,18 @@ def test_a_plan_added_to_config_json_is_used(tmp_path: Path) -> None:
     assert "model.layers.[0,1].mlp.down_proj: tp=row@tp" in result.stdout
 
 
-@pytest.mark.parametrize(("model_type", "extra", "expected"), [
-    ("phi3", [], "style 'colwise_gather_output' has no slapo_fn equivalent"),
-    ("gpt_neox", ["--sp"], "--sp needs a recipe"),
+@pytest.mark.parametrize(("model_type", "plan", "extra", "expected"), [
+    ("stablelm", {"layers.*.mlp.up_proj": "packed_rowwise"}, [], "style 'packed_rowwise' has no slapo_fn equivalent"),
+    ("gpt_neox", None, ["--sp"], "--sp needs a recipe"),
 ], ids=["unsupported-style", "sequence-parallel"])
-def test_what_a_plan_cannot_do_is_refused_without_a_traceback(tmp_path: Path, model_type: str, extra: list[str],
+def test_what_a_plan_cannot_do_is_refused_without_a_traceback(tmp_path: Path, model_type: str,
+                                                               plan: dict[str, str] | None, extra: list[str],
                                                                expected: str) -> None:
-    result = run("verify", "--model", tiny(tmp_path, model_type), "--tp", "2", *extra)
+    folder = tiny(tmp_path, model_type)
+    if plan is not None:
+        config = json.loads((tmp_path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({**config, "base_model_tp_plan": plan}))
+    result = run("verify", "--model", folder, "--tp", "2", *extra)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and result.stdout == ""
     assert expected in result.stderr

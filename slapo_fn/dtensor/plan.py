@@ -1320,12 +1320,13 @@ def _packing_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
     packing where it views the output into heads first (GPT-NeoX's, Falcon's and BLOOM's
     ``query_key_value``: [q_h|k_h|v_h] head by head), where a rank's contiguous rows are
     whole heads. Either mistake trains on the wrong features, silently where the widths
-    happen to fit; refused, naming the parent's code. Read from the traced data flow
-    (:func:`.flow.flow`)."""
+    happen to fit; refused, naming the parent's code. A column whose output a sync gathers
+    whole hands the parent all of it (:attr:`ModulePlan.keeps_features`). Read from the
+    traced data flow (:func:`.flow.flow`)."""
     problems = []
     for path, mp in p.modules.items():
         role = mp.role
-        if not path or role is None or role.kind != "column" or not mp.partnered:
+        if not path or role is None or not mp.keeps_features:
             continue
         found = _caller(sch, path)
         how = found[2].apart.get(found[1]) if found is not None else None

@@ -25,8 +25,9 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from torch import nn
+from torch.distributed.tensor import Replicate
 
-from ..dtensor import expert_tensor_parallel, shard, tp_local
+from ..dtensor import expert_tensor_parallel, shard, sync, tp_local
 from ..errors import LayoutError, Problem, ScheduleError
 from ..hf import config_of
 from ..hf import model_type as model_type_of
@@ -129,7 +130,13 @@ class _PlanRecipe(Recipe):
                     "on sequence shards", "drop sequence_parallel (--sp), or write a Recipe with its sp modules")])
 
 
-_STYLES = {"colwise": 0, "local_colwise": 0, "colwise_rep": 0, "rowwise": 1, "local_rowwise": 1, "rowwise_rep": 1}
+#: Column- and row-wise layers (rows take a Megatron pair's split input, or split a whole one
+#: themselves: ``rowwise_split_input``), and vocab- / feature-split embeddings.
+_STYLES = {"colwise": 0, "local_colwise": 0, "rowwise": 1, "local_rowwise": 1, "rowwise_rep": 1,
+           "rowwise_split_input": 1, "embedding_rowwise": 0, "embedding_colwise": 1}
+#: Column layers whose output is gathered whole (``output_layouts=Replicate()``): a shard and a
+#: ``fwd_post`` sync to ``Replicate()``, so the code after them sees every feature.
+_GATHERED_STYLES = frozenset({"colwise_gather_output", "colwise_rep"})
 #: Fused [gate; up] column layers (two chunks, each sharded): sf.shard(axis=0, packed=2).
 _PACKED_STYLES = frozenset({"packed_colwise"})
 #: Replicated parameters of modules that see this rank's shard (per-head q/k norms): sf.tp_local.
@@ -137,15 +144,14 @@ _LOCAL_STYLES = frozenset({"replicated_with_grad_allreduce"})
 #: Mixture-of-experts experts split inside each expert (their packed_colwise / rowwise parameter
 #: entries come with it): sf.expert_tensor_parallel.
 _EXPERT_STYLES = frozenset({"moe_tp_experts"})
-_KNOWN = frozenset(_STYLES) | _PACKED_STYLES | _LOCAL_STYLES | _EXPERT_STYLES
+_KNOWN = frozenset(_STYLES) | _GATHERED_STYLES | _PACKED_STYLES | _LOCAL_STYLES | _EXPERT_STYLES
 
 
 def check_tp_plan(plan: Mapping[str, str]) -> None:
     """Refuse, by path, every style of a Hugging Face tensor-parallel plan that
     :func:`from_tp_plan` has no equivalent for (a ``ScheduleError``)."""
     bad = [Problem(path, f"tensor-parallel style {style!r} has no slapo_fn equivalent here",
-                   "colwise/rowwise/packed_colwise/replicated_with_grad_allreduce/moe_tp_experts only, or write the "
-                   "layout with sf.shard/sf.sync")
+                   f"{'/'.join(sorted(_KNOWN))} only, or write the layout with sf.shard/sf.sync")
            for path, style in plan.items() if style not in _KNOWN]
     if bad:
         raise ScheduleError("from_tp_plan", bad)
@@ -155,7 +161,8 @@ def from_tp_plan(sch: Schedule, plan: Mapping[str, str] | None = None) -> Schedu
     """Shard ``sch`` by a Hugging Face tensor-parallel plan (``{"layers.*.self_attn.q_proj":
     "colwise", …}``; default: the model's ``config.base_model_tp_plan``), over mesh axis
     ``"tp"``. Paths are relative to the base model (``model.`` is prefixed for a causal
-    LM). Column/row-wise styles shard; ``packed_colwise`` shards a fused [gate; up] layer
+    LM). Column/row-wise styles shard (``colwise_gather_output`` also gathers the output
+    whole, a ``fwd_post`` sync to ``Replicate()``); ``packed_colwise`` shards a fused [gate; up] layer
     chunk by chunk; ``replicated_with_grad_allreduce`` (per-head norms) is
     :func:`~slapo_fn.dtensor.tp_local`; ``moe_tp_experts`` splits each expert of a
     mixture-of-experts experts module (:func:`~slapo_fn.expert_tensor_parallel`, which
@@ -199,6 +206,8 @@ def from_tp_plan(sch: Schedule, plan: Mapping[str, str] | None = None) -> Schedu
             continue  # an expert parameter: expert_tensor_parallel lays it out
         if style in _STYLES:
             sch = shard(sch, full(path), axis=_STYLES[style])
+        elif style in _GATHERED_STYLES:
+            sch = sync(shard(sch, full(path), axis=0), full(path), "fwd_post", Replicate())
         elif style in _PACKED_STYLES:
             sch = shard(sch, full(path), axis=0, packed=2)
     if experts:

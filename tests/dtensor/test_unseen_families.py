@@ -341,6 +341,58 @@ def _opt_gathered() -> tuple[nn.Module, tuple[Any, ...], Plan]:
     return OPTForCausalLM(cfg), (_ids(),), sf.foreach("model.decoder.layers.*", sf.scope("self_attn", attn))
 
 
+def _llama_kin(name: str, gathered: tuple[str, ...] = (), **extra: Any) -> Callable[[],
+                                                                         tuple[nn.Module, tuple[Any, ...], Plan]]:
+    """A family laid out like LLaMA (``model.layers.*`` with q/k/v/o and gate/up/down), with
+    the named attention projections' outputs ``gathered`` by syncs (a refusal's fix)."""
+
+    def make() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+        import transformers
+
+        cfg = getattr(transformers, f"{name}Config")(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                                     **extra, **_lm_kw())
+        attn = _column("q_proj", "k_proj", "v_proj") >> _row("o_proj")
+        for column in gathered:
+            attn = attn >> sf.sync.at(column, "fwd_post", Replicate())
+        plan = sf.foreach("model.layers.*", sf.scope("self_attn", attn)
+                          >> sf.scope("mlp", _column("gate_proj", "up_proj") >> _row("down_proj")))
+        return getattr(transformers, f"{name}ForCausalLM")(cfg), (_ids(),), plan
+
+    return make
+
+
+def _glm() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    from transformers import GlmConfig, GlmForCausalLM
+
+    # a fused [gate | up] chunked in two; its own plan gathers it (colwise_gather_output) for a
+    # row that splits its whole input (rowwise_split_input)
+    cfg = GlmConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    pad_token_id=0, **_lm_kw())
+    plan = sf.foreach("model.layers.*",
+                      sf.scope("self_attn", _column("q_proj", "k_proj", "v_proj") >> _row("o_proj"))
+                      >> sf.scope("mlp", _column("gate_up_proj", packed=2) >> _row("down_proj")))
+    return GlmForCausalLM(cfg), (_ids(),), plan
+
+
+def _persimmon(gathered: bool) -> Callable[[], tuple[nn.Module, tuple[Any, ...], Plan]]:
+    """Persimmon's ``query_key_value`` viewed as (heads, 3, head_dim), then LayerNorms over
+    q and k: refused by its head count; ``gathered`` follows the fix."""
+
+    def make() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+        from transformers import PersimmonConfig, PersimmonForCausalLM
+
+        cfg = PersimmonConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, qk_layernorm=True,
+                              hidden_dropout=0.0, **_lm_kw())
+        attn = _column("query_key_value") >> _row("dense")
+        if gathered:
+            attn = attn >> sf.sync.at("query_key_value", "fwd_post", Replicate())
+        plan = sf.foreach("model.layers.*", sf.scope("self_attn", attn)
+                          >> sf.scope("mlp", _column("dense_h_to_4h") >> _row("dense_4h_to_h")))
+        return PersimmonForCausalLM(cfg), (_ids(),), plan
+
+    return make
+
+
 @dataclass(frozen=True)
 class Case:
     make: Callable[[], tuple[nn.Module, tuple[Any, ...], Plan]]
@@ -389,6 +441,21 @@ CASES: dict[str, Case] = {
     "opt-qkv-gathered": Case(_opt_gathered, equal=True),
     "xglm": Case(_xglm),
     "mpt": Case(_mpt),
+    # q/k norms per head (its own plan: replicated_with_grad_allreduce)
+    "qwen3": Case(_llama_kin("Qwen3", num_key_value_heads=2, head_dim=16), equal=True),
+    # q/k RMSNorms over the whole projection: the columns are gathered for them (its own plan's
+    # colwise_gather_output / rowwise_split_input)
+    "olmo2": Case(_llama_kin("Olmo2", num_key_value_heads=2), equal=True),
+    # LayerNorm over (heads, head_dim), attention and MLP in parallel
+    "cohere-qk-norm": Case(_llama_kin("Cohere", num_key_value_heads=2, use_qk_norm=True), equal=True),
+    "glm": Case(_glm, equal=True),
+    # one LayerNorm per head in a ModuleList, in code fx cannot trace: refused; gathered: equal
+    "stablelm-qk-layernorm": Case(_llama_kin("StableLm", num_key_value_heads=4, qk_layernorm=True,
+                                             partial_rotary_factor=0.5)),
+    "stablelm-qk-layernorm-gathered": Case(_llama_kin("StableLm", ("q_proj", "k_proj", "v_proj"),
+                                                      num_key_value_heads=4, qk_layernorm=True), equal=True),
+    "persimmon": Case(_persimmon(False)),
+    "persimmon-gathered": Case(_persimmon(True), equal=True),
 }
 
 
