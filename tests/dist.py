@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import os
 import signal
 import socket
@@ -84,6 +85,7 @@ def _free_port() -> int:
 
 def _worker(rank: int, world_size: int, port: int, conn: Connection) -> None:  # runs in the child
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    faulthandler.enable()  # a rank killed natively (SIGSEGV, SIGABRT) prints its Python stack
     import torch
     import torch.distributed as dist
 
