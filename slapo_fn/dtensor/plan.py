@@ -101,6 +101,9 @@ class ModulePlan:
     experts: Experts | None = None  # expert_parallel: this experts module runs its pairs by all-to-all
     partners: tuple[str, ...] = ()  # a column kept local: the rows it feeds; a row: the columns feeding it
     entry_group: str = ""  # a column: columns of one group handed one tensor enter the region once
+    #: a row: the plan takes its input as this rank's features (from its partners, a sync, or as
+    #: stated), so it counts no split of its own; a whole-width input then contradicts the plan
+    split_input: bool = False
 
     @property
     def keeps_features(self) -> bool:
@@ -122,18 +125,6 @@ def _gathers_output(specs: Iterable[SyncSpec], axis: str) -> bool:
 class Plan:
     modules: Mapping[str, ModulePlan]
     boundaries: tuple[Boundary, ...] = field(default=())
-
-    def split_by_partners(self, path: str) -> bool:
-        """Whether the row at ``path`` takes this rank's features from its partners alone:
-        every column feeding it keeps its output split for it
-        (:attr:`ModulePlan.keeps_features`) and no ``fwd_pre`` sync of its own converts
-        its input. A whole-width input then means the data flow broke the pair (the
-        runtime refuses it)."""
-        mp = self.modules.get(path)
-        if mp is None or mp.role is None or mp.role.kind not in ("row", "vocab"):
-            return False
-        fed = [self.modules[c] for c in mp.partners if c in self.modules]
-        return bool(fed) and all(c.keeps_features for c in fed) and not any(s.mode == "fwd_pre" for s in mp.syncs)
 
     def counts(self) -> dict[str, dict[str, int]]:
         """``{"forward": {op: n}, "backward": {op: n}}`` for one step (each module called once)."""
@@ -209,6 +200,7 @@ def _plan(sch: Schedule) -> Plan:
                                      role is None and pointwise(get_module(sch.module, path)))
         out_sync = next((s for s in spec_syncs if s.mode == "fwd_post"), None)
         group = ""
+        split_input = False
         if role is not None:
             ax = role.mesh_axis
             if role.kind == "column":
@@ -247,6 +239,7 @@ def _plan(sch: Schedule) -> Plan:
                 # the layout the last fwd_pre sync leaves is what the row takes (stacked syncs)
                 stated = next((s for s in reversed(spec_syncs) if s.mode == "fwd_pre"), None)
                 pre = _moving(spec_syncs, "fwd_pre")
+                split_input = False
                 if (isinstance(stated, SyncSpec) and isinstance(stated.layout, Replicate)
                         and (pre is not None or not partnered)):
                     # stated replicated (gathered from the columns' split, or as it arrives): the
@@ -256,6 +249,8 @@ def _plan(sch: Schedule) -> Plan:
                       and not _arrives_feature_split(sch, path, ax, None, know, stated)):
                     # replicated input (or its columns' outputs gathered by syncs): split locally
                     bounds.append(Boundary(path, "input", "R", "S(-1)", ax, (), ("all_gather",), False))
+                else:
+                    split_input = True
                 # a fwd_pre sync to Shard(-1) is the input boundary itself (added with the syncs below)
                 bounds.append(_reduce_boundary(path, ax, seq, out_sync))
             elif role.kind == "vocab":
@@ -338,7 +333,8 @@ def _plan(sch: Schedule) -> Plan:
             )
         )
         modules[path] = ModulePlan(path, role, seq, partnered, entry, exit_, spec_syncs, rngs.get(path), local,
-                                   partners=partners.get(path, ()), entry_group=group)
+                                   partners=partners.get(path, ()), entry_group=group,
+                                   split_input=role is not None and role.kind == "row" and split_input)
     # modules with parameters inside a sequence-parallel chain (norms): replicated, Partial gradients
     for root in seq_roots:
         for path, module in walk(get_module(sch.module, root), root):

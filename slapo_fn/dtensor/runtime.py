@@ -305,9 +305,31 @@ def _unpack(gathered: torch.Tensor, packed: int, size: int) -> torch.Tensor:
     return gathered.unflatten(-1, (size, packed, -1)).transpose(-3, -2).flatten(-3)
 
 
-def _row(rt: _Runtime, m: nn.Module, mp: ModulePlan, split_in: bool = False) -> Callable[..., Any]:
-    """``split_in``: every column feeding it keeps its output split for it (a Megatron pair)
-    and no sync of its own converts it, so its input must arrive as this rank's features."""
+def _whole_input_problem(mp: ModulePlan, full_in: int, size: int) -> Problem:
+    """Why a row that the plan takes to be fed this rank's features refuses all of them."""
+    if mp.partners and not any(s.mode == "fwd_pre" for s in mp.syncs):
+        return Problem(
+            mp.path,
+            f"takes this rank's {full_in // size} of the {full_in} features its column-parallel partners "
+            f"({', '.join(map(repr, mp.partners))}) keep split, but all {full_in} arrived: the code between "
+            "them broadcast this rank's heads against values made for all heads (a position bias such as "
+            "ALiBi, built by the model for every head) — the numbers would be wrong",
+            "gather the columns' outputs (sf.sync(sch, '<column>', 'fwd_post', Replicate())), keep the "
+            "attention's projections unsharded, or replace it (sf.replace) by one written for this rank's heads",
+        )
+    return Problem(
+        mp.path,
+        f"was planned to take this rank's {full_in // size} of its {full_in} input features (as a fwd_pre sync's "
+        f"src=Shard(-1) states, or as its partners make them), but all {full_in} arrived: explain's counts and "
+        "what the sync converts would not be what runs",
+        f"state what arrives: sf.sync(sch, {mp.path!r}, 'fwd_pre', Shard(-1), src=Replicate()), or drop the sync",
+    )
+
+
+def _row(rt: _Runtime, m: nn.Module, mp: ModulePlan) -> Callable[..., Any]:
+    """A row-parallel layer. Where the plan takes its input as this rank's features
+    (:attr:`ModulePlan.split_input`), a whole-width input is refused rather than split here:
+    the plan counted no such split, and what made that input is not what it was told."""
     role = mp.role
     assert role is not None
     ax = role.mesh_axis
@@ -340,17 +362,8 @@ def _row(rt: _Runtime, m: nn.Module, mp: ModulePlan, split_in: bool = False) -> 
             y = F.embedding(ids, w, pad).masked_fill(outside.unsqueeze(-1), 0.0)
             return reduce(y)
         if full_in is not None and size > 1 and x.shape[-1] == full_in:  # arrived replicated
-            if split_in:
-                raise LayoutError("tensor parallel forward", [Problem(
-                    mp.path,
-                    f"takes this rank's {full_in // size} of the {full_in} features its column-parallel partners "
-                    f"({', '.join(map(repr, mp.partners))}) keep split, but all {full_in} arrived: the code between "
-                    "them broadcast this rank's heads against values made for all heads (a position bias such as "
-                    "ALiBi, built by the model for every head) — the numbers would be wrong",
-                    "gather the columns' outputs (sf.sync(sch, '<column>', 'fwd_post', Replicate())), keep the "
-                    "attention's projections unsharded, or replace it (sf.replace) by one written for this rank's "
-                    "heads",
-                )])
+            if mp.split_input:
+                raise LayoutError("tensor parallel forward", [_whole_input_problem(mp, full_in, size)])
             x = C.split(x, -1, rt.axis(ax))
         if conv:
             flat = x.reshape(-1, x.shape[-1])
@@ -503,7 +516,7 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
                     _adjust_packed_parent(model, path, mp.role, rt)
                 _adjust_head_counts(model, path, mp.role, rt, adjusted)
         elif mp.role is not None and mp.role.kind in ("row", "vocab"):
-            forward = _row(rt, m, mp, split_in=p.split_by_partners(path))
+            forward = _row(rt, m, mp)
         elif (mp.role is not None and mp.role.kind == "param") or mp.local_params:
             forward = _generic(rt, m, mp, forward)
         forward = _wrap_boundaries(rt, mp, forward)

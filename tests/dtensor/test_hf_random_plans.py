@@ -278,6 +278,13 @@ FOUND: dict[str, tuple[Case, str]] = {
                  ("pooler.dense", 0, 1)),
         (("encoder.layer.0.attention.self", "fwd_post", "R", "S(-1)"), ("pooler.dense", "fwd_post", "S(-1)", None))),
         "refused"),
+    # a row's fwd_pre sync stating Shard(-1) arrives (from itself: it converts nothing) in a
+    # decoder layer the flow cannot see into, fed whole by an unsharded fc1: the plan believed
+    # it, the runtime split the input by its shape (numbers right, one all-gather explain did
+    # not count); refused at the first forward, naming the row
+    "row-stated-split-but-fed-whole": (Case(
+        "opt", (("model.decoder.layers.1.fc2", 1, 1),), (("model.decoder.layers.1.fc2", "fwd_pre", "S(-1)", "S(-1)"),)),
+        "refused"),
 }
 
 
