@@ -2272,7 +2272,36 @@ def _refusals(sch: Schedule, p: Plan) -> list[Problem]:
             + _lone_columns_in_chains(sch, p) + _split_input_into_reducers(sch, p) + _functional_reads(sch, p)
             + _feature_syncs(sch, p) + _half_gathered_pairs(sch, p) + _gathers_inside_chains(sch, p)
             + _packing_against_flow(sch, p) + _heads_against_flow(sch, p) + _unsplit_chain_inputs(sch)
-            + _partial_sources(sch) + _sources(sch) + _role_output_syncs(sch))
+            + _partial_sources(sch) + _sources(sch) + _role_output_syncs(sch) + _bypassed(sch, p))
+
+
+def _bypassed(sch: Schedule, p: Plan) -> list[Problem]:
+    """A planned module whose parent never calls it, calling a module inside it directly
+    instead (``OPTForCausalLM`` calls ``self.model.decoder``, never ``self.model``): what
+    the plan installs on its forward (a sync, a chain's entry, its parameters' local
+    values) would never run. Read from the parent's traced data flow; refused, naming the
+    module called in its place."""
+    problems = []
+    for path, mp in p.modules.items():
+        if not path:
+            continue
+        fl = _flow_of(sch, _parent(path))
+        name = split(path)[-1]
+        if fl is None or fl.called(name):
+            continue
+        inside = sorted(q for q in fl.feeds if q.startswith(name + "."))
+        if not inside:
+            continue
+        what = ("its syncs" if mp.syncs else "its sequence_parallel boundary" if mp.entry or mp.exit
+                else "its layout")
+        parent = _parent(path)
+        callee, where = join(parent, inside[0]), repr(parent) if parent else "the root"
+        problems.append(Problem(
+            path,
+            f"is never called: {where}'s forward calls {callee!r} inside it directly, so {what} would never run",
+            f"put it on {callee!r} (the module that is called), or on {where}",
+        ))
+    return problems
 
 
 def _sources(sch: Schedule) -> list[Problem]:

@@ -2,7 +2,7 @@
 
 The layout property test (``test_layout_properties.py``) draws module trees written here;
 this one draws plans over models nobody here wrote: tiny LLaMA, Mistral, GPT-2 (packed
-``Conv1D``), BERT, OPT, GPT-J and GPT-NeoX built from configs. A plan is a random part of
+``Conv1D``), BERT, OPT, GPT-J, GPT-NeoX, Phi-3, Qwen3 and OLMo-2 built from configs. A plan is a random part of
 the family's Megatron plan (whole pairs, or a column without its row, a row without its
 columns), random extra shards on any ``Linear``/``Embedding``/``Conv1D`` along either axis,
 random ``sync`` calls, and sometimes a sequence-parallel chain over the layers and the
@@ -66,6 +66,17 @@ _LAYER_PLANS: dict[str, tuple[str, tuple[str, ...], tuple[tuple[str, int, int], 
     "neox": ("gpt_neox.layers", ("gpt_neox.final_layer_norm",), (
         ("attention.query_key_value", 0, 1), ("attention.dense", 1, 1), ("mlp.dense_h_to_4h", 0, 1),
         ("mlp.dense_4h_to_h", 1, 1))),
+    # [q|k|v] sliced at fixed positions, [gate|up] chunked
+    "phi3": ("model.layers", ("model.norm",), (
+        ("self_attn.qkv_proj", 0, 3), ("self_attn.o_proj", 1, 1), ("mlp.gate_up_proj", 0, 2),
+        ("mlp.down_proj", 1, 1))),
+    # RMSNorms over each head (Qwen3) and over the whole projection (OLMo-2)
+    "qwen3": ("model.layers", ("model.norm",), (
+        ("self_attn.q_proj", 0, 1), ("self_attn.k_proj", 0, 1), ("self_attn.v_proj", 0, 1),
+        ("self_attn.o_proj", 1, 1), ("mlp.gate_proj", 0, 1), ("mlp.up_proj", 0, 1), ("mlp.down_proj", 1, 1))),
+    "olmo2": ("model.layers", ("model.norm",), (
+        ("self_attn.q_proj", 0, 1), ("self_attn.k_proj", 0, 1), ("self_attn.v_proj", 0, 1),
+        ("self_attn.o_proj", 1, 1), ("mlp.gate_proj", 0, 1), ("mlp.up_proj", 0, 1), ("mlp.down_proj", 1, 1))),
 }
 FAMILIES = tuple(_LAYER_PLANS)
 
@@ -102,6 +113,16 @@ def _model(family: str) -> nn.Module:
     if family == "gptj":
         return GPTJForCausalLM(GPTJConfig(n_embd=64, n_layer=2, n_head=4, n_positions=32, rotary_dim=8,
                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **lm))
+    if family in ("phi3", "qwen3", "olmo2"):
+        import transformers
+
+        name = {"phi3": "Phi3", "qwen3": "Qwen3", "olmo2": "Olmo2"}[family]
+        extra: dict[str, Any] = {"head_dim": 16} if family == "qwen3" else {}
+        if family == "phi3":
+            extra = {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
+        cfg = getattr(transformers, f"{name}Config")(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                                     num_key_value_heads=2, num_hidden_layers=2, **extra, **lm)
+        return getattr(transformers, f"{name}ForCausalLM")(cfg)  # type: ignore[no-any-return]
     assert family == "neox"
     return GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                             num_hidden_layers=2, max_position_embeddings=32, rotary_pct=0.5,
@@ -285,6 +306,10 @@ FOUND: dict[str, tuple[Case, str]] = {
     "row-stated-split-but-fed-whole": (Case(
         "opt", (("model.decoder.layers.1.fc2", 1, 1),), (("model.decoder.layers.1.fc2", "fwd_pre", "S(-1)", "S(-1)"),)),
         "refused"),
+    # OPTForCausalLM calls self.model.decoder, never self.model: a sync on 'model' never ran, and
+    # the parameters 'model' was to hand on as local values stayed DTensors (a raw "mixed
+    # torch.Tensor and DTensor" from the embedding)
+    "sync-on-a-module-its-parent-bypasses": (Case("opt", (), (("model", "fwd_post", "R", None),)), "refused"),
 }
 
 
