@@ -93,6 +93,10 @@ class Flow:
     # the parameters of each child's forward that the parent hands a value (not a constant): what
     # the child is traced with (a decoder layer's encoder states call its cross-attention)
     given: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    # for each child, the first op of the parent's code that mixes its output's features (a
+    # reduction, a softmax or a matmul over them, a flip, a concatenation along them) before
+    # the code takes them apart or hands them to a module: ``"h.norm(dim=-1)"``-like text
+    mixes: Mapping[str, str] = field(default_factory=dict)
 
     def same_input(self, a: str, b: str) -> bool:
         """Whether children ``a`` and ``b`` are called on the very same tensor (q/k/v on the
@@ -467,6 +471,7 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset()) -> tuple[Flow
     first: dict[str, str] = {}
     hidden: dict[str, frozenset[str]] = {}
     apart: dict[str, Apart] = {}
+    mixes: dict[str, str] = {}
     handed: dict[str, frozenset[str]] = {}
     output: frozenset[str] = frozenset()
     leaves: tuple[frozenset[str], ...] = ()
@@ -500,8 +505,12 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset()) -> tuple[Flow
                 first[name] = arg.name
             handed[name] = handed.get(name, frozenset()) | _handed(parent.get_submodule(name), node)
             sources[node] = frozenset({name})
-            if name not in apart and (how := _taken_apart(node)) is not None:
-                apart[name] = how
+            if name not in apart:
+                how, mixing = _along_features(node)
+                if how is not None:
+                    apart[name] = how
+                if mixing is not None:
+                    mixes[name] = mixing
         elif node.op == "output":
             result = node.args[0]  # (hidden states, attention weights, cache): the first is the result
             main = result[0] if isinstance(result, tuple | list) and result else result
@@ -512,7 +521,7 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset()) -> tuple[Flow
         else:
             sources[node] = upstream
     found = Flow(MappingProxyType(feeds), output, frozenset(reads), MappingProxyType(first), MappingProxyType(apart),
-                 leaves, MappingProxyType(hidden), MappingProxyType(handed))
+                 leaves, MappingProxyType(hidden), MappingProxyType(handed), MappingProxyType(mixes))
     return found, read
 
 
@@ -580,12 +589,117 @@ def _taken_apart(node: fx.Node) -> Apart | None:
         return Apart("blocks")  # split(size): as many blocks as the width holds
     if name == "getitem" and isinstance(rest[0], tuple) and len(rest[0]) > 0 and rest[0][0] is Ellipsis:
         return Apart("blocks")
+    if name == "unflatten" and len(rest) == 2 and rest[0] in (-1, _ASSUMED_RANK - 1) and isinstance(
+            rest[1], tuple | list):
+        return Apart("heads", dims=tuple(d if isinstance(d, int) else None for d in rest[1]))
     if name in ("view", "reshape") and rest:
         shape = rest[0] if len(rest) == 1 and isinstance(rest[0], tuple | list) else rest
         if len(shape) >= _ASSUMED_RANK + 1 and isinstance(shape[-1], int) and shape[-1] > 0:
             dims = tuple(d if isinstance(d, int) else None for d in shape[_ASSUMED_RANK - 1 :])
             return Apart("heads", dims=dims)
     return None
+
+
+#: Ops that act on each feature alone (elementwise, casts, copies): a rank's share of the
+#: features goes through them as the whole would.
+_ELEMENTWISE = frozenset({
+    "add", "sub", "subtract", "mul", "multiply", "truediv", "div", "divide", "true_divide", "floordiv", "neg", "pos",
+    "pow", "float_power", "mod", "remainder", "abs", "exp", "exp2", "expm1", "log", "log1p", "log2", "sigmoid",
+    "tanh", "relu", "gelu", "silu", "mish", "elu", "selu", "celu", "leaky_relu", "softplus", "softsign",
+    "hardswish", "hardsigmoid", "hardtanh", "relu6", "logsigmoid", "dropout", "sqrt", "rsqrt", "square",
+    "reciprocal", "sin", "cos", "erf", "sign", "clamp", "clip", "where", "masked_fill", "maximum", "minimum",
+    "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "xor", "invert", "iadd", "isub", "imul", "itruediv", "lerp",
+    "addcmul", "addcdiv", "nan_to_num", "float", "half", "bfloat16", "double", "to", "type", "type_as",
+    "contiguous", "clone", "detach", "add_", "sub_", "mul_", "div_", "clamp_", "masked_fill_", "neg_", "pow_",
+    "sigmoid_", "tanh_", "relu_", "exp_", "sqrt_", "rsqrt_", "squeeze", "expand", "expand_as",
+})
+#: Ops over a dimension (``dim``: its keyword, its position among the arguments after the
+#: tensor, its default); over the features (-1, or dim >= 2 of a (batch, sequence,
+#: features) activation) they mix them; over batch or sequence they do not.
+_OVER_DIM = {
+    **{op: (0, None) for op in ("sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "prod", "var",
+                                 "std", "logsumexp", "all", "any", "median", "nansum", "nanmean", "count_nonzero")},
+    "softmax": (0, None), "log_softmax": (0, None), "cumsum": (0, None), "cumprod": (0, None), "cummax": (0, None),
+    "norm": (1, None), "topk": (1, -1), "sort": (0, -1), "argsort": (0, -1), "cat": (0, 0), "concat": (0, 0),
+    "concatenate": (0, 0), "stack": (0, 0), "normalize": (1, 1), "unsqueeze": (0, None), "flip": (0, None),
+    "roll": (1, None),
+}
+#: Ops that take the features apart or move them to another dimension (T5's per-head bias,
+#: permuted to (heads, q, k)): not a mix; what comes after is the head and packing checks'.
+_APART = _SPLITS | {"view", "reshape", "unflatten", "flatten", "getitem", "permute", "transpose", "movedim",
+                    "moveaxis", "swapaxes", "swapdims"}
+
+
+def _op_name(node: fx.Node) -> str:
+    return str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
+
+
+def _dims_of(node: fx.Node, name: str) -> list[Any]:
+    """The dimensions an op of :data:`_OVER_DIM` acts over (``None``: all of them)."""
+    pos, default = _OVER_DIM[name]
+    rest = list(node.args[1:])  # after the tensor (torch.cat's list of tensors)
+    found = node.kwargs.get("dim", node.kwargs.get("dims", rest[pos] if len(rest) > pos else default))
+    return list(found) if isinstance(found, tuple | list) else [found]
+
+
+def _feature_op(node: fx.Node) -> str:
+    """``"local"``: ``node`` acts on each feature alone (or only on batch or sequence),
+    ``"apart"``: it takes the features apart (split, slice, viewed into heads: the
+    packing and head checks read those), else a short text of the op, which mixes them."""
+    if node.op not in ("call_function", "call_method"):
+        return node.op
+    name = _op_name(node)
+    if name in _ELEMENTWISE:
+        return "local"
+    if name == "getattr" and len(node.args) > 1:
+        # a field of a returned ModelOutput (.last_hidden_state); a tensor's .T / .mT move dimensions
+        return "apart" if node.args[1] in ("T", "mT", "H", "mH") else "local"
+    if name == "getitem" and len(node.args) > 1:
+        index = node.args[1]
+        # an item of a returned tuple, or a batch / sequence index, leaves the features whole
+        if isinstance(index, int) or (isinstance(index, tuple) and Ellipsis not in index
+                                      and len(index) < _ASSUMED_RANK):
+            return "local"
+        return "apart"
+    if name in _APART:
+        return "apart"
+    if name in _OVER_DIM:
+        dims = _dims_of(node, name)
+        if name == "unsqueeze":
+            return "local" if all(isinstance(d, int) and d >= 0 for d in dims) else "apart"
+        if all(isinstance(d, int) and 0 <= d < _ASSUMED_RANK - 1 for d in dims):
+            return "local"  # over batch or sequence
+        shown = dims[0] if len(dims) == 1 else tuple(dims)
+        return f"{name}(dim={shown})"
+    return f"{name}(...)"
+
+
+def _along_features(node: fx.Node) -> tuple[Apart | None, str | None]:
+    """Follow a child's output (``node``) through the parent's code that acts on each
+    feature alone, to where the code takes its features apart (:func:`_taken_apart`,
+    there or after such ops, as Bart's ``q_proj(x) * scaling`` viewed into heads) and to
+    the first op that mixes them (:func:`_feature_op`), if one comes before they are
+    taken apart or handed to a module."""
+    apart: Apart | None = None
+    todo, seen = [node], set()
+    while todo:
+        value = todo.pop()
+        if value in seen:
+            continue
+        seen.add(value)
+        how = _taken_apart(value)
+        if how is not None:
+            apart = apart or how
+            continue
+        for use in value.users:
+            if _metadata(use) or use.op in ("call_module", "output"):
+                continue
+            kind = _feature_op(use)
+            if kind == "local":
+                todo.append(use)
+            elif kind != "apart":
+                return apart, kind
+    return apart, None
 
 
 def _fixed_slice(node: fx.Node) -> bool:

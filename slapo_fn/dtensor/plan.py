@@ -1242,6 +1242,49 @@ def _axis_size(sch: Schedule, axis: str) -> int:
     return int(sch.mesh.size(dims.index(axis))) if sch.mesh is not None and axis in dims else 1
 
 
+def _made_local(parent: nn.Module, out: int, leading: tuple[int | None, ...]) -> bool:
+    """Whether ``leading``, the sizes a view puts in front of its ``-1``, is one head count
+    build makes this rank's (:func:`head_count_attrs`)."""
+    own = vars(parent)
+    return len(leading) == 1 and any(own.get(a) == leading[0] for a in head_count_attrs(parent, out, 1))
+
+
+def _split_outputs(sch: Schedule, p: Plan) -> dict[str, str]:
+    """The modules whose output reaches their parent's code as this rank's features, with
+    the mesh axis: columns kept split for their rows, and outputs a sync splits."""
+    out = {path: mp.role.mesh_axis for path, mp in p.modules.items()
+           if path and mp.role is not None and mp.keeps_features}
+    for path, specs in sch.annotations.of_kind(SYNC).items():
+        for sp in specs:
+            if path and path not in out and _split_by_sync(sch, path, sp.mesh_axis):
+                out[path] = sp.mesh_axis
+    return out
+
+
+def _features_mixed(sch: Schedule, p: Plan) -> list[Problem]:
+    """Code between a column kept split and its row must act on each feature alone (or
+    take the features apart into heads or blocks, which the head and packing checks
+    read): a reduction, softmax or matmul over the features, a flip, a concatenation
+    along them would run over this rank's share as if it were all of them, a silently
+    wrong number. Read from the traced data flow (:attr:`.flow.Flow.mixes`); refused,
+    naming the op and the parent."""
+    problems = []
+    for path in sorted(_split_outputs(sch, p)):
+        found = _caller(sch, path)
+        if found is None or (op := found[2].mixes.get(found[1])) is None:
+            continue
+        where = repr(found[0]) if found[0] else "the root"
+        problems.append(Problem(
+            path,
+            f"{where}'s forward applies {op} to its output before taking it apart into heads or blocks or handing "
+            "it to a module, and slapo_fn does not know that op to act on each feature alone: over the features (a "
+            "norm, a softmax, a matmul, a flip, a concatenation) it would see only this rank's share of them",
+            f"gather its output, sf.sync(sch, {path!r}, 'fwd_post', Replicate()) (its row partner then splits the "
+            "whole input), or leave it unsharded",
+        ))
+    return problems
+
+
 def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
     """A column kept sharded (or a module whose ``fwd_post`` sync splits its output by
     features) into code that views its output into heads must leave each rank whole
@@ -1254,15 +1297,8 @@ def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
     whose head count attributes count none of the column's features
     (:func:`_unadjusted_head_counts`) is refused too."""
     problems = []
-    split_out: dict[str, str] = {}  # path -> mesh axis: partnered columns, and outputs a sync splits
-    for path, mp in p.modules.items():
-        role = mp.role
-        if path and role is not None and mp.keeps_features and role.packed == 1:
-            split_out[path] = role.mesh_axis
-    for path, specs in sch.annotations.of_kind(SYNC).items():
-        for sp in specs:
-            if path and path not in split_out and _split_by_sync(sch, path, sp.mesh_axis):
-                split_out[path] = sp.mesh_axis
+    split_out = {path: axis for path, axis in _split_outputs(sch, p).items()
+                 if (mp := p.modules.get(path)) is None or mp.role is None or mp.role.packed == 1}
     for path, axis in sorted(split_out.items()):
         parent = _parent(path)
         found = _caller(sch, path)
@@ -1297,6 +1333,16 @@ def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
                 f"{where!r}'s forward views its output's features as {shape}; this rank's {local} of its {out} "
                 "features do not fill that view",
                 f"use a mesh axis whose size divides its {out // per} heads, or leave it unsharded",
+            ))
+        elif -1 in how.dims and how.dims.index(-1) > 0 and not _made_local(
+                get_module(sch.module, parent), out, how.dims[: how.dims.index(-1)]):
+            problems.append(Problem(
+                path,
+                f"{where!r}'s forward views its output's features as {shape}: the sizes in front of the -1 count "
+                f"the whole output's heads, so this rank's {local} features would make that many heads of the wrong "
+                "size (the numbers silently wrong)",
+                "put the -1 first (view(B, S, -1, head_dim)), or keep the head count in num_heads and the head size "
+                "in head_dim (build makes them this rank's)",
             ))
         elif -1 not in how.dims and per == out and not head_count_attrs(get_module(sch.module, parent), out, 1):
             problems.append(Problem(
@@ -2272,7 +2318,8 @@ def _refusals(sch: Schedule, p: Plan) -> list[Problem]:
             + _lone_columns_in_chains(sch, p) + _split_input_into_reducers(sch, p) + _functional_reads(sch, p)
             + _feature_syncs(sch, p) + _half_gathered_pairs(sch, p) + _gathers_inside_chains(sch, p)
             + _packing_against_flow(sch, p) + _heads_against_flow(sch, p) + _unsplit_chain_inputs(sch)
-            + _partial_sources(sch) + _sources(sch) + _role_output_syncs(sch) + _bypassed(sch, p))
+            + _partial_sources(sch) + _sources(sch) + _role_output_syncs(sch) + _bypassed(sch, p)
+            + _features_mixed(sch, p))
 
 
 def _bypassed(sch: Schedule, p: Plan) -> list[Problem]:
