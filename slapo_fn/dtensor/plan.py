@@ -899,11 +899,14 @@ def _stray_token_shards(sch: Schedule) -> list[Problem]:
                 ))
             if found is not None:
                 q, why = found
+                fix = (f"gather it back first, sf.sync(sch, {q!r}, 'fwd_pre', Replicate(), src={_d(s.layout)}), "
+                       "or make the modules a chain with sf.sequence_parallel instead of the sync")
+                if why is _UNTRACED_TAKER:
+                    fix = ("drop the sync, or make the modules a chain with sf.sequence_parallel (it gathers the "
+                           "tokens back where the chain ends)")
                 problems.append(Problem(
-                    q, f"receives a token shard from the {what}, outside a sequence_parallel chain: {why}",
-                    f"gather it back first, sf.sync(sch, {q!r}, 'fwd_pre', Replicate(), src={_d(s.layout)}), "
-                    "or make the modules a chain with sf.sequence_parallel instead of the sync",
-                ))
+                    q or "<root>", f"receives a token shard from the {what}, outside a sequence_parallel chain: "
+                    f"{why}", fix))
     return sorted(set(problems), key=lambda pr: order.index(pr.path) if pr.path in order else 0)
 
 
@@ -953,7 +956,17 @@ def _token_consumer(
             return None if _told_split(sch, q) else (q, _SPLIT_TWICE)
         if _has_params(get_module(sch.module, q)):
             return q, "its parameters' gradients would be partial sums taken for whole ones"
+    if start:  # code fx cannot trace takes the shard, and nothing after it gathers it back
+        around = _parent(start)
+        while around and uncalled(get_module(sch.module, around)):
+            around = _parent(around)
+        if not _installed(sch, around):
+            return around, _UNTRACED_TAKER
     return None
+
+
+_UNTRACED_TAKER = ("its forward, which fx cannot trace, takes the shard: slapo_fn cannot tell that it does not "
+                   "combine it with whole-sequence values (a residual add)")
 
 
 _SPLIT_TWICE = ("a sequence_parallel chain splits its input itself: it would be split twice (state "

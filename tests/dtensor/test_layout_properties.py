@@ -73,7 +73,7 @@ class Block:
     act: str = "gelu"
     bias: bool = True
     heads: int = 0  # attn / layer
-    style: str = ""  # attn / layer: hf | infer | fixed | untraced; branches: add | mul
+    style: str = ""  # attn / layer: hf | infer | fixed | untraced; branches: add | mul; mlp: _MLP_CODE
     norm: bool = False  # a LayerNorm child applied first
     residual: bool = False  # x + f(x)
     widths: tuple[int, ...] = ()  # chain: the widths between its Linears
@@ -163,13 +163,25 @@ class Mlp(nn.Module):
         self.act = _act(b.act)
         self.fc2 = nn.Linear(b.hidden, d, bias=b.bias)
 
+        self.style = b.style
+
     def extra_repr(self) -> str:
-        return "fc2(act(fc1(x)))" + (" + x" if self.residual else "")
+        return f"fc2({_MLP_CODE[self.style][0]})" + (" + x" if self.residual else "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x) if "norm" in self._modules else x
-        y = self.fc2(self.act(self.fc1(h)))
+        y = self.fc2(_MLP_CODE[self.style][1](self.act(self.fc1(h))))
         return x + y if self.residual else y
+
+
+#: Mlp's own code between fc1 and fc2, by style: on each feature alone, over the sequence, or
+#: over the features (right only on all of them)
+_MLP_CODE: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {
+    "": ("act(fc1(x))", lambda h: h),
+    "scaled": ("act(fc1(x)) * 0.5 + 0.1", lambda h: h * 0.5 + 0.1),
+    "seq-softmax": ("act(fc1(x)).softmax(1)", lambda h: h.softmax(1)),
+    "normed": ("h / h.norm(dim=-1), h = act(fc1(x))", lambda h: h / (h.norm(dim=-1, keepdim=True) + 1.0)),
+}
 
 
 class Gated(nn.Module):
@@ -260,7 +272,7 @@ class Layer(nn.Module):
         self.ln1 = nn.LayerNorm(d)
         self.attn = Attention(d, replace(b, norm=False, residual=False))
         self.ln2 = nn.LayerNorm(d)
-        mlp = replace(b, norm=False, residual=False)
+        mlp = replace(b, norm=False, residual=False, style="")
         self.mlp = Gated(d, mlp) if b.extra else Mlp(d, mlp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -547,7 +559,10 @@ def blocks(draw: Any, d: int) -> Block:
     kind = draw(st.sampled_from(["mlp", "gated", "attn", "layer", "branches", "functional", "chain", "norm"]))
     bias, act = draw(st.booleans()), draw(ACTS)
     norm, residual = draw(st.booleans()), draw(st.booleans())
-    if kind in ("mlp", "gated"):
+    if kind == "mlp":
+        return Block(kind, hidden=draw(WIDTHS), act=act, bias=bias, norm=norm, residual=residual,
+                     style=draw(st.sampled_from(["", "", "scaled", "seq-softmax", "normed"])))
+    if kind == "gated":
         return Block(kind, hidden=draw(WIDTHS), act=act, bias=bias, norm=norm, residual=residual)
     if kind in ("attn", "layer"):
         heads = draw(st.sampled_from([1, 2, 4]))
@@ -1152,6 +1167,10 @@ CLOSED: dict[str, Case] = {
         [Block("gated", hidden=16, act="relu")], ("shard", "0.gate", 0, 1), ("shard", "0.up", 0, 1),
         ("shard", "0.down", 1, 1), ("sync", "0.act", "fwd_pre", "S(-1)", None),
         ("sync", "0.act", "fwd_post", "R", None)),
+    # raw shape error: a token shard made inside code fx cannot trace met the whole sequence
+    # there (a residual add); nothing after it gathered it back or took it
+    "token-shard-into-untraced-code": _c([Block("attn", bias=False, heads=2, style="untraced", residual=True)],
+                                         ("sync", "0.o", "fwd_post", "S(1)", None), dim=16),
 }
 
 
