@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import warnings
 import weakref
@@ -506,7 +507,7 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset()) -> tuple[Flow
             handed[name] = handed.get(name, frozenset()) | _handed(parent.get_submodule(name), node)
             sources[node] = frozenset({name})
             if name not in apart:
-                how, mixing = _along_features(node)
+                how, mixing = _along_features(node, functools.partial(_pointwise_call, parent, prefix))
                 if how is not None:
                     apart[name] = how
                 if mixing is not None:
@@ -660,7 +661,12 @@ def _feature_op(node: fx.Node) -> str:
         if isinstance(index, int) or (isinstance(index, tuple) and Ellipsis not in index
                                       and len(index) < _ASSUMED_RANK):
             return "local"
-        return "apart"
+        last = index[-1] if isinstance(index, tuple) and index else index
+        if last == slice(None):
+            return "local"
+        # features picked at positions of the whole width (x[..., :a]): the slices of Phi-3's
+        # [q|k|v] taken all at once are the packing check's (Flow.apart)
+        return f"x[..., {_index_text(last)}]"
     if name in _APART:
         return "apart"
     if name in _OVER_DIM:
@@ -674,12 +680,24 @@ def _feature_op(node: fx.Node) -> str:
     return f"{name}(...)"
 
 
-def _along_features(node: fx.Node) -> tuple[Apart | None, str | None]:
+def _pointwise_call(parent: nn.Module, prefix: str, node: fx.Node) -> bool:
+    """Whether ``node`` calls a pointwise child of ``parent`` (an activation, a dropout)."""
+    target = str(node.target)
+    return target.startswith(prefix) and pointwise(parent.get_submodule(target[len(prefix):]))
+
+
+def _index_text(index: Any) -> str:
+    if isinstance(index, slice):
+        return ":".join("" if b is None else str(b) for b in (index.start, index.stop))
+    return str(index)
+
+
+def _along_features(node: fx.Node, elementwise: Callable[[fx.Node], bool]) -> tuple[Apart | None, str | None]:
     """Follow a child's output (``node``) through the parent's code that acts on each
-    feature alone, to where the code takes its features apart (:func:`_taken_apart`,
-    there or after such ops, as Bart's ``q_proj(x) * scaling`` viewed into heads) and to
-    the first op that mixes them (:func:`_feature_op`), if one comes before they are
-    taken apart or handed to a module."""
+    feature alone (and the children ``elementwise`` accepts: activations), to where the
+    code takes its features apart (:func:`_taken_apart`, there or after such ops, as
+    Bart's ``q_proj(x) * scaling`` viewed into heads) and to the first op that mixes them
+    (:func:`_feature_op`), if one comes before they are taken apart or handed to a module."""
     apart: Apart | None = None
     todo, seen = [node], set()
     while todo:
@@ -692,6 +710,9 @@ def _along_features(node: fx.Node) -> tuple[Apart | None, str | None]:
             apart = apart or how
             continue
         for use in value.users:
+            if use.op == "call_module" and elementwise(use):
+                todo.append(use)
+                continue
             if _metadata(use) or use.op in ("call_module", "output"):
                 continue
             kind = _feature_op(use)

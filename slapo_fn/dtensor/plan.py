@@ -137,6 +137,11 @@ class Plan:
         return out
 
 
+def _named(path: str) -> str:
+    """A module's path as a message names it: quoted, or "the root"."""
+    return repr(path) if path else "the root"
+
+
 def _parent(path: str) -> str:
     return ".".join(split(path)[:-1])
 
@@ -933,8 +938,7 @@ def _token_consumer(
                     continue
                 return q, _SPLIT_TWICE
             if lv.flow.feeders(user, lv.through) - {lv.name}:
-                where = lv.parent or "<root>"
-                return q, f"it takes the shard together with whole-sequence values in {where!r}'s forward"
+                return q, f"it takes the shard together with whole-sequence values in {_named(lv.parent)}'s forward"
             if _has_params(get_module(sch.module, q)):
                 return q, "its parameters' gradients would be partial sums taken for whole ones"
             if not pointwise(get_module(sch.module, q)):
@@ -1286,7 +1290,7 @@ def _features_mixed(sch: Schedule, p: Plan) -> list[Problem]:
         found = _caller(sch, path)
         if found is None or (op := found[2].mixes.get(found[1])) is None:
             continue
-        where = repr(found[0]) if found[0] else "the root"
+        where = _named(found[0])
         problems.append(Problem(
             path,
             f"{where}'s forward applies {op} to its output before taking it apart into heads or blocks or handing "
@@ -1320,10 +1324,10 @@ def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
         planned = p.modules.get(path)
         packed = planned.role.packed if planned is not None and planned.role is not None else 1
         if out is not None and (counts := _unadjusted_head_counts(get_module(sch.module, parent), out, packed)):
-            where = parent or "<root>"
+            where = _named(parent)
             problems.append(Problem(
                 path,
-                f"{where!r} counts heads in {', '.join(counts)}, which do not count this output's {out} features "
+                f"{where} counts heads in {', '.join(counts)}, which do not count this output's {out} features "
                 "(nor its packed blocks): slapo_fn cannot make them this rank's, so its code sizing heads by them "
                 "would meet this rank's share of the features",
                 f"keep {path!r}'s output whole (leave it and its row partner unsharded, or sf.sync(sch, {path!r}, "
@@ -1334,7 +1338,7 @@ def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
         if how is None or how.kind != "heads" or None in how.dims or out is None:
             continue
         size = _axis_size(sch, axis)
-        local, where = out // size, parent or "<root>"
+        local, where = out // size, _named(parent)
         known = [d for d in how.dims if d is not None and d > 0]
         per = 1
         for d in known:
@@ -1343,7 +1347,7 @@ def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
         if -1 in how.dims and local % per:
             problems.append(Problem(
                 path,
-                f"{where!r}'s forward views its output's features as {shape}; this rank's {local} of its {out} "
+                f"{where}'s forward views its output's features as {shape}; this rank's {local} of its {out} "
                 "features do not fill that view",
                 f"use a mesh axis whose size divides its {out // per} heads, or leave it unsharded",
             ))
@@ -1351,7 +1355,7 @@ def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
                 get_module(sch.module, parent), out, how.dims[: how.dims.index(-1)]):
             problems.append(Problem(
                 path,
-                f"{where!r}'s forward views its output's features as {shape}: the sizes in front of the -1 count "
+                f"{where}'s forward views its output's features as {shape}: the sizes in front of the -1 count "
                 f"the whole output's heads, so this rank's {local} features would make that many heads of the wrong "
                 "size (the numbers silently wrong)",
                 "put the -1 first (view(B, S, -1, head_dim)), or keep the head count in num_heads and the head size "
@@ -1360,7 +1364,7 @@ def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
         elif -1 not in how.dims and per == out and not head_count_attrs(get_module(sch.module, parent), out, 1):
             problems.append(Problem(
                 path,
-                f"{where!r}'s forward views its output's features as {shape}, sizes from attributes slapo_fn does "
+                f"{where}'s forward views its output's features as {shape}, sizes from attributes slapo_fn does "
                 f"not know to make this rank's (it holds {local} of the {out} features)",
                 "view it with -1 heads (view(B, S, -1, head_dim)), or keep the head count in num_heads and the head "
                 "size in head_dim (build makes them this rank's)",
@@ -1388,20 +1392,20 @@ def _packing_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
         if how is None:
             continue
         kind, count = how.kind, how.count
-        where = _parent(path) or "<root>"
+        where = _named(_parent(path))
         if kind == "slices":
             problems.append(Problem(
                 path,
-                f"{where!r}'s forward takes its output apart in {count} slices at fixed feature positions "
+                f"{where}'s forward takes its output apart in {count} slices at fixed feature positions "
                 "(x[..., :a], x[..., a:b]: sizes of the whole output), but each rank holds only its share of the "
                 "features, so the slices would cut the wrong ones",
                 f"leave {path!r} unsharded (its row partner then splits its input itself), or replace "
-                f"{where!r} (sf.replace) with a module that projects q, k and v separately",
+                f"{where} (sf.replace) with a module that projects q, k and v separately",
             ))
         elif kind == "heads" and role.packed > 1:
             problems.append(Problem(
                 path,
-                f"is packed={role.packed}, but {where!r}'s forward views its output into heads before it splits it, "
+                f"is packed={role.packed}, but {where}'s forward views its output into heads before it splits it, "
                 "so its features are grouped head by head ([q_h|k_h|v_h] for each head h), not in "
                 f"{role.packed} blocks",
                 "shard it without packed= (a rank's contiguous rows are then whole heads)",
@@ -1410,7 +1414,7 @@ def _packing_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
             blocks = f"{count} blocks" if count else "blocks"
             problems.append(Problem(
                 path,
-                f"{where!r}'s forward splits its output into {blocks} along the features (q/k/v, gate/up), but it is "
+                f"{where}'s forward splits its output into {blocks} along the features (q/k/v, gate/up), but it is "
                 "sharded as one contiguous slice: each rank would hold whole blocks or parts of the wrong ones",
                 f"shard it with packed={count or 'k'} (k blocks, each split over the ranks)",
             ))
@@ -2355,7 +2359,7 @@ def _bypassed(sch: Schedule, p: Plan) -> list[Problem]:
         what = ("its syncs" if mp.syncs else "its sequence_parallel boundary" if mp.entry or mp.exit
                 else "its layout")
         parent = _parent(path)
-        callee, where = join(parent, inside[0]), repr(parent) if parent else "the root"
+        callee, where = join(parent, inside[0]), _named(parent)
         problems.append(Problem(
             path,
             f"is never called: {where}'s forward calls {callee!r} inside it directly, so {what} would never run",

@@ -41,6 +41,14 @@ class Pair(nn.Module):
         return self.out(self.code(self.fc(x)))
 
 
+class Beside(Pair):
+    """``out(fc(x)) + code(fc(x))``: the column's output read by the parent beside its row."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return self.out(h) + self.code(h)
+
+
 class Concat(nn.Module):
     """Two columns concatenated along the features: locally [a_r | b_r], not [a | b]'s share."""
 
@@ -103,12 +111,23 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[sf.Schedule], sf.Sched
     "layer_norm": (lambda: Pair(lambda h: F.layer_norm(h, h.shape[-1:])), _pair(), "layer_norm(...)"),
     "concat-features": (lambda: Concat(-1), _concat, "cat(dim=-1)"),
     "heads-counted-whole": (lambda: Heads("h"), _heads, "the sizes in front of the -1"),
+
     # over each feature alone, or over the sequence: equal
     "gelu-and-scale": (lambda: Pair(lambda h: F.gelu(h) * 0.5 + 1.0), _pair(), None),
     "softmax-over-sequence": (lambda: Pair(lambda h: h.softmax(1)), _pair(), None),
     "concat-sequence": (lambda: Concat(1), _concat, None),
     "heads-minus-one-first": (lambda: Heads("-1"), _heads, None),
     "heads-in-num_heads": (lambda: Heads("num_heads"), _heads, None),
+    "last-token": (lambda: Pair(lambda h: h[:, -1]), _pair(), None),
+    # the column's output read by the parent beside its row as well: no pair, gathered whole
+    "slice-beside-the-row": (lambda: Beside(lambda h: h[..., :D]), _pair(), None),
+    "sum-beside-the-row": (lambda: Beside(lambda h: h.sum(-1, keepdim=True)), _pair(), None),
+    # a slice of the features before the row: this rank's share does not hold the same ones
+    "slices-before-the-row": (lambda: Pair(lambda h: torch.cat([h[..., :D], h[..., D:]], -1)), _pair(),
+                              "slices at fixed feature positions"),
+    "slice-after-a-scale": (lambda: Pair(lambda h: F.pad((h + 1.0)[..., :D], (0, D))), _pair(),
+                            "splits its output into blocks"),
+    "slice-beside-a-sum": (lambda: Pair(lambda h: F.pad(h[..., :D], (0, D)) + h), _pair(), "x[..., :16]"),
 }
 
 

@@ -1171,6 +1171,10 @@ CLOSED: dict[str, Case] = {
     # there (a residual add); nothing after it gathered it back or took it
     "token-shard-into-untraced-code": _c([Block("attn", bias=False, heads=2, style="untraced", residual=True)],
                                          ("sync", "0.o", "fwd_post", "S(1)", None), dim=16),
+    # wrong numbers: a norm over the features between a Megatron pair, after an activation module
+    # (the walk from fc1 stopped at the module call instead of looking through it)
+    "feature-norm-after-an-activation": _c([Block("mlp", hidden=16, style="normed")], ("shard", "0.fc1", 0, 1),
+                                           ("shard", "0.fc2", 1, 1)),
 }
 
 
