@@ -64,7 +64,8 @@ class Apart:
     the trace does not say how many), ``"slices"`` (``count`` slices at positions fixed
     by the full widths: Phi-3's ``qkv[..., :q]``, ``qkv[..., q:q + k]``) or ``"heads"`` (viewed with the features as
     ``dims``: ``(-1, 64)`` for ``view(B, S, -1, 64)``, ``(4, 3, 16)`` for BLOOM's per-head
-    [q|k|v]; ``None`` for a size the trace computes)."""
+    [q|k|v]; ``None`` for a size the trace computes). Blocks split by sizes keep them in
+    ``dims`` (``(32,)`` for ``split(self.n_embd)``, ``(64, 16, 16)`` for ``split([q, k, v])``)."""
 
     kind: str
     count: int | None = None
@@ -585,9 +586,10 @@ def _taken_apart(node: fx.Node) -> Apart | None:
         parts = rest[0]
         if name == "chunk" and isinstance(parts, int):
             return Apart("blocks", parts)
-        if isinstance(parts, tuple | list):
-            return Apart("blocks", len(parts))
-        return Apart("blocks")  # split(size): as many blocks as the width holds
+        if isinstance(parts, tuple | list):  # split([q, k, v]): sizes of the whole width
+            return Apart("blocks", len(parts), tuple(d if isinstance(d, int) else None for d in parts))
+        # split(size): as many blocks as the width holds, each of that size
+        return Apart("blocks", dims=(parts,) if isinstance(parts, int) else ())
     if name == "getitem" and isinstance(rest[0], tuple) and len(rest[0]) > 0 and rest[0][0] is Ellipsis:
         return Apart("blocks")
     if name == "unflatten" and len(rest) == 2 and rest[0] in (-1, _ASSUMED_RANK - 1) and isinstance(

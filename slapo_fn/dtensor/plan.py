@@ -1259,6 +1259,13 @@ def _axis_size(sch: Schedule, axis: str) -> int:
     return int(sch.mesh.size(dims.index(axis))) if sch.mesh is not None and axis in dims else 1
 
 
+def _split_made_local(parent: nn.Module, sizes: tuple[int | None, ...], out: int | None, packed: int) -> bool:
+    """Whether a split of a packed column's output by ``sizes`` is one build gives this
+    rank's block size: one size, the parent's ``split_size``, the width of a block."""
+    return (out is not None and len(sizes) == 1 and sizes[0] == out // packed
+            and vars(parent).get("split_size") == sizes[0])
+
+
 def _made_local(parent: nn.Module, out: int, leading: tuple[int | None, ...]) -> bool:
     """Whether ``leading``, the sizes a view puts in front of its ``-1``, is one head count
     build makes this rank's (:func:`head_count_attrs`)."""
@@ -1409,6 +1416,18 @@ def _packing_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
                 "so its features are grouped head by head ([q_h|k_h|v_h] for each head h), not in "
                 f"{role.packed} blocks",
                 "shard it without packed= (a rank's contiguous rows are then whole heads)",
+            ))
+        elif kind == "blocks" and role.packed > 1 and how.dims and not _split_made_local(
+                get_module(sch.module, _parent(path)), how.dims, _out_features(get_module(sch.module, path)),
+                role.packed):
+            sizes = ", ".join(str(d) for d in how.dims)
+            problems.append(Problem(
+                path,
+                f"{where}'s forward splits its output by sizes of the whole output's blocks ({sizes}), which build "
+                "does not make this rank's (only GPT-2's split_size), so this rank's share would be cut into the "
+                "wrong blocks",
+                f"gather its output, sf.sync(sch, {path!r}, 'fwd_post', Replicate()), or split it with "
+                f"chunk({role.packed}, dim=-1) or by a split_size attribute",
             ))
         elif kind == "blocks" and role.packed == 1:
             blocks = f"{count} blocks" if count else "blocks"

@@ -494,10 +494,11 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
             raise LayoutError("build(strict=True)", problems)
     rt = _Runtime(sch)
     seq_roots = set(sch.annotations.of_kind(SEQ))
-    # a column whose parent is strictly inside a chain member (attention, MLP) has its input
-    # gathered by that parent, so that model code reshaping it sees the whole sequence; any
-    # other (a member itself, or a direct child of one, beside the residual stream) gathers its own
-    gathers_own = {q for q in p.modules if not any(contains(r, _parent(q)) for r in seq_roots)}
+    # a column whose caller is strictly inside a chain member (attention, MLP) has its input
+    # gathered by that caller, so that model code reshaping it sees the whole sequence; any
+    # other (a member itself, or called by one beside the residual stream, as nanoGPT's block
+    # calls its MLP's layers in a ModuleDict) gathers its own
+    gathers_own = {q for q in p.modules if not any(contains(r, _calling(model, q)) for r in seq_roots)}
     _distribute(model, sch, rt)
     adjusted: set[tuple[int, str]] = set()
     for path, mp in p.modules.items():
@@ -526,17 +527,18 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
     _localise_replicated(model, sch, p)
     # sequence parallel: a column group's parent (attention, MLP) all-gathers its input along the
     # sequence, so that model code reading the input's shape (HF attention's view) sees the full length
-    for parent, (ax, seq_axis) in _sp_parents(p, gathers_own).items():
+    for parent, (ax, seq_axis) in _sp_parents(model, p, gathers_own).items():
         pm = get_module(model, parent)
         pm.forward = _gathering(rt, pm.forward, ax, seq_axis, parent)  # type: ignore[method-assign]
     # a parent that runs on this rank's heads and fails on their shapes (a head count it takes
     # from its config, a fused projection it splits by full sizes) says so as a LayoutError
-    for parent in sorted({_parent(mp.path) for mp in p.modules.values()
+    for parent in sorted({_calling(model, mp.path) for mp in p.modules.values()
                           if mp.role is not None and mp.role.kind == "column" and mp.partnered}):
         pm = get_module(model, parent)
         pm.forward = _explained(parent, pm.forward)  # type: ignore[method-assign]
     # one pass per forward of the root, and of each parent of column modules (see _Runtime.scoped)
-    column_parents = {_parent(mp.path) for mp in p.modules.values() if mp.role is not None and mp.role.kind == "column"}
+    column_parents = {_calling(model, mp.path) for mp in p.modules.values()
+                      if mp.role is not None and mp.role.kind == "column"}
     for path in ("", *sorted(column_parents - {""})):
         pm = get_module(model, path)
         pm.forward = rt.scoped(pm.forward)  # type: ignore[method-assign]
@@ -664,14 +666,23 @@ def _explained(path: str, forward: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _sp_parents(p: Plan, members: set[str]) -> dict[str, tuple[str, int]]:
+def _calling(model: nn.Module, path: str) -> str:
+    """The module whose code calls ``path``: its parent, past containers without a
+    ``forward`` of their own (a ``ModuleDict`` of an MLP's layers, called by the block)."""
+    parent = _parent(path)
+    while parent and uncalled(get_module(model, parent)):
+        parent = _parent(parent)
+    return parent
+
+
+def _sp_parents(model: nn.Module, p: Plan, members: set[str]) -> dict[str, tuple[str, int]]:
     out: dict[str, tuple[str, int]] = {}
     for mp in p.modules.values():
         role, seq = mp.role, mp.seq
         if mp.path in members:
             continue  # a chain member gathers its own input
         if role is not None and role.kind == "column" and seq is not None and seq.mesh_axis == role.mesh_axis:
-            out.setdefault(_parent(mp.path), (role.mesh_axis, seq.seq_axis))
+            out.setdefault(_calling(model, mp.path), (role.mesh_axis, seq.seq_axis))
     return out
 
 

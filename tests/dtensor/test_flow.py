@@ -220,7 +220,8 @@ def test_a_module_output_split_into_blocks_or_viewed_into_heads() -> None:
 
     fl = flow(Packed())
     assert fl is not None
-    assert fl.apart == {"qkv": Apart("blocks"), "gate_up": Apart("blocks", 2), "heads": Apart("heads", dims=(2, 12))}
+    assert fl.apart == {"qkv": Apart("blocks", dims=(8,)), "gate_up": Apart("blocks", 2),
+                        "heads": Apart("heads", dims=(2, 12))}
 
 
 def test_an_output_sliced_at_fixed_positions() -> None:

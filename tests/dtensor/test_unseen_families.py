@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate
 from tp_checks import parity
@@ -393,6 +394,71 @@ def _persimmon(gathered: bool) -> Callable[[], tuple[nn.Module, tuple[Any, ...],
     return make
 
 
+class _NanoAttention(nn.Module):
+    """nanoGPT's causal self-attention, as written there: q/k/v split off ``c_attn`` by
+    ``self.n_embd`` (a size of the whole width) and viewed by ``C // self.n_head``."""
+
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.n_head, self.n_embd = n_head, n_embd
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class _NanoBlock(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.attn = _NanoAttention(n_embd, n_head)
+        self.mlp = nn.ModuleDict({"c_fc": nn.Linear(n_embd, 4 * n_embd), "c_proj": nn.Linear(4 * n_embd, n_embd)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x))))
+
+
+class _NanoGPT(nn.Module):
+    """nanoGPT's model at 2 layers: learned positions, the head tied to the embedding."""
+
+    def __init__(self, n_embd: int = 32, n_head: int = 4) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(VOCAB, n_embd), "wpe": nn.Embedding(16, n_embd),
+            "h": nn.ModuleList([_NanoBlock(n_embd, n_head) for _ in range(2)]), "ln_f": nn.LayerNorm(n_embd)})
+        self.lm_head = nn.Linear(n_embd, VOCAB, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.shape[1]))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))  # type: ignore[no-any-return]
+
+
+def _nanogpt(gathered: bool) -> Callable[[], tuple[nn.Module, tuple[Any, ...], Plan]]:
+    """nanoGPT with GPT-2's Megatron plan (``c_attn`` packed=3): its split by ``n_embd``,
+    a size build does not make this rank's, cut this rank's share into the wrong blocks (a
+    raw "not enough values to unpack"); refused before running, and ``gathered`` follows
+    the refusal's fix."""
+
+    def make() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+        attn = sf.shard.at("c_attn", axis=0, packed=3) >> _row("c_proj")
+        if gathered:
+            attn = attn >> sf.sync.at("c_attn", "fwd_post", Replicate())
+        plan = sf.foreach("transformer.h.*", sf.scope("attn", attn) >> sf.scope("mlp", _column("c_fc")
+                                                                               >> _row("c_proj")))
+        return _NanoGPT(), (_ids(),), plan
+
+    return make
+
+
 @dataclass(frozen=True)
 class Case:
     make: Callable[[], tuple[nn.Module, tuple[Any, ...], Plan]]
@@ -456,6 +522,10 @@ CASES: dict[str, Case] = {
                                                       num_key_value_heads=4, qk_layernorm=True), equal=True),
     "persimmon": Case(_persimmon(False)),
     "persimmon-gathered": Case(_persimmon(True), equal=True),
+    # not a Hugging Face model: nanoGPT as its author wrote it
+    "nanogpt": Case(_nanogpt(False)),
+    "nanogpt-gathered": Case(_nanogpt(True), equal=True),
+    "nanogpt-gathered+sp": Case(_nanogpt(True), ("transformer.h.*", "transformer.ln_f"), equal=True),
 }
 
 
