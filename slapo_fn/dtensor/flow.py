@@ -99,6 +99,9 @@ class Flow:
     # reduction, a softmax or a matmul over them, a flip, a concatenation along them) before
     # the code takes them apart or hands them to a module: ``"h.norm(dim=-1)"``-like text
     mixes: Mapping[str, str] = field(default_factory=dict)
+    # whether the parent's own code multiplies two activations (q @ k.transpose(-2, -1), an
+    # einsum, scaled_dot_product_attention): an output position then reads other positions
+    attends: bool = False
 
     def same_input(self, a: str, b: str) -> bool:
         """Whether children ``a`` and ``b`` are called on the very same tensor (q/k/v on the
@@ -477,6 +480,7 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset()) -> tuple[Flow
     handed: dict[str, frozenset[str]] = {}
     output: frozenset[str] = frozenset()
     leaves: tuple[frozenset[str], ...] = ()
+    attends = False
     # a pointwise child called more than once (T5's one dropout after the embedding and after the
     # final norm) is traced as the code it is: one name for both calls would feed the first
     # layer from the final norm, a cycle
@@ -522,8 +526,9 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset()) -> tuple[Flow
             sources[node] = frozenset()  # a shape or dtype carries no data: x.size() to view by
         else:
             sources[node] = upstream
+            attends = attends or _products_of_activations(node)
     found = Flow(MappingProxyType(feeds), output, frozenset(reads), MappingProxyType(first), MappingProxyType(apart),
-                 leaves, MappingProxyType(hidden), MappingProxyType(handed), MappingProxyType(mixes))
+                 leaves, MappingProxyType(hidden), MappingProxyType(handed), MappingProxyType(mixes), attends)
     return found, read
 
 
@@ -680,6 +685,18 @@ def _feature_op(node: fx.Node) -> str:
         shown = dims[0] if len(dims) == 1 else tuple(dims)
         return f"{name}(dim={shown})"
     return f"{name}(...)"
+
+
+_PRODUCTS = frozenset({"matmul", "bmm", "baddbmm", "einsum", "scaled_dot_product_attention"})
+
+
+def _products_of_activations(node: fx.Node) -> bool:
+    """Whether ``node`` multiplies two activations (``q @ k.transpose(-2, -1)``): two of its
+    tensor operands computed by the code, not read from parameters (``x @ self.w`` is a
+    linear layer)."""
+    if node.op not in ("call_function", "call_method") or _op_name(node) not in _PRODUCTS:
+        return False
+    return sum(1 for a in _nodes_in(node.args) if a.op != "get_attr") >= 2
 
 
 def _pointwise_call(parent: nn.Module, prefix: str, node: fx.Node) -> bool:

@@ -245,15 +245,17 @@ def _plan(sch: Schedule) -> Plan:
                 stated = next((s for s in reversed(spec_syncs) if s.mode == "fwd_pre"), None)
                 pre = _moving(spec_syncs, "fwd_pre")
                 split_input = False
-                if (isinstance(stated, SyncSpec) and isinstance(stated.layout, Replicate)
-                        and (pre is not None or not partnered)):
-                    # stated replicated (gathered from the columns' split, or as it arrives): the
-                    # module splits it locally (all-gather of the gradient)
+                if pre is not None and isinstance(pre.layout, Replicate):
+                    # gathered by its own sync (from the columns' split): the module splits it
+                    # locally (all-gather of the gradient)
                     bounds.append(Boundary(path, "input", "R", "S(-1)", ax, (), ("all_gather",), True))
                 elif (pre is None and (not partnered or _partner_gathered(sch, partners[path], ax))
                       and not _arrives_feature_split(sch, path, ax, None, know, stated)):
-                    # replicated input (or its columns' outputs gathered by syncs): split locally
-                    bounds.append(Boundary(path, "input", "R", "S(-1)", ax, (), ("all_gather",), False))
+                    # replicated input (or its columns' outputs gathered by syncs): split locally. A
+                    # sync from Replicate() to itself states it; as one from a layout to itself, it
+                    # is not believed over the data flow (a column's kept split reaching it)
+                    told = isinstance(stated, SyncSpec) and isinstance(stated.layout, Replicate)
+                    bounds.append(Boundary(path, "input", "R", "S(-1)", ax, (), ("all_gather",), told))
                 else:
                     split_input = True
                 # a fwd_pre sync to Shard(-1) is the input boundary itself (added with the syncs below)
@@ -1514,7 +1516,9 @@ def _attention_on_sequence_shards(sch: Schedule) -> list[Problem]:
     column-parallel q/k/v gather the sequence for it: without one (q/k/v not sharded over
     the chain's axis) each rank attends over its own tokens — silently wrong; as a chain
     member itself (not inside a decoder layer) it reshapes by its input's sequence-shard
-    shape. Refused, naming the attention module."""
+    shape. Attention is known by its class or head attributes (:func:`.hf.mixes_tokens`),
+    or by its traced code multiplying two activations (:attr:`.flow.Flow.attends`: a
+    user's own ``Head`` with ``q @ k.transpose(-2, -1)``). Refused, naming the module."""
     roles = sch.annotations.of_kind(ROLE)
     problems = []
     for member, spec in sch.annotations.of_kind(SEQ).items():
@@ -1522,7 +1526,7 @@ def _attention_on_sequence_shards(sch: Schedule) -> list[Problem]:
                    for q, r in roles.items()):
             continue  # nothing in it gathers the sequence: _ungathered_chain_members names the member
         for path, module in walk(get_module(sch.module, member), member):
-            if not mixes_tokens(module):
+            if not (mixes_tokens(module) or ((fl := _flow_of(sch, path)) is not None and fl.attends)):
                 continue
             gathered = any(r.mesh_axis == spec.mesh_axis and r.kind == "column" and contains(path, q)
                            for q, r in roles.items())

@@ -1175,6 +1175,12 @@ CLOSED: dict[str, Case] = {
     # (the walk from fc1 stopped at the module call instead of looking through it)
     "feature-norm-after-an-activation": _c([Block("mlp", hidden=16, style="normed")], ("shard", "0.fc1", 0, 1),
                                            ("shard", "0.fc2", 1, 1)),
+    # explain counts: a row's fwd_pre sync from Replicate() to itself was believed over the data
+    # flow, which brings the column's kept split (its fwd_post sync to Shard(-1)): a local split
+    # counted that never ran
+    "row-self-sync-over-a-kept-split": _c(
+        [Block("mlp", hidden=16, bias=False)], ("shard", "0.fc1", 0, 1), ("shard", "0.fc2", 1, 1),
+        ("sync", "0.fc1", "fwd_post", "S(-1)", None), ("sync", "0.fc2", "fwd_pre", "R", "R"), dim=16),
 }
 
 

@@ -459,6 +459,61 @@ def _nanogpt(gathered: bool) -> Callable[[], tuple[nn.Module, tuple[Any, ...], P
     return make
 
 
+class _Head(nn.Module):
+    """One head as in Karpathy's "GPT from scratch": its own key/query/value layers and the
+    attention written out, ``q @ k.transpose(-2, -1)``; no head count anywhere."""
+
+    def __init__(self, n_embd: int, size: int) -> None:
+        super().__init__()
+        self.key, self.query, self.value = (nn.Linear(n_embd, size, bias=False) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k, q = self.key(x), self.query(x)
+        t = x.shape[1]
+        wei = (q @ k.transpose(-2, -1) * k.shape[-1] ** -0.5).masked_fill(
+            torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        return wei.softmax(-1) @ self.value(x)  # type: ignore[no-any-return]
+
+
+class _HeadsBlock(nn.Module):
+    def __init__(self, n_embd: int = 32, n_head: int = 4) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList([_Head(n_embd, n_embd // n_head) for _ in range(n_head)])
+        self.proj = nn.Linear(n_embd, n_embd)
+        self.ffwd = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.ReLU(), nn.Linear(4 * n_embd, n_embd))
+        self.ln1, self.ln2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.proj(torch.cat([head(h) for head in self.heads], dim=-1))
+        return x + self.ffwd(self.ln2(x))
+
+
+class _ScratchGPT(nn.Module):
+    def __init__(self, n_embd: int = 32) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, n_embd), nn.Embedding(16, n_embd)
+        self.blocks = nn.Sequential(_HeadsBlock(n_embd), _HeadsBlock(n_embd))
+        self.ln_f, self.lm_head = nn.LayerNorm(n_embd), nn.Linear(n_embd, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        return self.lm_head(self.ln_f(self.blocks(x)))  # type: ignore[no-any-return]
+
+
+def _scratch(heads: bool) -> Callable[[], tuple[nn.Module, tuple[Any, ...], Plan]]:
+    """The MLP (an ``nn.Sequential``) Megatron-sharded, and with ``heads`` every head's
+    key/query/value too (their outputs gathered for the concatenation, the projection a row)."""
+
+    def make() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+        plan = _column("ffwd.0") >> _row("ffwd.2")
+        if heads:
+            plan = plan >> sf.foreach("heads.*", _column("key", "query", "value")) >> _row("proj")
+        return _ScratchGPT(), (_ids(),), sf.foreach("blocks.*", plan)
+
+    return make
+
+
 @dataclass(frozen=True)
 class Case:
     make: Callable[[], tuple[nn.Module, tuple[Any, ...], Plan]]
@@ -526,6 +581,12 @@ CASES: dict[str, Case] = {
     "nanogpt": Case(_nanogpt(False)),
     "nanogpt-gathered": Case(_nanogpt(True), equal=True),
     "nanogpt-gathered+sp": Case(_nanogpt(True), ("transformer.h.*", "transformer.ln_f"), equal=True),
+    # and the GPT of "Let's build GPT: from scratch" (heads as modules of their own)
+    "scratch-gpt": Case(_scratch(False), equal=True),
+    "scratch-gpt-heads": Case(_scratch(True), equal=True),
+    # its heads, unsharded in a chain, would attend over this rank's tokens (silently wrong):
+    # refused, known by the q @ k product in their code
+    "scratch-gpt+sp": Case(_scratch(False), ("blocks.*", "ln_f")),
 }
 
 
