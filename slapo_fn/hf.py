@@ -368,7 +368,8 @@ def clear_initialized_flags(module: nn.Module) -> None:
 
 # -- attention heads ----------------------------------------------------------------------
 #: Attention-module attributes that count heads (query or key/value heads).
-HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_key_value_heads")
+HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_key_value_heads", "n_kv_heads",
+                    "num_kv_heads")
 #: Attention-module attributes that hold the size of one head (LLaMA/GPT-2, T5, BERT).
 HEAD_DIM_ATTRS = ("head_dim", "key_value_proj_dim", "attention_head_size")
 #: Experts-module attributes that hold its number of experts (Mixtral, Qwen2/3-MoE, DeepSeek-V3, gpt-oss

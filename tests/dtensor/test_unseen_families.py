@@ -514,6 +514,66 @@ def _scratch(heads: bool) -> Callable[[], tuple[nn.Module, tuple[Any, ...], Plan
     return make
 
 
+class _TitanAttention(nn.Module):
+    """torchtitan's LLaMA attention (rotary left out): grouped-query heads counted in
+    ``n_heads`` / ``n_kv_heads``, viewed with ``-1`` heads, ``repeat_kv`` by ``n_rep``."""
+
+    def __init__(self, dim: int = 32, n_heads: int = 4, n_kv_heads: int = 2) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.n_rep = n_heads, n_kv_heads, n_heads // n_kv_heads
+        self.head_dim = dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        q, k, v = (w(x).view(bs, seqlen, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        k, v = (t.repeat_interleave(self.n_rep, dim=2) for t in (k, v))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))  # type: ignore[no-any-return]
+
+
+class _TitanBlock(nn.Module):
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.attention = _TitanAttention(dim)
+        self.feed_forward = nn.ModuleDict({"w1": nn.Linear(dim, 64, bias=False), "w2": nn.Linear(64, dim, bias=False),
+                                           "w3": nn.Linear(dim, 64, bias=False)})
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        ff = self.feed_forward
+        return h + ff.w2(F.silu(ff.w1(self.ffn_norm(h))) * ff.w3(self.ffn_norm(h)))  # type: ignore[no-any-return]
+
+
+class _Titan(nn.Module):
+    """torchtitan's LLaMA layout: layers in a ModuleDict, the output layer apart from the
+    embedding."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, dim)
+        self.layers = nn.ModuleDict({str(i): _TitanBlock(dim) for i in range(2)})
+        self.norm, self.output = nn.RMSNorm(dim), nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))  # type: ignore[no-any-return]
+
+
+def _titan() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    """torchtitan's own TP plan for it (vocab-parallel embedding and output)."""
+    plan = (sf.scope("attention", _column("wq", "wk", "wv") >> _row("wo"))
+            >> sf.scope("feed_forward", _column("w1", "w3") >> _row("w2")))
+    whole = sf.foreach("layers.*", plan) >> sf.shard.at("tok_embeddings", axis=0) >> sf.shard.at("output", axis=0)
+    return _Titan(), (_ids(),), whole
+
+
 @dataclass(frozen=True)
 class Case:
     make: Callable[[], tuple[nn.Module, tuple[Any, ...], Plan]]
@@ -587,6 +647,9 @@ CASES: dict[str, Case] = {
     # its heads, unsharded in a chain, would attend over this rank's tokens (silently wrong):
     # refused, known by the q @ k product in their code
     "scratch-gpt+sp": Case(_scratch(False), ("blocks.*", "ln_f")),
+    # and torchtitan's LLaMA (n_kv_heads made local by build, as n_heads)
+    "torchtitan-llama": Case(_titan, equal=True),
+    "torchtitan-llama+sp": Case(_titan, ("layers.*", "norm"), equal=True),
 }
 
 
