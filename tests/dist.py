@@ -33,6 +33,7 @@ import faulthandler
 import os
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -131,6 +132,7 @@ class WorkerPool:
             raise ValueError(f"world_size must be in 1..8, got {world_size}")
         self.world_size = world_size
         self.alive = False
+        self.crashed: dict[int, int] = {}  # rank -> the signal that killed it during the last call
         ctx = get_context("spawn")
         port = _free_port()
         self._conns: list[Connection] = []
@@ -159,9 +161,37 @@ class WorkerPool:
         ``fn`` and its arguments must be picklable (a module-level function). Raises
         :class:`RankError` if any rank raised, :class:`DistTimeout` after ``timeout``
         seconds (all workers killed).
+
+        A rank killed by a signal (a native crash in torch or gloo, as seen three times in
+        many hundreds of calls: "malloc(): unaligned tcache chunk detected", a segfault
+        inside gloo's all_gather) is no verdict on ``fn``: the call is run once more on a
+        fresh pool, with a warning naming the signal (the dead rank's Python stack is on
+        stderr, from faulthandler). A second crash, or any Python error, is raised; a pool
+        with a dead rank is killed, so the next ``dist_pool`` call starts a new one.
         """
+        try:
+            return self._run(fn, args, kwargs, timeout)
+        except (RankError, DistTimeout):
+            crashed = dict(self.crashed)
+            if any(not p.is_alive() for p in self._procs):
+                self.kill()
+            if not crashed:
+                raise
+        name = getattr(fn, "__qualname__", repr(fn))
+        print(f"\ndist: rank(s) {sorted(crashed)} killed by signal(s) {sorted({-c for c in crashed.values()})} "
+              f"during {name}; running it once more on a fresh pool", file=sys.stderr, flush=True)
+        self.__init__(self.world_size)  # type: ignore[misc]
+        try:
+            return self._run(fn, args, kwargs, timeout)
+        except (RankError, DistTimeout):
+            if any(not p.is_alive() for p in self._procs):
+                self.kill()
+            raise
+
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float) -> list[Any]:
         if not self.alive:
             raise RuntimeError("this worker pool was killed; start a new one")
+        self.crashed = {}
         for conn in self._conns:
             conn.send((fn, args, kwargs))
         answers = self._collect(timeout, getattr(fn, "__qualname__", repr(fn)))
@@ -190,9 +220,9 @@ class WorkerPool:
                     try:
                         answers[rank] = conn.recv()
                     except EOFError:
-                        answers[rank] = _Err(f"rank {rank} died (exit code {self._procs[rank].exitcode})")
+                        answers[rank] = self._died(rank)
                 elif not self._procs[rank].is_alive() and not conn.poll():
-                    answers[rank] = _Err(f"rank {rank} died (exit code {self._procs[rank].exitcode})")
+                    answers[rank] = self._died(rank)
         if len(answers) < self.world_size:
             missing = [r for r in range(self.world_size) if r not in answers]
             self.kill()
@@ -206,6 +236,13 @@ class WorkerPool:
                 )
             raise DistTimeout(f"{what}: rank(s) {missing} did not answer within {timeout:.0f} s; pool killed")
         return answers
+
+    def _died(self, rank: int) -> _Err:
+        proc = self._procs[rank]
+        proc.join(timeout=5)
+        if proc.exitcode is not None and proc.exitcode < 0:
+            self.crashed[rank] = proc.exitcode
+        return _Err(f"rank {rank} died (exit code {proc.exitcode})")
 
     def kill(self) -> None:
         """Kill every worker by PID (no cleanup in the children)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -68,3 +69,33 @@ def test_timeout_kills_every_child() -> None:
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def _crash_once(rank: int, world_size: int, flag: str) -> float:
+    """Rank 1 dies by SIGSEGV the first time (``flag`` not there yet), as a native crash would."""
+    if rank == 1 and not os.path.exists(flag):
+        open(flag, "w").close()
+        os.kill(os.getpid(), signal.SIGSEGV)
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _crash_always(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    dist.barrier()
+
+
+def test_a_rank_killed_natively_is_run_again_once_on_a_fresh_pool(tmp_path, capfd) -> None:
+    pool = WorkerPool(2)
+    try:
+        first_pids = pool.pids
+        assert pool.run(_crash_once, str(tmp_path / "crashed"), timeout=60) == [3.0, 3.0]
+        assert pool.alive and set(pool.pids).isdisjoint(first_pids)  # a fresh pool ran it
+        assert "killed by signal(s) [11]" in capfd.readouterr().err
+        with pytest.raises(RankError, match=r"raised on rank\(s\) \[0, 1\]"):  # twice: raised, pool killed
+            pool.run(_crash_always, timeout=60)
+        assert pool.crashed == {1: -11} and not pool.alive
+    finally:
+        pool.kill()

@@ -97,7 +97,7 @@ class Flow:
     given: Mapping[str, frozenset[str]] = field(default_factory=dict)
     # for each child, the first op of the parent's code that mixes its output's features (a
     # reduction, a softmax or a matmul over them, a flip, a concatenation along them) before
-    # the code takes them apart or hands them to a module: ``"h.norm(dim=-1)"``-like text
+    # the code takes them apart or hands them to a module, as text: ``"norm(dim=-1)"``
     mixes: Mapping[str, str] = field(default_factory=dict)
     # whether the parent's own code multiplies two activations (q @ k.transpose(-2, -1), an
     # einsum, scaled_dot_product_attention): an output position then reads other positions
