@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "caller_path",
     "child_names",
     "get_module",
     "join",
@@ -55,6 +56,21 @@ def uncalled(module: nn.Module) -> bool:
     ``nn.ModuleDict``): its parent's code calls its items, never it, so its hooks and a
     forward set on it never run."""
     return type(module).forward is nn.Module.forward
+
+
+def caller_path(root: nn.Module, path: str) -> str:
+    """The path of the module whose code calls the one at ``path``: its parent, past
+    containers without a ``forward`` of their own (a ``ModuleDict`` of an MLP's layers is
+    called by the block holding it). ``""`` for the root and its children.
+
+    >>> block = nn.Module(); block.mlp = nn.ModuleDict({"fc": nn.Linear(2, 2)})
+    >>> caller_path(block, "mlp.fc"), caller_path(block, "mlp")
+    ('', '')
+    """
+    parent = ".".join(split(path)[:-1])
+    while parent and uncalled(get_module(root, parent)):
+        parent = ".".join(split(parent)[:-1])
+    return parent
 
 
 def get_module(root: nn.Module, path: str) -> nn.Module:

@@ -47,7 +47,7 @@ from ..errors import Problem
 from ..hf import HEAD_COUNT_ATTRS, HEAD_DIM_ATTRS, is_conv1d, mixes_tokens
 from ..rewrites._common import INSTALLED, contains
 from ..schedule import Schedule
-from ..tree import child_names, get_module, join, split, uncalled, walk
+from ..tree import caller_path, child_names, get_module, join, split, uncalled, walk
 from .experts import EXPERTS, Experts
 from .flow import INPUT, OUTPUT, SIDE, Flow, flow, pointwise
 from .layout import Layout
@@ -963,9 +963,7 @@ def _token_consumer(
         if _has_params(get_module(sch.module, q)):
             return q, "its parameters' gradients would be partial sums taken for whole ones"
     if start:  # code fx cannot trace takes the shard, and nothing after it gathers it back
-        around = _parent(start)
-        while around and uncalled(get_module(sch.module, around)):
-            around = _parent(around)
+        around = caller_path(sch.module, start)
         if not _installed(sch, around):
             return around, _UNTRACED_TAKER
     return None
@@ -1911,9 +1909,7 @@ def _reach(sch: Schedule, path: str) -> tuple[list[str] | None, str | None]:
     levels, start = _downstream(sch, path)
     if not start:
         return [join(lv.parent, q) for lv in levels for q in sorted(lv.users - {OUTPUT})], None
-    around = _parent(start)
-    while around and uncalled(get_module(sch.module, around)):
-        around = _parent(around)
+    around = caller_path(sch.module, start)
     return None, None if _installed(sch, around) else around
 
 

@@ -27,7 +27,7 @@ from ..hf import EXPERT_COUNT_ATTRS as _EXPERT_COUNTS
 from ..hf import is_conv1d
 from ..rewrites._common import contains
 from ..schedule import Key, Schedule, path_exists
-from ..tree import get_module, join, split, uncalled
+from ..tree import caller_path, get_module, join, split, uncalled
 from . import collectives as C
 from .data_parallel import DATA_PARALLEL
 from .experts import EXPERTS, experts_forward
@@ -498,7 +498,7 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
     # gathered by that caller, so that model code reshaping it sees the whole sequence; any
     # other (a member itself, or called by one beside the residual stream, as nanoGPT's block
     # calls its MLP's layers in a ModuleDict) gathers its own
-    gathers_own = {q for q in p.modules if not any(contains(r, _calling(model, q)) for r in seq_roots)}
+    gathers_own = {q for q in p.modules if not any(contains(r, caller_path(model, q)) for r in seq_roots)}
     _distribute(model, sch, rt)
     adjusted: set[tuple[int, str]] = set()
     for path, mp in p.modules.items():
@@ -532,12 +532,12 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
         pm.forward = _gathering(rt, pm.forward, ax, seq_axis, parent)  # type: ignore[method-assign]
     # a parent that runs on this rank's heads and fails on their shapes (a head count it takes
     # from its config, a fused projection it splits by full sizes) says so as a LayoutError
-    for parent in sorted({_calling(model, mp.path) for mp in p.modules.values()
+    for parent in sorted({caller_path(model, mp.path) for mp in p.modules.values()
                           if mp.role is not None and mp.role.kind == "column" and mp.partnered}):
         pm = get_module(model, parent)
         pm.forward = _explained(parent, pm.forward)  # type: ignore[method-assign]
     # one pass per forward of the root, and of each parent of column modules (see _Runtime.scoped)
-    column_parents = {_calling(model, mp.path) for mp in p.modules.values()
+    column_parents = {caller_path(model, mp.path) for mp in p.modules.values()
                       if mp.role is not None and mp.role.kind == "column"}
     for path in ("", *sorted(column_parents - {""})):
         pm = get_module(model, path)
@@ -666,15 +666,6 @@ def _explained(path: str, forward: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _calling(model: nn.Module, path: str) -> str:
-    """The module whose code calls ``path``: its parent, past containers without a
-    ``forward`` of their own (a ``ModuleDict`` of an MLP's layers, called by the block)."""
-    parent = _parent(path)
-    while parent and uncalled(get_module(model, parent)):
-        parent = _parent(parent)
-    return parent
-
-
 def _sp_parents(model: nn.Module, p: Plan, members: set[str]) -> dict[str, tuple[str, int]]:
     out: dict[str, tuple[str, int]] = {}
     for mp in p.modules.values():
@@ -682,7 +673,7 @@ def _sp_parents(model: nn.Module, p: Plan, members: set[str]) -> dict[str, tuple
         if mp.path in members:
             continue  # a chain member gathers its own input
         if role is not None and role.kind == "column" and seq is not None and seq.mesh_axis == role.mesh_axis:
-            out.setdefault(_calling(model, mp.path), (role.mesh_axis, seq.seq_axis))
+            out.setdefault(caller_path(model, mp.path), (role.mesh_axis, seq.seq_axis))
     return out
 
 
