@@ -45,6 +45,12 @@ import torch.fx as fx
 from torch import nn
 
 from ..tree import uncalled
+from .features import ASSUMED_RANK as _ASSUMED_RANK
+from .features import Apart, along_features
+from .features import metadata as _metadata
+from .features import nodes_in as _nodes_in
+from .features import op_name as _op_name
+from .features import sizes_only as _sizes_only
 
 __all__ = ["INPUT", "OUTPUT", "SIDE", "Apart", "Flow", "flow", "pointwise"]
 
@@ -55,21 +61,6 @@ INPUT, OUTPUT = "<input>", "<output>"
 #: ALiBi biases, encoder states; values that are not the activation the layouts split.
 SIDE = "<side>"
 _INNER = "inner"
-
-
-@dataclass(frozen=True)
-class Apart:
-    """How a parent's code first takes a child's output apart along its features:
-    ``kind`` ``"blocks"`` (split into ``count`` blocks: [Q|K|V], [gate|up]; ``None`` where
-    the trace does not say how many), ``"slices"`` (``count`` slices at positions fixed
-    by the full widths: Phi-3's ``qkv[..., :q]``, ``qkv[..., q:q + k]``) or ``"heads"`` (viewed with the features as
-    ``dims``: ``(-1, 64)`` for ``view(B, S, -1, 64)``, ``(4, 3, 16)`` for BLOOM's per-head
-    [q|k|v]; ``None`` for a size the trace computes). Blocks split by sizes keep them in
-    ``dims`` (``(32,)`` for ``split(self.n_embd)``, ``(64, 16, 16)`` for ``split([q, k, v])``)."""
-
-    kind: str
-    count: int | None = None
-    dims: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -102,6 +93,10 @@ class Flow:
     # whether the parent's own code multiplies two activations (q @ k.transpose(-2, -1), an
     # einsum, scaled_dot_product_attention): an output position then reads other positions
     attends: bool = False
+    # for each child, the first op of the parent's code whose reading took the child's output as
+    # (batch, sequence, features) (:data:`.features.ASSUMED_RANK`): ``"softmax(dim=1)"`` is over the
+    # sequence only at that rank, so the runtime checks the rank where the output is a share of features
+    ranked: Mapping[str, str] = field(default_factory=dict)
 
     def same_input(self, a: str, b: str) -> bool:
         """Whether children ``a`` and ``b`` are called on the very same tensor (q/k/v on the
@@ -213,9 +208,6 @@ class _Leaves(fx.Tracer):
         return module_qualified_name.startswith(_INNER + ".")
 
 
-#: The rank a traced value is taken to have where nothing in the trace says: the parent's
-#: arguments are hidden states ``(batch, sequence, features)``.
-_ASSUMED_RANK = 3
 #: The rank tried next where unpacking a shape fails at :data:`_ASSUMED_RANK`: a model's
 #: root takes token ids ``(batch, sequence)`` (``_bsz, seq_len = tokens.size()``).
 _TOKENS_RANK = 2
@@ -293,14 +285,6 @@ class _ShapedProxy(fx.Proxy):
     def _sizes(self) -> tuple[fx.Proxy, ...]:
         rank = _rank(self.node, getattr(self.tracer, "rank", _ASSUMED_RANK))
         return tuple(self.tracer.create_proxy("call_method", "size", (self, i), {}) for i in range(rank))
-
-
-def _sizes_only(node: fx.Node) -> bool:
-    """Whether ``node`` is computed from tensors' sizes alone, not their values."""
-    if _metadata(node):
-        return True
-    inputs = node.all_input_nodes
-    return node.op == "call_function" and bool(inputs) and all(_sizes_only(a) for a in inputs)
 
 
 def _rank(node: fx.Node, assumed: int, depth: int = 0) -> int:
@@ -477,6 +461,7 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset()) -> tuple[Flow
     hidden: dict[str, frozenset[str]] = {}
     apart: dict[str, Apart] = {}
     mixes: dict[str, str] = {}
+    ranked: dict[str, str] = {}
     handed: dict[str, frozenset[str]] = {}
     output: frozenset[str] = frozenset()
     leaves: tuple[frozenset[str], ...] = ()
@@ -512,11 +497,13 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset()) -> tuple[Flow
             handed[name] = handed.get(name, frozenset()) | _handed(parent.get_submodule(name), node)
             sources[node] = frozenset({name})
             if name not in apart:
-                how, mixing = _along_features(node, functools.partial(_pointwise_call, parent, prefix))
-                if how is not None:
-                    apart[name] = how
-                if mixing is not None:
-                    mixes[name] = mixing
+                walked = along_features(node, functools.partial(_pointwise_call, parent, prefix))
+                if walked.apart is not None:
+                    apart[name] = walked.apart
+                if walked.mixes is not None:
+                    mixes[name] = walked.mixes
+                elif walked.ranked is not None:
+                    ranked[name] = walked.ranked
         elif node.op == "output":
             result = node.args[0]  # (hidden states, attention weights, cache): the first is the result
             main = result[0] if isinstance(result, tuple | list) and result else result
@@ -528,7 +515,8 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset()) -> tuple[Flow
             sources[node] = upstream
             attends = attends or _products_of_activations(node)
     found = Flow(MappingProxyType(feeds), output, frozenset(reads), MappingProxyType(first), MappingProxyType(apart),
-                 leaves, MappingProxyType(hidden), MappingProxyType(handed), MappingProxyType(mixes), attends)
+                 leaves, MappingProxyType(hidden), MappingProxyType(handed), MappingProxyType(mixes), attends,
+                 MappingProxyType(ranked))
     return found, read
 
 
@@ -570,123 +558,6 @@ def _traced(
     return None
 
 
-_SPLITS = frozenset({"split", "chunk", "tensor_split", "split_with_sizes"})
-
-
-def _taken_apart(node: fx.Node) -> Apart | None:
-    """How the parent first takes a child's output apart along its features (its last
-    dimension), where it does at once: split into blocks (``split``, ``chunk``,
-    ``x[..., :n]``), or viewed into heads (``view(..., n, d)``); else ``None``."""
-    users = [u for u in node.users if not _metadata(u)]
-    if len(users) > 1 and all(_fixed_slice(u) for u in users):
-        # x[..., :a], x[..., a:b], x[..., b:]: positions fixed by the full widths (Phi-3's qkv)
-        return Apart("slices", len(users))
-    if len(users) != 1:
-        return None
-    use = users[0]
-    name = use.target if use.op == "call_method" else getattr(use.target, "__name__", "")
-    rest = use.args[1:]
-    dim = use.kwargs.get("dim", rest[1] if len(rest) > 1 else 0)
-    if name in _SPLITS and rest and dim in (-1, _ASSUMED_RANK - 1):
-        parts = rest[0]
-        if name == "chunk" and isinstance(parts, int):
-            return Apart("blocks", parts)
-        if isinstance(parts, tuple | list):  # split([q, k, v]): sizes of the whole width
-            return Apart("blocks", len(parts), tuple(d if isinstance(d, int) else None for d in parts))
-        # split(size): as many blocks as the width holds, each of that size
-        return Apart("blocks", dims=(parts,) if isinstance(parts, int) else ())
-    if name == "getitem" and isinstance(rest[0], tuple) and len(rest[0]) > 0 and rest[0][0] is Ellipsis:
-        return Apart("blocks")
-    if name == "unflatten" and len(rest) == 2 and rest[0] in (-1, _ASSUMED_RANK - 1) and isinstance(
-            rest[1], tuple | list):
-        return Apart("heads", dims=tuple(d if isinstance(d, int) else None for d in rest[1]))
-    if name in ("view", "reshape") and rest:
-        shape = rest[0] if len(rest) == 1 and isinstance(rest[0], tuple | list) else rest
-        if len(shape) >= _ASSUMED_RANK + 1 and isinstance(shape[-1], int) and shape[-1] > 0:
-            dims = tuple(d if isinstance(d, int) else None for d in shape[_ASSUMED_RANK - 1 :])
-            return Apart("heads", dims=dims)
-    return None
-
-
-#: Ops that act on each feature alone (elementwise, casts, copies): a rank's share of the
-#: features goes through them as the whole would.
-_ELEMENTWISE = frozenset({
-    "add", "sub", "subtract", "mul", "multiply", "truediv", "div", "divide", "true_divide", "floordiv", "neg", "pos",
-    "pow", "float_power", "mod", "remainder", "abs", "exp", "exp2", "expm1", "log", "log1p", "log2", "sigmoid",
-    "tanh", "relu", "gelu", "silu", "mish", "elu", "selu", "celu", "leaky_relu", "softplus", "softsign",
-    "hardswish", "hardsigmoid", "hardtanh", "relu6", "logsigmoid", "dropout", "sqrt", "rsqrt", "square",
-    "reciprocal", "sin", "cos", "erf", "sign", "clamp", "clip", "where", "masked_fill", "maximum", "minimum",
-    "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "xor", "invert", "iadd", "isub", "imul", "itruediv", "lerp",
-    "addcmul", "addcdiv", "nan_to_num", "float", "half", "bfloat16", "double", "to", "type", "type_as",
-    "contiguous", "clone", "detach", "add_", "sub_", "mul_", "div_", "clamp_", "masked_fill_", "neg_", "pow_",
-    "sigmoid_", "tanh_", "relu_", "exp_", "sqrt_", "rsqrt_", "squeeze", "expand", "expand_as",
-})
-#: Ops over a dimension (``dim``: its keyword, its position among the arguments after the
-#: tensor, its default); over the features (-1, or dim >= 2 of a (batch, sequence,
-#: features) activation) they mix them; over batch or sequence they do not.
-_OVER_DIM = {
-    **{op: (0, None) for op in ("sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "prod", "var",
-                                 "std", "logsumexp", "all", "any", "median", "nansum", "nanmean", "count_nonzero")},
-    "softmax": (0, None), "log_softmax": (0, None), "cumsum": (0, None), "cumprod": (0, None), "cummax": (0, None),
-    "norm": (1, None), "topk": (1, -1), "sort": (0, -1), "argsort": (0, -1), "cat": (0, 0), "concat": (0, 0),
-    "concatenate": (0, 0), "stack": (0, 0), "normalize": (1, 1), "unsqueeze": (0, None), "flip": (0, None),
-    "roll": (1, None),
-}
-#: Ops that take the features apart or move them to another dimension (T5's per-head bias,
-#: permuted to (heads, q, k)): not a mix; what comes after is the head and packing checks'.
-_APART = _SPLITS | {"view", "reshape", "unflatten", "flatten", "getitem", "permute", "transpose", "movedim",
-                    "moveaxis", "swapaxes", "swapdims"}
-
-
-def _op_name(node: fx.Node) -> str:
-    return str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
-
-
-def _dims_of(node: fx.Node, name: str) -> list[Any]:
-    """The dimensions an op of :data:`_OVER_DIM` acts over (``None``: all of them)."""
-    pos, default = _OVER_DIM[name]
-    rest = list(node.args[1:])  # after the tensor (torch.cat's list of tensors)
-    found = node.kwargs.get("dim", node.kwargs.get("dims", rest[pos] if len(rest) > pos else default))
-    return list(found) if isinstance(found, tuple | list) else [found]
-
-
-def _feature_op(node: fx.Node) -> str:
-    """``"local"``: ``node`` acts on each feature alone (or only on batch or sequence),
-    ``"apart"``: it takes the features apart (split, slice, viewed into heads: the
-    packing and head checks read those), else a short text of the op, which mixes them."""
-    if node.op not in ("call_function", "call_method"):
-        return node.op
-    name = _op_name(node)
-    if name in _ELEMENTWISE:
-        return "local"
-    if name == "getattr" and len(node.args) > 1:
-        # a field of a returned ModelOutput (.last_hidden_state); a tensor's .T / .mT move dimensions
-        return "apart" if node.args[1] in ("T", "mT", "H", "mH") else "local"
-    if name == "getitem" and len(node.args) > 1:
-        index = node.args[1]
-        # an item of a returned tuple, or a batch / sequence index, leaves the features whole
-        if isinstance(index, int) or (isinstance(index, tuple) and Ellipsis not in index
-                                      and len(index) < _ASSUMED_RANK):
-            return "local"
-        last = index[-1] if isinstance(index, tuple) and index else index
-        if last == slice(None):
-            return "local"
-        # features picked at positions of the whole width (x[..., :a]): the slices of Phi-3's
-        # [q|k|v] taken all at once are the packing check's (Flow.apart)
-        return f"x[..., {_index_text(last)}]"
-    if name in _APART:
-        return "apart"
-    if name in _OVER_DIM:
-        dims = _dims_of(node, name)
-        if name == "unsqueeze":
-            return "local" if all(isinstance(d, int) and d >= 0 for d in dims) else "apart"
-        if all(isinstance(d, int) and 0 <= d < _ASSUMED_RANK - 1 for d in dims):
-            return "local"  # over batch or sequence
-        shown = dims[0] if len(dims) == 1 else tuple(dims)
-        return f"{name}(dim={shown})"
-    return f"{name}(...)"
-
-
 _PRODUCTS = frozenset({"matmul", "bmm", "baddbmm", "einsum", "scaled_dot_product_attention"})
 
 
@@ -703,75 +574,6 @@ def _pointwise_call(parent: nn.Module, prefix: str, node: fx.Node) -> bool:
     """Whether ``node`` calls a pointwise child of ``parent`` (an activation, a dropout)."""
     target = str(node.target)
     return target.startswith(prefix) and pointwise(parent.get_submodule(target[len(prefix):]))
-
-
-def _index_text(index: Any) -> str:
-    if isinstance(index, slice):
-        return ":".join("" if b is None else str(b) for b in (index.start, index.stop))
-    return str(index)
-
-
-def _along_features(node: fx.Node, elementwise: Callable[[fx.Node], bool]) -> tuple[Apart | None, str | None]:
-    """Follow a child's output (``node``) through the parent's code that acts on each
-    feature alone (and the children ``elementwise`` accepts: activations), to where the
-    code takes its features apart (:func:`_taken_apart`, there or after such ops, as
-    Bart's ``q_proj(x) * scaling`` viewed into heads) and to the first op that mixes them
-    (:func:`_feature_op`), if one comes before they are taken apart or handed to a module."""
-    apart: Apart | None = None
-    todo, seen = [node], set()
-    while todo:
-        value = todo.pop()
-        if value in seen:
-            continue
-        seen.add(value)
-        how = _taken_apart(value)
-        if how is not None:
-            apart = apart or how
-            continue
-        for use in value.users:
-            if use.op == "call_module" and elementwise(use):
-                todo.append(use)
-                continue
-            if _metadata(use) or use.op in ("call_module", "output"):
-                continue
-            kind = _feature_op(use)
-            if kind == "local":
-                todo.append(use)
-            elif kind != "apart":
-                return apart, kind
-    return apart, None
-
-
-def _fixed_slice(node: fx.Node) -> bool:
-    """Whether ``node`` is ``x[..., a:b]`` with constant bounds (the last dimension)."""
-    if node.op != "call_function" or getattr(node.target, "__name__", "") != "getitem" or len(node.args) < 2:
-        return False
-    index = node.args[1]
-    return (isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis and isinstance(index[1], slice)
-            and all(b is None or isinstance(b, int) for b in (index[1].start, index[1].stop)))
-
-
-def _nodes_in(arg: Any) -> list[fx.Node]:
-    found: list[fx.Node] = []
-
-    def keep(n: fx.Node) -> fx.Node:
-        found.append(n)
-        return n
-
-    fx.node.map_arg(arg, keep)
-    return found
-
-
-_METADATA_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement", "get_device", "element_size"})
-_METADATA_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad"})
-
-
-def _metadata(node: fx.Node) -> bool:
-    """Whether ``node`` reads a tensor's metadata (its shape, dtype, device), not its values."""
-    if node.op == "call_method":
-        return node.target in _METADATA_METHODS
-    return (node.op == "call_function" and node.target is getattr and len(node.args) > 1
-            and node.args[1] in _METADATA_ATTRS)
 
 
 def _child_paths(parent: nn.Module) -> set[str]:

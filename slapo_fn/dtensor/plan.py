@@ -104,6 +104,11 @@ class ModulePlan:
     #: a row: the plan takes its input as this rank's features (from its partners, a sync, or as
     #: stated), so it counts no split of its own; a whole-width input then contradicts the plan
     split_input: bool = False
+    #: an output that reaches its parent's code as this rank's features, where that code was
+    #: read with the output taken as (batch, sequence, features): the first such op, as text.
+    #: The runtime refuses an output of another rank (a 2-D ``(batch, features)``), for which
+    #: the reading (``softmax(1)`` over the sequence) would be wrong.
+    read_as_3d: str = ""
 
     @property
     def keeps_features(self) -> bool:
@@ -359,6 +364,11 @@ def _plan(sch: Schedule) -> Plan:
     for mp in modules.values():
         if mp.local_params:
             bounds += _param_grad_boundaries(sch, mp)
+    made = Plan(modules, tuple(bounds))
+    for path in _split_outputs(sch, made):
+        found = _caller(sch, path)
+        if path in modules and found is not None and (op := found[2].ranked.get(found[1])) is not None:
+            modules[path] = replace(modules[path], read_as_3d=op)
     return Plan(modules, tuple(bounds))
 
 

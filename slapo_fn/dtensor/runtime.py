@@ -31,6 +31,7 @@ from ..tree import caller_path, get_module, join, split, uncalled
 from . import collectives as C
 from .data_parallel import DATA_PARALLEL
 from .experts import EXPERTS, experts_forward
+from .features import ASSUMED_RANK
 from .layout import Layout, shard_axes
 from .local import LOCAL
 from .plan import ModulePlan, Plan, _in_features, _parent, _sharded_output, head_count_attrs, implicit, plan, refusals
@@ -521,6 +522,8 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
         elif (mp.role is not None and mp.role.kind == "param") or mp.local_params:
             forward = _generic(rt, m, mp, forward)
         forward = _wrap_boundaries(rt, mp, forward)
+        if mp.read_as_3d:
+            forward = _read_as_3d(mp, forward)
         if mp.rng is not None:
             forward = forked(forward, rt.mesh.get_local_rank(rt.dims.index(mp.rng.mesh_axis)))
         m.forward = forward  # type: ignore[method-assign]
@@ -638,6 +641,31 @@ def _replicated(m: nn.Module, names: tuple[str, ...], forward: Callable[..., Any
         local = {n: _local(_attribute(m, n)) for n in names}
         with _reparametrize_module(m, local):  # type: ignore[arg-type]
             return forward(*args, **kwargs)
+
+    return run
+
+
+def _read_as_3d(mp: ModulePlan, forward: Callable[..., Any]) -> Callable[..., Any]:
+    """An output handed to its parent as this rank's features, whose parent's code the
+    plan read with it taken as (batch, sequence, features) (:attr:`ModulePlan.read_as_3d`):
+    an output of another rank is refused, since the reading would be wrong for it (a
+    ``softmax(1)`` over a 2-D ``(batch, features)`` output is over this rank's features)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        out = forward(*args, **kwargs)
+        slot = _slot(out)
+        first = out if slot == -1 else None if slot is None else out[slot]
+        if isinstance(first, torch.Tensor) and first.dim() != ASSUMED_RANK:
+            raise LayoutError("tensor parallel forward", [Problem(
+                mp.path,
+                f"hands its parent this rank's share of its output features, and slapo_fn read the parent's code "
+                f"({mp.read_as_3d}) with that output taken as (batch, sequence, features); it has "
+                f"{first.dim()} dimensions, so the reading may be wrong (a dimension taken for the sequence may be "
+                "the features)",
+                f"gather its output, sf.sync(sch, {mp.path!r}, 'fwd_post', Replicate()) (its row partner then splits "
+                "the whole input), or leave it unsharded",
+            )])
+        return out
 
     return run
 

@@ -128,7 +128,31 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[sf.Schedule], sf.Sched
     "slice-after-a-scale": (lambda: Pair(lambda h: F.pad((h + 1.0)[..., :D], (0, D))), _pair(),
                             "splits its output into blocks"),
     "slice-beside-a-sum": (lambda: Pair(lambda h: F.pad(h[..., :D], (0, D)) + h), _pair(), "x[..., :16]"),
+
+    # the features followed where the code moves them: refused where an op then mixes them
+    "transposed-then-softmax": (lambda: Pair(lambda h: h.transpose(1, 2).softmax(1).transpose(1, 2)), _pair(),
+                                "softmax(dim=1)"),
+    "unsqueezed-then-summed": (lambda: Pair(lambda h: h * h.unsqueeze(-1).sum(-2)), _pair(), "sum(dim=-2)"),
+    "item-then-softmax": (lambda: Pair(lambda h: h[0].softmax(1)), _pair(), "softmax(dim=1)"),
+    "flattened-tokens-into-heads": (lambda: Pair(lambda h: h.reshape(-1, 4, h.shape[-1] // 4).softmax(-1)
+                                               .reshape(h.shape)), _pair(), "reshape(-1, 4, ...)"),
+    "view-counting-heads-whole": (lambda: Pair(lambda h: h.view(*h.shape[:2], 4, -1).softmax(-1).flatten(2)),
+                                    _pair(), "the sizes in front of the -1"),
+    # ... and equal where none does
+    "transposed-softmax-over-sequence": (lambda: Pair(lambda h: h.transpose(1, 2).softmax(-1).transpose(1, 2)),
+                                         _pair(), None),
+    "max-over-sequence": (lambda: Pair(lambda h: h - h.max(1, keepdim=True).values), _pair(), None),
+    "chunks-of-the-sequence": (lambda: Pair(lambda h: torch.cat(h.chunk(2, dim=1)[::-1], 1)), _pair(), None),
+    "tokens-flattened": (lambda: Pair(lambda h: h.reshape(-1, h.shape[-1]).softmax(0).view(h.shape)), _pair(),
+                         None),
+    # a 2-D (batch, features) output: dim 1 is the features, not the sequence the plan reads it
+    # as, which only the running model shows: refused at the first forward
+    "softmax-over-dim-1-of-2d": (lambda: Pair(lambda h: h.softmax(1)), _pair(), "forward: softmax(dim=1)"),
+    "mean-over-dim-1-of-2d": (lambda: Pair(lambda h: h - h.mean(1, keepdim=True)), _pair(), "forward: mean(dim=1)"),
+    "gelu-of-2d": (lambda: Pair(F.gelu), _pair(), None),
 }
+#: the cases run on a (batch, features) input; the others on (batch, sequence, features)
+FLAT = {"softmax-over-dim-1-of-2d", "mean-over-dim-1-of-2d", "gelu-of-2d"}
 
 
 def _loss(out: Any, _: sf.Schedule) -> torch.Tensor:
@@ -145,7 +169,7 @@ def _gathered(name: str) -> Callable[[sf.Schedule], sf.Schedule]:
 def _outcome(rank: int, world: int, name: str, fixed: bool) -> str:
     torch.manual_seed(0)
     make, plan, _ = CASES[name]
-    x = torch.randn(2, 6, D, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(*((4,) if name in FLAT else (2, 6)), D, generator=torch.Generator().manual_seed(3))
     try:
         parity(make(), _gathered(name) if fixed else plan, (x,), shape=(world,), loss=_loss, tracker=False)
     except sf.LayoutError as e:
@@ -160,6 +184,9 @@ def test_code_between_a_pair_is_equal_or_refused_naming_the_op(dist2: Any, name:
     op = CASES[name][2]
     if op is None:
         assert got[0] == "equal"
+    elif op.startswith("forward: "):
+        assert got[0].startswith("refused: tensor parallel forward:"), got[0]
+        assert op.removeprefix("forward: ") in got[0] and "(batch, sequence, features)" in got[0], got[0]
     else:
         assert got[0].startswith("refused: build:"), got[0]  # before running, not at the first forward
         assert op in got[0], got[0]

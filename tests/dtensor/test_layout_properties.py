@@ -181,6 +181,8 @@ _MLP_CODE: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {
     "scaled": ("act(fc1(x)) * 0.5 + 0.1", lambda h: h * 0.5 + 0.1),
     "seq-softmax": ("act(fc1(x)).softmax(1)", lambda h: h.softmax(1)),
     "normed": ("h / h.norm(dim=-1), h = act(fc1(x))", lambda h: h / (h.norm(dim=-1, keepdim=True) + 1.0)),
+    "seq-max": ("h - h.amax(1), h = act(fc1(x))", lambda h: h - h.amax(1, keepdim=True)),
+    "moved": ("act(fc1(x)).mT.softmax(1).mT", lambda h: h.mT.softmax(1).mT),  # over the features
 }
 
 
@@ -561,7 +563,7 @@ def blocks(draw: Any, d: int) -> Block:
     norm, residual = draw(st.booleans()), draw(st.booleans())
     if kind == "mlp":
         return Block(kind, hidden=draw(WIDTHS), act=act, bias=bias, norm=norm, residual=residual,
-                     style=draw(st.sampled_from(["", "", "scaled", "seq-softmax", "normed"])))
+                     style=draw(st.sampled_from(["", "", "scaled", "seq-softmax", "normed", "seq-max", "moved"])))
     if kind == "gated":
         return Block(kind, hidden=draw(WIDTHS), act=act, bias=bias, norm=norm, residual=residual)
     if kind in ("attn", "layer"):

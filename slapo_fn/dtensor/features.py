@@ -1,0 +1,535 @@
+"""How a parent's code treats one child's output along its features, read from the
+parent's traced graph (:mod:`.flow`) for the layout checks of :mod:`.plan`.
+
+A column kept split hands its parent this rank's share of the features. Code acting on
+each feature alone is right on that share, and so is code taking the features apart into
+heads or blocks (which the head and packing checks read). Anything over the features (a
+norm, a softmax, a flip, a concatenation along them) is silently wrong on it. The walk
+here follows the output through the parent's code and finds which it is.
+
+Which dimension holds the features is followed along the way (:class:`At`): a transpose
+moves them, an index or a reduction over the batch drops a dimension in front of them. A
+dimension given as a positive number (``softmax(1)``) is the features or not depending on
+the value's rank, which the trace does not hold; it is read with the child's output taken
+as ``(batch, sequence, features)`` (:data:`ASSUMED_RANK`), and the walk says so
+(:attr:`Walk.ranked`), so that the runtime can refuse an output of another rank instead
+of trusting the reading.
+
+Example:
+    >>> import torch.fx as fx, torch.nn as nn
+    >>> class Pair(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.fc, self.out = nn.Linear(4, 8), nn.Linear(8, 4)
+    ...     def forward(self, x):
+    ...         return self.out(self.fc(x).softmax(1)), self.out(self.fc(x).transpose(1, 2).softmax(1))
+    >>> g = fx.symbolic_trace(Pair()).graph
+    >>> first, second = [n for n in g.nodes if n.target == "fc"]
+    >>> along_features(first, lambda _: False)
+    Walk(apart=None, mixes=None, ranked='softmax(dim=1)')
+    >>> along_features(second, lambda _: False).mixes
+    'softmax(dim=1)'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch.fx as fx
+
+__all__ = ["ASSUMED_RANK", "Apart", "At", "Walk", "along_features", "metadata", "nodes_in", "sizes_only"]
+
+#: The rank a traced value is taken to have where nothing in the trace says: a parent's
+#: arguments and its children's outputs are hidden states ``(batch, sequence, features)``.
+ASSUMED_RANK = 3
+
+
+@dataclass(frozen=True)
+class Apart:
+    """How a parent's code first takes a child's output apart along its features:
+    ``kind`` ``"blocks"`` (split into ``count`` blocks: [Q|K|V], [gate|up]; ``None`` where
+    the trace does not say how many), ``"slices"`` (``count`` slices at positions fixed
+    by the full widths: Phi-3's ``qkv[..., :q]``, ``qkv[..., q:q + k]``) or ``"heads"`` (viewed with the features as
+    ``dims``: ``(-1, 64)`` for ``view(B, S, -1, 64)``, ``(4, 3, 16)`` for BLOOM's per-head
+    [q|k|v]; ``None`` for a size the trace computes). Blocks split by sizes keep them in
+    ``dims`` (``(32,)`` for ``split(self.n_embd)``, ``(64, 16, 16)`` for ``split([q, k, v])``)."""
+
+    kind: str
+    count: int | None = None
+    dims: tuple[int | None, ...] = ()
+
+
+@dataclass(frozen=True)
+class At:
+    """Where the features are in one value of the parent's code: ``feat``, their
+    dimension counted from the end; ``rank``, the value's number of dimensions (``None``
+    where the code does not say); ``assumed``, that rank is the child's output taken as
+    :data:`ASSUMED_RANK`, not one the code fixed (a ``permute``, a ``view`` by sizes);
+    ``items``, the value is a tuple of such tensors (``max(dim)``'s values and indices,
+    a ``chunk`` along the sequence)."""
+
+    rank: int | None = ASSUMED_RANK
+    feat: int = -1
+    assumed: bool = True
+    items: bool = False
+
+
+@dataclass(frozen=True)
+class Walk:
+    """What :func:`along_features` found: how the code takes the features apart (``None``
+    where it does not), the first op that mixes them as short text (``None`` where none
+    does), and the first op whose reading took the output's rank as
+    :data:`ASSUMED_RANK` (``None`` where no reading did)."""
+
+    apart: Apart | None = None
+    mixes: str | None = None
+    ranked: str | None = None
+
+
+#: Ops that act on each feature alone (elementwise, casts, copies): a rank's share of the
+#: features goes through them as the whole would, in the same dimensions.
+_ELEMENTWISE = frozenset({
+    "add", "sub", "subtract", "mul", "multiply", "truediv", "div", "divide", "true_divide", "floordiv", "neg", "pos",
+    "pow", "float_power", "mod", "remainder", "abs", "exp", "exp2", "expm1", "log", "log1p", "log2", "sigmoid",
+    "tanh", "relu", "gelu", "silu", "mish", "elu", "selu", "celu", "leaky_relu", "softplus", "softsign",
+    "hardswish", "hardsigmoid", "hardtanh", "relu6", "logsigmoid", "dropout", "sqrt", "rsqrt", "square",
+    "reciprocal", "sin", "cos", "erf", "sign", "clamp", "clip", "where", "masked_fill", "maximum", "minimum",
+    "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "xor", "invert", "iadd", "isub", "imul", "itruediv", "lerp",
+    "addcmul", "addcdiv", "nan_to_num", "float", "half", "bfloat16", "double", "to", "type", "type_as",
+    "contiguous", "clone", "detach", "add_", "sub_", "mul_", "div_", "clamp_", "masked_fill_", "neg_", "pow_",
+    "sigmoid_", "tanh_", "relu_", "exp_", "sqrt_", "rsqrt_",
+})
+#: Ops over a dimension (``dim``: its keyword, its position among the arguments after the
+#: tensor, its default): over the features they mix them; over batch or sequence they do not.
+_OVER_DIM = {
+    **{op: (0, None) for op in ("sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "prod", "var",
+                                 "std", "logsumexp", "all", "any", "median", "nansum", "nanmean", "count_nonzero",
+                                 "mode", "cummax", "cummin")},
+    "softmax": (0, None), "log_softmax": (0, None), "cumsum": (0, None), "cumprod": (0, None),
+    "norm": (1, None), "topk": (1, -1), "kthvalue": (1, -1), "sort": (0, -1), "argsort": (0, -1), "cat": (0, 0),
+    "concat": (0, 0), "concatenate": (0, 0), "stack": (0, 0), "normalize": (1, 1), "unsqueeze": (0, None),
+    "flip": (0, None), "roll": (1, None),
+}
+#: Ops of :data:`_OVER_DIM` that drop the dimensions they reduce unless told to keep them,
+#: with ``keepdim``'s position among the arguments after the tensor.
+_REDUCING = {
+    **{op: 1 for op in ("sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "prod", "logsumexp", "all",
+                        "any", "median", "nansum", "nanmean", "mode")},
+    "norm": 2, "var": 2, "std": 2, "count_nonzero": -1,
+}
+#: Ops of :data:`_OVER_DIM` whose result is a tuple (values, indices) of the same layout.
+_PAIRS = frozenset({"max", "min", "median", "mode", "topk", "kthvalue", "sort", "cummax", "cummin"})
+_SPLITS = frozenset({"split", "chunk", "tensor_split", "split_with_sizes"})
+#: Products over the last two dimensions, batched over the ones in front of them.
+_BATCHED = frozenset({"matmul", "bmm", "baddbmm", "scaled_dot_product_attention"})
+_MOVES = frozenset({"transpose", "swapaxes", "swapdims", "movedim", "moveaxis"})
+
+_METADATA_METHODS = frozenset({"size", "dim", "ndimension", "numel", "nelement", "get_device", "element_size"})
+_METADATA_ATTRS = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "layout", "requires_grad"})
+
+
+def metadata(node: fx.Node) -> bool:
+    """Whether ``node`` reads a tensor's metadata (its shape, dtype, device), not its values."""
+    if node.op == "call_method":
+        return node.target in _METADATA_METHODS
+    return (node.op == "call_function" and node.target is getattr and len(node.args) > 1
+            and node.args[1] in _METADATA_ATTRS)
+
+
+def sizes_only(node: fx.Node) -> bool:
+    """Whether ``node`` is computed from tensors' sizes alone, not their values."""
+    if metadata(node):
+        return True
+    inputs = node.all_input_nodes
+    return node.op == "call_function" and bool(inputs) and all(sizes_only(a) for a in inputs)
+
+
+def nodes_in(arg: Any) -> list[fx.Node]:
+    """The graph nodes in an argument (a node, or nodes in tuples, lists and dicts)."""
+    found: list[fx.Node] = []
+
+    def keep(n: fx.Node) -> fx.Node:
+        found.append(n)
+        return n
+
+    fx.node.map_arg(arg, keep)
+    return found
+
+
+def op_name(node: fx.Node) -> str:
+    return str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
+
+
+def along_features(node: fx.Node, elementwise: Callable[[fx.Node], bool], start: At = At()) -> Walk:
+    """Follow a child's output (``node``) through the parent's code that keeps each
+    feature whole (and the children ``elementwise`` accepts: activations), to where the
+    code takes the features apart (there or after such ops, as Bart's ``q_proj(x) *
+    scaling`` viewed into heads) and to the first op that mixes them, if one comes before
+    they are taken apart or handed to a module."""
+    apart: Apart | None = None
+    ranked: str | None = None
+    todo: list[tuple[fx.Node, At]] = [(node, start)]
+    seen: set[fx.Node] = set()
+    while todo:
+        value, at = todo.pop()
+        if value in seen:
+            continue
+        seen.add(value)
+        users = [u for u in value.users if not metadata(u)]
+        if not at.items and at.feat == -1 and len(users) > 1 and all(_fixed_slice(u) for u in users):
+            # x[..., :a], x[..., a:b], x[..., b:]: positions fixed by the full widths (Phi-3's qkv)
+            apart = apart or Apart("slices", len(users))
+            continue
+        for use in users:
+            if use.op == "call_module" and elementwise(use):
+                todo.append((use, at))
+                continue
+            if use.op in ("call_module", "output"):
+                continue
+            step = _step(use, at, alone=len(users) == 1)
+            if step.ranked and ranked is None:
+                ranked = _text(use)
+            if isinstance(step.then, Apart):
+                apart = apart or step.then
+            elif isinstance(step.then, At):
+                todo.append((use, step.then))
+            else:
+                return Walk(apart, step.then, ranked)
+    return Walk(apart, None, ranked)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One op's verdict: ``then`` is the value's new :class:`At` (the walk goes on), an
+    :class:`Apart` (taken apart: the walk stops there), or the text of an op
+    that mixes the features; ``ranked``: the verdict read a dimension by the assumed rank."""
+
+    then: At | Apart | str
+    ranked: bool = False
+
+
+def _pos(d: Any, at: At) -> tuple[int | None, bool]:
+    """Dimension ``d`` counted from the end of a value at ``at`` (``None`` where the rank
+    needed is not known), and whether that took the assumed rank."""
+    if isinstance(d, bool) or not isinstance(d, int):
+        return None, False
+    if d < 0:
+        return d, False
+    if at.rank is None or d >= at.rank:
+        return None, False
+    return d - at.rank, at.assumed
+
+
+def _step(use: fx.Node, at: At, alone: bool) -> _Step:
+    """What ``use`` does to the features of its argument at ``at`` (``alone``: the
+    argument's only use)."""
+    if use.op not in ("call_function", "call_method"):
+        return _Step(use.op)
+    name = op_name(use)
+    if at.items:
+        return _item(use, name, at)
+    if name in _ELEMENTWISE:
+        return _Step(at)
+    if name == "getattr" and len(use.args) > 1:
+        return _attribute(use.args[1], at)
+    if name == "getitem" and len(use.args) > 1:
+        return _index(use, at, alone)
+    if name == "squeeze":
+        # drops dimensions of size one, if any: never the features (wider than one) nor, where
+        # they are last, any dimension after them
+        return _Step(replace(at, rank=None, assumed=False) if at.feat == -1 else _text(use))
+    if name == "expand":
+        sizes = _shape_arg(use)
+        return _Step(replace(at, rank=len(sizes), assumed=False) if sizes else _text(use))
+    if name == "expand_as":
+        return _Step(replace(at, rank=None, assumed=False))
+    if name in _SPLITS or name == "unbind":
+        return _split(use, name, at, alone)
+    if name in ("view", "reshape", "unflatten"):
+        return _view(use, name, at)
+    if name == "flatten":
+        return _flatten(use, at)
+    if name == "permute":
+        return _permute(use, at)
+    if name in _MOVES:
+        return _move(use, name, at)
+    if name in _OVER_DIM:
+        return _over_dim(use, name, at)
+    if name in _BATCHED and at.feat <= -3:
+        # the features moved to a batch dimension of a product (T5's per-head bias, (heads, q,
+        # k), added to the scores in scaled_dot_product_attention): each head's alone
+        return _Step(at)
+    return _Step(_text(use))
+
+
+def _item(use: fx.Node, name: str, at: At) -> _Step:
+    """An op on a tuple of tensors (``max(dim)``'s result, chunks along the sequence): an
+    item of it or its ``.values`` keeps the layout; any other use is not followed."""
+    if name == "getitem" and len(use.args) > 1 and isinstance(use.args[1], int):
+        return _Step(replace(at, items=False))
+    if name == "getitem":
+        return _Step(at)
+    if name == "getattr" and len(use.args) > 1 and use.args[1] in ("values", "indices"):
+        return _Step(replace(at, items=False))
+    if name in ("cat", "concat", "concatenate", "stack"):  # the tensors put back together
+        return _over_dim(use, name, replace(at, items=False))
+    return _Step(_text(use))
+
+
+def _attribute(attr: Any, at: At) -> _Step:
+    if attr in ("mT", "mH"):  # the last two dimensions swapped
+        return _Step(replace(at, feat={-1: -2, -2: -1}.get(at.feat, at.feat)))
+    if attr in ("T", "H"):  # all dimensions reversed
+        if at.rank is None:
+            return _Step(f".{attr}")
+        return _Step(replace(at, feat=-(at.rank + at.feat) - 1), ranked=at.assumed)
+    return _Step(at)  # a field of a returned ModelOutput (.last_hidden_state)
+
+
+def _index(use: fx.Node, at: At, alone: bool) -> _Step:
+    """``x[index]``: an index of other dimensions keeps the features whole (dropping the
+    dimensions it takes single items of); one that picks features at positions of the
+    whole width (``x[..., :a]``) cuts this rank's share at the wrong ones."""
+    index = use.args[1]
+    parts = index if isinstance(index, tuple) else (index,)
+    if all(p == slice(None) or p is Ellipsis for p in parts):
+        return _Step(at)
+    ellipsis = Ellipsis in parts
+    before = parts[: parts.index(Ellipsis)] if ellipsis else parts
+    after = parts[parts.index(Ellipsis) + 1 :] if ellipsis else ()
+    if None in after or (at.feat != -1 and None in before):
+        return _Step(_text(use))  # a new dimension that may come after the features
+    # each taken position, counted from the end where the rank (or the Ellipsis) says
+    placed: list[tuple[int | None, Any]] = [(-len(after) + j, p) for j, p in enumerate(after)]
+    taken = [p for p in before if p is not None]
+    ranked = False
+    if any(p != slice(None) for p in taken):
+        if at.rank is None:
+            if not (ellipsis and at.feat >= -len(after)):
+                return _Step(_text(use))
+        else:
+            ranked = at.assumed and not (ellipsis and at.feat >= -len(after))
+            placed += [(i - at.rank, p) for i, p in enumerate(taken)]
+    here = next((p for pos, p in placed if pos == at.feat), slice(None))
+    if here != slice(None):
+        if at.feat == -1 and after and alone:
+            return _Step(Apart("blocks"))  # x[..., :n] at once: the packing check reads it
+        return _Step(_text(use))
+    if any(pos is not None and pos > at.feat and (p is None or not isinstance(p, slice)) for pos, p in placed):
+        return _Step(_text(use))  # items taken after the features: they would move
+    if any(isinstance(p, fx.Node) and not sizes_only(p) for p in parts) or at.rank is None:
+        return _Step(replace(at, rank=None, assumed=False), ranked)  # indexed by tensors
+    dropped = sum(1 for p in parts if isinstance(p, int | fx.Node) and not isinstance(p, bool))
+    added = sum(1 for p in parts if p is None)
+    return _Step(replace(at, rank=at.rank - dropped + added), ranked)
+
+
+def _dim_arg(use: fx.Node, position: int, keyword: str, default: Any) -> Any:
+    rest = use.args[1:]
+    return use.kwargs.get(keyword, rest[position] if len(rest) > position else default)
+
+
+def _split(use: fx.Node, name: str, at: At, alone: bool) -> _Step:
+    """A split along the features is taken apart into blocks (the packing check reads how
+    many, where the whole output is split at once); along another dimension it gives a
+    tuple of tensors with the features where they were."""
+    d = _dim_arg(use, 0, "dim", 0) if name == "unbind" else _dim_arg(use, 1, "dim", 0)
+    pos, ranked = _pos(d, at)
+    if pos is None:
+        return _Step(_text(use))
+    if pos != at.feat:  # along the batch or sequence: a tuple of tensors of the same layout
+        rank = at.rank if name != "unbind" or at.rank is None else at.rank - 1
+        return _Step(At(rank, at.feat, at.assumed, items=True), ranked)
+    if name == "unbind" or at.feat != -1:
+        return _Step(_text(use))
+    parts = use.args[1] if len(use.args) > 1 else use.kwargs.get("split_size_or_sections", use.kwargs.get("chunks"))
+    if not alone:
+        return _Step(Apart("blocks", parts if isinstance(parts, int) and name == "chunk" else None), ranked)
+    if name == "chunk" and isinstance(parts, int):
+        return _Step(Apart("blocks", parts), ranked)
+    if isinstance(parts, tuple | list):  # split([q, k, v]): sizes of the whole width
+        return _Step(Apart("blocks", len(parts), tuple(d if isinstance(d, int) else None for d in parts)), ranked)
+    # split(size): as many blocks as the width holds, each of that size
+    return _Step(Apart("blocks", dims=(parts,) if isinstance(parts, int) else ()), ranked)
+
+
+def _shape_arg(use: fx.Node) -> tuple[Any, ...]:
+    rest = use.args[1:]
+    shape = rest[0] if len(rest) == 1 and isinstance(rest[0], tuple | list) else rest
+    return tuple(shape)
+
+
+def _view(use: fx.Node, name: str, at: At) -> _Step:
+    """A view of the features into heads (a size after the batch and sequence sizes:
+    ``view(B, S, -1, 64)``, ``unflatten(-1, (h, d))``) is taken apart for the head check;
+    a view of the batch and sequence (``reshape(-1, x.shape[-1])``) keeps the features
+    whole and last; any other view regroups them."""
+    if name == "unflatten":
+        d = _dim_arg(use, 0, "dim", None)
+        sizes = _dim_arg(use, 1, "sizes", ())
+        pos, ranked = _pos(d, at)
+        if pos is None or not isinstance(sizes, tuple | list):
+            return _Step(_text(use))
+        if pos == at.feat == -1:
+            return _Step(Apart("heads", dims=tuple(s if isinstance(s, int) else None for s in sizes)), ranked)
+        if pos < at.feat:  # the batch or sequence unflattened
+            rank = None if at.rank is None else at.rank + len(sizes) - 1
+            return _Step(replace(at, rank=rank), ranked)
+        return _Step(_text(use))
+    shape = _shape_arg(use)
+    if not shape:
+        return _Step(_text(use))
+    last = shape[-1]
+    whole = last == -1 or _size_read(last)
+    if at.feat != -1:
+        # the features (heads, moved back in front of the head size) merged with every
+        # dimension after them, features first: this rank's share of the merged features
+        if at.rank is not None and len(shape) == at.rank + at.feat + 1 and whole:
+            return _Step(At(len(shape), -1, assumed=False), at.assumed)
+        if at.rank is not None and len(shape) == at.rank and shape[at.feat] == -1 and all(
+                _size_read(d) for i, d in enumerate(shape) if i != at.rank + at.feat):
+            return _Step(at, at.assumed)  # every other dimension kept by its size: the same dimensions
+        return _Step(_text(use))
+    if _size_read(last):  # x.shape[-1]: the features kept whole and last
+        return _Step(At(len(shape), -1, assumed=False))
+    if at.rank is not None and len(shape) > at.rank:
+        lead = at.rank - 1  # the sizes after the batch and sequence are the features'
+        return _Step(Apart("heads", dims=tuple(d if isinstance(d, int) else None for d in shape[lead:])), at.assumed)
+    if last == -1 and at.rank is not None and len(shape) == at.rank:
+        return _Step(at, at.assumed)  # the same dimensions
+    return _Step(_text(use))
+
+
+def _size_read(d: Any) -> bool:
+    """Whether a view's size ``d`` is one size read off a tensor (``x.size(-1)``,
+    ``x.shape[-1]``), not a constant or a size computed from others (``x.shape[-1] // 4``)."""
+    if not isinstance(d, fx.Node):
+        return False
+    if metadata(d):
+        return True
+    return (d.op == "call_function" and op_name(d) == "getitem" and isinstance(d.args[0], fx.Node)
+            and metadata(d.args[0]))
+
+
+def _flatten(use: fx.Node, at: At) -> _Step:
+    start, ranked_a = _pos(_dim_arg(use, 0, "start_dim", 0), at)
+    end, ranked_b = _pos(_dim_arg(use, 1, "end_dim", -1), at)
+    if start is None or end is None:
+        return _Step(_text(use))
+    ranked = ranked_a or ranked_b
+    if start == at.feat and end == -1:  # merged with the dimensions after them, features first
+        return _Step(At(None if at.rank is None else at.rank + at.feat + 1, -1, at.assumed), ranked)
+    if start <= at.feat <= end and start != end:
+        return _Step(_text(use))  # the features merged with dimensions in front of them
+    rank = None if at.rank is None else at.rank - (end - start)
+    feat = at.feat + (end - start) if end < at.feat else at.feat
+    return _Step(replace(at, rank=rank, feat=feat), ranked)
+
+
+def _permute(use: fx.Node, at: At) -> _Step:
+    given = use.kwargs.get("dims")
+    dims = _shape_arg(use) if not isinstance(given, tuple | list) else tuple(given)
+    if not dims or not all(isinstance(d, int) for d in dims):
+        return _Step(_text(use))
+    rank = len(dims)  # a permutation names every dimension: the rank is the code's, not assumed
+    at_known = At(rank, at.feat, assumed=False)
+    order = [_pos(d, at_known)[0] for d in dims]
+    if at.feat not in order:
+        return _Step(_text(use))
+    return _Step(At(rank, order.index(at.feat) - rank, assumed=False))
+
+
+def _move(use: fx.Node, name: str, at: At) -> _Step:
+    """``transpose(a, b)`` swaps two dimensions; ``movedim(src, dst)`` moves one."""
+    if name in ("movedim", "moveaxis"):
+        src_arg, dst_arg = _dim_arg(use, 0, "source", None), _dim_arg(use, 1, "destination", None)
+    else:
+        src_arg, dst_arg = _dim_arg(use, 0, "dim0", None), _dim_arg(use, 1, "dim1", None)
+    (a, ranked_a), (b, ranked_b) = _pos(src_arg, at), _pos(dst_arg, at)
+    if a is None or b is None:
+        return _Step(_text(use))
+    ranked = ranked_a or ranked_b
+    if name in ("movedim", "moveaxis") and a != at.feat and not (a < at.feat and b < at.feat) and not (
+            a > at.feat and b > at.feat):
+        return _Step(_text(use))  # a dimension moved across the features
+    feat = b if at.feat == a else a if at.feat == b and name not in ("movedim", "moveaxis") else at.feat
+    return _Step(replace(at, feat=feat), ranked)
+
+
+def _over_dim(use: fx.Node, name: str, at: At) -> _Step:
+    """An op over dimensions: over the features it mixes them; over batch or sequence
+    (each feature alone) it does not, and may drop the dimensions it reduces."""
+    pos_arg, default = _OVER_DIM[name]
+    rest = list(use.args[1:])  # after the tensor (torch.cat's list of tensors)
+    found = use.kwargs.get("dim", use.kwargs.get("dims", rest[pos_arg] if len(rest) > pos_arg else default))
+    dims = list(found) if isinstance(found, tuple | list) else [found]
+    shown = dims[0] if len(dims) == 1 else tuple(dims)
+    text = f"{name}(dim={shown})"
+    if name in ("unsqueeze", "stack"):  # a new dimension, at a position of the result
+        d = dims[0]
+        if isinstance(d, bool) or not isinstance(d, int):
+            return _Step(text)
+        if d < 0:
+            feat = at.feat - 1 if d >= at.feat else at.feat
+            return _Step(replace(at, rank=None if at.rank is None else at.rank + 1, feat=feat))
+        if at.rank is None:
+            return _Step(text)
+        feat = at.feat - 1 if d > at.rank + at.feat else at.feat
+        return _Step(replace(at, rank=at.rank + 1, feat=feat), at.assumed)
+    positions = [_pos(d, at) for d in dims]
+    if any(p is None or p == at.feat for p, _ in positions):
+        return _Step(text)
+    ranked = any(r for _, r in positions)
+    if name in _PAIRS:
+        return _Step(replace(at, items=True), ranked)
+    if name not in _REDUCING:
+        return _Step(at, ranked)
+    keep_at = _REDUCING[name]
+    keep = use.kwargs.get("keepdim", rest[keep_at] if 0 <= keep_at < len(rest) else False)
+    if keep is True:
+        return _Step(at, ranked)
+    if keep is False and at.rank is not None:
+        return _Step(replace(at, rank=at.rank - len(dims)), ranked)
+    return _Step(replace(at, rank=None, assumed=False), ranked)
+
+
+def _fixed_slice(node: fx.Node) -> bool:
+    """Whether ``node`` is ``x[..., a:b]`` with constant bounds (the last dimension)."""
+    if node.op != "call_function" or getattr(node.target, "__name__", "") != "getitem" or len(node.args) < 2:
+        return False
+    index = node.args[1]
+    return (isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis and isinstance(index[1], slice)
+            and all(b is None or isinstance(b, int) for b in (index[1].start, index[1].stop)))
+
+
+def _text(node: fx.Node) -> str:
+    """A short text of an op, as a refusal names it: ``softmax(dim=1)``, ``x[..., :16]``,
+    ``view(-1, 4, ...)``."""
+    name = op_name(node)
+    if name == "getitem" and len(node.args) > 1:
+        index = node.args[1]
+        parts = index if isinstance(index, tuple) else (index,)
+        return "x[" + ", ".join(_index_text(p) for p in parts) + "]"
+    if name in _OVER_DIM:
+        found = node.kwargs.get("dim", node.args[1 + _OVER_DIM[name][0]] if len(node.args) > 1 + _OVER_DIM[name][0]
+                                else _OVER_DIM[name][1])
+        return f"{name}(dim={found})"
+    if name in ("view", "reshape", "unflatten", "flatten", "permute", "transpose", "movedim", "expand"):
+        args = [a if isinstance(a, int) else "..." for a in node.args[1:]]
+        if len(node.args) == 2 and isinstance(node.args[1], tuple | list):
+            args = [a if isinstance(a, int) else "..." for a in node.args[1]]
+        return f"{name}({', '.join(map(str, args))})"
+    return f"{name}(...)"
+
+
+def _index_text(index: Any) -> str:
+    if index is Ellipsis:
+        return "..."
+    if isinstance(index, slice):
+        text = ":".join("" if b is None else str(b) if isinstance(b, int) else "n" for b in (index.start, index.stop))
+        return text
+    if index is None:
+        return "None"
+    return str(index) if isinstance(index, int) else "i"
