@@ -340,11 +340,13 @@ def _row(rt: _Runtime, m: nn.Module, mp: ModulePlan) -> Callable[..., Any]:
     out_sync = next((s for s in mp.syncs if s.mode == "fwd_post"), None)
     sharded_out = _sharded_output(seq, out_sync)
     size = rt.size(ax)
+    scatter = None if seq is None else _sequence_split(
+        mp.path, seq, functools.partial(C.reduce_scatter, dim=seq, axis=rt.axis(ax)))
 
     def reduce(y: torch.Tensor) -> torch.Tensor:
         if out_sync is not None:
             return C.redistribute(y, Partial(), out_sync.layout, rt.axis(ax))
-        return C.reduce(y, rt.axis(ax)) if seq is None else C.reduce_scatter(y, seq, rt.axis(ax))
+        return C.reduce(y, rt.axis(ax)) if scatter is None else scatter(y)
 
     def bias() -> torch.Tensor | None:
         b = m._parameters.get("bias")
@@ -521,7 +523,7 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
             forward = _row(rt, m, mp)
         elif (mp.role is not None and mp.role.kind == "param") or mp.local_params:
             forward = _generic(rt, m, mp, forward)
-        forward = _wrap_boundaries(rt, mp, forward)
+        forward = _wrap_boundaries(rt, mp, forward, ids=isinstance(m, nn.Embedding))
         if mp.read_as_3d:
             forward = _read_as_3d(mp, forward)
         if mp.rng is not None:
@@ -721,7 +723,30 @@ def _gathering(rt: _Runtime, forward: Callable[..., Any], ax: str, seq_axis: int
     return run
 
 
-def _wrap_boundaries(rt: _Runtime, mp: ModulePlan, forward: Callable[..., Any]) -> Callable[..., Any]:
+def _sequence_split(path: str, seq_axis: int, split: Callable[[torch.Tensor], torch.Tensor]
+                    ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``split`` (along ``seq_axis``), refusing a tensor whose ``seq_axis`` is its last
+    dimension: on a 2-D ``(batch, features)`` activation that is the features, and the
+    chain would run norms and the parent's code on a share of them."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() > 0 and seq_axis % x.dim() == x.dim() - 1:
+            raise LayoutError("tensor parallel forward", [Problem(
+                path,
+                f"sequence_parallel splits dimension {seq_axis} of its {x.dim()}-D activation "
+                f"{tuple(x.shape)}, its last: that holds the features, not a sequence",
+                "give sequence_parallel the dimension of the sequence (seq_axis=), or leave a model whose "
+                "activations have no sequence out of sequence_parallel",
+            )])
+        return split(x)
+
+    return run
+
+
+def _wrap_boundaries(rt: _Runtime, mp: ModulePlan, forward: Callable[..., Any], ids: bool = False
+                     ) -> Callable[..., Any]:
+    """``forward`` with ``mp``'s syncs and sequence_parallel entry and exit around it
+    (``ids``: the module takes token ids, whose last dimension is the sequence)."""
     pre = [s for s in mp.syncs if s.mode == "fwd_pre"]
     bwd = [s for s in mp.syncs if s.mode == "bwd_post"]
     post = [s for s in mp.syncs if s.mode == "fwd_post"] if mp.role is None or mp.role.kind == "param" else []
@@ -734,7 +759,8 @@ def _wrap_boundaries(rt: _Runtime, mp: ModulePlan, forward: Callable[..., Any]) 
     def run(*args: Any, **kwargs: Any) -> Any:
         if mp.entry is not None:
             e = mp.entry
-            args, kwargs = _map_input(args, kwargs, convert(Replicate(), Shard(e.seq_axis), e.mesh_axis))
+            split = convert(Replicate(), Shard(e.seq_axis), e.mesh_axis)
+            args, kwargs = _map_input(args, kwargs, split if ids else _sequence_split(mp.path, e.seq_axis, split))
         for s in pre:
             args, kwargs = _map_input(args, kwargs, convert(s.src or Replicate(), s.layout, s.mesh_axis))
         for s in bwd:  # sync validated these: Partial → Replicate (all-reduce) or nothing to do

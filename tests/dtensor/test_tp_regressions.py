@@ -331,6 +331,25 @@ class LossOnly(nn.Module):
 CASES["sync-on-an-output-without-an-activation"] = (
     LossOnly, lambda s: sf.sync(s, "", "fwd_post", Shard(1)), (X,))
 
+# sequence parallelism over (batch, features) activations split the features as if they were
+# the sequence: a norm then saw half of them (raw error), code over them would be silently wrong
+FLAT = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+
+def _norm_mlp_sp(seq_axis: int, members: list[str]) -> Callable[[sf.Schedule], sf.Schedule]:
+    return lambda s: sf.sequence_parallel(sf.shard(sf.shard(s, "1", axis=0), "2", axis=1), members, seq_axis=seq_axis)
+
+
+CASES["sp-over-2d-activations"] = (
+    lambda: nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)), _norm_mlp_sp(1, ["0", "1", "2"]),
+    (FLAT,))
+CASES["sp-over-2d-activations-by-the-batch"] = (
+    lambda: nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)), _norm_mlp_sp(0, ["0", "1", "2"]),
+    (FLAT,))
+CASES["sp-over-2d-activations-entered-by-a-row"] = (
+    lambda: nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8), nn.LayerNorm(8)),
+    lambda s: sf.sequence_parallel(sf.shard(sf.shard(s, "0", axis=0), "1", axis=1), ["1", "2"]), (FLAT,))
+
 
 def _case(rank: int, world: int, name: str) -> str:
     make, rewrite, inputs = CASES[name]
@@ -384,6 +403,11 @@ EXPECTED = {
     "embedding-subclass-sharded-by-its-weight": "equal",
     "sync-on-an-output-without-an-activation": "refused: tensor parallel forward: '<root>': returned dict, with no "
                                                "tensor for a fwd_post sync to convert",
+    "sp-over-2d-activations": "refused: tensor parallel forward: '0': sequence_parallel splits dimension 1 of its 2-D "
+                              "activation (4, 8), its last: that holds the features",
+    "sp-over-2d-activations-by-the-batch": "equal",
+    "sp-over-2d-activations-entered-by-a-row": "refused: tensor parallel forward: '1': sequence_parallel splits "
+                                               "dimension 1 of its 2-D activation (4, 8)",
 }
 
 
