@@ -1276,6 +1276,16 @@ def _split_made_local(parent: nn.Module, sizes: tuple[int | None, ...], out: int
             and vars(parent).get("split_size") == sizes[0])
 
 
+def _blocks_of_heads(parent: nn.Module, dims: tuple[int | None, ...], out: int | None, packed: int) -> bool:
+    """Whether a view of a packed column's output as ``dims`` is its ``packed`` blocks
+    first, each viewed into heads build gives this rank's count of (timm's ``reshape(B,
+    N, 3, self.num_heads, self.head_dim)``): ``(packed, -1, d)``, or ``(packed, h, d)``
+    with ``h`` a head count of one block (:func:`head_count_attrs`)."""
+    if out is None or len(dims) != 3 or dims[0] != packed or not isinstance(dims[2], int) or dims[2] <= 0:
+        return False
+    return dims[1] == -1 or any(vars(parent).get(a) == dims[1] for a in head_count_attrs(parent, out, packed))
+
+
 def _made_local(parent: nn.Module, out: int, leading: tuple[int | None, ...]) -> bool:
     """Whether ``leading``, the sizes a view puts in front of its ``-1``, is one head count
     build makes this rank's (:func:`head_count_attrs`)."""
@@ -1419,6 +1429,10 @@ def _packing_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
                 f"leave {path!r} unsharded (its row partner then splits its input itself), or replace "
                 f"{where} (sf.replace) with a module that projects q, k and v separately",
             ))
+        elif kind == "heads" and role.packed > 1 and _blocks_of_heads(
+                get_module(sch.module, _parent(path)), how.dims, _out_features(get_module(sch.module, path)),
+                role.packed):
+            pass  # timm's reshape(B, N, 3, num_heads, head_dim): blocks first, each of this rank's heads
         elif kind == "heads" and role.packed > 1:
             problems.append(Problem(
                 path,

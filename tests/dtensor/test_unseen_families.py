@@ -574,6 +574,91 @@ def _titan() -> tuple[nn.Module, tuple[Any, ...], Plan]:
     return _Titan(), (_ids(),), whole
 
 
+class TimmAttention(nn.Module):
+    """timm's ViT attention as written there: one ``qkv`` reshaped to (3, heads, head_dim),
+    blocks first, so ``packed=3`` is its layout; ``merge`` is how the heads are put back:
+    ``reshape(B, N, C)`` with the input's width (refused at the first forward: that width
+    is not this rank's) or ``reshape(B, N, -1)``."""
+
+    def __init__(self, dim: int, num_heads: int, merge: str) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.merge = num_heads, dim // num_heads, merge
+        self.scale = self.head_dim**-0.5
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        attn = ((q @ k.transpose(-2, -1)) * self.scale).softmax(dim=-1)
+        x = (attn @ v).transpose(1, 2)
+        return self.proj(x.reshape(B, N, C) if self.merge == "C" else x.reshape(B, N, -1))
+
+
+class TimmMlp(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class TimmBlock(nn.Module):
+    def __init__(self, dim: int, merge: str) -> None:
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(dim), TimmAttention(dim, 4, merge)
+        self.norm2, self.mlp = nn.LayerNorm(dim), TimmMlp(dim, 4 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class TimmViT(nn.Module):
+    """timm's ``VisionTransformer`` after its patch embedding: blocks in an ``nn.Sequential``."""
+
+    def __init__(self, merge: str, dim: int = 32) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(TimmBlock(dim, merge), TimmBlock(dim, merge))
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.blocks(x))
+
+
+def _timm_vit(merge: str, packed: int) -> Callable[[], tuple[nn.Module, tuple[Any, ...], Plan]]:
+    def make() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+        plan = sf.foreach("blocks.*", sf.scope("attn", _column("qkv", packed=packed) >> _row("proj"))
+                          >> sf.scope("mlp", _column("fc1") >> _row("fc2")))
+        return TimmViT(merge), (torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(3)),), plan
+
+    return make
+
+
+class MixerBlock(nn.Module):
+    """MLP-Mixer's block: an MLP across the tokens (on the transposed activation), then one
+    across the channels."""
+
+    def __init__(self, dim: int, tokens: int) -> None:
+        super().__init__()
+        self.norm1, self.token_mlp = nn.LayerNorm(dim), TimmMlp(tokens, 2 * tokens)
+        self.norm2, self.channel_mlp = nn.LayerNorm(dim), TimmMlp(dim, 4 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.token_mlp(self.norm1(x).transpose(1, 2)).transpose(1, 2)
+        return x + self.channel_mlp(self.norm2(x))
+
+
+def _mixer(token: bool) -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    model = nn.Sequential(MixerBlock(32, 8), MixerBlock(32, 8))
+    plan = sf.foreach("*", sf.scope("channel_mlp", _column("fc1") >> _row("fc2")))
+    if token:  # Megatron across the tokens too: its features are the sequence
+        plan = plan >> sf.foreach("*", sf.scope("token_mlp", _column("fc1") >> _row("fc2")))
+    return model, (torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(3)),), plan
+
+
 @dataclass(frozen=True)
 class Case:
     make: Callable[[], tuple[nn.Module, tuple[Any, ...], Plan]]
@@ -650,6 +735,14 @@ CASES: dict[str, Case] = {
     # and torchtitan's LLaMA (n_kv_heads made local by build, as n_heads)
     "torchtitan-llama": Case(_titan, equal=True),
     "torchtitan-llama+sp": Case(_titan, ("layers.*", "norm"), equal=True),
+    # timm's ViT: qkv viewed as (3, heads, head_dim) is packed=3 (blocks first)
+    "timm-vit": Case(_timm_vit("-1", 3), equal=True),
+    "timm-vit+sp": Case(_timm_vit("-1", 3), ("blocks.*", "norm"), equal=True),
+    "timm-vit-unpacked": Case(_timm_vit("-1", 1)),  # refused: the head count is of one block
+    "timm-vit-merged-by-input-width": Case(_timm_vit("C", 3)),  # refused at the first forward
+    # MLP-Mixer: Megatron across the channels, and across the tokens
+    "mlp-mixer": Case(lambda: _mixer(False), equal=True),
+    "mlp-mixer-tokens": Case(lambda: _mixer(True), equal=True),
 }
 
 
