@@ -39,7 +39,8 @@ from typing import Any
 
 import torch.fx as fx
 
-__all__ = ["ASSUMED_RANK", "Apart", "At", "Walk", "along_features", "metadata", "nodes_in", "sizes_only"]
+__all__ = ["ASSUMED_RANK", "Apart", "At", "Tokens", "Walk", "along_features", "along_tokens", "metadata", "nodes_in",
+           "sizes_only"]
 
 #: The rank a traced value is taken to have where nothing in the trace says: a parent's
 #: arguments and its children's outputs are hidden states ``(batch, sequence, features)``.
@@ -168,6 +169,49 @@ def along_features(node: fx.Node, elementwise: Callable[[fx.Node], bool], start:
     code takes the features apart (there or after such ops, as Bart's ``q_proj(x) *
     scaling`` viewed into heads) and to the first op that mixes them, if one comes before
     they are taken apart or handed to a module."""
+    return _walk(node, elementwise, start, through=None)
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """What :func:`along_tokens` found: the first op of the code over the sequence (as
+    text; ``None`` where none is), and the children the activation reaches, each with
+    where its sequence is then (counted from the end)."""
+
+    mixes: str | None
+    reached: tuple[tuple[str, int], ...]
+
+
+def along_tokens(node: fx.Node, elementwise: Callable[[fx.Node], bool], seq_axis: int,
+                 child: Callable[[fx.Node], str | None]) -> Tokens:
+    """Follow an activation split along its sequence (``node``: a parent's argument, its
+    sequence at ``seq_axis`` of :data:`ASSUMED_RANK`) through the parent's code, through
+    its children too (``child`` names the child a node calls; each is taken to keep the
+    layout, as norms, projections and sequence-parallel attention do), to the first op
+    over the sequence: a reduction, softmax or cumulative op along it, a flip, a split or an
+    index of it, or a child handed the sequence as its last dimension (a ``Linear`` after a
+    transpose mixes tokens)."""
+    reached: dict[str, int] = {}
+    start = At(feat=seq_axis - ASSUMED_RANK)
+    walked = _walk(node, elementwise, start, through=lambda use, at: _reach(use, at, child, reached))
+    return Tokens(walked.mixes, tuple(reached.items()))
+
+
+def _reach(use: fx.Node, at: At, child: Callable[[fx.Node], str | None], reached: dict[str, int]) -> str | None:
+    name = child(use)
+    if name is None:
+        return None
+    if at.feat == -1:
+        return f"{name}(...) over the sequence"
+    reached.setdefault(name, at.feat)
+    return None
+
+
+def _walk(node: fx.Node, elementwise: Callable[[fx.Node], bool], start: At,
+          through: Callable[[fx.Node, At], str | None] | None) -> Walk:
+    """The walk of :func:`along_features` and :func:`along_tokens` (``through``: children
+    are walked through, and say what mixes the tracked dimension; an op taking it apart
+    then mixes it too)."""
     apart: Apart | None = None
     ranked: str | None = None
     todo: list[tuple[fx.Node, At]] = [(node, start)]
@@ -180,18 +224,29 @@ def along_features(node: fx.Node, elementwise: Callable[[fx.Node], bool], start:
         users = [u for u in value.users if not metadata(u)]
         if not at.items and at.feat == -1 and len(users) > 1 and all(_fixed_slice(u) for u in users):
             # x[..., :a], x[..., a:b], x[..., b:]: positions fixed by the full widths (Phi-3's qkv)
+            if through is not None:
+                return Walk(apart, _text(users[0]), ranked)
             apart = apart or Apart("slices", len(users))
             continue
         for use in users:
             if use.op == "call_module" and elementwise(use):
                 todo.append((use, at))
                 continue
-            if use.op in ("call_module", "output"):
+            if use.op == "output":
                 continue
-            step = _step(use, at, alone=len(users) == 1)
+            if use.op == "call_module":
+                if through is not None:
+                    mixing = through(use, at)
+                    if mixing is not None:
+                        return Walk(apart, mixing, ranked)
+                    todo.append((use, at))
+                continue
+            step = _step(use, value, at, alone=len(users) == 1)
             if step.ranked and ranked is None:
                 ranked = _text(use)
             if isinstance(step.then, Apart):
+                if through is not None:
+                    return Walk(apart, _text(use), ranked)
                 apart = apart or step.then
             elif isinstance(step.then, At):
                 todo.append((use, step.then))
@@ -222,9 +277,9 @@ def _pos(d: Any, at: At) -> tuple[int | None, bool]:
     return d - at.rank, at.assumed
 
 
-def _step(use: fx.Node, at: At, alone: bool) -> _Step:
-    """What ``use`` does to the features of its argument at ``at`` (``alone``: the
-    argument's only use)."""
+def _step(use: fx.Node, value: fx.Node, at: At, alone: bool) -> _Step:
+    """What ``use`` does to the tracked dimension of ``value``, one of its arguments, at
+    ``at`` (``alone``: the argument's only use)."""
     if use.op not in ("call_function", "call_method"):
         return _Step(use.op)
     name = op_name(use)
@@ -257,6 +312,8 @@ def _step(use: fx.Node, at: At, alone: bool) -> _Step:
         return _move(use, name, at)
     if name in _OVER_DIM:
         return _over_dim(use, name, at)
+    if name == "matmul" and at.feat == -2 and use.args[0] is value:
+        return _Step(at)  # the rows of x @ w: each alone (a functional linear layer's tokens)
     if name in _BATCHED and at.feat <= -3:
         # the features moved to a batch dimension of a product (T5's per-head bias, (heads, q,
         # k), added to the scores in scaled_dot_product_attention): each head's alone
@@ -388,6 +445,10 @@ def _view(use: fx.Node, name: str, at: At) -> _Step:
         # dimension after them, features first: this rank's share of the merged features
         if at.rank is not None and len(shape) == at.rank + at.feat + 1 and whole:
             return _Step(At(len(shape), -1, assumed=False), at.assumed)
+        kept = None if at.rank is None else at.rank + at.feat  # the tracked dimension, from the start
+        if kept is not None and len(shape) > kept and all(_size_read(d) for d in shape[: kept + 1]):
+            # every dimension up to the tracked one kept by its size (view(B, S, heads, d) of tokens)
+            return _Step(replace(at, rank=len(shape), feat=kept - len(shape)), at.assumed)
         if at.rank is not None and len(shape) == at.rank and shape[at.feat] == -1 and all(
                 _size_read(d) for i, d in enumerate(shape) if i != at.rank + at.feat):
             return _Step(at, at.assumed)  # every other dimension kept by its size: the same dimensions

@@ -46,7 +46,7 @@ from torch import nn
 
 from ..tree import uncalled
 from .features import ASSUMED_RANK as _ASSUMED_RANK
-from .features import Apart, along_features
+from .features import Apart, Tokens, along_features, along_tokens
 from .features import metadata as _metadata
 from .features import nodes_in as _nodes_in
 from .features import op_name as _op_name
@@ -97,6 +97,9 @@ class Flow:
     # (batch, sequence, features) (:data:`.features.ASSUMED_RANK`): ``"softmax(dim=1)"`` is over the
     # sequence only at that rank, so the runtime checks the rank where the output is a share of features
     ranked: Mapping[str, str] = field(default_factory=dict)
+    # the parent's first argument split along its sequence (dimension 1), followed through its
+    # code and children (:func:`.features.along_tokens`): what a sequence-parallel chain checks
+    tokens: Tokens | None = None
 
     def same_input(self, a: str, b: str) -> bool:
         """Whether children ``a`` and ``b`` are called on the very same tensor (q/k/v on the
@@ -516,8 +519,21 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset()) -> tuple[Flow
             attends = attends or _products_of_activations(node)
     found = Flow(MappingProxyType(feeds), output, frozenset(reads), MappingProxyType(first), MappingProxyType(apart),
                  leaves, MappingProxyType(hidden), MappingProxyType(handed), MappingProxyType(mixes), attends,
-                 MappingProxyType(ranked))
+                 MappingProxyType(ranked), _tokens(graph, parent, prefix))
     return found, read
+
+
+def _tokens(graph: fx.Graph, parent: nn.Module, prefix: str) -> Tokens | None:
+    """:attr:`Flow.tokens`: the parent's first argument followed along its sequence."""
+    first = next((n for n in graph.nodes if n.op == "placeholder" and n.target == "a0"), None)
+    if first is None:
+        return None
+
+    def child(node: fx.Node) -> str | None:
+        target = str(node.target)
+        return target[len(prefix):] if node.op == "call_module" and target.startswith(prefix) else None
+
+    return along_tokens(first, functools.partial(_pointwise_call, parent, prefix), 1, child)
 
 
 def _handed(child: nn.Module, node: fx.Node) -> frozenset[str]:

@@ -1572,6 +1572,64 @@ def _attention_on_sequence_shards(sch: Schedule) -> list[Problem]:
     return problems
 
 
+#: Layers whose forward mixes the positions of their input's other dimensions: a token shard
+#: gives them a share of what they compute over.
+_OVER_POSITIONS = (nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm, nn.GroupNorm,
+                   nn.modules.instancenorm._InstanceNorm, nn.RNNBase)
+
+
+def _code_over_the_sequence(sch: Schedule) -> list[Problem]:
+    """A sequence-parallel chain member runs its own code on this rank's tokens (only a
+    parent of column-parallel projections gathers them): code over the sequence there
+    (``softmax(1)``, ``cumsum(1)``, ``mean(1)``, a flip, a token index, a ``Linear`` on
+    the transposed activation as MLP-Mixer's token MLP, a convolution) sees only those
+    tokens, a silently wrong number. Read from each member's traced code and its
+    children's, following the sequence's dimension (:attr:`.flow.Flow.tokens`);
+    attention is :func:`_attention_on_sequence_shards`'s. Refused, naming the op."""
+    roles = sch.annotations.of_kind(ROLE)
+    problems = []
+    for member, spec in sorted(sch.annotations.of_kind(SEQ).items()):
+        if spec.seq_axis != 1:
+            continue
+        columns = {q for q, r in roles.items() if r.kind == "column" and r.mesh_axis == spec.mesh_axis
+                   and (q == member or contains(member, q))}
+        # as the runtime does: a column called by the member's own code gathers its own input, one
+        # deeper has its caller (attention) gather it
+        callers = {caller_path(sch.module, q) for q in columns}
+        found = _over_sequence(sch, member, columns, {c for c in callers if c != member and contains(member, c)})
+        if found is not None:
+            where, op = found
+            problems.append(Problem(
+                where,
+                f"runs on this rank's tokens in the sequence_parallel chain over {spec.mesh_axis!r} (as part of "
+                f"{_named(member)}), and its forward applies {op}, which would see only those tokens",
+                f"leave {member!r} out of sequence_parallel, or move that code into a module whose projections "
+                "are column-parallel (its input is then gathered along the sequence)",
+            ))
+    return problems
+
+
+def _over_sequence(sch: Schedule, path: str, columns: set[str], gathered: set[str]) -> tuple[str, str] | None:
+    """The first module under ``path`` (itself included) whose code runs on a token shard
+    and acts over the sequence, with the op; ``None`` where none does or it cannot be read."""
+    module = get_module(sch.module, path)
+    if path in columns or path in gathered or mixes_tokens(module):
+        return None  # its input is gathered whole, or it is attention: _attention_on_sequence_shards
+    if isinstance(module, _OVER_POSITIONS):
+        return path, type(module).__name__
+    fl = _flow_of(sch, path) if module._modules else None
+    if fl is None or fl.tokens is None or fl.attends:
+        return None
+    if fl.tokens.mixes is not None:
+        return path, fl.tokens.mixes
+    for name, at in fl.tokens.reached:
+        if at == -2:  # the child is handed tokens where its own code reads them (dimension 1)
+            found = _over_sequence(sch, join(path, name), columns, gathered)
+            if found is not None:
+                return found
+    return None
+
+
 def _lone_columns_in_chains(sch: Schedule, p: Plan) -> list[Problem]:
     """A column over a chain's mesh axis inside a sequence-parallel chain gathers the
     sequence for itself; only a row reading its output (its partner) scatters it back.
@@ -2375,6 +2433,7 @@ def _refusals(sch: Schedule, p: Plan) -> list[Problem]:
     return (_half_sharded_ties(sch) + _unsharded_twins(sch, p) + _stray_token_shards(sch)
             + _ungathered_chain_members(sch) + _chain_gaps(sch) + _packed_outputs_read_whole(sch, p)
             + _untraced_pairs(sch, p) + _chains_inside_pairs(sch, p) + _attention_on_sequence_shards(sch)
+            + _code_over_the_sequence(sch)
             + _lone_columns_in_chains(sch, p) + _split_input_into_reducers(sch, p) + _functional_reads(sch, p)
             + _feature_syncs(sch, p) + _half_gathered_pairs(sch, p) + _gathers_inside_chains(sch, p)
             + _packing_against_flow(sch, p) + _heads_against_flow(sch, p) + _unsplit_chain_inputs(sch)

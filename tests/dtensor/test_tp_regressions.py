@@ -351,6 +351,33 @@ CASES["sp-over-2d-activations-entered-by-a-row"] = (
     lambda s: sf.sequence_parallel(sf.shard(sf.shard(s, "0", axis=0), "1", axis=1), ["1", "2"]), (FLAT,))
 
 
+
+class SeqMixing(nn.Module):
+    """A block whose own code acts over the sequence (here a softmax over it) between its
+    norm and its MLP: in a sequence-parallel chain that code runs on this rank's tokens."""
+
+    def __init__(self, code: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.code = code
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(self.code(self.norm(x)))))
+
+
+def _seq_mixing_sp(s: sf.Schedule) -> sf.Schedule:
+    return sf.sequence_parallel(sf.shard(sf.shard(s, "*.fc1", axis=0), "*.fc2", axis=1), ["0", "1"])
+
+
+# silently wrong before: each rank's softmax / cumsum / token index over its own tokens
+CASES["sp-member-code-softmax-over-the-sequence"] = (
+    lambda: nn.Sequential(SeqMixing(lambda h: h * h.softmax(1)), SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
+CASES["sp-member-code-cumsum-over-the-sequence"] = (
+    lambda: nn.Sequential(SeqMixing(lambda h: h.cumsum(1)), SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
+CASES["sp-member-code-over-each-token"] = (
+    lambda: nn.Sequential(SeqMixing(lambda h: h * h.softmax(-1)), SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
+
+
 def _case(rank: int, world: int, name: str) -> str:
     make, rewrite, inputs = CASES[name]
     torch.manual_seed(0)
@@ -406,6 +433,13 @@ EXPECTED = {
     "sp-over-2d-activations": "refused: tensor parallel forward: '0': sequence_parallel splits dimension 1 of its 2-D "
                               "activation (4, 8), its last: that holds the features",
     "sp-over-2d-activations-by-the-batch": "equal",
+    "sp-member-code-softmax-over-the-sequence": "refused: build: '0': runs on this rank's tokens in the "
+                                                "sequence_parallel chain over 'tp' (as part of '0'), and its forward "
+                                                "applies softmax(dim=1)",
+    "sp-member-code-cumsum-over-the-sequence": "refused: build: '0': runs on this rank's tokens in the "
+                                               "sequence_parallel chain over 'tp' (as part of '0'), and its forward "
+                                               "applies cumsum(dim=1)",
+    "sp-member-code-over-each-token": "equal",
     "sp-over-2d-activations-entered-by-a-row": "refused: tensor parallel forward: '1': sequence_parallel splits "
                                                "dimension 1 of its 2-D activation (4, 8)",
 }

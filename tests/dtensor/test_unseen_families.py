@@ -743,6 +743,9 @@ CASES: dict[str, Case] = {
     # MLP-Mixer: Megatron across the channels, and across the tokens
     "mlp-mixer": Case(lambda: _mixer(False), equal=True),
     "mlp-mixer-tokens": Case(lambda: _mixer(True), equal=True),
+    # its token MLP is a Linear over the transposed sequence: on this rank's tokens it would
+    # get a share of its input features (a raw shape error before, silent where sizes fit)
+    "mlp-mixer+sp": Case(lambda: _mixer(False), ("0", "1")),
 }
 
 
