@@ -69,12 +69,13 @@ class At:
     where the code does not say); ``assumed``, that rank is the child's output taken as
     :data:`ASSUMED_RANK`, not one the code fixed (a ``permute``, a ``view`` by sizes);
     ``items``, the value is a tuple of such tensors (``max(dim)``'s values and indices,
-    a ``chunk`` along the sequence)."""
+    a ``chunk`` along the sequence), ``None`` where it may be one (a module's output:
+    Hugging Face attention returns ``(hidden_states, weights)``)."""
 
     rank: int | None = ASSUMED_RANK
     feat: int = -1
     assumed: bool = True
-    items: bool = False
+    items: bool | None = False
 
 
 @dataclass(frozen=True)
@@ -183,32 +184,35 @@ class Tokens:
 
 
 def along_tokens(node: fx.Node, elementwise: Callable[[fx.Node], bool], seq_axis: int,
-                 child: Callable[[fx.Node], str | None]) -> Tokens:
+                 child: Callable[[fx.Node], str | None], tensor: Callable[[str], bool]) -> Tokens:
     """Follow an activation split along its sequence (``node``: a parent's argument, its
     sequence at ``seq_axis`` of :data:`ASSUMED_RANK`) through the parent's code, through
     its children too (``child`` names the child a node calls; each is taken to keep the
-    layout, as norms, projections and sequence-parallel attention do), to the first op
+    layout, as norms, projections and sequence-parallel attention do; ``tensor`` says
+    which return one tensor, not maybe a tuple), to the first op
     over the sequence: a reduction, softmax or cumulative op along it, a flip, a split or an
     index of it, or a child handed the sequence as its last dimension (a ``Linear`` after a
     transpose mixes tokens)."""
     reached: dict[str, int] = {}
     start = At(feat=seq_axis - ASSUMED_RANK)
-    walked = _walk(node, elementwise, start, through=lambda use, at: _reach(use, at, child, reached))
+    walked = _walk(node, elementwise, start, through=lambda use, at: _reach(use, at, child, tensor, reached))
     return Tokens(walked.mixes, tuple(reached.items()))
 
 
-def _reach(use: fx.Node, at: At, child: Callable[[fx.Node], str | None], reached: dict[str, int]) -> str | None:
+def _reach(use: fx.Node, at: At, child: Callable[[fx.Node], str | None], tensor: Callable[[str], bool],
+           reached: dict[str, int]) -> At | str:
+    """A child handed the tracked value: the layout of its output, or what mixes."""
     name = child(use)
     if name is None:
-        return None
+        return replace(at, items=None)
     if at.feat == -1:
         return f"{name}(...) over the sequence"
     reached.setdefault(name, at.feat)
-    return None
+    return replace(at, items=False if tensor(name) else None)
 
 
 def _walk(node: fx.Node, elementwise: Callable[[fx.Node], bool], start: At,
-          through: Callable[[fx.Node, At], str | None] | None) -> Walk:
+          through: Callable[[fx.Node, At], At | str] | None) -> Walk:
     """The walk of :func:`along_features` and :func:`along_tokens` (``through``: children
     are walked through, and say what mixes the tracked dimension; an op taking it apart
     then mixes it too)."""
@@ -236,10 +240,10 @@ def _walk(node: fx.Node, elementwise: Callable[[fx.Node], bool], start: At,
                 continue
             if use.op == "call_module":
                 if through is not None:
-                    mixing = through(use, at)
-                    if mixing is not None:
-                        return Walk(apart, mixing, ranked)
-                    todo.append((use, at))
+                    then = through(use, at)
+                    if isinstance(then, str):
+                        return Walk(apart, then, ranked)
+                    todo.append((use, then))
                 continue
             step = _step(use, value, at, alone=len(users) == 1)
             if step.ranked and ranked is None:
@@ -283,6 +287,10 @@ def _step(use: fx.Node, value: fx.Node, at: At, alone: bool) -> _Step:
     if use.op not in ("call_function", "call_method"):
         return _Step(use.op)
     name = op_name(use)
+    if at.items is None:  # a module's output, maybe a tuple: an int index then picks an item
+        if name == "getitem" and len(use.args) > 1 and isinstance(use.args[1], int):
+            return _Step(replace(at, items=False))
+        at = replace(at, items=False)
     if at.items:
         return _item(use, name, at)
     if name in _ELEMENTWISE:

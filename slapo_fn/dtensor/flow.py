@@ -44,9 +44,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from ..hf import is_conv1d
 from ..tree import uncalled
 from .features import ASSUMED_RANK as _ASSUMED_RANK
-from .features import Apart, Tokens, along_features, along_tokens
+from .features import Apart, At, Tokens, along_features, along_tokens
 from .features import metadata as _metadata
 from .features import nodes_in as _nodes_in
 from .features import op_name as _op_name
@@ -500,7 +501,8 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset()) -> tuple[Flow
             handed[name] = handed.get(name, frozenset()) | _handed(parent.get_submodule(name), node)
             sources[node] = frozenset({name})
             if name not in apart:
-                walked = along_features(node, functools.partial(_pointwise_call, parent, prefix))
+                walked = along_features(node, functools.partial(_pointwise_call, parent, prefix),
+                                        At() if _one_tensor(parent.get_submodule(name)) else At(items=None))
                 if walked.apart is not None:
                     apart[name] = walked.apart
                 if walked.mixes is not None:
@@ -533,7 +535,15 @@ def _tokens(graph: fx.Graph, parent: nn.Module, prefix: str) -> Tokens | None:
         target = str(node.target)
         return target[len(prefix):] if node.op == "call_module" and target.startswith(prefix) else None
 
-    return along_tokens(first, functools.partial(_pointwise_call, parent, prefix), 1, child)
+    return along_tokens(first, functools.partial(_pointwise_call, parent, prefix), 1, child,
+                        lambda name: _one_tensor(parent.get_submodule(name)))
+
+
+def _one_tensor(module: nn.Module) -> bool:
+    """Whether ``module`` returns one tensor (a layer, a norm, an activation), not maybe
+    a tuple as Hugging Face attention does."""
+    return (isinstance(module, nn.Linear | nn.LayerNorm | nn.RMSNorm | nn.Embedding)
+            or is_conv1d(module) or pointwise(module))
 
 
 def _handed(child: nn.Module, node: fx.Node) -> frozenset[str]:

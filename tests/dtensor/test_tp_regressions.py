@@ -365,6 +365,30 @@ class SeqMixing(nn.Module):
         return x + self.fc2(torch.relu(self.fc1(self.code(self.norm(x)))))
 
 
+class WithWeights(nn.Module):
+    """A sub-module returning ``(hidden, extra)``, as Hugging Face attention does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lin(x), x * 2.0
+
+
+class SeqMixingAfterATuple(SeqMixing):
+    """The softmax over the sequence on the first item of a sub-module's tuple: ``[0]``
+    picks the item, it drops no dimension of the activation."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda h: h)
+        self.sub = WithWeights()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.sub(self.norm(x))[0]
+        return x + self.fc2(torch.relu(self.fc1(h * h.softmax(1))))
+
+
 def _seq_mixing_sp(s: sf.Schedule) -> sf.Schedule:
     return sf.sequence_parallel(sf.shard(sf.shard(s, "*.fc1", axis=0), "*.fc2", axis=1), ["0", "1"])
 
@@ -374,6 +398,8 @@ CASES["sp-member-code-softmax-over-the-sequence"] = (
     lambda: nn.Sequential(SeqMixing(lambda h: h * h.softmax(1)), SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
 CASES["sp-member-code-cumsum-over-the-sequence"] = (
     lambda: nn.Sequential(SeqMixing(lambda h: h.cumsum(1)), SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
+CASES["sp-member-code-softmax-after-a-tuple"] = (
+    lambda: nn.Sequential(SeqMixingAfterATuple(), SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
 CASES["sp-member-code-over-each-token"] = (
     lambda: nn.Sequential(SeqMixing(lambda h: h * h.softmax(-1)), SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
 
@@ -440,6 +466,9 @@ EXPECTED = {
                                                "sequence_parallel chain over 'tp' (as part of '0'), and its forward "
                                                "applies cumsum(dim=1)",
     "sp-member-code-over-each-token": "equal",
+    "sp-member-code-softmax-after-a-tuple": "refused: build: '0': runs on this rank's tokens in the "
+                                            "sequence_parallel chain over 'tp' (as part of '0'), and its forward "
+                                            "applies softmax(dim=1)",
     "sp-over-2d-activations-entered-by-a-row": "refused: tensor parallel forward: '1': sequence_parallel splits "
                                                "dimension 1 of its 2-D activation (4, 8)",
 }
