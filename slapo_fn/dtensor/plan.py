@@ -1362,6 +1362,23 @@ def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
                 "(sf.replace)",
             ))
             continue
+        if how is not None and how.kind == "heads" and out is not None and how.dims and how.dims[-1] is None \
+                and -1 not in how.dims:
+            # view(B, S, 4, x.size(-1) // 4): a fixed count, the head size computed from this rank's share
+            fixed = tuple(d for d in how.dims[:-1] if d is not None)
+            if fixed and not _made_local(get_module(sch.module, parent), out, fixed):
+                where = _named(parent)
+                shape = "(" + ", ".join("?" if d is None else str(d) for d in how.dims) + ")"
+                problems.append(Problem(
+                    path,
+                    f"{where}'s forward views its output's features as {shape}: it counts "
+                    f"{' x '.join(map(str, fixed))} heads of the whole output, which slapo_fn does not know to make "
+                    f"this rank's, so this rank's {out // _axis_size(sch, axis)} features would make that many heads "
+                    "of the wrong size (the numbers silently wrong)",
+                    "view it with -1 heads (view(B, S, -1, head_dim)), or keep the head count in num_heads and the "
+                    "head size in head_dim (build makes them this rank's)",
+                ))
+            continue
         if how is None or how.kind != "heads" or None in how.dims or out is None:
             continue
         size = _axis_size(sch, axis)

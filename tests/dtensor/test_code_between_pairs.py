@@ -138,6 +138,9 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[sf.Schedule], sf.Sched
                                                .reshape(h.shape)), _pair(), "reshape(-1, 4, ...)"),
     "view-counting-heads-whole": (lambda: Pair(lambda h: h.view(*h.shape[:2], 4, -1).softmax(-1).flatten(2)),
                                     _pair(), "the sizes in front of the -1"),
+    "view-counting-heads-by-a-computed-size": (
+        lambda: Pair(lambda h: h.view(*h.shape[:2], 4, h.size(-1) // 4).softmax(-1).flatten(2)), _pair(),
+        "counts 4 heads of the whole output"),
     # ... and equal where none does
     "transposed-softmax-over-sequence": (lambda: Pair(lambda h: h.transpose(1, 2).softmax(-1).transpose(1, 2)),
                                          _pair(), None),
