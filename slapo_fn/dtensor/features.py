@@ -82,12 +82,15 @@ class At:
 class Walk:
     """What :func:`along_features` found: how the code takes the features apart (``None``
     where it does not), the first op that mixes them as short text (``None`` where none
-    does), and the first op whose reading took the output's rank as
-    :data:`ASSUMED_RANK` (``None`` where no reading did)."""
+    does), the first op whose reading took the output's rank as
+    :data:`ASSUMED_RANK` (``None`` where no reading did), and where the output is split
+    into blocks, how the code then takes a block apart (``inner``: nanoGPT's ``k.view(B,
+    T, n_head, C // n_head)`` after ``split(n_embd)``)."""
 
     apart: Apart | None = None
     mixes: str | None = None
     ranked: str | None = None
+    inner: Apart | None = None
 
 
 #: Ops that act on each feature alone (elementwise, casts, copies): a rank's share of the
@@ -217,11 +220,13 @@ def _walk(node: fx.Node, elementwise: Callable[[fx.Node], bool], start: At,
     are walked through, and say what mixes the tracked dimension; an op taking it apart
     then mixes it too)."""
     apart: Apart | None = None
+    inner: Apart | None = None
     ranked: str | None = None
-    todo: list[tuple[fx.Node, At]] = [(node, start)]
+    # each value with where its tracked dimension is, and whether it is a block of the output
+    todo: list[tuple[fx.Node, At, bool]] = [(node, start, False)]
     seen: set[fx.Node] = set()
     while todo:
-        value, at = todo.pop()
+        value, at, block = todo.pop()
         if value in seen:
             continue
         seen.add(value)
@@ -229,12 +234,12 @@ def _walk(node: fx.Node, elementwise: Callable[[fx.Node], bool], start: At,
         if not at.items and at.feat == -1 and len(users) > 1 and all(_fixed_slice(u) for u in users):
             # x[..., :a], x[..., a:b], x[..., b:]: positions fixed by the full widths (Phi-3's qkv)
             if through is not None:
-                return Walk(apart, _text(users[0]), ranked)
+                return Walk(apart, _text(users[0]), ranked, inner)
             apart = apart or Apart("slices", len(users))
             continue
         for use in users:
             if use.op == "call_module" and elementwise(use):
-                todo.append((use, at))
+                todo.append((use, at, block))
                 continue
             if use.op == "output":
                 continue
@@ -242,21 +247,27 @@ def _walk(node: fx.Node, elementwise: Callable[[fx.Node], bool], start: At,
                 if through is not None:
                     then = through(use, at)
                     if isinstance(then, str):
-                        return Walk(apart, then, ranked)
-                    todo.append((use, then))
+                        return Walk(apart, then, ranked, inner)
+                    todo.append((use, then, block))
                 continue
             step = _step(use, value, at, alone=len(users) == 1)
             if step.ranked and ranked is None:
                 ranked = _text(use)
             if isinstance(step.then, Apart):
                 if through is not None:
-                    return Walk(apart, _text(use), ranked)
+                    return Walk(apart, _text(use), ranked, inner)
+                if block:
+                    inner = inner or step.then
+                    continue
                 apart = apart or step.then
+                if step.then.kind == "blocks" and op_name(use) in _SPLITS:
+                    # each block holds this rank's share of its features: followed on
+                    todo.append((use, replace(at, items=True), True))
             elif isinstance(step.then, At):
-                todo.append((use, step.then))
+                todo.append((use, step.then, block))
             else:
-                return Walk(apart, step.then, ranked)
-    return Walk(apart, None, ranked)
+                return Walk(apart, step.then, ranked, inner)
+    return Walk(apart, None, ranked, inner)
 
 
 @dataclass(frozen=True)

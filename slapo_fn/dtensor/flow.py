@@ -101,6 +101,9 @@ class Flow:
     # the parent's first argument split along its sequence (dimension 1), followed through its
     # code and children (:func:`.features.along_tokens`): what a sequence-parallel chain checks
     tokens: Tokens | None = None
+    # for each child whose output the code splits into blocks, how it then takes a block
+    # apart (:attr:`.features.Walk.inner`): the head check of packed columns reads it
+    inner: Mapping[str, Apart] = field(default_factory=dict)
 
     def same_input(self, a: str, b: str) -> bool:
         """Whether children ``a`` and ``b`` are called on the very same tensor (q/k/v on the
@@ -466,6 +469,7 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset()) -> tuple[Flow
     apart: dict[str, Apart] = {}
     mixes: dict[str, str] = {}
     ranked: dict[str, str] = {}
+    inner: dict[str, Apart] = {}
     handed: dict[str, frozenset[str]] = {}
     output: frozenset[str] = frozenset()
     leaves: tuple[frozenset[str], ...] = ()
@@ -505,6 +509,8 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset()) -> tuple[Flow
                                         At() if _one_tensor(parent.get_submodule(name)) else At(items=None))
                 if walked.apart is not None:
                     apart[name] = walked.apart
+                if walked.inner is not None:
+                    inner[name] = walked.inner
                 if walked.mixes is not None:
                     mixes[name] = walked.mixes
                 elif walked.ranked is not None:
@@ -521,7 +527,7 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset()) -> tuple[Flow
             attends = attends or _products_of_activations(node)
     found = Flow(MappingProxyType(feeds), output, frozenset(reads), MappingProxyType(first), MappingProxyType(apart),
                  leaves, MappingProxyType(hidden), MappingProxyType(handed), MappingProxyType(mixes), attends,
-                 MappingProxyType(ranked), _tokens(graph, parent, prefix))
+                 MappingProxyType(ranked), _tokens(graph, parent, prefix), MappingProxyType(inner))
     return found, read
 
 

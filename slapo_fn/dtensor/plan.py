@@ -49,6 +49,7 @@ from ..rewrites._common import INSTALLED, contains
 from ..schedule import Schedule
 from ..tree import caller_path, child_names, get_module, join, split, uncalled, walk
 from .experts import EXPERTS, Experts
+from .features import Apart
 from .flow import INPUT, OUTPUT, SIDE, Flow, flow, pointwise
 from .layout import Layout
 from .local import LOCAL
@@ -1362,58 +1363,81 @@ def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
                 "(sf.replace)",
             ))
             continue
-        if how is not None and how.kind == "heads" and out is not None and how.dims and how.dims[-1] is None \
-                and -1 not in how.dims:
-            # view(B, S, 4, x.size(-1) // 4): a fixed count, the head size computed from this rank's share
-            fixed = tuple(d for d in how.dims[:-1] if d is not None)
-            if fixed and not _made_local(get_module(sch.module, parent), out, fixed):
-                where = _named(parent)
-                shape = "(" + ", ".join("?" if d is None else str(d) for d in how.dims) + ")"
-                problems.append(Problem(
-                    path,
-                    f"{where}'s forward views its output's features as {shape}: it counts "
-                    f"{' x '.join(map(str, fixed))} heads of the whole output, which slapo_fn does not know to make "
-                    f"this rank's, so this rank's {out // _axis_size(sch, axis)} features would make that many heads "
-                    "of the wrong size (the numbers silently wrong)",
-                    "view it with -1 heads (view(B, S, -1, head_dim)), or keep the head count in num_heads and the "
-                    "head size in head_dim (build makes them this rank's)",
-                ))
+        if how is not None and out is not None and (problem := _head_view_problem(
+                sch, path, parent, how, out, _axis_size(sch, axis))) is not None:
+            problems.append(problem)
+    for path, axis in sorted(_split_outputs(sch, p).items()):
+        # a packed column's blocks, each viewed into heads after the parent splits them apart
+        # (nanoGPT's q, k, v = c_attn(x).split(n_embd); k.view(B, T, n_head, C // n_head))
+        mp = p.modules.get(path)
+        found = _caller(sch, path)
+        out = _out_features(get_module(sch.module, path))
+        if mp is None or mp.role is None or mp.role.packed == 1 or found is None or out is None:
             continue
-        if how is None or how.kind != "heads" or None in how.dims or out is None:
-            continue
-        size = _axis_size(sch, axis)
-        local, where = out // size, _named(parent)
-        known = [d for d in how.dims if d is not None and d > 0]
-        per = 1
-        for d in known:
-            per *= d
-        shape = "(" + ", ".join(str(d) for d in how.dims) + ")"
-        if -1 in how.dims and local % per:
-            problems.append(Problem(
-                path,
-                f"{where}'s forward views its output's features as {shape}; this rank's {local} of its {out} "
-                "features do not fill that view",
-                f"use a mesh axis whose size divides its {out // per} heads, or leave it unsharded",
-            ))
-        elif -1 in how.dims and how.dims.index(-1) > 0 and not _made_local(
-                get_module(sch.module, parent), out, how.dims[: how.dims.index(-1)]):
-            problems.append(Problem(
-                path,
-                f"{where}'s forward views its output's features as {shape}: the sizes in front of the -1 count "
-                f"the whole output's heads, so this rank's {local} features would make that many heads of the wrong "
-                "size (the numbers silently wrong)",
-                "put the -1 first (view(B, S, -1, head_dim)), or keep the head count in num_heads and the head size "
-                "in head_dim (build makes them this rank's)",
-            ))
-        elif -1 not in how.dims and per == out and not head_count_attrs(get_module(sch.module, parent), out, 1):
-            problems.append(Problem(
-                path,
-                f"{where}'s forward views its output's features as {shape}, sizes from attributes slapo_fn does "
-                f"not know to make this rank's (it holds {local} of the {out} features)",
-                "view it with -1 heads (view(B, S, -1, head_dim)), or keep the head count in num_heads and the head "
-                "size in head_dim (build makes them this rank's)",
-            ))
+        inner = found[2].inner.get(found[1])
+        if inner is not None and (problem := _head_view_problem(
+                sch, path, _parent(path), inner, out // mp.role.packed, _axis_size(sch, axis), "block")):
+            problems.append(problem)
     return problems
+
+
+def _head_view_problem(sch: Schedule, path: str, parent: str, how: Apart, out: int, size: int,
+                       part: str = "output") -> Problem | None:
+    """Why the view ``how`` of ``out`` features (of the whole output, or of each ``part``
+    it is split into), held split over ``size`` ranks, would make heads of the wrong size,
+    or ``None``."""
+    if how.kind != "heads" or not how.dims:
+        return None
+    what = "" if part == "output" else f"each {part} of "
+    local, where = out // size, _named(parent)
+    module = get_module(sch.module, parent)
+    if how.dims[-1] is None and -1 not in how.dims:
+        # view(B, S, 4, x.size(-1) // 4): a fixed count, the head size computed from this rank's share
+        fixed = tuple(d for d in how.dims[:-1] if d is not None)
+        if not fixed or _made_local(module, out, fixed):
+            return None
+        shape = "(" + ", ".join("?" if d is None else str(d) for d in how.dims) + ")"
+        return Problem(
+            path,
+            f"{where}'s forward views {what}its output's features as {shape}: it counts "
+            f"{' x '.join(map(str, fixed))} heads of the whole {part}, which slapo_fn does not know to make "
+            f"this rank's, so this rank's {local} features would make that many heads of the wrong size (the "
+            "numbers silently wrong)",
+            "view it with -1 heads (view(B, S, -1, head_dim)), or keep the head count in num_heads and the "
+            "head size in head_dim (build makes them this rank's)",
+        )
+    if None in how.dims:
+        return None
+    known = [d for d in how.dims if d is not None and d > 0]
+    per = 1
+    for d in known:
+        per *= d
+    shape = "(" + ", ".join(str(d) for d in how.dims) + ")"
+    if -1 in how.dims and local % per:
+        return Problem(
+            path,
+            f"{where}'s forward views {what}its output's features as {shape}; this rank's {local} of its {out} "
+            "features do not fill that view",
+            f"use a mesh axis whose size divides its {out // per} heads, or leave it unsharded",
+        )
+    if -1 in how.dims and how.dims.index(-1) > 0 and not _made_local(module, out, how.dims[: how.dims.index(-1)]):
+        return Problem(
+            path,
+            f"{where}'s forward views {what}its output's features as {shape}: the sizes in front of the -1 count "
+            f"the whole {part}'s heads, so this rank's {local} features would make that many heads of the wrong "
+            "size (the numbers silently wrong)",
+            "put the -1 first (view(B, S, -1, head_dim)), or keep the head count in num_heads and the head size "
+            "in head_dim (build makes them this rank's)",
+        )
+    if -1 not in how.dims and per == out and not head_count_attrs(module, out, 1):
+        return Problem(
+            path,
+            f"{where}'s forward views {what}its output's features as {shape}, sizes from attributes slapo_fn does "
+            f"not know to make this rank's (it holds {local} of the {out} features)",
+            "view it with -1 heads (view(B, S, -1, head_dim)), or keep the head count in num_heads and the head "
+            "size in head_dim (build makes them this rank's)",
+        )
+    return None
 
 
 def _packing_against_flow(sch: Schedule, p: Plan) -> list[Problem]:

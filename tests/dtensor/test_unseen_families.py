@@ -412,11 +412,23 @@ class _NanoAttention(nn.Module):
         return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
 
 
+class _NanoChunkAttention(_NanoAttention):
+    """The same with ``chunk(3)`` in place of the split by ``n_embd``: the blocks are then
+    this rank's, but each is still viewed into ``self.n_head`` heads of the whole width."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.size()
+        q, k, v = self.c_attn(x).chunk(3, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
 class _NanoBlock(nn.Module):
-    def __init__(self, n_embd: int, n_head: int) -> None:
+    def __init__(self, n_embd: int, n_head: int, attention: type[_NanoAttention] = _NanoAttention) -> None:
         super().__init__()
         self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
-        self.attn = _NanoAttention(n_embd, n_head)
+        self.attn = attention(n_embd, n_head)
         self.mlp = nn.ModuleDict({"c_fc": nn.Linear(n_embd, 4 * n_embd), "c_proj": nn.Linear(4 * n_embd, n_embd)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -427,11 +439,12 @@ class _NanoBlock(nn.Module):
 class _NanoGPT(nn.Module):
     """nanoGPT's model at 2 layers: learned positions, the head tied to the embedding."""
 
-    def __init__(self, n_embd: int = 32, n_head: int = 4) -> None:
+    def __init__(self, n_embd: int = 32, n_head: int = 4, attention: type[_NanoAttention] = _NanoAttention) -> None:
         super().__init__()
         self.transformer = nn.ModuleDict({
             "wte": nn.Embedding(VOCAB, n_embd), "wpe": nn.Embedding(16, n_embd),
-            "h": nn.ModuleList([_NanoBlock(n_embd, n_head) for _ in range(2)]), "ln_f": nn.LayerNorm(n_embd)})
+            "h": nn.ModuleList([_NanoBlock(n_embd, n_head, attention) for _ in range(2)]),
+            "ln_f": nn.LayerNorm(n_embd)})
         self.lm_head = nn.Linear(n_embd, VOCAB, bias=False)
         self.transformer.wte.weight = self.lm_head.weight
 
@@ -442,7 +455,7 @@ class _NanoGPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))  # type: ignore[no-any-return]
 
 
-def _nanogpt(gathered: bool) -> Callable[[], tuple[nn.Module, tuple[Any, ...], Plan]]:
+def _nanogpt(gathered: bool, chunk: bool = False) -> Callable[[], tuple[nn.Module, tuple[Any, ...], Plan]]:
     """nanoGPT with GPT-2's Megatron plan (``c_attn`` packed=3): its split by ``n_embd``,
     a size build does not make this rank's, cut this rank's share into the wrong blocks (a
     raw "not enough values to unpack"); refused before running, and ``gathered`` follows
@@ -454,7 +467,7 @@ def _nanogpt(gathered: bool) -> Callable[[], tuple[nn.Module, tuple[Any, ...], P
             attn = attn >> sf.sync.at("c_attn", "fwd_post", Replicate())
         plan = sf.foreach("transformer.h.*", sf.scope("attn", attn) >> sf.scope("mlp", _column("c_fc")
                                                                                >> _row("c_proj")))
-        return _NanoGPT(), (_ids(),), plan
+        return _NanoGPT(attention=_NanoChunkAttention if chunk else _NanoAttention), (_ids(),), plan
 
     return make
 
@@ -664,6 +677,7 @@ class Case:
     make: Callable[[], tuple[nn.Module, tuple[Any, ...], Plan]]
     sp: tuple[str, ...] = ()  # also sf.sequence_parallel over these (then from_tp_plan is not tried)
     equal: bool = False  # known to work: every plan tried must be equal, a refusal fails too
+    at_build: bool = False  # known to be refused: by build, before running, not at the first forward
 
 
 CASES: dict[str, Case] = {
@@ -723,9 +737,13 @@ CASES: dict[str, Case] = {
     "persimmon": Case(_persimmon(False)),
     "persimmon-gathered": Case(_persimmon(True), equal=True),
     # not a Hugging Face model: nanoGPT as its author wrote it
-    "nanogpt": Case(_nanogpt(False)),
+    "nanogpt": Case(_nanogpt(False), at_build=True),
     "nanogpt-gathered": Case(_nanogpt(True), equal=True),
     "nanogpt-gathered+sp": Case(_nanogpt(True), ("transformer.h.*", "transformer.ln_f"), equal=True),
+    # split by chunk(3): each block is this rank's, but viewed into n_head heads (refused at
+    # build since the head check follows each block; it was refused only at the first forward)
+    "nanogpt-chunk": Case(_nanogpt(False, chunk=True), at_build=True),
+    "nanogpt-chunk-gathered": Case(_nanogpt(True, chunk=True), equal=True),
     # and the GPT of "Let's build GPT: from scratch" (heads as modules of their own)
     "scratch-gpt": Case(_scratch(False), equal=True),
     "scratch-gpt-heads": Case(_scratch(True), equal=True),
@@ -738,14 +756,14 @@ CASES: dict[str, Case] = {
     # timm's ViT: qkv viewed as (3, heads, head_dim) is packed=3 (blocks first)
     "timm-vit": Case(_timm_vit("-1", 3), equal=True),
     "timm-vit+sp": Case(_timm_vit("-1", 3), ("blocks.*", "norm"), equal=True),
-    "timm-vit-unpacked": Case(_timm_vit("-1", 1)),  # refused: the head count is of one block
+    "timm-vit-unpacked": Case(_timm_vit("-1", 1), at_build=True),  # the head count is of one block
     "timm-vit-merged-by-input-width": Case(_timm_vit("C", 3)),  # refused at the first forward
     # MLP-Mixer: Megatron across the channels, and across the tokens
     "mlp-mixer": Case(lambda: _mixer(False), equal=True),
     "mlp-mixer-tokens": Case(lambda: _mixer(True), equal=True),
     # its token MLP is a Linear over the transposed sequence: on this rank's tokens it would
     # get a share of its input features (a raw shape error before, silent where sizes fit)
-    "mlp-mixer+sp": Case(lambda: _mixer(False), ("0", "1")),
+    "mlp-mixer+sp": Case(lambda: _mixer(False), ("0", "1"), at_build=True),
 }
 
 
@@ -817,6 +835,8 @@ def test_unseen_family_is_equal_or_refused(dist2, name: str) -> None:
     assert not bad, f"{name}: {bad}"
     if CASES[name].equal:
         assert set(results[0].values()) == {"equal"}, f"{name}: {results[0]}"
+    if CASES[name].at_build:
+        assert all(what.startswith("refused (LayoutError): build:") for what in results[0].values()), results[0]
 
 
 def test_alibi_over_one_head_per_rank_is_refused_at_its_first_forward(dist4) -> None:
