@@ -587,6 +587,62 @@ def _titan() -> tuple[nn.Module, tuple[Any, ...], Plan]:
     return _Titan(), (_ids(),), whole
 
 
+def _distilbert() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    from transformers import DistilBertConfig, DistilBertModel
+
+    cfg = DistilBertConfig(vocab_size=VOCAB, dim=64, hidden_dim=128, n_layers=2, n_heads=4, dropout=0.0,
+                           attention_dropout=0.0)
+    attn = _column("q_lin", "k_lin", "v_lin") >> _row("out_lin")
+    plan = sf.foreach("transformer.layer.*", sf.scope("attention", attn) >> sf.scope("ffn", _column("lin1")
+                                                                                   >> _row("lin2")))
+    return DistilBertModel(cfg), (_ids(),), plan
+
+
+def _bert_like(layers: str, attention: str, q: str, k: str, v: str, o: str) -> Plan:
+    """BERT's layout: q/k/v in one module, the output projection in another beside it."""
+    return sf.foreach(layers, sf.scope(attention, _column(q, k, v) >> _row(o))
+                      >> _column("intermediate.dense") >> _row("output.dense"))
+
+
+def _deberta_v2() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    from transformers import DebertaV2Config, DebertaV2Model
+
+    cfg = DebertaV2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    plan = _bert_like("encoder.layer.*", "attention", "self.query_proj", "self.key_proj", "self.value_proj",
+                      "output.dense")
+    return DebertaV2Model(cfg), (_ids(),), plan
+
+
+def _mpnet() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    from transformers import MPNetConfig, MPNetModel
+
+    cfg = MPNetConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return MPNetModel(cfg), (_ids(),), _bert_like("encoder.layer.*", "attention.attn", "q", "k", "v", "o")
+
+
+def _nemotron() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    """Nemotron: LLaMA's attention, an MLP of up and down only (squared ReLU), LayerNorm1P."""
+    from transformers import NemotronConfig, NemotronForCausalLM
+
+    cfg = NemotronConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         **_lm_kw())
+    plan = sf.foreach("model.layers.*", sf.scope("self_attn", _column("q_proj", "k_proj", "v_proj") >> _row("o_proj"))
+                      >> sf.scope("mlp", _column("up_proj") >> _row("down_proj")))
+    return NemotronForCausalLM(cfg), (_ids(),), plan
+
+
+def _fnet() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    """FNet mixes its tokens by a Fourier transform, no attention: only its MLP is sharded."""
+    from transformers import FNetConfig, FNetModel
+
+    cfg = FNetConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     hidden_dropout_prob=0.0)
+    return FNetModel(cfg), (_ids(),), sf.foreach("encoder.layer.*", _column("intermediate.dense")
+                                                 >> _row("output.dense"))
+
+
 class TimmAttention(nn.Module):
     """timm's ViT attention as written there: one ``qkv`` reshaped to (3, heads, head_dim),
     blocks first, so ``packed=3`` is its layout; ``merge`` is how the heads are put back:
@@ -764,6 +820,14 @@ CASES: dict[str, Case] = {
     # its token MLP is a Linear over the transposed sequence: on this rank's tokens it would
     # get a share of its input features (a raw shape error before, silent where sizes fit)
     "mlp-mixer+sp": Case(lambda: _mixer(False), ("0", "1"), at_build=True),
+    "distilbert": Case(_distilbert, equal=True),
+    "distilbert+sp": Case(_distilbert, ("transformer.layer.*",), equal=True),
+    "deberta-v2": Case(_deberta_v2, equal=True),
+    # its relative position bias is built for every head: refused at the first forward
+    "mpnet": Case(_mpnet),
+    "fnet": Case(_fnet, equal=True),
+    "nemotron": Case(_nemotron, equal=True),
+    "nemotron+sp": Case(_nemotron, ("model.layers.*", "model.norm"), equal=True),
 }
 
 
