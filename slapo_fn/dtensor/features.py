@@ -231,6 +231,8 @@ def _walk(node: fx.Node, elementwise: Callable[[fx.Node], bool], start: At,
             continue
         seen.add(value)
         users = [u for u in value.users if not metadata(u)]
+        if through is not None and not at.items and (read := _length_read(value, at)) is not None:
+            return Walk(apart, read, ranked, inner)
         if not at.items and at.feat == -1 and len(users) > 1 and all(_fixed_slice(u) for u in users):
             # x[..., :a], x[..., a:b], x[..., b:]: positions fixed by the full widths (Phi-3's qkv)
             if through is not None:
@@ -268,6 +270,38 @@ def _walk(node: fx.Node, elementwise: Callable[[fx.Node], bool], start: At,
             else:
                 return Walk(apart, step.then, ranked, inner)
     return Walk(apart, None, ranked, inner)
+
+
+#: Ops that may take a value's own sizes: views of a tensor by its local shape.
+_SHAPED = frozenset({"view", "reshape", "expand", "unflatten", "new_empty", "new_zeros", "new_ones"})
+
+
+def _length_read(value: fx.Node, at: At) -> str | None:
+    """Where code reads the length of ``value``'s tracked dimension (``x.size(1)``,
+    ``x.shape[1]``) for anything but a view by its own shape: positions built from this
+    rank's share of the sequence (``torch.arange(x.size(1))``, ``self.pos[: x.size(1)]``),
+    as text; else ``None``."""
+    lengths: list[fx.Node] = []
+    for use in value.users:
+        if use.op == "call_method" and use.target == "size" and len(use.args) > 1:
+            if _pos(use.args[1], at)[0] == at.feat:
+                lengths.append(use)
+        elif (metadata(use) and use.op == "call_function" and use.args[1] == "shape") or (
+                use.op == "call_method" and use.target == "size" and len(use.args) == 1):
+            lengths += [u for u in use.users if op_name(u) == "getitem" and _pos(u.args[1], at)[0] == at.feat]
+    todo, seen = list(lengths), set(lengths)
+    while todo:
+        size = todo.pop()
+        for use in size.users:
+            if use in seen:
+                continue
+            if use.op == "call_function" and getattr(use.target, "__module__", "") in ("_operator", "math") \
+                    and op_name(use) != "getitem":
+                seen.add(use)
+                todo.append(use)  # arithmetic on sizes
+            elif op_name(use) not in _SHAPED:
+                return f"{_text(use)} to the length of its share of the sequence"
+    return None
 
 
 @dataclass(frozen=True)

@@ -398,6 +398,27 @@ CASES["sp-member-code-softmax-over-the-sequence"] = (
     lambda: nn.Sequential(SeqMixing(lambda h: h * h.softmax(1)), SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
 CASES["sp-member-code-cumsum-over-the-sequence"] = (
     lambda: nn.Sequential(SeqMixing(lambda h: h.cumsum(1)), SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
+class LearnedPositions(SeqMixing):
+    """Learned positions added in the block, sliced to its input's length."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda h: h)
+        self.pos = nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x) + self.pos[: x.size(1)]
+        return x + self.fc2(torch.relu(self.fc1(h)))
+
+
+# positions made from this rank's share of the sequence: every rank's tokens start at 0
+CASES["sp-member-code-positions-sliced-by-its-length"] = (
+    lambda: nn.Sequential(LearnedPositions(), SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
+CASES["sp-member-code-positions-counted-to-its-length"] = (
+    lambda: nn.Sequential(SeqMixing(lambda h: h * torch.arange(h.shape[1]).unsqueeze(-1)), SeqMixing(lambda h: h)),
+    _seq_mixing_sp, (X,))
+CASES["sp-member-code-viewed-by-its-length"] = (
+    lambda: nn.Sequential(SeqMixing(lambda h: h.view(h.size(0), h.size(1), 2, 4).flatten(2)),
+                          SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
 CASES["sp-member-code-softmax-after-a-tuple"] = (
     lambda: nn.Sequential(SeqMixingAfterATuple(), SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
 CASES["sp-member-code-over-each-token"] = (
@@ -466,6 +487,13 @@ EXPECTED = {
                                                "sequence_parallel chain over 'tp' (as part of '0'), and its forward "
                                                "applies cumsum(dim=1)",
     "sp-member-code-over-each-token": "equal",
+    "sp-member-code-positions-sliced-by-its-length": "refused: build: '0': runs on this rank's tokens in the "
+                                                     "sequence_parallel chain over 'tp' (as part of '0'), and its "
+                                                     "forward applies x[:n] to the length of its share",
+    "sp-member-code-positions-counted-to-its-length": "refused: build: '0': runs on this rank's tokens in the "
+                                                      "sequence_parallel chain over 'tp' (as part of '0'), and its "
+                                                      "forward applies arange(...) to the length of its share",
+    "sp-member-code-viewed-by-its-length": "equal",
     "sp-member-code-softmax-after-a-tuple": "refused: build: '0': runs on this rank's tokens in the "
                                             "sequence_parallel chain over 'tp' (as part of '0'), and its forward "
                                             "applies softmax(dim=1)",
