@@ -98,9 +98,10 @@ class Flow:
     # (batch, sequence, features) (:data:`.features.ASSUMED_RANK`): ``"softmax(dim=1)"`` is over the
     # sequence only at that rank, so the runtime checks the rank where the output is a share of features
     ranked: Mapping[str, str] = field(default_factory=dict)
-    # the parent's first argument split along its sequence (dimension 1), followed through its
-    # code and children (:func:`.features.along_tokens`): what a sequence-parallel chain checks
-    tokens: Tokens | None = None
+    # the parent's first argument split along its sequence, followed through its code and
+    # children (:func:`.features.along_tokens`), for a sequence at dimension 1 (batch first)
+    # and 0 (sequence first, as nn.Transformer's default): what a sequence-parallel chain checks
+    tokens: Mapping[int, Tokens] = field(default_factory=dict)
     # for each child whose output the code splits into blocks, how it then takes a block
     # apart (:attr:`.features.Walk.inner`): the head check of packed columns reads it
     inner: Mapping[str, Apart] = field(default_factory=dict)
@@ -531,18 +532,20 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset()) -> tuple[Flow
     return found, read
 
 
-def _tokens(graph: fx.Graph, parent: nn.Module, prefix: str) -> Tokens | None:
+def _tokens(graph: fx.Graph, parent: nn.Module, prefix: str) -> Mapping[int, Tokens]:
     """:attr:`Flow.tokens`: the parent's first argument followed along its sequence."""
     first = next((n for n in graph.nodes if n.op == "placeholder" and n.target == "a0"), None)
     if first is None:
-        return None
+        return MappingProxyType({})
 
     def child(node: fx.Node) -> str | None:
         target = str(node.target)
         return target[len(prefix):] if node.op == "call_module" and target.startswith(prefix) else None
 
-    return along_tokens(first, functools.partial(_pointwise_call, parent, prefix), 1, child,
-                        lambda name: _one_tensor(parent.get_submodule(name)))
+    return MappingProxyType({
+        seq_axis: along_tokens(first, functools.partial(_pointwise_call, parent, prefix), seq_axis, child,
+                               lambda name: _one_tensor(parent.get_submodule(name)))
+        for seq_axis in (0, 1)})
 
 
 def _one_tensor(module: nn.Module) -> bool:

@@ -49,7 +49,7 @@ from ..rewrites._common import INSTALLED, contains
 from ..schedule import Schedule
 from ..tree import caller_path, child_names, get_module, join, split, uncalled, walk
 from .experts import EXPERTS, Experts
-from .features import Apart
+from .features import ASSUMED_RANK, Apart
 from .flow import INPUT, OUTPUT, SIDE, Flow, flow, pointwise
 from .layout import Layout
 from .local import LOCAL
@@ -1630,14 +1630,15 @@ def _code_over_the_sequence(sch: Schedule) -> list[Problem]:
     roles = sch.annotations.of_kind(ROLE)
     problems = []
     for member, spec in sorted(sch.annotations.of_kind(SEQ).items()):
-        if spec.seq_axis != 1:
+        if spec.seq_axis not in (0, 1):
             continue
         columns = {q for q, r in roles.items() if r.kind == "column" and r.mesh_axis == spec.mesh_axis
                    and (q == member or contains(member, q))}
         # as the runtime does: a column called by the member's own code gathers its own input, one
         # deeper has its caller (attention) gather it
         callers = {caller_path(sch.module, q) for q in columns}
-        found = _over_sequence(sch, member, columns, {c for c in callers if c != member and contains(member, c)})
+        found = _over_sequence(sch, member, spec.seq_axis, columns,
+                               {c for c in callers if c != member and contains(member, c)})
         if found is not None:
             where, op = found
             problems.append(Problem(
@@ -1650,7 +1651,8 @@ def _code_over_the_sequence(sch: Schedule) -> list[Problem]:
     return problems
 
 
-def _over_sequence(sch: Schedule, path: str, columns: set[str], gathered: set[str]) -> tuple[str, str] | None:
+def _over_sequence(sch: Schedule, path: str, seq_axis: int, columns: set[str], gathered: set[str]
+                   ) -> tuple[str, str] | None:
     """The first module under ``path`` (itself included) whose code runs on a token shard
     and acts over the sequence, with the op; ``None`` where none does or it cannot be read."""
     module = get_module(sch.module, path)
@@ -1659,13 +1661,14 @@ def _over_sequence(sch: Schedule, path: str, columns: set[str], gathered: set[st
     if isinstance(module, _OVER_POSITIONS):
         return path, type(module).__name__
     fl = _flow_of(sch, path) if module._modules else None
-    if fl is None or fl.tokens is None or fl.attends:
+    tokens = fl.tokens.get(seq_axis) if fl is not None else None
+    if fl is None or tokens is None or fl.attends:
         return None
-    if fl.tokens.mixes is not None:
-        return path, fl.tokens.mixes
-    for name, at in fl.tokens.reached:
-        if at == -2:  # the child is handed tokens where its own code reads them (dimension 1)
-            found = _over_sequence(sch, join(path, name), columns, gathered)
+    if tokens.mixes is not None:
+        return path, tokens.mixes
+    for name, at in tokens.reached:
+        if at == seq_axis - ASSUMED_RANK:  # the child is handed tokens where its own code reads them
+            found = _over_sequence(sch, join(path, name), seq_axis, columns, gathered)
             if found is not None:
                 return found
     return None

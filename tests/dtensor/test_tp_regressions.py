@@ -419,6 +419,15 @@ CASES["sp-member-code-positions-counted-to-its-length"] = (
 CASES["sp-member-code-viewed-by-its-length"] = (
     lambda: nn.Sequential(SeqMixing(lambda h: h.view(h.size(0), h.size(1), 2, 4).flatten(2)),
                           SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
+def _seq_first_sp(s: sf.Schedule) -> sf.Schedule:
+    """The chain over (sequence, batch, features) activations: nn.Transformer's default layout."""
+    return sf.sequence_parallel(sf.shard(sf.shard(s, "*.fc1", axis=0), "*.fc2", axis=1), ["0", "1"], seq_axis=0)
+
+
+CASES["sp-seq-first-member-code-over-the-sequence"] = (
+    lambda: nn.Sequential(SeqMixing(lambda h: h * h.softmax(0)), SeqMixing(lambda h: h)), _seq_first_sp, (X,))
+CASES["sp-seq-first-member-code-over-the-batch"] = (
+    lambda: nn.Sequential(SeqMixing(lambda h: h * h.softmax(1)), SeqMixing(lambda h: h)), _seq_first_sp, (X,))
 CASES["sp-member-code-softmax-after-a-tuple"] = (
     lambda: nn.Sequential(SeqMixingAfterATuple(), SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
 CASES["sp-member-code-over-each-token"] = (
@@ -494,6 +503,10 @@ EXPECTED = {
                                                       "sequence_parallel chain over 'tp' (as part of '0'), and its "
                                                       "forward applies arange(...) to the length of its share",
     "sp-member-code-viewed-by-its-length": "equal",
+    "sp-seq-first-member-code-over-the-sequence": "refused: build: '0': runs on this rank's tokens in the "
+                                                  "sequence_parallel chain over 'tp' (as part of '0'), and its "
+                                                  "forward applies softmax(dim=0)",
+    "sp-seq-first-member-code-over-the-batch": "equal",
     "sp-member-code-softmax-after-a-tuple": "refused: build: '0': runs on this rank's tokens in the "
                                             "sequence_parallel chain over 'tp' (as part of '0'), and its forward "
                                             "applies softmax(dim=1)",
