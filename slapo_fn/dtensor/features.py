@@ -26,7 +26,7 @@ Example:
     >>> g = fx.symbolic_trace(Pair()).graph
     >>> first, second = [n for n in g.nodes if n.target == "fc"]
     >>> along_features(first, lambda _: False)
-    Walk(apart=None, mixes=None, ranked='softmax(dim=1)')
+    Walk(apart=None, mixes=None, ranked='softmax(dim=1)', inner=None)
     >>> along_features(second, lambda _: False).mixes
     'softmax(dim=1)'
 """
