@@ -1301,9 +1301,19 @@ def _split_outputs(sch: Schedule, p: Plan) -> dict[str, str]:
            if path and mp.role is not None and mp.keeps_features}
     for path, specs in sch.annotations.of_kind(SYNC).items():
         for sp in specs:
-            if path and path not in out and _split_by_sync(sch, path, sp.mesh_axis):
+            if path and path not in out and (_split_by_sync(sch, path, sp.mesh_axis)
+                                             or _pointwise_split_on_entry(sch, path, specs, sp.mesh_axis)):
                 out[path] = sp.mesh_axis
     return out
+
+
+def _pointwise_split_on_entry(sch: Schedule, path: str, specs: tuple[SyncSpec, ...], axis: str) -> bool:
+    """Whether ``path`` is pointwise (an activation) whose ``fwd_pre`` syncs leave its
+    input ``Shard(-1)`` over ``axis`` and no ``fwd_post`` sync moves its output: it hands
+    its parent this rank's features as a column kept split does."""
+    pre, post = _moving(specs, "fwd_pre"), _moving(specs, "fwd_post")
+    return (pre is not None and pre.mesh_axis == axis and _last_dim(pre.layout) and post is None
+            and pointwise(get_module(sch.module, path)))
 
 
 def _features_mixed(sch: Schedule, p: Plan) -> list[Problem]:

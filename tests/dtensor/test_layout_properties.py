@@ -1183,6 +1183,11 @@ CLOSED: dict[str, Case] = {
     "row-self-sync-over-a-kept-split": _c(
         [Block("mlp", hidden=16, bias=False)], ("shard", "0.fc1", 0, 1), ("shard", "0.fc2", 1, 1),
         ("sync", "0.fc1", "fwd_post", "S(-1)", None), ("sync", "0.fc2", "fwd_pre", "R", "R"), dim=16),
+    # wrong numbers: an activation's fwd_pre sync split its input by features, so its output was
+    # this rank's features too, and the norm over them after it ran on that share
+    "feature-norm-after-an-activation-split-on-entry": _c(
+        [Block("mlp", hidden=16, style="normed")], ("shard", "0.fc2", 1, 1),
+        ("sync", "0.act", "fwd_pre", "S(-1)", "R")),
 }
 
 
