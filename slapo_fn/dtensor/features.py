@@ -575,12 +575,10 @@ def _move(use: fx.Node, name: str, at: At) -> _Step:
 def _over_dim(use: fx.Node, name: str, at: At) -> _Step:
     """An op over dimensions: over the features it mixes them; over batch or sequence
     (each feature alone) it does not, and may drop the dimensions it reduces."""
-    pos_arg, default = _OVER_DIM[name]
     rest = list(use.args[1:])  # after the tensor (torch.cat's list of tensors)
-    found = use.kwargs.get("dim", use.kwargs.get("dims", rest[pos_arg] if len(rest) > pos_arg else default))
+    found = _dims_of(use, name)
     dims = list(found) if isinstance(found, tuple | list) else [found]
-    shown = dims[0] if len(dims) == 1 else tuple(dims)
-    text = f"{name}(dim={shown})"
+    text = _text(use)
     if name in ("unsqueeze", "stack"):  # a new dimension, at a position of the result
         d = dims[0]
         if isinstance(d, bool) or not isinstance(d, int):
@@ -627,15 +625,21 @@ def _text(node: fx.Node) -> str:
         parts = index if isinstance(index, tuple) else (index,)
         return "x[" + ", ".join(_index_text(p) for p in parts) + "]"
     if name in _OVER_DIM:
-        found = node.kwargs.get("dim", node.args[1 + _OVER_DIM[name][0]] if len(node.args) > 1 + _OVER_DIM[name][0]
-                                else _OVER_DIM[name][1])
-        return f"{name}(dim={found})"
+        found = _dims_of(node, name)
+        shown = found[0] if isinstance(found, tuple | list) and len(found) == 1 else found
+        return f"{name}(dim={tuple(shown) if isinstance(shown, list) else shown})"
     if name in ("view", "reshape", "unflatten", "flatten", "permute", "transpose", "movedim", "expand"):
         args = [a if isinstance(a, int) else "..." for a in node.args[1:]]
         if len(node.args) == 2 and isinstance(node.args[1], tuple | list):
             args = [a if isinstance(a, int) else "..." for a in node.args[1]]
         return f"{name}({', '.join(map(str, args))})"
     return f"{name}(...)"
+
+
+def _dims_of(node: fx.Node, name: str) -> Any:
+    """The dimension (or dimensions) an :data:`_OVER_DIM` op ``name`` is over, as written."""
+    position, default = _OVER_DIM[name]
+    return node.kwargs.get("dims", _dim_arg(node, position, "dim", default))
 
 
 def _index_text(index: Any) -> str:

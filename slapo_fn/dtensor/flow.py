@@ -481,6 +481,7 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset()) -> tuple[Flow
     called = [str(n.target)[len(prefix):] for n in graph.nodes
               if n.op == "call_module" and str(n.target).startswith(prefix)]
     reused = {n for n in set(called) if called.count(n) > 1 and pointwise(parent.get_submodule(n))}
+    one = {n: _one_tensor(parent.get_submodule(n)) for n in set(called)}
     for node in graph.nodes:
         upstream: frozenset[str] = frozenset().union(*(sources.get(a, frozenset()) for a in node.all_input_nodes))
         if node.op == "call_module" and str(node.target)[len(prefix):] in reused:
@@ -507,7 +508,7 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset()) -> tuple[Flow
             sources[node] = frozenset({name})
             if name not in apart:
                 walked = along_features(node, functools.partial(_pointwise_call, parent, prefix),
-                                        At() if _one_tensor(parent.get_submodule(name)) else At(items=None))
+                                        At() if one[name] else At(items=None))
                 if walked.apart is not None:
                     apart[name] = walked.apart
                 if walked.inner is not None:
@@ -528,12 +529,13 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset()) -> tuple[Flow
             attends = attends or _products_of_activations(node)
     found = Flow(MappingProxyType(feeds), output, frozenset(reads), MappingProxyType(first), MappingProxyType(apart),
                  leaves, MappingProxyType(hidden), MappingProxyType(handed), MappingProxyType(mixes), attends,
-                 MappingProxyType(ranked), _tokens(graph, parent, prefix), MappingProxyType(inner))
+                 MappingProxyType(ranked), _tokens(graph, parent, prefix, one), MappingProxyType(inner))
     return found, read
 
 
-def _tokens(graph: fx.Graph, parent: nn.Module, prefix: str) -> Mapping[int, Tokens]:
-    """:attr:`Flow.tokens`: the parent's first argument followed along its sequence."""
+def _tokens(graph: fx.Graph, parent: nn.Module, prefix: str, one: Mapping[str, bool]) -> Mapping[int, Tokens]:
+    """:attr:`Flow.tokens`: the parent's first argument followed along its sequence;
+    ``one``: which called children return one tensor (:func:`_one_tensor`)."""
     first = next((n for n in graph.nodes if n.op == "placeholder" and n.target == "a0"), None)
     if first is None:
         return MappingProxyType({})
@@ -544,7 +546,7 @@ def _tokens(graph: fx.Graph, parent: nn.Module, prefix: str) -> Mapping[int, Tok
 
     return MappingProxyType({
         seq_axis: along_tokens(first, functools.partial(_pointwise_call, parent, prefix), seq_axis, child,
-                               lambda name: _one_tensor(parent.get_submodule(name)))
+                               one.__getitem__)
         for seq_axis in (0, 1)})
 
 

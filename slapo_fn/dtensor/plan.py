@@ -365,8 +365,7 @@ def _plan(sch: Schedule) -> Plan:
     for mp in modules.values():
         if mp.local_params:
             bounds += _param_grad_boundaries(sch, mp)
-    made = Plan(modules, tuple(bounds))
-    for path in _split_outputs(sch, made):
+    for path in _split_outputs(sch, modules):
         found = _caller(sch, path)
         if path in modules and found is not None and (op := found[2].ranked.get(found[1])) is not None:
             modules[path] = replace(modules[path], read_as_3d=op)
@@ -568,38 +567,33 @@ def _entry_key(sch: Schedule, path: str) -> str:
 
 
 def _fed_split(sch: Schedule, path: str, axis: str) -> bool:
-    """Whether everything that reaches row ``path`` comes from siblings whose ``fwd_post``
-    sync states their output ``Shard(-1)`` over ``axis``: the row then takes its input
-    split as it is (the sync's boundary carries the collective), with no split of its own."""
+    """Whether everything that reaches row ``path`` comes from siblings whose syncs leave
+    their output ``Shard(-1)`` over ``axis`` (:func:`_split_by_sync`): the row then takes
+    its input split as it is (the sync's boundary carries the collective), with no split
+    of its own."""
     found = _caller(sch, path)
     if found is None:
         return False
     parent, name, fl = found
     fed = fl.feeders(name, _through(sch, parent))
-    return bool(fed) and all(q not in (INPUT, OUTPUT, SIDE) and (_split_by_sync(sch, join(parent, q), axis)
-                                                                 or _splits_pointwise(sch, join(parent, q), axis))
+    return bool(fed) and all(q not in (INPUT, OUTPUT, SIDE) and _split_by_sync(sch, join(parent, q), axis)
                              for q in fed)
 
 
-def _splits_pointwise(sch: Schedule, path: str, axis: str) -> bool:
-    """Whether ``path`` is a pointwise module (an activation) whose ``fwd_pre`` sync splits
-    its input by features over ``axis`` and no ``fwd_post`` sync moves its output: it
-    hands this rank's features on (a row in a chain after ``sync(act, 'fwd_pre',
-    Shard(-1))`` takes them as they are)."""
+def _split_by_sync(sch: Schedule, path: str, axis: str) -> bool:
+    """Whether the syncs of ``path`` leave its output ``Shard(-1)`` over ``axis``: the last
+    ``fwd_post`` sync that moves a layout states it (a sync from a layout to itself moves
+    nothing; a later one may gather it back). Where none moves its output, a pointwise
+    module (an activation) whose ``fwd_pre`` sync splits its input by features hands on
+    this rank's features as they are (a row after ``sync(act, 'fwd_pre', Shard(-1))``
+    takes them so; code after it must act on each feature alone)."""
     syncs = sch.annotations.of_kind(SYNC).get(path, ())
+    if any(s.mode == "fwd_post" and s.src != s.layout for s in syncs):
+        moving = [s for s in syncs if s.mode == "fwd_post" and s.mesh_axis == axis and s.src != s.layout]
+        return bool(moving) and _last_dim(moving[-1].layout)
     pre = _moving(syncs, "fwd_pre")
     return (pre is not None and pre.mesh_axis == axis and _last_dim(pre.layout)
-            and not any(s.mode == "fwd_post" and s.src != s.layout for s in syncs)
             and pointwise(get_module(sch.module, path)))
-
-
-def _split_by_sync(sch: Schedule, path: str, axis: str) -> bool:
-    """Whether the ``fwd_post`` syncs of ``path`` leave its output ``Shard(-1)`` over
-    ``axis``: the last that moves a layout states it (a sync from a layout to itself moves
-    nothing; a later one may gather it back)."""
-    moving = [s for s in sch.annotations.of_kind(SYNC).get(path, ())
-              if s.mode == "fwd_post" and s.mesh_axis == axis and s.src != s.layout]
-    return bool(moving) and _last_dim(moving[-1].layout)
 
 
 def _partners(sch: Schedule) -> dict[str, tuple[str, ...]]:
@@ -1294,26 +1288,16 @@ def _made_local(parent: nn.Module, out: int, leading: tuple[int | None, ...]) ->
     return len(leading) == 1 and any(own.get(a) == leading[0] for a in head_count_attrs(parent, out, 1))
 
 
-def _split_outputs(sch: Schedule, p: Plan) -> dict[str, str]:
+def _split_outputs(sch: Schedule, modules: Mapping[str, ModulePlan]) -> dict[str, str]:
     """The modules whose output reaches their parent's code as this rank's features, with
     the mesh axis: columns kept split for their rows, and outputs a sync splits."""
-    out = {path: mp.role.mesh_axis for path, mp in p.modules.items()
+    out = {path: mp.role.mesh_axis for path, mp in modules.items()
            if path and mp.role is not None and mp.keeps_features}
     for path, specs in sch.annotations.of_kind(SYNC).items():
         for sp in specs:
-            if path and path not in out and (_split_by_sync(sch, path, sp.mesh_axis)
-                                             or _pointwise_split_on_entry(sch, path, specs, sp.mesh_axis)):
+            if path and path not in out and _split_by_sync(sch, path, sp.mesh_axis):
                 out[path] = sp.mesh_axis
     return out
-
-
-def _pointwise_split_on_entry(sch: Schedule, path: str, specs: tuple[SyncSpec, ...], axis: str) -> bool:
-    """Whether ``path`` is pointwise (an activation) whose ``fwd_pre`` syncs leave its
-    input ``Shard(-1)`` over ``axis`` and no ``fwd_post`` sync moves its output: it hands
-    its parent this rank's features as a column kept split does."""
-    pre, post = _moving(specs, "fwd_pre"), _moving(specs, "fwd_post")
-    return (pre is not None and pre.mesh_axis == axis and _last_dim(pre.layout) and post is None
-            and pointwise(get_module(sch.module, path)))
 
 
 def _features_mixed(sch: Schedule, p: Plan) -> list[Problem]:
@@ -1324,7 +1308,7 @@ def _features_mixed(sch: Schedule, p: Plan) -> list[Problem]:
     wrong number. Read from the traced data flow (:attr:`.flow.Flow.mixes`); refused,
     naming the op and the parent."""
     problems = []
-    for path in sorted(_split_outputs(sch, p)):
+    for path in sorted(_split_outputs(sch, p.modules)):
         found = _caller(sch, path)
         if found is None or (op := found[2].mixes.get(found[1])) is None:
             continue
@@ -1352,7 +1336,7 @@ def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
     whose head count attributes count none of the column's features
     (:func:`_unadjusted_head_counts`) is refused too."""
     problems = []
-    split_out = {path: axis for path, axis in _split_outputs(sch, p).items()
+    split_out = {path: axis for path, axis in _split_outputs(sch, p.modules).items()
                  if (mp := p.modules.get(path)) is None or mp.role is None or mp.role.packed == 1}
     for path, axis in sorted(split_out.items()):
         parent = _parent(path)
@@ -1376,7 +1360,7 @@ def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
         if how is not None and out is not None and (problem := _head_view_problem(
                 sch, path, parent, how, out, _axis_size(sch, axis))) is not None:
             problems.append(problem)
-    for path, axis in sorted(_split_outputs(sch, p).items()):
+    for path, axis in sorted(_split_outputs(sch, p.modules).items()):
         # a packed column's blocks, each viewed into heads after the parent splits them apart
         # (nanoGPT's q, k, v = c_attn(x).split(n_embd); k.view(B, T, n_head, C // n_head))
         mp = p.modules.get(path)

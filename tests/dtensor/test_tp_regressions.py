@@ -202,6 +202,14 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[sf.Schedule], sf.Sched
                           src=Replicate()),
         (X,),
     ),
+    # the same with the gate an activation split on entry (its fwd_pre sync): its output is this
+    # rank's features, so up stays split for down (one all-reduce, no gather of up)
+    "activation-split-on-entry-beside-an-up-column": (
+        lambda: GatedAct(),
+        lambda s: sf.sync(sf.shard(sf.shard(s, "up", axis=0), "down", axis=1), "act", "fwd_pre", Shard(-1),
+                          src=Replicate()),
+        (X,),
+    ),
     # a pointwise module handed split features is the model's output, and the root's fwd_post
     # sync to Replicate() without src= took it as replicated: output (2, 4, 4) for (2, 4, 8)
     "split-output-under-a-root-sync-without-src": (
@@ -242,6 +250,15 @@ class Branches(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.a(x) + self.b(x)
+
+
+class GatedAct(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.act, self.up, self.down = nn.SiLU(), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(x) * self.up(x))
 
 
 class Gated(nn.Module):
@@ -468,6 +485,7 @@ EXPECTED = {
                                              "'b' to Shard(-1)",
     "feature-sharded-embedding-in-a-chain": "refused: build: 'embed': is an embedding sharded by features",
     "gate-split-by-a-sync-beside-an-up-column": "equal",
+    "activation-split-on-entry-beside-an-up-column": "equal",
     "split-output-under-a-root-sync-without-src": "refused: build: '<root>': has a fwd_post sync without src=",
     "token-shard-through-a-no-op-sync": "refused: build: 'fc2': receives a token shard",
     "token-shard-meets-a-branch": "refused: build: 'branches': receives a token shard from the fwd_post sync of "
@@ -535,6 +553,22 @@ def test_the_data_flow_of_attention_pairs_only_what_all_reaches_the_row() -> Non
     assert not modules[attn + "k_proj"].partnered and not modules[attn + "o_proj"].partnered
     whole = plan(sf.shard(sf.shard(sch, attn + "[qkv]_proj", axis=0), attn + "o_proj", axis=1)).modules
     assert whole[attn + "o_proj"].partners == tuple(attn + f"{c}_proj" for c in "kqv")
+
+
+def test_an_activation_split_on_entry_pairs_like_a_column_kept_split() -> None:
+    """``down(act(x) * up(x))`` with ``act``'s ``fwd_pre`` sync splitting its input by
+    features: ``act`` hands on this rank's features, so ``up`` stays split for ``down``
+    (no all-gather of ``up``'s output and none of ``down``'s input split in backward)."""
+    from slapo_fn.dtensor.plan import plan
+
+    make, rewrite, _ = CASES["activation-split-on-entry-beside-an-up-column"]
+    p = plan(rewrite(sf.create_schedule(make(), mesh=fake_mesh(2))))
+    assert p.modules["up"].partners == ("down",) and p.modules["down"].partners == ("up",)
+    assert [(b.path, b.side, b.forward, b.backward) for b in p.boundaries] == [
+        ("act", "input", (), ("all_gather",)),
+        ("up", "input", (), ("all_reduce",)),
+        ("down", "output", ("all_reduce",), ()),
+    ]
 
 
 def _attention_without_v(rank: int, world: int) -> None:
