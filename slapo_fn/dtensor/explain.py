@@ -406,6 +406,8 @@ def _origin(sch: Schedule, b: Boundary) -> Origin:
         return "sync"
     if sch.annotations.get(b.path, SEQ) is not None and sch.annotations.get(b.path, ROLE) is None:
         return "sequence_parallel"
+    if b.tensor.startswith("param:") and not b.path and sch.annotations.of_kind(SEQ):
+        return "sequence_parallel"  # the chains' norms' gradients, reduced together after backward
     return "shard"
 
 

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 
+import torch
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
@@ -51,7 +52,7 @@ from ..tree import caller_path, child_names, get_module, join, split, uncalled, 
 from .experts import EXPERTS, Experts
 from .features import ASSUMED_RANK, Apart
 from .flow import INPUT, OUTPUT, SIDE, Flow, flow, pointwise
-from .layout import Layout
+from .layout import Layout, shard_axes
 from .local import LOCAL
 from .rng import RNG, RngSpec
 from .sequence import SEQ, SeqSpec
@@ -131,6 +132,13 @@ def _gathers_output(specs: Iterable[SyncSpec], axis: str) -> bool:
 class Plan:
     modules: Mapping[str, ModulePlan]
     boundaries: tuple[Boundary, ...] = field(default=())
+    #: the replicated parameters that run on activation shards (sequence-parallel norms,
+    #: ``tp_local`` modules) keep ``Partial`` gradients through backward, and one callback
+    #: at its end all-reduces them together, one collective per mesh axis and dtype (as
+    #: Megatron-LM reduces its sequence-parallel norms' gradients after backward). Where the
+    #: mesh has axes the parameters do not live on (FSDP's ``dp``, ``pp``), whose own hooks
+    #: read the gradients during backward, each module's are reduced where they are made.
+    grads_after_backward: bool = False
 
     def counts(self) -> dict[str, dict[str, int]]:
         """``{"forward": {op: n}, "backward": {op: n}}`` for one step (each module called once)."""
@@ -362,14 +370,32 @@ def _plan(sch: Schedule) -> Plan:
     for path, experts in sch.annotations.of_kind(EXPERTS).items():
         modules[path] = ModulePlan(path, experts=experts)
         bounds += _expert_boundaries(path, experts)
-    for mp in modules.values():
-        if mp.local_params:
-            bounds += _param_grad_boundaries(sch, mp)
+    after = sch.mesh is not None and param_dims(sch) == mesh_dims(sch.mesh)
+    if after:
+        bounds += _grads_after_backward(sch, [mp for mp in modules.values() if mp.local_params])
+    else:
+        for mp in modules.values():
+            if mp.local_params:
+                bounds += _param_grad_boundaries(sch, mp)
     for path in _split_outputs(sch, modules):
         found = _caller(sch, path)
         if path in modules and found is not None and (op := found[2].ranked.get(found[1])) is not None:
             modules[path] = replace(modules[path], read_as_3d=op)
-    return Plan(modules, tuple(bounds))
+    return Plan(modules, tuple(bounds), after)
+
+
+def param_dims(sch: Schedule) -> tuple[str, ...]:
+    """The mesh axes the parameters of ``sch``'s model live on: those its layouts, roles,
+    sequence-parallel chains and ``tp_local`` modules use (usually just ``"tp"``); they are
+    replicated implicitly over the others, as FSDP2's 2-D composition expects (it
+    concatenates its dp mesh with the parameters' mesh). All the mesh's axes where none is used."""
+    assert sch.mesh is not None
+    used = {n for lay in sch.annotations.of_kind(LAYOUT).values() for n in shard_axes(lay)}
+    used |= {r.mesh_axis for r in sch.annotations.of_kind(ROLE).values()}
+    used |= {q.mesh_axis for q in sch.annotations.of_kind(SEQ).values()}
+    used |= {q.mesh_axis for q in sch.annotations.of_kind(LOCAL).values()}
+    dims = mesh_dims(sch.mesh)
+    return tuple(d for d in dims if d in used) or dims
 
 
 def _moving(specs: tuple[SyncSpec, ...], mode: str) -> SyncSpec | None:
@@ -759,15 +785,38 @@ def _sharded_output(seq: int | SeqSpec | None, out_sync: SyncSpec | None) -> boo
     return seq is not None or (out_sync is not None and isinstance(out_sync.layout, Shard))
 
 
+def _grads_after_backward(sch: Schedule, mps: list[ModulePlan]) -> list[Boundary]:
+    """The one all-reduce per mesh axis and dtype, at the end of backward, of the gradients
+    of every module's replicated parameters that run on activation shards
+    (:attr:`Plan.grads_after_backward`)."""
+    groups: dict[str, list[tuple[str, torch.dtype]]] = {}
+    for mp in mps:
+        ax = _local_axis(mp)
+        groups.setdefault(ax, []).extend((join(mp.path, n), p.dtype) for n, p in _reduced_params(sch, mp).items())
+    return [Boundary("", f"param grads after backward ({len(ps)} params)", "P", "R", ax, (),
+                     ("all_reduce",) * len({d for _, d in ps}), True, "param:" + ",".join(n for n, _ in ps))
+            for ax, ps in groups.items() if ps]
+
+
+def _local_axis(mp: ModulePlan) -> str:
+    """The mesh axis a module's replicated parameters get ``Partial`` gradients over."""
+    return mp.role.mesh_axis if mp.role is not None else (mp.seq.mesh_axis if mp.seq is not None else mp.local_axis)
+
+
+def _reduced_params(sch: Schedule, mp: ModulePlan) -> dict[str, nn.Parameter]:
+    """A module's own replicated parameters (no layout, or a replicated one)."""
+    layouts = sch.annotations.of_kind(LAYOUT)
+    module = get_module(sch.module, mp.path)
+    return {n: p for n, p in module._parameters.items()
+            if p is not None and not (join(mp.path, n) in layouts and not layouts[join(mp.path, n)].is_replicated)}
+
+
 def _param_grad_boundaries(sch: Schedule, mp: ModulePlan) -> list[Boundary]:
     """The backward all-reduce of a module's replicated parameters that run on activation
     shards (see ``_Runtime.reduced_grads``): one for all of them, flattened together (one
     per dtype where they differ)."""
-    ax = mp.role.mesh_axis if mp.role is not None else (mp.seq.mesh_axis if mp.seq is not None else mp.local_axis)
-    layouts = sch.annotations.of_kind(LAYOUT)
-    module = get_module(sch.module, mp.path)
-    reduced = {n: p for n, p in module._parameters.items()
-               if p is not None and not (join(mp.path, n) in layouts and not layouts[join(mp.path, n)].is_replicated)}
+    ax = _local_axis(mp)
+    reduced = _reduced_params(sch, mp)
     if not reduced:
         return []
     dtypes = len({p.dtype for p in reduced.values()})

@@ -32,9 +32,20 @@ from . import collectives as C
 from .data_parallel import DATA_PARALLEL
 from .experts import EXPERTS, experts_forward
 from .features import ASSUMED_RANK
-from .layout import Layout, shard_axes
+from .layout import Layout
 from .local import LOCAL
-from .plan import ModulePlan, Plan, _in_features, _parent, _sharded_output, head_count_attrs, implicit, plan, refusals
+from .plan import (
+    ModulePlan,
+    Plan,
+    _in_features,
+    _parent,
+    _sharded_output,
+    head_count_attrs,
+    implicit,
+    param_dims,
+    plan,
+    refusals,
+)
 from .rng import RNG, forked
 from .sequence import SEQ
 from .shard import LAYOUT, ROLE, Role, mesh_dims
@@ -95,19 +106,18 @@ class _Runtime:
     make sibling column modules reading the same input tensor enter the TP region once
     (one backward collective)."""
 
-    def __init__(self, sch: Schedule) -> None:
+    def __init__(self, sch: Schedule, grads_after_backward: bool = False) -> None:
         assert sch.mesh is not None
         self.mesh = sch.mesh
         self.dims = mesh_dims(sch.mesh)
-        # Parameters live on the sub-mesh of the axes the schedule shards over (usually just
-        # "tp"), replicated implicitly over the others, as FSDP2's 2-D composition expects
-        # (it concatenates its dp mesh with the parameters' mesh).
-        used = {n for lay in sch.annotations.of_kind(LAYOUT).values() for n in shard_axes(lay)}
-        used |= {r.mesh_axis for r in sch.annotations.of_kind(ROLE).values()}
-        used |= {q.mesh_axis for q in sch.annotations.of_kind(SEQ).values()}
-        used |= {q.mesh_axis for q in sch.annotations.of_kind(LOCAL).values()}
-        self.param_dims = tuple(d for d in self.dims if d in used) or self.dims
+        # Parameters live on the sub-mesh of the axes the schedule shards over (plan.param_dims)
+        self.param_dims = param_dims(sch)
         self.param_mesh = self.mesh if self.param_dims == self.dims else self.mesh[self.param_dims]
+        # Plan.grads_after_backward: the parameters whose Partial gradients the backward under
+        # way made, by (module path, name), and the backward that reduces them at its end
+        self.after = grads_after_backward
+        self.pending: dict[tuple[str, str], tuple[torch.Tensor, str]] = {}
+        self.queued: int | None = None
         self.entries: list[tuple[torch.Tensor, tuple[str, int | None, str], torch.Tensor]] | None = None
         # the other tensor arguments of parents that gathered their first one (see _gathering)
         self.sides: list[torch.Tensor] = []
@@ -118,17 +128,57 @@ class _Runtime:
     def size(self, name: str) -> int:
         return int(self.mesh.size(self.dims.index(name)))
 
-    def reduced_grads(self, name: str, ps: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def reduced_grads(self, name: str, owned: Mapping[tuple[str, str], torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The local values of one module's replicated parameters used on this rank's shard
-        of the activations (sequence positions, heads): their local gradients are partial
-        sums, all-reduced over ``name`` in backward in one collective (per dtype), so each
-        parameter's gradient is ``Replicate`` like the parameter (an optimizer step or a
-        norm then needs no collective)."""
+        of the activations (sequence positions, heads), keyed by (module path, name): their
+        local gradients are partial sums over ``name``, all-reduced so that each parameter's
+        gradient is ``Replicate`` like the parameter (an optimizer step or a norm then needs
+        no collective). With :attr:`.plan.Plan.grads_after_backward`, the gradients are
+        ``Partial`` through backward and :meth:`_reduce_pending` reduces them all at its
+        end; else (and inside ``torch.func`` transforms) in this module's backward, in one
+        collective per dtype."""
+        ps = list(owned.values())
         if _in_transform():
             return C.enter_all([_constant(p, local=True) for p in ps], self.axis(name))
-        assert all(isinstance(p, DTensor) for p in ps)
-        return C.enter_all([p.to_local(grad_placements=p.placements) for p in ps],  # type: ignore[attr-defined]
-                           self.axis(name))
+        dts = [p for p in ps if isinstance(p, DTensor)]
+        assert len(dts) == len(ps)
+        if not self.after:
+            return C.enter_all([p.to_local(grad_placements=p.placements) for p in dts], self.axis(name))
+        i = self.param_dims.index(name)
+        partial = [p.to_local(grad_placements=[Partial() if j == i else pl for j, pl in enumerate(p.placements)])
+                   for p in dts]
+        return _AfterBackward.apply(self, tuple(owned.items()), name, *partial)  # type: ignore[no-any-return]
+
+    def defer(self, owned: tuple[tuple[tuple[str, str], torch.Tensor], ...], name: str) -> None:
+        """Notes ``owned``'s parameters for the reduction at the end of the backward under
+        way (queued once per backward)."""
+        for key, p in owned:
+            self.pending[key] = (p, name)
+        task = int(torch._C._current_graph_task_id())
+        if task != self.queued:
+            self.queued = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._reduce_pending)
+
+    def _reduce_pending(self) -> None:
+        """At the end of a backward: the ``Partial`` gradients of the parameters
+        :meth:`defer` noted, all-reduced in one collective per mesh axis and dtype
+        (flattened together, in the order of their paths, alike on every rank) and made
+        ``Replicate``. A gradient already reduced (``torch.autograd.grad`` leaves ``.grad``
+        as it was; accumulating into a ``Replicate`` one reduces on the spot) is left."""
+        pending, self.pending, self.queued = self.pending, {}, None
+        groups: dict[tuple[str, torch.dtype], list[tuple[torch.Tensor, DTensor]]] = {}
+        for key in sorted(pending):
+            p, name = pending[key]
+            g = p.grad
+            if isinstance(g, DTensor) and isinstance(g.placements[self.param_dims.index(name)], Partial):
+                groups.setdefault((name, g.dtype), []).append((p, g))
+        with torch.no_grad():
+            for (name, _), items in groups.items():
+                flat = C.reduce(torch.cat([g._local_tensor.reshape(-1) for _, g in items]), self.axis(name))
+                for (p, g), piece in zip(items, flat.split([g._local_tensor.numel() for _, g in items]), strict=True):
+                    placements = [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements]
+                    p.grad = DTensor.from_local(piece.view_as(g._local_tensor), g.device_mesh, placements,
+                                                run_check=False, shape=g.shape, stride=g.stride())
 
     def scoped(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         """``forward`` run as one pass: the entries it makes are shared by the modules it
@@ -168,6 +218,25 @@ class _Runtime:
             self.entries.append((x, (name, seq, group), entered))
             del self.entries[:-_RECENT]
         return entered
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on the local values of replicated parameters whose gradients stay
+    ``Partial``; its backward notes them for the reduction at the end of backward
+    (:meth:`_Runtime.defer`)."""
+
+    @staticmethod
+    def forward(rt: _Runtime, owned: Any, name: str, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.rt, ctx.owned, ctx.name = inputs[:3]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        ctx.rt.defer(ctx.owned, ctx.name)
+        return (None, None, None, *grads)
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -410,7 +479,7 @@ def _generic(rt: _Runtime, m: nn.Module, mp: ModulePlan, forward: Callable[..., 
 
     def run(*args: Any, **kwargs: Any) -> Any:
         params: dict[str, torch.Tensor] = {}
-        reduced: dict[str, torch.Tensor] = {}
+        reduced: dict[tuple[str, str], torch.Tensor] = {}
         for n in names:
             p = getattr(m, n)  # the module's, or torch.func.functional_call's tensor in its place
             inner = _underlying(p)
@@ -422,11 +491,11 @@ def _generic(rt: _Runtime, m: nn.Module, mp: ModulePlan, forward: Callable[..., 
                     else p.redistribute(placements=[Replicate()] * len(p.placements)).to_local()
                 )
             elif mp.local_params:
-                reduced[n] = p
+                reduced[mp.path, n] = p
             else:
                 params[n] = _local(p)  # type: ignore[assignment]
         if reduced:  # the module's replicated parameters, their gradients reduced together
-            params.update(zip(reduced, rt.reduced_grads(ax, list(reduced.values())), strict=True))
+            params.update(zip((n for _, n in reduced), rt.reduced_grads(ax, reduced), strict=True))
         with _reparametrize_module(m, params):
             return forward(*args, **kwargs)
 
@@ -495,7 +564,7 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
         problems = implicit(p)
         if problems:
             raise LayoutError("build(strict=True)", problems)
-    rt = _Runtime(sch)
+    rt = _Runtime(sch, p.grads_after_backward)
     seq_roots = set(sch.annotations.of_kind(SEQ))
     # a column whose caller is strictly inside a chain member (attention, MLP) has its input
     # gathered by that caller, so that model code reshaping it sees the whole sequence; any

@@ -247,18 +247,30 @@ def test_a_sequence_parallel_chain_enters_once_gathers_reduce_scatters_and_leave
         "1.mlp.fc1 input: S(1)→R@tp  fwd: all_gather  bwd: reduce_scatter",
         "1.mlp.fc2 output: P→S(1)@tp  fwd: reduce_scatter  bwd: all_gather",
         "2 output: S(1)→R@tp  fwd: all_gather  bwd: -",
-        "2 param grads weight, bias: P→R@tp  fwd: -  bwd: all_reduce",
-        "0.norm param grads weight, bias: P→R@tp  fwd: -  bwd: all_reduce",
-        "1.norm param grads weight, bias: P→R@tp  fwd: -  bwd: all_reduce",
+        "<root> param grads after backward (6 params): P→R@tp  fwd: -  bwd: all_reduce",
     ]
     assert all(b.explicit for b in p.boundaries) and implicit(p) == []
+    assert p.grads_after_backward
+    assert p.boundaries[-1].tensor == "param:2.weight,2.bias,0.norm.weight,0.norm.bias,1.norm.weight,1.norm.bias"
     # activations: all-gathers and reduce-scatters only; the norms' parameters saw sequence
-    # shards, so their gradients are all-reduced (Replicate), each norm's weight and bias in
-    # one collective; the row biases, added before the reduce-scatter, need none
+    # shards, so their gradients are all-reduced (Replicate), all norms' weights and biases
+    # together at the end of backward; the row biases, added before the reduce-scatter, need none
     assert p.counts() == {
         "forward": {"all_gather": 3, "reduce_scatter": 2},
-        "backward": {"all_gather": 3, "reduce_scatter": 2, "all_reduce": 3},
+        "backward": {"all_gather": 3, "reduce_scatter": 2, "all_reduce": 1},
     }
+
+
+def test_on_a_mesh_with_axes_the_parameters_do_not_use_each_norm_reduces_its_own() -> None:
+    """FSDP2 (``dp``) and pipeline hooks read gradients during backward: where the mesh has
+    such an axis, each norm's gradients are reduced in its own backward, not after it."""
+    sch = megatron(schedule(nn.Sequential(Layer(), nn.LayerNorm(8)), 2, 2), "*.mlp.fc1", "*.mlp.fc2")
+    p = plan(sf.sequence_parallel(sch, ["0", "1"]))
+    assert not p.grads_after_backward
+    assert [line for line in listing(p) if "param grads" in line] == [
+        "1 param grads weight, bias: P→R@tp  fwd: -  bwd: all_reduce",
+        "0.norm param grads weight, bias: P→R@tp  fwd: -  bwd: all_reduce",
+    ]
 
 
 def test_sequence_parallel_entry_exit_and_replicated_norms() -> None:
@@ -280,7 +292,7 @@ def test_a_chain_of_norm_column_row_modules() -> None:
         "1 input: S(1)→R@tp  fwd: all_gather  bwd: reduce_scatter",
         "2 output: P→S(1)@tp  fwd: reduce_scatter  bwd: all_gather",
         "2 output: S(1)→R@tp  fwd: all_gather  bwd: -",
-        "0 param grads weight, bias: P→R@tp  fwd: -  bwd: all_reduce",
+        "<root> param grads after backward (2 params): P→R@tp  fwd: -  bwd: all_reduce",
     ]
 
 
@@ -292,8 +304,8 @@ def test_sequence_parallel_on_another_seq_axis_and_mesh_axis() -> None:
         "0 output: S(0)→R@dp  fwd: all_gather  bwd: -",
         "1 input: R→S(1)@tp  fwd: -  bwd: all_gather",
         "1 output: S(1)→R@tp  fwd: all_gather  bwd: -",
-        "0 param grads weight, bias: P→R@dp  fwd: -  bwd: all_reduce",
-        "1 param grads weight, bias: P→R@tp  fwd: -  bwd: all_reduce",
+        "<root> param grads after backward (2 params): P→R@dp  fwd: -  bwd: all_reduce",
+        "<root> param grads after backward (2 params): P→R@tp  fwd: -  bwd: all_reduce",
     ]
 
 
@@ -303,7 +315,7 @@ def test_a_sync_after_the_chain_replaces_its_exit() -> None:
     assert listing(p) == [
         "0 input: R→S(1)@tp  fwd: -  bwd: all_gather",
         "0 output: S(1)→R@tp  fwd: all_gather  bwd: -",
-        "0 param grads weight, bias: P→R@tp  fwd: -  bwd: all_reduce",
+        "<root> param grads after backward (2 params): P→R@tp  fwd: -  bwd: all_reduce",
     ]
     assert p.modules["0"].exit is None  # the sync is the exit
 
@@ -404,7 +416,7 @@ def test_fork_rng_is_planned_without_boundaries_and_tp_local_all_reduces_its_gra
     assert p.counts() == plan(sch).counts()
     local = plan(sf.tp_local(schedule(mlp()), "0"))
     assert listing(local) == [
-        "0 param grads weight, bias: P→R@tp  fwd: -  bwd: all_reduce",
+        "<root> param grads after backward (2 params): P→R@tp  fwd: -  bwd: all_reduce",
     ]
     assert local.modules["0"].local_params and local.modules["0"].local_axis == "tp"
 

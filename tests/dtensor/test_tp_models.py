@@ -144,9 +144,10 @@ def test_sequence_parallel_llama_all_gathers_and_reduce_scatters_activations(dis
         assert set(r["fwd"]) <= {"all_gather", "reduce_scatter"}, r["fwd"]
         # per layer: 2 all-gathers (block inputs) + 2 reduce-scatters (block outputs); + the exit all-gather
         assert r["fwd"] == {"all_gather": 5, "reduce_scatter": 4}
-        # backward mirrors them, and all-reduces the gradient of each norm weight (2 per layer + the
-        # final norm) that saw only this rank's sequence positions, so every gradient is Replicate
-        assert r["bwd"] == {"all_gather": 5, "reduce_scatter": 4, "all_reduce": 5}
+        # backward mirrors them; the gradients of the norm weights (2 per layer + the final norm),
+        # which saw only this rank's sequence positions, are all-reduced together at the end of
+        # backward (one collective), so every gradient is Replicate
+        assert r["bwd"] == {"all_gather": 5, "reduce_scatter": 4, "all_reduce": 1}
         assert all(p == ("R",) for n, p in r["grad_placements"].items() if "norm" in n), r["grad_placements"]
         assert r["predicted"] == {"forward": r["fwd"], "backward": r["bwd"]}
 
