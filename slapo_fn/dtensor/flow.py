@@ -375,28 +375,31 @@ _PLAIN = (int, float, str, bool, type(None))
 _MISSING = object()
 
 
-def flow(parent: nn.Module, given: frozenset[str] = frozenset()) -> Flow | None:
+def flow(parent: nn.Module, given: frozenset[str] = frozenset(), *, leaf: bool = False) -> Flow | None:
     """The data flow among ``parent``'s children, or ``None`` where fx cannot trace its
     forward (the planner then reads module order). ``given``: the parameters of its
-    ``forward`` its caller hands values (:attr:`Flow.given`), traced as such. Traced once
-    per module and ``given``, and once for modules alike in what their forward reads."""
+    ``forward`` its caller hands values (:attr:`Flow.given`), traced as such. ``leaf``:
+    trace a module without children too (its own code: what :attr:`Flow.tokens` reads);
+    else there is no flow to speak of (``None``). Traced once per module and ``given``,
+    and once for modules alike in what their forward reads."""
     key = (
         type(parent).forward,
         given,
+        leaf,
         _children(parent, id),
         tuple((k, v) for k, v in vars(parent).items() if isinstance(v, _PLAIN)),
     )
     known = _TRACED.get(parent)
     if known is not None and known[0] == key:
         return known[1]
-    shape = (type(parent), type(parent).forward, given, _children(parent, type))
+    shape = (type(parent), type(parent).forward, given, leaf, _children(parent, type))
     own = vars(parent)
     alike = [f for reads, f in _BY_SHAPE.get(shape, ())
              if all(_same(own.get(name, _MISSING), value) for name, value in reads)]
     if alike:
         found = alike[0]
     else:
-        found, read = _trace(parent, given)
+        found, read = _trace(parent, given, leaf)
         if len(_BY_SHAPE) > _SHAPES_MAX:
             _BY_SHAPE.clear()
         _BY_SHAPE.setdefault(shape, []).append((tuple((n, own.get(n, _MISSING)) for n in sorted(read)), found))
@@ -443,11 +446,11 @@ def _recording(parent: nn.Module, read: set[str]) -> nn.Module:
     return shell
 
 
-def _trace(parent: nn.Module, given: frozenset[str] = frozenset()) -> tuple[Flow | None, set[str]]:
+def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = False) -> tuple[Flow | None, set[str]]:
     """The flow of ``parent`` and the names of the attributes its forward read."""
     read: set[str] = set()
     params = _positional(parent)
-    calls = _arguments(params, given) if params is not None and parent._modules else None
+    calls = _arguments(params, given) if params is not None and (parent._modules or leaf) else None
     if not calls or params is None:
         return None, read
     shell = _recording(parent, read)

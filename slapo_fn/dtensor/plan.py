@@ -1703,7 +1703,9 @@ def _over_sequence(sch: Schedule, path: str, seq_axis: int, columns: set[str], g
         return None  # its input is gathered whole, or it is attention: _attention_on_sequence_shards
     if isinstance(module, _OVER_POSITIONS):
         return path, type(module).__name__
-    fl = _flow_of(sch, path) if module._modules else None
+    if not module._modules:
+        return _leaf_over_sequence(sch, path, module, seq_axis)
+    fl = _flow_of(sch, path)
     tokens = fl.tokens.get(seq_axis) if fl is not None else None
     if fl is None or tokens is None or fl.attends:
         return None
@@ -1717,6 +1719,27 @@ def _over_sequence(sch: Schedule, path: str, seq_axis: int, columns: set[str], g
     return None
 
 
+#: Layers that act on each token alone (over its features), as PyTorch writes them.
+_PER_TOKEN = (nn.Linear, nn.Bilinear, nn.LayerNorm, nn.RMSNorm, nn.Embedding, nn.Identity)
+
+
+def _leaf_over_sequence(sch: Schedule, path: str, module: nn.Module, seq_axis: int) -> tuple[str, str] | None:
+    """:func:`_over_sequence` of a module without children: PyTorch's per-token layers
+    (their own forward, not a subclass's), activations and dropouts act on each token;
+    any other's own code is traced and walked (a user's ``fft`` over the tokens, FNet's),
+    and one fx cannot trace is refused: what it does over the tokens is unknown."""
+    kind = type(module)
+    if pointwise(module) or is_conv1d(module) or any(
+            isinstance(module, base) and kind.forward is base.forward for base in _PER_TOKEN):
+        return None
+    found = _caller(sch, path)
+    fl = flow(module, found[2].given.get(found[1], frozenset()) if found else frozenset(), leaf=True)
+    tokens = fl.tokens.get(seq_axis) if fl is not None else None
+    if fl is None or tokens is None:
+        return path, f"{kind.__name__}'s forward (fx cannot trace it, so what it does over the tokens is unknown)"
+    return None if tokens.mixes is None else (path, tokens.mixes)
+
+
 def _lone_columns_in_chains(sch: Schedule, p: Plan) -> list[Problem]:
     """A column over a chain's mesh axis inside a sequence-parallel chain gathers the
     sequence for itself; only a row reading its output (its partner) scatters it back.
@@ -1727,10 +1750,11 @@ def _lone_columns_in_chains(sch: Schedule, p: Plan) -> list[Problem]:
     enters the chain by its reduce-scatter), would scatter the sequence shard again."""
     seqs = sch.annotations.of_kind(SEQ)
     order = {q: i for i, q in enumerate(sch.paths())}
+    across = _sequence_pairs_across(sch, p)
     problems = []
     for path, mp in p.modules.items():
         role, seq = mp.role, mp.seq
-        if role is None or seq is None or seq.mesh_axis != role.mesh_axis or mp.partnered:
+        if role is None or seq is None or seq.mesh_axis != role.mesh_axis or mp.partnered or path in across:
             continue
         members = sorted((q for q, s in seqs.items() if s.mesh_axis == seq.mesh_axis), key=lambda q: order.get(q, 0))
         if role.kind == "embed_dim":
@@ -1764,6 +1788,61 @@ def _lone_columns_in_chains(sch: Schedule, p: Plan) -> list[Problem]:
             "of the chain",
         ))
     return problems
+
+
+def _sequence_pairs_across(sch: Schedule, p: Plan) -> frozenset[str]:
+    """Columns and rows of a sequence-parallel chain that pair across parents, as BERT's
+    do: ``attention.self`` calls q/k/v and hands its result (the whole sequence, this
+    rank's heads: a ``fwd_post`` sync keeps the columns' outputs split by features) to
+    ``attention.output``, whose row takes it as split (its ``fwd_pre`` sync) and
+    reduce-scatters the sequence. The column's caller is inside a member, so it gathers
+    the sequence at its input and all its code runs on the whole sequence (whether fx can
+    trace it or not: DeBERTa's cannot). Accepted where the data flow shows nothing else
+    on the way out: the caller's result reaches only the first argument of siblings that
+    hand their own first argument only to such a row, so the whole sequence runs from the
+    gather to the row's reduce-scatter alone."""
+    seqs = sch.annotations.of_kind(SEQ)
+    out: set[str] = set()
+    for path, mp in p.modules.items():
+        role, seq = mp.role, mp.seq
+        if (role is None or role.kind != "column" or seq is None or seq.mesh_axis != role.mesh_axis
+                or mp.partnered or path in seqs):
+            continue
+        rows = _rows_across(sch, p, path, role.mesh_axis, seqs)
+        if rows:
+            out |= {path, *rows}
+    return frozenset(out)
+
+
+def _rows_across(sch: Schedule, p: Plan, column: str, axis: str, seqs: Mapping[str, SeqSpec]) -> frozenset[str]:
+    """The rows of :func:`_sequence_pairs_across` that ``column`` feeds, or none."""
+    caller = caller_path(sch.module, column)  # as the runtime finds the parent that gathers
+    if not any(contains(m, caller) for m in seqs):
+        return frozenset()
+    up = _caller(sch, caller)
+    if up is None or not (up[0] in seqs or any(contains(m, up[0]) for m in seqs)):
+        return frozenset()
+    outer, inner_name, ofl = up
+    through = _through(sch, outer)
+    users = ofl.consumers(inner_name, through)
+    rows: set[str] = set()
+    for user in users:
+        if user == OUTPUT or ofl.hidden_feeders(user, through) != {inner_name}:
+            return frozenset()
+        receiver = join(outer, user)
+        rfl = _flow_of(sch, receiver)
+        if rfl is None:
+            return frozenset()
+        rthrough = _through(sch, receiver)
+        taken = rfl.consumers(INPUT, rthrough)
+        if len(taken) != 1 or OUTPUT in taken or rfl.hidden_feeders(next(iter(taken)), rthrough) != {INPUT}:
+            return frozenset()
+        row = join(receiver, next(iter(taken)))
+        mp = p.modules.get(row)
+        if mp is None or mp.role is None or mp.role.kind != "row" or mp.role.mesh_axis != axis or mp.seq is None:
+            return frozenset()
+        rows.add(row)
+    return frozenset(rows)
 
 
 def _split_input_into_reducers(sch: Schedule, p: Plan) -> list[Problem]:

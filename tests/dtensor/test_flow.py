@@ -275,9 +275,9 @@ def test_modules_alike_in_what_their_forward_reads_trace_once(monkeypatch: pytes
     traced: list[str] = []
     real = flow_module._trace
 
-    def counting(parent: nn.Module, given: frozenset[str] = frozenset()) -> Any:
+    def counting(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = False) -> Any:
         traced.append(type(parent).__name__)
-        return real(parent, given)
+        return real(parent, given, leaf)
 
     monkeypatch.setattr(flow_module, "_trace", counting)
     monkeypatch.setattr(flow_module, "_BY_SHAPE", {})

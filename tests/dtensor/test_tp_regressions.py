@@ -436,6 +436,42 @@ CASES["sp-member-code-positions-counted-to-its-length"] = (
 CASES["sp-member-code-viewed-by-its-length"] = (
     lambda: nn.Sequential(SeqMixing(lambda h: h.view(h.size(0), h.size(1), 2, 4).flatten(2)),
                           SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
+
+
+class TokenRoll(nn.Module):
+    """A module of a user's own, without children, whose code moves the tokens."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.roll(x, 1, dims=1)
+
+
+class UserRMSNorm(nn.Module):
+    """A user's own norm without children: over each token's features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Branchy(nn.Module):
+    """A module without children that fx cannot trace (a branch on a tensor's value)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if bool(x.sum() > 0) else x
+
+
+# modules without children were not walked: their own code on a token shard went unread
+CASES["sp-member-leaf-module-over-the-sequence"] = (
+    lambda: nn.Sequential(SeqMixing(TokenRoll()), SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
+CASES["sp-member-leaf-module-over-each-token"] = (
+    lambda: nn.Sequential(SeqMixing(UserRMSNorm()), SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
+CASES["sp-member-leaf-module-fx-cannot-trace"] = (
+    lambda: nn.Sequential(SeqMixing(Branchy()), SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
+
+
 def _seq_first_sp(s: sf.Schedule) -> sf.Schedule:
     """The chain over (sequence, batch, features) activations: nn.Transformer's default layout."""
     return sf.sequence_parallel(sf.shard(sf.shard(s, "*.fc1", axis=0), "*.fc2", axis=1), ["0", "1"], seq_axis=0)
@@ -451,6 +487,64 @@ CASES["sp-member-code-over-each-token"] = (
     lambda: nn.Sequential(SeqMixing(lambda h: h * h.softmax(-1)), SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
 
 
+class Mixer(nn.Module):
+    """BERT's ``attention.self``: its columns' outputs mixed (a stand-in for attention over
+    the whole sequence: a cumulative sum over it), returned for a row in another module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q(x).cumsum(1)
+
+
+class Out(nn.Module):
+    """BERT's ``attention.output``: a row, then a norm over it and the residual handed in."""
+
+    def __init__(self, code: str = "") -> None:
+        super().__init__()
+        self.code = code
+        self.dense, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        h = self.dense(x)
+        if self.code == "softmax":  # over the sequence, after the row's reduce-scatter
+            h = h.softmax(1)
+        elif self.code == "reuse":  # the whole-sequence input read beside the row
+            h = h + x.mean(-1, keepdim=True)
+        return self.norm(h + residual)
+
+
+class CrossLayer(nn.Module):
+    """A layer of BERT's shape: columns in one child, their row in a sibling."""
+
+    def __init__(self, code: str = "", leak: bool = False) -> None:
+        super().__init__()
+        self.leak = leak
+        self.mix, self.out = Mixer(), Out(code)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.mix(x)
+        y = self.out(m, x)
+        return y + m if self.leak else y  # leak: the whole sequence added to a token shard
+
+
+def _cross_sp(code: str = "", leak: bool = False) -> tuple[Callable[[], nn.Module],
+                                                           Callable[[sf.Schedule], sf.Schedule], tuple[Any, ...]]:
+    def rewrite(s: sf.Schedule) -> sf.Schedule:
+        s = sf.foreach("*", sf.shard.at("mix.q", axis=0) >> sf.shard.at("out.dense", axis=1))(s)
+        return sf.sequence_parallel(s, ["0", "1"])
+
+    return (lambda: nn.Sequential(CrossLayer(code, leak), CrossLayer(code, leak)), rewrite, (X,))
+
+
+CASES["sp-pairs-across-parents"] = _cross_sp()
+CASES["sp-pairs-across-parents-softmax-after-the-row"] = _cross_sp("softmax")
+CASES["sp-pairs-across-parents-input-read-beside-the-row"] = _cross_sp("reuse")
+CASES["sp-pairs-across-parents-whole-sequence-leaks"] = _cross_sp(leak=True)
+
+
 def _case(rank: int, world: int, name: str) -> str:
     make, rewrite, inputs = CASES[name]
     torch.manual_seed(0)
@@ -462,6 +556,20 @@ def _case(rank: int, world: int, name: str) -> str:
 
 
 EXPECTED = {
+    "sp-member-leaf-module-over-the-sequence": "refused: build: '0.code': runs on this rank's tokens in the "
+                                               "sequence_parallel chain over 'tp' (as part of '0'), and its forward "
+                                               "applies roll(dim=1)",
+    "sp-member-leaf-module-over-each-token": "equal",
+    "sp-member-leaf-module-fx-cannot-trace": "refused: build: '0.code': runs on this rank's tokens in the "
+                                             "sequence_parallel chain over 'tp' (as part of '0'), and its forward "
+                                             "applies Branchy's forward (fx cannot trace it",
+    "sp-pairs-across-parents": "equal",
+    "sp-pairs-across-parents-softmax-after-the-row": "refused: build: 2 problems | - '0.out': runs on this rank's "
+                                                     "tokens",
+    "sp-pairs-across-parents-input-read-beside-the-row": "refused: build: 4 problems | - '0.mix.q': is "
+                                                         "column-parallel inside the sequence_parallel chain",
+    "sp-pairs-across-parents-whole-sequence-leaks": "refused: build: 4 problems | - '0.mix.q': is column-parallel "
+                                                    "inside the sequence_parallel chain",
     "sp-norm-then-column-head": "equal",
     "vocab-embedding-first-in-sp-chain": "equal",
     # the Linear after the sync would see half the tokens: its gradients would be partial

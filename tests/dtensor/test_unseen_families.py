@@ -614,6 +614,28 @@ def _deberta_v2() -> tuple[nn.Module, tuple[Any, ...], Plan]:
     return DebertaV2Model(cfg), (_ids(),), plan
 
 
+def _bert() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    """BERT by hand-written shards (no recipe, no syncs): the columns' outputs are gathered
+    for rows in other parents, which split them again."""
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    plan = _bert_like("encoder.layer.*", "attention", "self.query", "self.key", "self.value", "output.dense")
+    return BertModel(cfg, add_pooling_layer=False), (_ids(),), plan
+
+
+def _electra() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    """ELECTRA: BERT's encoder after an embedding projection (embedding size 32 to hidden 64)."""
+    from transformers import ElectraConfig, ElectraModel
+
+    cfg = ElectraConfig(vocab_size=VOCAB, embedding_size=32, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    plan = _bert_like("encoder.layer.*", "attention", "self.query", "self.key", "self.value", "output.dense")
+    return ElectraModel(cfg), (_ids(),), plan
+
+
 def _mpnet() -> tuple[nn.Module, tuple[Any, ...], Plan]:
     from transformers import MPNetConfig, MPNetModel
 
@@ -823,9 +845,19 @@ CASES: dict[str, Case] = {
     "distilbert": Case(_distilbert, equal=True),
     "distilbert+sp": Case(_distilbert, ("transformer.layer.*",), equal=True),
     "deberta-v2": Case(_deberta_v2, equal=True),
+    # BERT's layout under SP: q/k/v in attention.self, their row in attention.output (and
+    # intermediate / output): pairs across parents, the whole sequence from the gather in
+    # attention.self to the row's reduce-scatter in attention.output (refused before)
+    "deberta-v2+sp": Case(_deberta_v2, ("encoder.layer.*",), equal=True),
+    "bert": Case(_bert, equal=True),
+    "bert+sp": Case(_bert, ("encoder.layer.*",), equal=True),
+    "electra+sp": Case(_electra, ("encoder.layer.*",), equal=True),
     # its relative position bias is built for every head: refused at the first forward
     "mpnet": Case(_mpnet),
     "fnet": Case(_fnet, equal=True),
+    # its Fourier transform mixes the tokens in each layer's own code: on this rank's tokens,
+    # silently wrong; refused at build
+    "fnet+sp": Case(_fnet, ("encoder.layer.*",), at_build=True),
     "nemotron": Case(_nemotron, equal=True),
     "nemotron+sp": Case(_nemotron, ("model.layers.*", "model.norm"), equal=True),
 }
