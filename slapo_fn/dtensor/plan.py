@@ -1706,8 +1706,10 @@ def _over_sequence(sch: Schedule, path: str, seq_axis: int, columns: set[str], g
     if not module._modules:
         return _leaf_over_sequence(sch, path, module, seq_axis)
     fl = _flow_of(sch, path)
-    tokens = fl.tokens.get(seq_axis) if fl is not None else None
-    if fl is None or tokens is None or fl.attends:
+    if fl is None:
+        return path, _UNREAD.format(type(module).__name__)
+    tokens = fl.tokens.get(seq_axis)
+    if tokens is None or fl.attends:
         return None
     if tokens.mixes is not None:
         return path, tokens.mixes
@@ -1719,6 +1721,7 @@ def _over_sequence(sch: Schedule, path: str, seq_axis: int, columns: set[str], g
     return None
 
 
+_UNREAD = "{}'s forward (fx cannot trace it, so what it does over the tokens is unknown)"
 #: Layers that act on each token alone (over its features), as PyTorch writes them.
 _PER_TOKEN = (nn.Linear, nn.Bilinear, nn.LayerNorm, nn.RMSNorm, nn.Embedding, nn.Identity)
 
@@ -1736,7 +1739,7 @@ def _leaf_over_sequence(sch: Schedule, path: str, module: nn.Module, seq_axis: i
     fl = flow(module, found[2].given.get(found[1], frozenset()) if found else frozenset(), leaf=True)
     tokens = fl.tokens.get(seq_axis) if fl is not None else None
     if fl is None or tokens is None:
-        return path, f"{kind.__name__}'s forward (fx cannot trace it, so what it does over the tokens is unknown)"
+        return path, _UNREAD.format(kind.__name__)
     return None if tokens.mixes is None else (path, tokens.mixes)
 
 

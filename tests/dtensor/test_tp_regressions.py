@@ -463,11 +463,26 @@ class Branchy(nn.Module):
         return x * 2 if bool(x.sum() > 0) else x
 
 
+class BranchyMix(nn.Module):
+    """A module with a child whose forward fx cannot trace (a branch on a tensor's value),
+    and that sums over the tokens on the way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h + h.mean(1, keepdim=True) if bool(h.abs().sum() > 0) else h
+
+
 # modules without children were not walked: their own code on a token shard went unread
 CASES["sp-member-leaf-module-over-the-sequence"] = (
     lambda: nn.Sequential(SeqMixing(TokenRoll()), SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
 CASES["sp-member-leaf-module-over-each-token"] = (
     lambda: nn.Sequential(SeqMixing(UserRMSNorm()), SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
+CASES["sp-member-child-fx-cannot-trace"] = (
+    lambda: nn.Sequential(SeqMixing(BranchyMix()), SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
 CASES["sp-member-leaf-module-fx-cannot-trace"] = (
     lambda: nn.Sequential(SeqMixing(Branchy()), SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
 
@@ -560,6 +575,9 @@ EXPECTED = {
                                                "sequence_parallel chain over 'tp' (as part of '0'), and its forward "
                                                "applies roll(dim=1)",
     "sp-member-leaf-module-over-each-token": "equal",
+    "sp-member-child-fx-cannot-trace": "refused: build: '0.code': runs on this rank's tokens in the "
+                                       "sequence_parallel chain over 'tp' (as part of '0'), and its forward "
+                                       "applies BranchyMix's forward (fx cannot trace it",
     "sp-member-leaf-module-fx-cannot-trace": "refused: build: '0.code': runs on this rank's tokens in the "
                                              "sequence_parallel chain over 'tp' (as part of '0'), and its forward "
                                              "applies Branchy's forward (fx cannot trace it",
