@@ -500,6 +500,12 @@ def _view(use: fx.Node, name: str, at: At) -> _Step:
         return _Step(_text(use))
     last = shape[-1]
     whole = last == -1 or _size_read(last)
+    if at.feat < -1 and _own_last_size(last, use.args[0], at.rank):
+        # x.view(-1, x.shape[-1]): the dimensions in front of the last merged, the tracked one
+        # with them (the batch and the tokens flattened, as a mixture-of-experts block does);
+        # where it goes then is not followed (a view back by sizes would seem to keep it), as
+        # flatten's merge of it with the dimensions in front is not
+        return _Step(_text(use))
     if at.feat != -1:
         # the features (heads, moved back in front of the head size) merged with every
         # dimension after them, features first: this rank's share of the merged features
@@ -521,6 +527,22 @@ def _view(use: fx.Node, name: str, at: At) -> _Step:
     if last == -1 and at.rank is not None and len(shape) == at.rank:
         return _Step(at, at.assumed)  # the same dimensions
     return _Step(_text(use))
+
+
+def _own_last_size(d: Any, value: Any, rank: int | None) -> bool:
+    """Whether a view's size ``d`` is ``value``'s own last size: ``value.size(-1)``,
+    ``value.shape[-1]`` (or its index ``rank - 1``)."""
+    if not isinstance(d, fx.Node) or not isinstance(value, fx.Node):
+        return False
+    last = (-1,) if rank is None else (-1, rank - 1)
+    if d.op == "call_method" and op_name(d) == "size" and len(d.args) > 1:
+        return d.args[0] is value and d.args[1] in last
+    if d.op == "call_function" and op_name(d) == "getitem" and isinstance(d.args[0], fx.Node) and len(d.args) > 1:
+        src = d.args[0]
+        read = (op_name(src) == "getattr" and len(src.args) > 1 and src.args[1] == "shape") or (
+            src.op == "call_method" and op_name(src) == "size" and len(src.args) == 1)
+        return read and src.args[0] is value and d.args[1] in last
+    return False
 
 
 def _size_read(d: Any) -> bool:

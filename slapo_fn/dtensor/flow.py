@@ -521,7 +521,9 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
                 elif walked.ranked is not None:
                     ranked[name] = walked.ranked
         elif node.op == "output":
-            result = node.args[0]  # (hidden states, attention weights, cache): the first is the result
+            # (hidden states, attention weights, cache): the first is the result; older Hugging Face
+            # modules return (attention_output,) + self_outputs[1:], a tuple concatenated
+            result = _concatenated(node.args[0])
             main = result[0] if isinstance(result, tuple | list) and result else result
             output = frozenset().union(*(sources.get(a, frozenset()) for a in _nodes_in(main)))
             leaves = tuple(sources.get(a, frozenset()) for a in _nodes_in(result))
@@ -551,6 +553,15 @@ def _tokens(graph: fx.Graph, parent: nn.Module, prefix: str, one: Mapping[str, b
         seq_axis: along_tokens(first, functools.partial(_pointwise_call, parent, prefix), seq_axis, child,
                                one.__getitem__)
         for seq_axis in (0, 1)})
+
+
+def _concatenated(result: Any) -> Any:
+    """``result`` with a traced tuple concatenation ``(a, b) + rest`` as the tuple
+    ``(a, b, rest)``: its first items are the literal's."""
+    if (isinstance(result, fx.Node) and result.op == "call_function" and _op_name(result) == "add"
+            and len(result.args) == 2 and isinstance(result.args[0], tuple) and result.args[0]):
+        return (*result.args[0], _concatenated(result.args[1]))
+    return result
 
 
 def _one_tensor(module: nn.Module) -> bool:

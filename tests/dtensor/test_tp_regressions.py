@@ -476,6 +476,24 @@ class BranchyMix(nn.Module):
         return h + h.mean(1, keepdim=True) if bool(h.abs().sum() > 0) else h
 
 
+class CodeAfter(SeqMixing):
+    """The block's own code after its MLP (on its output, handed to no module after)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.code(x + self.fc2(torch.relu(self.fc1(self.norm(x)))))
+
+
+# the batch and the tokens flattened together, x.view(-1, x.shape[-1]), was read as the tokens
+# merged into the last dimension: an op over the flattened dimension 0 (over every token) went
+# unseen, silently wrong
+CASES["sp-member-code-over-flattened-tokens-softmax"] = (
+    lambda: nn.Sequential(CodeAfter(lambda h: h.view(-1, h.shape[-1]).softmax(0).view(h.shape)),
+                          SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
+CASES["sp-member-code-over-flattened-tokens-mean"] = (
+    lambda: nn.Sequential(CodeAfter(lambda h: h + h.view(-1, h.shape[-1]).mean(0)), SeqMixing(lambda h: h)),
+    _seq_mixing_sp, (X,))
+
+
 # modules without children were not walked: their own code on a token shard went unread
 CASES["sp-member-leaf-module-over-the-sequence"] = (
     lambda: nn.Sequential(SeqMixing(TokenRoll()), SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
@@ -575,6 +593,12 @@ EXPECTED = {
                                                "sequence_parallel chain over 'tp' (as part of '0'), and its forward "
                                                "applies roll(dim=1)",
     "sp-member-leaf-module-over-each-token": "equal",
+    "sp-member-code-over-flattened-tokens-softmax": "refused: build: '0': runs on this rank's tokens in the "
+                                                    "sequence_parallel chain over 'tp' (as part of '0'), and its "
+                                                    "forward applies view(-1, ...)",
+    "sp-member-code-over-flattened-tokens-mean": "refused: build: '0': runs on this rank's tokens in the "
+                                                 "sequence_parallel chain over 'tp' (as part of '0'), and its "
+                                                 "forward applies view(-1, ...)",
     "sp-member-child-fx-cannot-trace": "refused: build: '0.code': runs on this rank's tokens in the "
                                        "sequence_parallel chain over 'tp' (as part of '0'), and its forward "
                                        "applies BranchyMix's forward (fx cannot trace it",

@@ -636,6 +636,84 @@ def _electra() -> tuple[nn.Module, tuple[Any, ...], Plan]:
     return ElectraModel(cfg), (_ids(),), plan
 
 
+def _encoder_kw() -> dict[str, Any]:
+    return {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+
+
+def _bert_kin(name: str, **extra: Any) -> Callable[[], tuple[nn.Module, tuple[Any, ...], Plan]]:
+    """A family laid out like BERT (``encoder.layer.*``: attention.self's query/key/value,
+    attention.output.dense, intermediate.dense, output.dense), by hand-written shards."""
+
+    def make() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+        import transformers
+
+        cfg = getattr(transformers, f"{name}Config")(**_encoder_kw(), **extra)
+        model = getattr(transformers, f"{name}Model")(cfg)
+        plan = _bert_like("encoder.layer.*", "attention", "self.query", "self.key", "self.value", "output.dense")
+        return model, (_ids(),), plan
+
+    return make
+
+
+def _phi() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    """Phi (1 and 2): attention and MLP in parallel on one norm's output, ``dense`` its row."""
+    from transformers import PhiConfig, PhiForCausalLM
+
+    cfg = PhiConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, **_lm_kw())
+    plan = sf.foreach("model.layers.*", sf.scope("self_attn", _column("q_proj", "k_proj", "v_proj") >> _row("dense"))
+                      >> sf.scope("mlp", _column("fc1") >> _row("fc2")))
+    return PhiForCausalLM(cfg), (_ids(),), plan
+
+
+def _starcoder2() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    from transformers import Starcoder2Config, Starcoder2ForCausalLM
+
+    cfg = Starcoder2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           **_lm_kw())
+    plan = sf.foreach("model.layers.*", sf.scope("self_attn", _column("q_proj", "k_proj", "v_proj") >> _row("o_proj"))
+                      >> sf.scope("mlp", _column("c_fc") >> _row("c_proj")))
+    return Starcoder2ForCausalLM(cfg), (_ids(),), plan
+
+
+def _gemma3(local: bool) -> Callable[[], tuple[nn.Module, tuple[Any, ...], Plan]]:
+    """Gemma 3: per-head q/k norms; ``local``: declared to run on this rank's heads."""
+
+    def make() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        cfg = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=16, **_lm_kw())
+        attn = _column("q_proj", "k_proj", "v_proj") >> _row("o_proj")
+        if local:
+            attn = attn >> sf.tp_local.at(["q_norm", "k_norm"])
+        plan = sf.foreach("model.layers.*", sf.scope("self_attn", attn)
+                          >> sf.scope("mlp", _column("gate_proj", "up_proj") >> _row("down_proj")))
+        return Gemma3ForCausalLM(cfg), (_ids(),), plan
+
+    return make
+
+
+def _clip_text() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    cfg = CLIPTextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=16)
+    attn = sf.scope("self_attn", _column("q_proj", "k_proj", "v_proj") >> _row("out_proj"))
+    plan = sf.foreach("encoder.layers.*", attn >> sf.scope("mlp", _column("fc1") >> _row("fc2")))
+    return CLIPTextModel(cfg), (_ids(),), plan
+
+
+def _mixtral() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    """Mixtral with its attention sharded and its experts left whole."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                        num_local_experts=4, num_experts_per_tok=2, **_lm_kw())
+    plan = sf.foreach("model.layers.*", sf.scope("self_attn", _column("q_proj", "k_proj", "v_proj") >> _row("o_proj")))
+    return MixtralForCausalLM(cfg), (_ids(),), plan
+
+
 def _mpnet() -> tuple[nn.Module, tuple[Any, ...], Plan]:
     from transformers import MPNetConfig, MPNetModel
 
@@ -859,6 +937,35 @@ CASES: dict[str, Case] = {
     # silently wrong; refused at build
     "fnet+sp": Case(_fnet, ("encoder.layer.*",), at_build=True),
     "nemotron": Case(_nemotron, equal=True),
+    # BERT's kin (pairs across parents under SP); Megatron-BERT and RoFormer return
+    # (attention_output,) + self_outputs[1:], a tuple concatenation the flow now reads
+    "roberta+sp": Case(_bert_kin("Roberta", pad_token_id=1), ("encoder.layer.*",), equal=True),
+    "megatron-bert": Case(_bert_kin("MegatronBert"), equal=True),
+    "megatron-bert+sp": Case(_bert_kin("MegatronBert"), ("encoder.layer.*",), equal=True),
+    "roformer+sp": Case(_bert_kin("RoFormer", embedding_size=64), ("encoder.layer.*",), equal=True),
+    "esm+sp": Case(_bert_kin("Esm", pad_token_id=1, mask_token_id=2, position_embedding_type="rotary"),
+                   ("encoder.layer.*",), equal=True),
+    # LLaMA's kin with sequence parallelism
+    "qwen2+sp": Case(_llama_kin("Qwen2", num_key_value_heads=2), ("model.layers.*", "model.norm"), equal=True),
+    "granite+sp": Case(_llama_kin("Granite", num_key_value_heads=2), ("model.layers.*", "model.norm"), equal=True),
+    "olmo+sp": Case(_llama_kin("Olmo", num_key_value_heads=2), ("model.layers.*", "model.norm"), equal=True),
+    "gemma+sp": Case(_llama_kin("Gemma", num_key_value_heads=2, head_dim=16), ("model.layers.*", "model.norm"),
+                     equal=True),
+    "gemma3": Case(_gemma3(False), equal=True),
+    # its q/k norms over each head, unless declared local, take q and k gathered: under SP the
+    # columns then gather the whole sequence for no row (refused at build); declared: equal
+    "gemma3+sp": Case(_gemma3(False), ("model.layers.*", "model.norm"), at_build=True),
+    "gemma3+sp-local-norms": Case(_gemma3(True), ("model.layers.*", "model.norm"), equal=True),
+    "phi": Case(_phi, equal=True),
+    "phi+sp": Case(_phi, ("model.layers.*", "model.final_layernorm"), equal=True),
+    "starcoder2": Case(_starcoder2, equal=True),
+    "starcoder2+sp": Case(_starcoder2, ("model.layers.*", "model.norm"), equal=True),
+    "clip-text": Case(_clip_text, equal=True),
+    "clip-text+sp": Case(_clip_text, ("encoder.layers.*",), equal=True),
+    "mixtral": Case(_mixtral, equal=True),
+    # its experts' block flattens the batch and the tokens (view(-1, hidden)) and routes by
+    # code fx cannot trace: refused at build under SP
+    "mixtral+sp": Case(_mixtral, ("model.layers.*", "model.norm"), at_build=True),
     "nemotron+sp": Case(_nemotron, ("model.layers.*", "model.norm"), equal=True),
 }
 
