@@ -68,7 +68,7 @@ VOCAB, BATCH_SIZE, SEQ = 16, 2, 4
 class Block:
     """One top-level block of the tree (see :func:`make_blocks` for what each kind builds)."""
 
-    kind: str  # mlp | gated | attn | layer | branches | functional | chain | norm
+    kind: str  # mlp | gated | attn | layer | branches | functional | chain | norm | bert
     hidden: int = 0  # mlp / gated / layer: hidden width
     act: str = "gelu"
     bias: bool = True
@@ -330,6 +330,73 @@ class Functional(nn.Module):
         return x + y if self.residual else y
 
 
+class CrossSelf(nn.Module):
+    """BERT's ``attention.self``: q/k/v and softmax attention, heads merged back (its
+    output projection is in a sibling, :class:`CrossOut`)."""
+
+    def __init__(self, d: int, b: Block) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = b.heads, d // b.heads
+        self.q, self.k, self.v = (nn.Linear(d, d, bias=b.bias) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, s = x.shape[:2]
+        q, k, v = (t.view(bsz, s, self.num_heads, self.head_dim).transpose(1, 2) for t in (self.q(x), self.k(x),
+                                                                                             self.v(x)))
+        att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(self.head_dim), dim=-1)
+        return (att @ v).transpose(1, 2).reshape(bsz, s, -1)
+
+
+class CrossOut(nn.Module):
+    """BERT's ``attention.output`` / ``output``: ``norm(dense(x) + residual)``."""
+
+    def __init__(self, d_in: int, d: int, b: Block) -> None:
+        super().__init__()
+        self.dense = nn.Linear(d_in, d, bias=b.bias)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.dense(x) + residual)
+
+
+class CrossAttention(nn.Module):
+    """BERT's ``attention``: ``output(self(x), x)``."""
+
+    def __init__(self, d: int, b: Block) -> None:
+        super().__init__()
+        self.self_, self.output = CrossSelf(d, b), CrossOut(d, d, b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.self_(x), x)
+
+
+class CrossInter(nn.Module):
+    """BERT's ``intermediate``: ``act(dense(x))``."""
+
+    def __init__(self, d: int, b: Block) -> None:
+        super().__init__()
+        self.dense, self.act = nn.Linear(d, b.hidden, bias=b.bias), _act(b.act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))
+
+
+class Bert(nn.Module):
+    """A BERT layer: columns and their rows in sibling modules (q/k/v in
+    ``attention.self_``, their row in ``attention.output``; ``inter.dense`` and ``out.dense``)."""
+
+    def __init__(self, d: int, b: Block) -> None:
+        super().__init__()
+        self.attention, self.inter, self.out = CrossAttention(d, b), CrossInter(d, b), CrossOut(b.hidden, d, b)
+
+    def extra_repr(self) -> str:
+        return "a = attention.output(attention.self_(x), x); out(inter(a), a)"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.attention(x)
+        return self.out(self.inter(a), a)
+
+
 class Residual(nn.Module):
     """``x + body(x)`` around an ``nn.Sequential`` body (a chain block made residual)."""
 
@@ -366,6 +433,7 @@ def make_blocks(d: int, b: Block) -> list[nn.Module]:
         return [nn.LayerNorm(d)]
     cls: dict[str, Callable[[int, Block], nn.Module]] = {
         "mlp": Mlp, "gated": Gated, "attn": Attention, "layer": Layer, "branches": Branches, "functional": Functional,
+        "bert": Bert,
     }
     return [cls[b.kind](d, b)]
 
@@ -558,7 +626,8 @@ WIDTHS = st.sampled_from([8, 16])
 
 @st.composite
 def blocks(draw: Any, d: int) -> Block:
-    kind = draw(st.sampled_from(["mlp", "gated", "attn", "layer", "branches", "functional", "chain", "norm"]))
+    kind = draw(st.sampled_from(["mlp", "gated", "attn", "layer", "branches", "functional", "chain", "norm",
+                                 "bert"]))
     bias, act = draw(st.booleans()), draw(ACTS)
     norm, residual = draw(st.booleans()), draw(st.booleans())
     if kind == "mlp":
@@ -575,6 +644,8 @@ def blocks(draw: Any, d: int) -> Block:
         return Block(kind, bias=bias, heads=heads, style=style, norm=norm, residual=residual)
     if kind == "branches":
         return Block(kind, bias=bias, style=draw(st.sampled_from(["add", "mul"])), norm=norm, residual=residual)
+    if kind == "bert":
+        return Block(kind, hidden=draw(WIDTHS), act=act, bias=bias, heads=draw(st.sampled_from([1, 2, 4])))
     if kind == "functional":
         return Block(kind, act=act, bias=bias, residual=residual, extra=draw(st.booleans()))
     if kind == "chain":
@@ -595,6 +666,10 @@ def _megatron(model: nn.Module) -> list[tuple[Any, ...]]:
             ops += [("shard", f"{path}.{n}", 0, 1) for n in ("gate", "up")] + [("shard", f"{path}.down", 1, 1)]
         elif isinstance(m, Attention):
             ops += [("shard", f"{path}.{n}", 0, 1) for n in "qkv"] + [("shard", f"{path}.o", 1, 1)]
+        elif isinstance(m, Bert):
+            ops += [("shard", f"{path}.attention.self_.{n}", 0, 1) for n in "qkv"]
+            ops += [("shard", f"{path}.attention.output.dense", 1, 1), ("shard", f"{path}.inter.dense", 0, 1),
+                    ("shard", f"{path}.out.dense", 1, 1)]
         elif isinstance(m, Branches):
             ops += [("shard", f"{path}.a", 0, 1), ("shard", f"{path}.b", 0, 1)]
         elif isinstance(m, Functional) and "out" in m._modules:
@@ -1194,6 +1269,22 @@ CLOSED: dict[str, Case] = {
 @pytest.mark.parametrize("name", list(CLOSED))
 def test_closed_class_holds(dist_pool: Any, name: str) -> None:
     check_case(CLOSED[name], lambda: dist_pool(2))
+
+
+_BERT = Block("bert", hidden=16, bias=True, heads=2)
+_BERT_PLAN = (("shard", "0.attention.self_.q", 0, 1), ("shard", "0.attention.self_.k", 0, 1),
+              ("shard", "0.attention.self_.v", 0, 1), ("shard", "0.attention.output.dense", 1, 1),
+              ("shard", "0.inter.dense", 0, 1), ("shard", "0.out.dense", 1, 1))
+
+
+@pytest.mark.parametrize("sp", [(), ("0",), ("0", "1")], ids=["tp", "sp", "sp-two-layers"])
+def test_bert_layout_runs_equal_with_and_without_sequence_parallelism(dist_pool: Any, sp: tuple[str, ...]) -> None:
+    """Columns and rows in sibling modules (BERT's layout) pair across their parents: with
+    sequence parallelism too, equal to the single-process model, not refused."""
+    blocks = [_BERT, _BERT] if len(sp) == 2 else [_BERT]
+    plan = _BERT_PLAN + tuple((op[0], op[1].replace("0.", "1.", 1), *op[2:]) for op in _BERT_PLAN if len(sp) == 2)
+    status, why = check_case(_c(blocks, *plan, *((("sp", sp, None),) if sp else ())), lambda: dist_pool(2))
+    assert status == "equal", why
 
 
 def test_each_minimal_example_is_in_its_own_class_only() -> None:
