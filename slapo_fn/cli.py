@@ -183,7 +183,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     explain.add_argument("--tree", action="store_true", help="print the whole (folded) module tree too")
     explain.add_argument("--json", action="store_true", help="print everything as one JSON object (for scripts)")
     explain.add_argument("--batch", type=int, default=8, help="global batch, for the bytes of each collective")
-    explain.add_argument("--seq", type=int, default=2048, help="sequence length, for the bytes of each collective")
+    explain.add_argument("--seq", type=int, default=None, help="sequence length, for the bytes of each collective "
+                         "(default: 2048, or the model's positions where fewer)")
     explain.add_argument("--hardware", default="h100", metavar="NAME|FILE.toml",
                          help="hardware profile of the step-time estimate: h100, h200, a100, cpu, or a TOML file "
                               "(see slapo_fn/hardware/h100.toml); 'none' for no estimate")
@@ -550,12 +551,30 @@ def _check_inputs(args: argparse.Namespace) -> None:
             f"one of {', '.join(SCHEDULES)}")])
     config = _config(args.model, args.command)
     _fallback_plan(config, args)
+    _sequence_length(config, args)
     if args.command == "train":
         problems = _data_problems(args, config) + _resume_problems(args)
         if problems:
             raise CommandLineError(args.command, problems)
     if _world(args) > 1 and args.command != "explain":  # explain builds the schedule in this process anyway
         _check_schedule(args)
+
+
+def _sequence_length(config: Any, args: argparse.Namespace) -> None:
+    """``--seq`` against the positions ``config``'s model covers: ``explain``'s default is
+    2048 or that many, whichever is fewer; a longer one given is refused before any work
+    (the model's position table would fail on it, deep inside a rank)."""
+    from .hf import position_limit
+
+    if not hasattr(args, "seq"):
+        return
+    limit = position_limit(config)
+    if args.seq is None:
+        args.seq = min(2048, limit)
+    elif args.seq > limit:
+        raise CommandLineError(args.command, [Problem(
+            "--seq", f"{args.seq} is longer than the {limit} positions {args.model!r} covers (its config's "
+                     "max_position_embeddings or n_positions)", f"--seq {limit}")])
 
 
 def _config(model: str, command: str) -> Any:

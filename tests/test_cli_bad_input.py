@@ -52,6 +52,8 @@ def _files(tmp: Path) -> dict[str, str]:
                          intermediate_size=64).save_pretrained(tmp / "vit")
     AutoConfig.for_model("llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp / "vocab128")
+    AutoConfig.for_model("llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=16).save_pretrained(tmp / "short")
     (tmp / "text.txt").write_text("some text to train on\n" * 10)
     # a checkpoint folder as slapo_fn.save leaves it: LATEST names the newest step; the
     # refusal comes before anything is loaded, so the step's files are not needed
@@ -59,7 +61,8 @@ def _files(tmp: Path) -> dict[str, str]:
     (tmp / "ckpt" / "LATEST").write_text("step-00000004\n")
     (tmp / "empty").mkdir()
     return {"broken": str(tmp / "broken.json"), "typo": str(tmp / "typo.json"), "vit": str(tmp / "vit"),
-            "vocab128": str(tmp / "vocab128"), "text": str(tmp / "text.txt"), "ckpt": str(tmp / "ckpt"),
+            "vocab128": str(tmp / "vocab128"), "short": str(tmp / "short"), "text": str(tmp / "text.txt"),
+            "ckpt": str(tmp / "ckpt"),
             "empty": str(tmp / "empty"), "missing": str(tmp / "no-such-file.txt")}
 
 
@@ -107,6 +110,8 @@ CASES = [
     pytest.param(["train", "--pp", "2", "--schedule", "bogus"], ["'--schedule'", "'bogus'", "1f1b"],
                  id="schedule-unknown"),
     pytest.param(["verify", "--pp", "2"], ["'--pp'", "does not run pipelines"], id="verify-pipeline"),
+    pytest.param(["verify", "--model", "{short}", "--seq", "32"],
+                 ["'--seq'", "32 is longer than the 16 positions", "--seq 16"], id="seq-beyond-positions"),
     pytest.param(["verify", "--rtol", "-1"], ["'--rtol'", "got -1"], id="verify-tolerance", marks=SLOW),
 ]
 
@@ -230,3 +235,13 @@ def test_a_signal_to_the_launcher_stops_every_worker(tmp_path: Path, sig: signal
             proc.kill()
         for pid in _processes_with(marker):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_explain_assumes_no_longer_a_sequence_than_the_model_covers(files: dict[str, str]) -> None:
+    """``explain``'s default sequence (2048) is cut to the model's positions: a model of 16
+    positions is explained at 16, and its fake run (the collectives' bytes) does not fail."""
+    result = run("explain", "--model", files["short"], "--tp", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "× seq 16 " in result.stdout, result.stdout[-2000:]
+    assert "fake run failed" not in result.stdout, result.stdout[-3000:]

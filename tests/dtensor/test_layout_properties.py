@@ -536,6 +536,8 @@ def output_paths(model: nn.Module) -> list[str]:
             last = list(m._modules)[-1]
         elif isinstance(m, Looped):
             last = "layers"
+        elif isinstance(m, Bert):
+            last = "out"  # out's own code (a norm of a sum) makes the output: it ends there
         elif isinstance(m, Mlp | Gated | Attention | Functional) and not m.residual:
             last = {Mlp: "fc2", Gated: "down", Attention: "o"}.get(type(m), "out" if "out" in m._modules else "act")
         if last is None:
