@@ -1714,11 +1714,29 @@ def _over_sequence(sch: Schedule, path: str, seq_axis: int, columns: set[str], g
     if tokens.mixes is not None:
         return path, tokens.mixes
     for name, at in tokens.reached:
+        child = join(path, name)
         if at == seq_axis - ASSUMED_RANK:  # the child is handed tokens where its own code reads them
-            found = _over_sequence(sch, join(path, name), seq_axis, columns, gathered)
-            if found is not None:
-                return found
+            found = _over_sequence(sch, child, seq_axis, columns, gathered)
+        elif _tokens_alone(sch, child, columns, gathered):
+            found = None
+        else:  # its code was read with the tokens elsewhere: what it does over them is unknown
+            found = path, f"{name}(...) on the tokens moved to dimension {at}"
+        if found is not None:
+            return found
     return None
+
+
+def _tokens_alone(sch: Schedule, path: str, columns: set[str], gathered: set[str]) -> bool:
+    """Whether the module at ``path`` acts on each token alone wherever its input holds
+    them: a column or a gathering parent (its input is gathered whole), attention (judged
+    by :func:`_attention_on_sequence_shards`), or a leaf :func:`_leaf_over_sequence`
+    knows without reading its code."""
+    module = get_module(sch.module, path)
+    if path in columns or path in gathered or mixes_tokens(module):
+        return True
+    kind = type(module)
+    return not module._modules and (pointwise(module) or is_conv1d(module) or any(
+        isinstance(module, base) and kind.forward is base.forward for base in _PER_TOKEN))
 
 
 _UNREAD = "{}'s forward (fx cannot trace it, so what it does over the tokens is unknown)"
@@ -1731,10 +1749,9 @@ def _leaf_over_sequence(sch: Schedule, path: str, module: nn.Module, seq_axis: i
     (their own forward, not a subclass's), activations and dropouts act on each token;
     any other's own code is traced and walked (a user's ``fft`` over the tokens, FNet's),
     and one fx cannot trace is refused: what it does over the tokens is unknown."""
-    kind = type(module)
-    if pointwise(module) or is_conv1d(module) or any(
-            isinstance(module, base) and kind.forward is base.forward for base in _PER_TOKEN):
+    if _tokens_alone(sch, path, set(), set()):
         return None
+    kind = type(module)
     found = _caller(sch, path)
     fl = flow(module, found[2].given.get(found[1], frozenset()) if found else frozenset(), leaf=True)
     tokens = fl.tokens.get(seq_axis) if fl is not None else None

@@ -510,6 +510,45 @@ def _seq_first_sp(s: sf.Schedule) -> sf.Schedule:
     return sf.sequence_parallel(sf.shard(sf.shard(s, "*.fc1", axis=0), "*.fc2", axis=1), ["0", "1"], seq_axis=0)
 
 
+class BatchFirst(nn.Module):
+    """A sequence-first block that hands its child the activation batch first."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.transpose(0, 1)).transpose(0, 1)
+
+
+class TokenMix(nn.Module):
+    """A norm, then a softmax over the tokens (batch first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return h * h.softmax(1)
+
+
+class MixThenMlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix, self.mlp = BatchFirst(TokenMix()), SeqMixing(lambda h: h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.mix(x))
+
+
+# the child's code was read only where it takes the tokens at the chain's dimension: handed
+# them elsewhere (transposed batch first), its softmax over them went unread, silently wrong
+CASES["sp-seq-first-child-handed-the-tokens-batch-first"] = (
+    lambda: nn.Sequential(MixThenMlp(), SeqMixing(lambda h: h)),
+    lambda s: sf.sequence_parallel(sf.shard(sf.shard(s, ["0.mlp.fc1", "1.fc1"], axis=0), ["0.mlp.fc2", "1.fc2"],
+                                            axis=1), ["0", "1"], seq_axis=0),
+    (X,))
 CASES["sp-seq-first-member-code-over-the-sequence"] = (
     lambda: nn.Sequential(SeqMixing(lambda h: h * h.softmax(0)), SeqMixing(lambda h: h)), _seq_first_sp, (X,))
 CASES["sp-seq-first-member-code-over-the-batch"] = (
@@ -593,6 +632,10 @@ EXPECTED = {
                                                "sequence_parallel chain over 'tp' (as part of '0'), and its forward "
                                                "applies roll(dim=1)",
     "sp-member-leaf-module-over-each-token": "equal",
+    "sp-seq-first-child-handed-the-tokens-batch-first": "refused: build: '0.mix': runs on this rank's tokens in "
+                                                        "the sequence_parallel chain over 'tp' (as part of '0'), and "
+                                                        "its forward applies inner(...) on the tokens moved to "
+                                                        "dimension -2",
     "sp-member-code-over-flattened-tokens-softmax": "refused: build: '0': runs on this rank's tokens in the "
                                                     "sequence_parallel chain over 'tp' (as part of '0'), and its "
                                                     "forward applies view(-1, ...)",
