@@ -371,8 +371,8 @@ def _step(use: fx.Node, value: fx.Node, at: At, alone: bool) -> _Step:
         return _Step(at)  # F.linear(x, w, b) acts over the last dimension only
     if name in ("layer_norm", "rms_norm") and use.args[0] is value and at.feat < 0:
         # over the last len(normalized_shape) dimensions (a LayerNorm subclass's own forward)
-        shape = _dim_arg(use, 0, "normalized_shape", None)
-        if isinstance(shape, int) or (isinstance(shape, tuple | list) and all(isinstance(d, int) for d in shape)):
+        shape = _dim_arg(use, 0, "normalized_shape", None)  # sizes, or sizes read off a tensor: (x.shape[-1],)
+        if isinstance(shape, int | tuple | list):
             return _Step(at if at.feat < -(1 if isinstance(shape, int) else len(shape)) else _text(use))
     if name in _BATCHED and at.feat <= -3:
         # the features moved to a batch dimension of a product (T5's per-head bias, (heads, q,

@@ -1799,15 +1799,35 @@ def _lone_columns_in_chains(sch: Schedule, p: Plan) -> list[Problem]:
             continue
         if role.kind != "column" or path == members[-1]:
             continue
+        norms = _norms_between(sch, path)
         problems.append(Problem(
             path,
             f"is column-parallel inside the sequence_parallel chain over {seq.mesh_axis!r}, but no row-parallel "
             "layer reads its output alone: it gathers the whole sequence, which would go on where the chain "
-            "carries this rank's part",
-            "shard the layer that reads its output as its row partner (axis=1), or leave it unsharded, or out "
+            "carries this rank's part" + (f" (its output goes through {', '.join(map(repr, norms))} first)"
+                                          if norms else ""),
+            (f"if {', '.join(map(repr, norms))} {'acts' if len(norms) == 1 else 'act'} on each head alone "
+             f"(per-head q/k norms), declare it: sf.tp_local(sch, {norms!r}); else " if norms else "")
+            + "shard the layer that reads its output as its row partner (axis=1), or leave it unsharded, or out "
             "of the chain",
         ))
     return problems
+
+
+def _norms_between(sch: Schedule, column: str) -> list[str]:
+    """The norms (modules with parameters, no children, a class named ``...Norm``) that the
+    column's output reaches in its caller's code: per-head q/k norms that keep it from its
+    row unless declared ``tp_local``."""
+    found = _caller(sch, column)
+    if found is None:
+        return []
+    caller, name, fl = found
+    out = []
+    for user in sorted(fl.consumers(name, _through(sch, caller)) - {OUTPUT}):
+        module = get_module(sch.module, join(caller, user))
+        if not module._modules and "Norm" in type(module).__name__ and any(True for _ in module.parameters()):
+            out.append(join(caller, user))
+    return out
 
 
 def _sequence_pairs_across(sch: Schedule, p: Plan) -> frozenset[str]:

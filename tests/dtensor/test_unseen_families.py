@@ -1042,6 +1042,20 @@ def test_unseen_family_is_equal_or_refused(dist2, name: str) -> None:
         assert all(what.startswith("refused (LayoutError): build:") for what in results[0].values()), results[0]
 
 
+def test_a_column_kept_from_its_row_by_a_per_head_norm_names_tp_local_as_the_fix() -> None:
+    """Gemma 3 under SP without tp_local: q and k go through their per-head norms before
+    the attention, so they are gathered; the refusal names the norm and tp_local."""
+    from slapo_fn.dtensor.testing import fake_mesh
+
+    model, _, plan = _gemma3(False)()
+    sch = sf.sequence_parallel(plan(sf.create_schedule(model, mesh=fake_mesh(2))), ["model.layers.*", "model.norm"])
+    with pytest.raises(sf.LayoutError) as refused:
+        sf.build(sch)
+    text = str(refused.value)
+    assert "goes through 'model.layers.0.self_attn.q_norm' first" in text, text
+    assert "sf.tp_local(sch, ['model.layers.0.self_attn.q_norm'])" in text, text
+
+
 def test_alibi_over_one_head_per_rank_is_refused_at_its_first_forward(dist4) -> None:
     """MPT at tp=4 with 4 heads: each rank's one head broadcasts against the model's ALiBi
     bias for all 4, so the attention hands its row partner all 64 features. The row took
