@@ -1699,8 +1699,8 @@ def _over_sequence(sch: Schedule, path: str, seq_axis: int, columns: set[str], g
     """The first module under ``path`` (itself included) whose code runs on a token shard
     and acts over the sequence, with the op; ``None`` where none does or it cannot be read."""
     module = get_module(sch.module, path)
-    if path in columns or path in gathered or mixes_tokens(module):
-        return None  # its input is gathered whole, or it is attention: _attention_on_sequence_shards
+    if _tokens_alone(sch, path, columns, gathered):
+        return None  # its input is gathered whole, it is attention (_attention_on_sequence_shards), or known
     if isinstance(module, _OVER_POSITIONS):
         return path, type(module).__name__
     if not module._modules:
@@ -1748,9 +1748,8 @@ def _leaf_over_sequence(sch: Schedule, path: str, module: nn.Module, seq_axis: i
     """:func:`_over_sequence` of a module without children: PyTorch's per-token layers
     (their own forward, not a subclass's), activations and dropouts act on each token;
     any other's own code is traced and walked (a user's ``fft`` over the tokens, FNet's),
-    and one fx cannot trace is refused: what it does over the tokens is unknown."""
-    if _tokens_alone(sch, path, set(), set()):
-        return None
+    and one fx cannot trace is refused: what it does over the tokens is unknown (the
+    layers known without reading are :func:`_tokens_alone`'s, checked before)."""
     kind = type(module)
     found = _caller(sch, path)
     fl = flow(module, found[2].given.get(found[1], frozenset()) if found else frozenset(), leaf=True)
@@ -1832,10 +1831,9 @@ def _norms_between(sch: Schedule, column: str) -> list[str]:
 
 def _sequence_pairs_across(sch: Schedule, p: Plan) -> frozenset[str]:
     """Columns and rows of a sequence-parallel chain that pair across parents, as BERT's
-    do: ``attention.self`` calls q/k/v and hands its result (the whole sequence, this
-    rank's heads: a ``fwd_post`` sync keeps the columns' outputs split by features) to
-    ``attention.output``, whose row takes it as split (its ``fwd_pre`` sync) and
-    reduce-scatters the sequence. The column's caller is inside a member, so it gathers
+    do: ``attention.self`` calls q/k/v and hands its result (the whole sequence) to
+    ``attention.output``, whose row reduce-scatters the sequence (split by features or
+    not, as the other checks and syncs settle). The column's caller is inside a member, so it gathers
     the sequence at its input and all its code runs on the whole sequence (whether fx can
     trace it or not: DeBERTa's cannot). Accepted where the data flow shows nothing else
     on the way out: the caller's result reaches only the first argument of siblings that

@@ -38,6 +38,7 @@ from .plan import (
     ModulePlan,
     Plan,
     _in_features,
+    _local_axis,
     _parent,
     _sharded_output,
     head_count_attrs,
@@ -475,7 +476,7 @@ class _BiasShare(torch.autograd.Function):
 
 def _generic(rt: _Runtime, m: nn.Module, mp: ModulePlan, forward: Callable[..., Any]) -> Callable[..., Any]:
     names = [n for n, p in m._parameters.items() if isinstance(p, DTensor)]
-    ax = mp.role.mesh_axis if mp.role is not None else (mp.seq.mesh_axis if mp.seq is not None else mp.local_axis)
+    ax = _local_axis(mp)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         params: dict[str, torch.Tensor] = {}
