@@ -43,6 +43,17 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _activation(out: Any) -> torch.Tensor | None:
+    """A model output's activation: itself, its logits or last hidden state, or a tuple's first."""
+    if isinstance(out, tuple | list) and out:
+        out = out[0]
+    for name in ("logits", "last_hidden_state"):
+        found = getattr(out, name, None)
+        if isinstance(found, torch.Tensor):
+            return found
+    return out if isinstance(out, torch.Tensor) and out.is_floating_point() else None
+
+
 def parity(
     model: nn.Module,
     rewrite: Callable[[sf.Schedule], sf.Schedule],
@@ -75,6 +86,11 @@ def parity(
     with mode() as bwd:
         value.backward()
     torch.testing.assert_close(value.detach(), loss_ref.detach(), atol=atol, rtol=1e-4)
+    # the output itself, where it is a whole tensor: a loss symmetric in the tokens would not
+    # see them permuted (each rank's rows gathered in another order)
+    got, want = _activation(out), _activation(out_ref)
+    if got is not None and want is not None and not isinstance(got, DTensor) and got.shape == want.shape:
+        torch.testing.assert_close(got.detach(), want.detach(), atol=atol, rtol=1e-4, msg=lambda s: f"output: {s}")
     for a, b in zip(ref_in, inputs, strict=True):
         if a.is_floating_point():
             torch.testing.assert_close(b.grad, a.grad, atol=atol, rtol=1e-4, msg=lambda s: f"input grad: {s}")
