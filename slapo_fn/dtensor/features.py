@@ -70,12 +70,16 @@ class At:
     :data:`ASSUMED_RANK`, not one the code fixed (a ``permute``, a ``view`` by sizes);
     ``items``, the value is a tuple of such tensors (``max(dim)``'s values and indices,
     a ``chunk`` along the sequence), ``None`` where it may be one (a module's output:
-    Hugging Face attention returns ``(hidden_states, weights)``)."""
+    Hugging Face attention returns ``(hidden_states, weights)``); ``merged``, in the walk
+    along the tokens only: the value is the batch and the tokens merged into its first
+    dimension (OPT's ``x.reshape(-1, x.size(-1))``), with the value merged and where its
+    tokens were (the view back by that value's shape restores them)."""
 
     rank: int | None = ASSUMED_RANK
     feat: int = -1
     assumed: bool = True
     items: bool | None = False
+    merged: tuple[fx.Node, At] | None = None
 
 
 @dataclass(frozen=True)
@@ -180,10 +184,11 @@ def along_features(node: fx.Node, elementwise: Callable[[fx.Node], bool], start:
 class Tokens:
     """What :func:`along_tokens` found: the first op of the code over the sequence (as
     text; ``None`` where none is), and the children the activation reaches, each with
-    where its sequence is then (counted from the end)."""
+    where its sequence is then (counted from the end) and whether the batch and the
+    tokens are merged into that dimension (:attr:`At.merged`)."""
 
     mixes: str | None
-    reached: tuple[tuple[str, int], ...]
+    reached: tuple[tuple[str, int, bool], ...]
 
 
 def along_tokens(node: fx.Node, elementwise: Callable[[fx.Node], bool], seq_axis: int,
@@ -196,21 +201,21 @@ def along_tokens(node: fx.Node, elementwise: Callable[[fx.Node], bool], seq_axis
     over the sequence: a reduction, softmax or cumulative op along it, a flip, a split or an
     index of it, or a child handed the sequence as its last dimension (a ``Linear`` after a
     transpose mixes tokens)."""
-    reached: dict[str, int] = {}
+    reached: dict[str, tuple[int, bool]] = {}
     start = At(feat=seq_axis - ASSUMED_RANK)
     walked = _walk(node, elementwise, start, through=lambda use, at: _reach(use, at, child, tensor, reached))
-    return Tokens(walked.mixes, tuple(reached.items()))
+    return Tokens(walked.mixes, tuple((name, *where) for name, where in reached.items()))
 
 
 def _reach(use: fx.Node, at: At, child: Callable[[fx.Node], str | None], tensor: Callable[[str], bool],
-           reached: dict[str, int]) -> At | str:
+           reached: dict[str, tuple[int, bool]]) -> At | str:
     """A child handed the tracked value: the layout of its output, or what mixes."""
     name = child(use)
     if name is None:
         return replace(at, items=None)
     if at.feat == -1:
         return f"{name}(...) over the sequence"
-    reached.setdefault(name, at.feat)
+    reached.setdefault(name, (at.feat, at.merged is not None))
     return replace(at, items=False if tensor(name) else None)
 
 
@@ -230,7 +235,7 @@ def _walk(node: fx.Node, elementwise: Callable[[fx.Node], bool], start: At,
         if value in seen:
             continue
         seen.add(value)
-        users = [u for u in value.users if not metadata(u)]
+        users = [u for u in value.users if not metadata(u) and not (through is not None and _shape_of(u, value))]
         if through is not None and not at.items and (read := _length_read(value, at)) is not None:
             return Walk(apart, read, ranked, inner)
         if not at.items and at.feat == -1 and len(users) > 1 and all(_fixed_slice(u) for u in users):
@@ -252,7 +257,8 @@ def _walk(node: fx.Node, elementwise: Callable[[fx.Node], bool], start: At,
                         return Walk(apart, then, ranked, inner)
                     todo.append((use, then, block))
                 continue
-            step = _step(use, value, at, alone=len(users) == 1)
+            merging = _merging(use, value, at) if through is not None else None
+            step = merging or _step(use, value, at, alone=len(users) == 1)
             if step.ranked and ranked is None:
                 ranked = _text(use)
             if isinstance(step.then, Apart):
@@ -274,6 +280,90 @@ def _walk(node: fx.Node, elementwise: Callable[[fx.Node], bool], start: At,
 
 #: Ops that may take a value's own sizes: views of a tensor by its local shape.
 _SHAPED = frozenset({"view", "reshape", "expand", "unflatten", "new_empty", "new_zeros", "new_ones"})
+
+
+def _shape_of(use: fx.Node, value: fx.Node) -> bool:
+    """Whether ``use`` reads only ``value``'s shape: ``y.view_as(value)``,
+    ``y.reshape_as(value)``, ``y.expand_as(value)``, ``value`` not being ``y``."""
+    return (use.op == "call_method" and use.target in ("view_as", "reshape_as", "expand_as")
+            and use.args[0] is not value and value in use.args[1:])
+
+
+#: What the walk along the tokens follows while the batch and the tokens are merged (besides
+#: children): ops on each row alone, over its features.
+_PER_ROW = frozenset({"linear", "layer_norm", "rms_norm"})
+
+
+def _merging(use: fx.Node, value: fx.Node, at: At) -> _Step | None:
+    """The walk along the tokens through the batch and the tokens merged into one
+    dimension in front of the features (OPT's decoder layer, ``x.reshape(-1,
+    x.size(-1))`` around its MLP, and ``.view(shape)`` back): each row is then a token,
+    and on this rank's rows code acting on each row alone is right, as the whole would
+    be. Merged, the walk follows only such code, and the view back to the merged value's
+    own shape; anything else is what mixes. ``None``: ``use`` is no such step (the walk
+    reads it as any other op)."""
+    if use.op not in ("call_function", "call_method"):
+        return None
+    name = op_name(use)
+    if at.merged is None:
+        if at.items or at.rank is None or not -at.rank <= at.feat < -1 or use.args[0] is not value:
+            return None
+        if name in ("view", "reshape"):
+            shape = _shape_arg(use)
+            if len(shape) == 2 and _own_last_size(shape[-1], value, at.rank):
+                return _Step(At(2, -2, assumed=False, merged=(value, at)))
+        if name == "flatten":
+            # every dimension but the last, whatever the rank (flatten(0, -2)), or by the rank
+            # where the code fixed it (not where it is assumed)
+            start, end = _dim_arg(use, 0, "start_dim", 0), _dim_arg(use, 1, "end_dim", -1)
+            if start == 0 and (end == -2 or (not at.assumed and end == at.rank - 2)):
+                return _Step(At(2, -2, assumed=False, merged=(value, at)))
+        return None
+    if name in ("view", "reshape", "view_as", "reshape_as") and use.args[0] is value:
+        back = _viewed_back(use, at.merged[0])
+        return _Step(at.merged[1] if back else _text(use))
+    if name in _ELEMENTWISE or (name in _PER_ROW and use.args[0] is value):
+        return None
+    if name == "matmul" and use.args[0] is value:
+        return None
+    return _Step(_text(use))
+
+
+def _viewed_back(use: fx.Node, merged: fx.Node) -> bool:
+    """Whether ``use`` views a value back to the shape of ``merged`` (``.view(x.shape)``,
+    ``.view(x.size())``, ``.view_as(x)``, or ``x``'s sizes one by one, in order)."""
+    if op_name(use) in ("view_as", "reshape_as"):
+        return len(use.args) > 1 and use.args[1] is merged
+    shape = _shape_arg(use)
+    if len(shape) == 1 and _whole_shape(shape[0]) is not None:
+        return _whole_shape(shape[0]) is merged
+    n = len(shape)
+    return n > 1 and all(_size_of(d, merged) in (i, i - n) for i, d in enumerate(shape))
+
+
+def _whole_shape(d: Any) -> Any:
+    """The tensor whose whole shape ``d`` is (``y.shape``, ``y.size()``), else ``None``."""
+    if not isinstance(d, fx.Node):
+        return None
+    if (d.op == "call_function" and op_name(d) == "getattr" and d.args[1] == "shape") or (
+            d.op == "call_method" and op_name(d) == "size" and len(d.args) == 1):
+        return d.args[0]
+    return None
+
+
+def _size_of(d: Any, value: fx.Node) -> int | None:
+    """Which of ``value``'s sizes ``d`` reads (``value.size(i)``, ``value.shape[i]``,
+    ``value.size()[i]``), as given; ``None`` where it reads none of them."""
+    if not isinstance(d, fx.Node):
+        return None
+    if d.op == "call_method" and op_name(d) == "size" and len(d.args) > 1 and d.args[0] is value:
+        return d.args[1] if isinstance(d.args[1], int) else None
+    if d.op == "call_function" and op_name(d) == "getitem" and isinstance(d.args[0], fx.Node):
+        src = d.args[0]
+        read = (op_name(src) == "getattr" and len(src.args) > 1 and src.args[1] == "shape") or (
+            src.op == "call_method" and op_name(src) == "size" and len(src.args) == 1)
+        return d.args[1] if read and src.args[0] is value and isinstance(d.args[1], int) else None
+    return None
 
 
 def _length_read(value: fx.Node, at: At) -> str | None:
@@ -498,6 +588,11 @@ def _view(use: fx.Node, name: str, at: At) -> _Step:
     shape = _shape_arg(use)
     if not shape:
         return _Step(_text(use))
+    if len(shape) == 1 and _whole_shape(shape[0]) is not None:
+        # view(y.shape): to another tensor's shape, of a rank and sizes the trace does not hold
+        if _whole_shape(shape[0]) is use.args[0]:
+            return _Step(at)  # its own: nothing moves
+        return _Step(replace(at, rank=None, assumed=False) if at.feat == -1 else _text(use))
     last = shape[-1]
     whole = last == -1 or _size_read(last)
     if at.feat < -1 and _own_last_size(last, use.args[0], at.rank):

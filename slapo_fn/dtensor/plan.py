@@ -192,10 +192,16 @@ def _plan(sch: Schedule) -> Plan:
     seq_roots = sorted(seqs, key=lambda p: order.get(p, 0))
     entries = _chain_entries(sch)
 
+    merged = _merged_tokens(sch) if seqs else {}
+
     def region(path: str) -> SeqSpec | None:
         for root in seq_roots:
             if root == path or contains(root, path):
-                return seqs[root]
+                spec, role = seqs[root], roles.get(path)
+                if path in merged and role is not None and role.mesh_axis == spec.mesh_axis:
+                    # handed the batch and the tokens merged: gathered and scattered along that dimension
+                    return replace(spec, seq_axis=merged[path])
+                return spec
         return None
 
     modules: dict[str, ModulePlan] = {}
@@ -1670,18 +1676,9 @@ def _code_over_the_sequence(sch: Schedule) -> list[Problem]:
     tokens, a silently wrong number. Read from each member's traced code and its
     children's, following the sequence's dimension (:attr:`.flow.Flow.tokens`);
     attention is :func:`_attention_on_sequence_shards`'s. Refused, naming the op."""
-    roles = sch.annotations.of_kind(ROLE)
     problems = []
     for member, spec in sorted(sch.annotations.of_kind(SEQ).items()):
-        if spec.seq_axis not in (0, 1):
-            continue
-        columns = {q for q, r in roles.items() if r.kind == "column" and r.mesh_axis == spec.mesh_axis
-                   and (q == member or contains(member, q))}
-        # as the runtime does: a column called by the member's own code gathers its own input, one
-        # deeper has its caller (attention) gather it
-        callers = {caller_path(sch.module, q) for q in columns}
-        found = _over_sequence(sch, member, spec.seq_axis, columns,
-                               {c for c in callers if c != member and contains(member, c)})
+        found = _member_over_sequence(sch, member, spec, {})
         if found is not None:
             where, op = found
             problems.append(Problem(
@@ -1694,10 +1691,39 @@ def _code_over_the_sequence(sch: Schedule) -> list[Problem]:
     return problems
 
 
-def _over_sequence(sch: Schedule, path: str, seq_axis: int, columns: set[str], gathered: set[str]
-                   ) -> tuple[str, str] | None:
+def _member_over_sequence(sch: Schedule, member: str, spec: SeqSpec, merged: dict[str, int]
+                          ) -> tuple[str, str] | None:
+    """:func:`_over_sequence` of a sequence-parallel chain member (``merged`` as there)."""
+    if spec.seq_axis not in (0, 1):
+        return None
+    columns = {q for q, r in sch.annotations.of_kind(ROLE).items() if r.kind == "column"
+               and r.mesh_axis == spec.mesh_axis and (q == member or contains(member, q))}
+    # as the runtime does: a column called by the member's own code gathers its own input, one
+    # deeper has its caller (attention) gather it
+    callers = {caller_path(sch.module, q) for q in columns}
+    return _over_sequence(sch, member, spec.seq_axis, columns,
+                          {c for c in callers if c != member and contains(member, c)}, merged)
+
+
+def _merged_tokens(sch: Schedule) -> dict[str, int]:
+    """The layers inside sequence-parallel chains handed the batch and the tokens merged
+    into one dimension (OPT's MLP on ``x.reshape(-1, x.size(-1))``), each with where that
+    dimension is, counted from the end: a column there gathers the tokens, and a row
+    scatters them, along it rather than along the chain's ``seq_axis``."""
+    merged: dict[str, int] = {}
+    for member, spec in sorted(sch.annotations.of_kind(SEQ).items()):
+        _member_over_sequence(sch, member, spec, merged)
+    return merged
+
+
+def _over_sequence(sch: Schedule, path: str, seq_axis: int, columns: set[str], gathered: set[str],
+                   merged: dict[str, int]) -> tuple[str, str] | None:
     """The first module under ``path`` (itself included) whose code runs on a token shard
-    and acts over the sequence, with the op; ``None`` where none does or it cannot be read."""
+    and acts over the sequence, with the op; ``None`` where none does or it cannot be read.
+    The layers handed the batch and the tokens merged (:attr:`.features.At.merged`) are
+    noted in ``merged``, each with that dimension (counted from the end): only layers that
+    act on each token alone may be, and a gathering parent may not (it gathers along
+    ``seq_axis``)."""
     module = get_module(sch.module, path)
     if _tokens_alone(sch, path, columns, gathered):
         return None  # its input is gathered whole, it is attention (_attention_on_sequence_shards), or known
@@ -1713,10 +1739,15 @@ def _over_sequence(sch: Schedule, path: str, seq_axis: int, columns: set[str], g
         return None
     if tokens.mixes is not None:
         return path, tokens.mixes
-    for name, at in tokens.reached:
+    for name, at, flat in tokens.reached:
         child = join(path, name)
-        if at == seq_axis - ASSUMED_RANK:  # the child is handed tokens where its own code reads them
-            found = _over_sequence(sch, child, seq_axis, columns, gathered)
+        if flat:
+            found = None
+            if child in gathered or not _tokens_alone(sch, child, columns, gathered):
+                found = path, f"{name}(...) on the batch and the tokens merged into one dimension"
+            merged.setdefault(child, at)
+        elif at == seq_axis - ASSUMED_RANK:  # the child is handed tokens where its own code reads them
+            found = _over_sequence(sch, child, seq_axis, columns, gathered, merged)
         elif _tokens_alone(sch, child, columns, gathered):
             found = None
         else:  # its code was read with the tokens elsewhere: what it does over them is unknown

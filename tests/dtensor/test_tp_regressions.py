@@ -559,6 +559,46 @@ CASES["sp-member-code-over-each-token"] = (
     lambda: nn.Sequential(SeqMixing(lambda h: h * h.softmax(-1)), SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
 
 
+class FlatMlp(SeqMixing):
+    """OPT's decoder layer: the batch and the tokens merged into one dimension around the
+    MLP (``merge``), a residual on the merged rows, and a view back (``back``)."""
+
+    def __init__(self, merge: Callable[[torch.Tensor], torch.Tensor],
+                 back: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], code: Callable[..., Any] = lambda h: h
+                 ) -> None:
+        super().__init__(code)
+        self.merge, self.back = merge, back
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = self.merge(x)
+        return self.back(flat + self.fc2(torch.relu(self.fc1(self.code(self.norm(flat))))), x)
+
+
+def _flat(merge: Callable[[torch.Tensor], torch.Tensor] = lambda h: h.reshape(-1, h.size(-1)),
+          back: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lambda y, x: y.view(x.shape),
+          code: Callable[..., Any] = lambda h: h, seq_axis: int = 1
+          ) -> tuple[Callable[[], nn.Module], Callable[[sf.Schedule], sf.Schedule], tuple[Any, ...]]:
+    rewrite = _seq_first_sp if seq_axis == 0 else _seq_mixing_sp
+    return lambda: nn.Sequential(FlatMlp(merge, back, code), FlatMlp(merge, back, code)), rewrite, (X,)
+
+
+# OPT's layer: refused before (the merge was taken for code over the tokens); each row of the
+# merged dimension is a token, so the column gathers them, and the row scatters them, along it
+CASES["sp-member-mlp-on-the-batch-and-tokens-merged"] = _flat()
+CASES["sp-member-mlp-on-the-batch-and-tokens-merged-seq-first"] = _flat(seq_axis=0)
+CASES["sp-member-mlp-on-the-batch-and-tokens-flattened"] = _flat(
+    lambda h: h.flatten(0, -2), lambda y, x: y.view(x.size(0), x.size(1), x.size(-1)))
+CASES["sp-member-mlp-on-merged-tokens-viewed-back-as-another"] = _flat(
+    back=lambda y, x: y.view_as(x).transpose(0, 1).reshape(x.shape))
+# refused: merged, code over the rows, a view that regroups them, a module that is not per token
+CASES["sp-member-merged-tokens-softmax-over-the-rows"] = _flat(code=lambda h: h.softmax(0))
+CASES["sp-member-merged-tokens-regrouped"] = _flat(
+    back=lambda y, x: y.view(-1, 2, x.shape[-1]).flip(1).reshape(x.shape))
+CASES["sp-member-merged-tokens-handed-to-a-block"] = _flat(code=TokenMix())
+CASES["sp-member-merged-tokens-viewed-by-its-own-size"] = _flat(
+    back=lambda y, x: y.view(y.size(0), -1))
+
+
 class Mixer(nn.Module):
     """BERT's ``attention.self``: its columns' outputs mixed (a stand-in for attention over
     the whole sequence: a cumulative sum over it), returned for a row in another module."""
@@ -627,6 +667,8 @@ def _case(rank: int, world: int, name: str) -> str:
     return "equal"
 
 
+_BOTH_LAYERS = ("refused: build: 2 problems | - '0': runs on this rank's tokens in the sequence_parallel chain over "
+                "'tp' (as part of '0'), and its forward applies ")
 EXPECTED = {
     "sp-member-leaf-module-over-the-sequence": "refused: build: '0.code': runs on this rank's tokens in the "
                                                "sequence_parallel chain over 'tp' (as part of '0'), and its forward "
@@ -638,10 +680,18 @@ EXPECTED = {
                                                         "dimension -2",
     "sp-member-code-over-flattened-tokens-softmax": "refused: build: '0': runs on this rank's tokens in the "
                                                     "sequence_parallel chain over 'tp' (as part of '0'), and its "
-                                                    "forward applies view(-1, ...)",
+                                                    "forward applies softmax(dim=0)",
     "sp-member-code-over-flattened-tokens-mean": "refused: build: '0': runs on this rank's tokens in the "
                                                  "sequence_parallel chain over 'tp' (as part of '0'), and its "
-                                                 "forward applies view(-1, ...)",
+                                                 "forward applies mean(dim=0)",
+    "sp-member-mlp-on-the-batch-and-tokens-merged": "equal",
+    "sp-member-mlp-on-the-batch-and-tokens-merged-seq-first": "equal",
+    "sp-member-mlp-on-the-batch-and-tokens-flattened": "equal",
+    "sp-member-mlp-on-merged-tokens-viewed-back-as-another": _BOTH_LAYERS + "reshape(...)",
+    "sp-member-merged-tokens-softmax-over-the-rows": _BOTH_LAYERS + "softmax(dim=0)",
+    "sp-member-merged-tokens-regrouped": _BOTH_LAYERS + "view(-1, 2, ...)",
+    "sp-member-merged-tokens-handed-to-a-block": _BOTH_LAYERS + "code(...) on the batch and the tokens merged",
+    "sp-member-merged-tokens-viewed-by-its-own-size": _BOTH_LAYERS + "view(..., -1)",
     "sp-member-child-fx-cannot-trace": "refused: build: '0.code': runs on this rank's tokens in the "
                                        "sequence_parallel chain over 'tp' (as part of '0'), and its forward "
                                        "applies BranchyMix's forward (fx cannot trace it",
