@@ -39,8 +39,8 @@ from typing import Any
 
 import torch.fx as fx
 
-__all__ = ["ASSUMED_RANK", "Apart", "At", "Tokens", "Walk", "along_features", "along_tokens", "metadata", "nodes_in",
-           "sizes_only"]
+__all__ = ["ASSUMED_RANK", "Apart", "At", "Tokens", "Walk", "along_features", "along_tokens", "elementwise_op",
+           "metadata", "nodes_in", "sizes_only"]
 
 #: The rank a traced value is taken to have where nothing in the trace says: a parent's
 #: arguments and its children's outputs are hidden states ``(batch, sequence, features)``.
@@ -145,6 +145,12 @@ def metadata(node: fx.Node) -> bool:
         return node.target in _METADATA_METHODS
     return (node.op == "call_function" and node.target is getattr and len(node.args) > 1
             and node.args[1] in _METADATA_ATTRS)
+
+
+def elementwise_op(node: fx.Node) -> bool:
+    """Whether ``node`` is a function or method acting on each element alone (``add``,
+    ``relu``, ``to``): its result has its tensor arguments' dimensions, broadcast."""
+    return node.op in ("call_function", "call_method") and op_name(node) in _ELEMENTWISE
 
 
 def sizes_only(node: fx.Node) -> bool:

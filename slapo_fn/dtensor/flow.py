@@ -36,7 +36,7 @@ import inspect
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -47,7 +47,7 @@ from torch import nn
 from ..hf import is_conv1d
 from ..tree import uncalled
 from .features import ASSUMED_RANK as _ASSUMED_RANK
-from .features import Apart, At, Tokens, along_features, along_tokens
+from .features import Apart, At, Tokens, along_features, along_tokens, elementwise_op
 from .features import metadata as _metadata
 from .features import nodes_in as _nodes_in
 from .features import op_name as _op_name
@@ -295,6 +295,38 @@ class _ShapedProxy(fx.Proxy):
         return tuple(self.tracer.create_proxy("call_method", "size", (self, i), {}) for i in range(rank))
 
 
+#: Layers whose output has their input's number of dimensions (over the last alone).
+_SAME_RANK = (nn.Linear, nn.LayerNorm, nn.RMSNorm)
+
+
+def _known_rank(parent: nn.Module, prefix: str, node: fx.Node, depth: int = 0) -> int | None:
+    """The number of dimensions of a traced value where the code fixes it: a view by sizes
+    (OPT's ``x.reshape(-1, x.size(-1))``), then layers over the last dimension and
+    elementwise code; ``None`` where it is not known (a parent's argument, any other op)."""
+    if depth > 32:
+        return None
+    if node.op == "call_method" and _op_name(node) in ("view", "reshape"):
+        shape = node.args[1:]
+        if len(shape) == 1 and isinstance(shape[0], tuple | list):
+            shape = tuple(shape[0])
+        known = shape and all(isinstance(d, int) or (isinstance(d, fx.Node) and _sizes_only(d)) for d in shape)
+        return len(shape) if known and not (len(shape) == 1 and isinstance(shape[0], fx.Node)) else None
+    first = next(iter(node.all_input_nodes), None)
+    if first is None:
+        return None
+    if node.op == "call_module" and str(node.target).startswith(prefix):
+        child = parent.get_submodule(str(node.target)[len(prefix):])
+        kind = type(child)
+        same = pointwise(child) or is_conv1d(child) or any(
+            isinstance(child, base) and kind.forward is base.forward for base in _SAME_RANK)
+        return _known_rank(parent, prefix, first, depth + 1) if same else None
+    if elementwise_op(node):
+        tensors = [a for a in node.all_input_nodes if not _sizes_only(a)]
+        ranks = [_known_rank(parent, prefix, a, depth + 1) for a in tensors]
+        return max(ranks) if ranks and all(r is not None for r in ranks) else None  # type: ignore[type-var]
+    return None
+
+
 def _rank(node: fx.Node, assumed: int, depth: int = 0) -> int:
     """The number of dimensions of a traced value, as far as the trace shows it, else ``assumed``."""
     first = next(iter(node.all_input_nodes), None)
@@ -510,8 +542,10 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
             handed[name] = handed.get(name, frozenset()) | _handed(parent.get_submodule(name), node)
             sources[node] = frozenset({name})
             if name not in apart:
+                rank = _known_rank(parent, prefix, node)
+                start = At() if rank is None else At(rank, assumed=False)
                 walked = along_features(node, functools.partial(_pointwise_call, parent, prefix),
-                                        At() if one[name] else At(items=None))
+                                        start if one[name] else replace(start, items=None))
                 if walked.apart is not None:
                     apart[name] = walked.apart
                 if walked.inner is not None:

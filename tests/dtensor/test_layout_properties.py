@@ -166,12 +166,17 @@ class Mlp(nn.Module):
         self.style = b.style
 
     def extra_repr(self) -> str:
-        return f"fc2({_MLP_CODE[self.style][0]})" + (" + x" if self.residual else "")
+        flat = self.style.startswith("flat")
+        text = f"fc2({_MLP_CODE[self.style][0]})" + (" + x" if self.residual else "")
+        return f"{text}, x = x.reshape(-1, x.size(-1)), viewed back by its shape" if flat else text
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(x) if "norm" in self._modules else x
+        flat = self.style.startswith("flat")  # OPT's MLP: on the batch and the tokens merged
+        x0 = x.reshape(-1, x.size(-1)) if flat else x
+        h = self.norm(x0) if "norm" in self._modules else x0
         y = self.fc2(_MLP_CODE[self.style][1](self.act(self.fc1(h))))
-        return x + y if self.residual else y
+        y = x0 + y if self.residual else y
+        return y.view(x.shape) if flat else y
 
 
 #: Mlp's own code between fc1 and fc2, by style: on each feature alone, over the sequence, or
@@ -183,6 +188,8 @@ _MLP_CODE: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {
     "normed": ("h / h.norm(dim=-1), h = act(fc1(x))", lambda h: h / (h.norm(dim=-1, keepdim=True) + 1.0)),
     "seq-max": ("h - h.amax(1), h = act(fc1(x))", lambda h: h - h.amax(1, keepdim=True)),
     "moved": ("act(fc1(x)).mT.softmax(1).mT", lambda h: h.mT.softmax(1).mT),  # over the features
+    "flat": ("act(fc1(x))", lambda h: h),
+    "flat-rows": ("act(fc1(x)).softmax(0)", lambda h: h.softmax(0)),  # over every token
 }
 
 
@@ -634,7 +641,8 @@ def blocks(draw: Any, d: int) -> Block:
     norm, residual = draw(st.booleans()), draw(st.booleans())
     if kind == "mlp":
         return Block(kind, hidden=draw(WIDTHS), act=act, bias=bias, norm=norm, residual=residual,
-                     style=draw(st.sampled_from(["", "", "scaled", "seq-softmax", "normed", "seq-max", "moved"])))
+                     style=draw(st.sampled_from(["", "", "scaled", "seq-softmax", "normed", "seq-max", "moved",
+                                                  "flat", "flat-rows"])))
     if kind == "gated":
         return Block(kind, hidden=draw(WIDTHS), act=act, bias=bias, norm=norm, residual=residual)
     if kind in ("attn", "layer"):
@@ -1265,6 +1273,13 @@ CLOSED: dict[str, Case] = {
     "feature-norm-after-an-activation-split-on-entry": _c(
         [Block("mlp", hidden=16, style="normed")], ("shard", "0.fc2", 1, 1),
         ("sync", "0.act", "fwd_pre", "S(-1)", "R")),
+    # refused at the first forward: code over dimension 0 of a column's output was read with
+    # the output taken as 3-D, though the code's own reshape(-1, d) made it 2-D
+    "rows-of-a-2d-activation-kept-split": _c(
+        [Block("mlp", hidden=8, style="flat-rows", residual=True)], ("shard", "0.fc1", 0, 1), ("shard", "0.fc2", 1, 1)),
+    "rows-of-a-2d-activation-split-on-entry": _c(
+        [Block("mlp", hidden=8, style="flat-rows", residual=True)], ("shard", "0.fc2", 1, 1),
+        ("sync", "0.act", "fwd_pre", "S(-1)", None)),
 }
 
 
@@ -1287,6 +1302,18 @@ def test_bert_layout_runs_equal_with_and_without_sequence_parallelism(dist_pool:
     plan = _BERT_PLAN + tuple((op[0], op[1].replace("0.", "1.", 1), *op[2:]) for op in _BERT_PLAN if len(sp) == 2)
     status, why = check_case(_c(blocks, *plan, *((("sp", sp, None),) if sp else ())), lambda: dist_pool(2))
     assert status == "equal", why
+
+
+@pytest.mark.parametrize("style", ["flat", "flat-rows"])
+def test_an_mlp_on_the_batch_and_tokens_merged_runs_equal_or_is_refused(dist_pool: Any, style: str) -> None:
+    """OPT's MLP (``x.reshape(-1, x.size(-1))``, viewed back by ``x``'s shape) in a
+    sequence-parallel chain: each row is a token, so the Megatron plan runs equal; code
+    over the rows (a softmax over every token) is refused at build."""
+    mlp = Block("mlp", hidden=16, bias=True, norm=True, residual=True, style=style)
+    plan = (("shard", "0.fc1", 0, 1), ("shard", "0.fc2", 1, 1), ("shard", "1.fc1", 0, 1), ("shard", "1.fc2", 1, 1),
+            ("sp", ("0", "1"), None))
+    status, why = check_case(_c([mlp, mlp], *plan), lambda: dist_pool(2))
+    assert status == ("equal" if style == "flat" else "refused"), why
 
 
 def test_each_minimal_example_is_in_its_own_class_only() -> None:
