@@ -2483,7 +2483,7 @@ class _Features:
         """What reaches ``path``'s input, before its own ``fwd_pre`` syncs."""
         return self._cached("in", path, lambda: self._arriving(path))
 
-    def _arriving(self, path: str) -> Placement | None:
+    def _arriving(self, path: str, first: bool = False) -> Placement | None:
         if _in_chain(self.sch, path, self.axis) or path in self.own:
             return None
         if not path:
@@ -2492,12 +2492,19 @@ class _Features:
         if found is None:
             return None
         parent, name, fl = found
-        return self._combine(parent, fl.feeders(name, self._through(parent)))
+        fed = fl.hidden_feeders(name, self._through(parent)) if first else fl.feeders(name, self._through(parent))
+        return self._combine(parent, fed)
 
-    def inside(self, path: str) -> Placement | None:
-        """What ``path``'s own code receives, after its ``fwd_pre`` syncs."""
+    def inside(self, path: str, first: bool = False) -> Placement | None:
+        """What ``path``'s own code receives, after its ``fwd_pre`` syncs (``first``: in its
+        first argument alone, what the flow of its own code calls :data:`.flow.INPUT`;
+        BERT's output block takes the intermediate's output first, the residual beside it)."""
         moved, layout = self._moved(path, "fwd_pre")
-        return layout if moved else self.arriving(path)
+        if moved:
+            return layout
+        if first:
+            return self._cached("first", path, lambda: self._arriving(path, first=True))
+        return self.arriving(path)
 
     def made(self, path: str, own_syncs: bool = True) -> Placement | None:
         """``path``'s output, after its ``fwd_post`` syncs (``own_syncs``) or before them."""
@@ -2543,7 +2550,7 @@ class _Features:
         fed = fed - {SIDE}
         if not fed:
             return None
-        got = {self.inside(parent) if q == INPUT else self.made(join(parent, q)) for q in fed}
+        got = {self.inside(parent, first=True) if q == INPUT else self.made(join(parent, q)) for q in fed}
         return got.pop() if len(got) == 1 else None
 
 

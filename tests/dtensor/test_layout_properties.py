@@ -1280,6 +1280,11 @@ CLOSED: dict[str, Case] = {
     "rows-of-a-2d-activation-split-on-entry": _c(
         [Block("mlp", hidden=8, style="flat-rows", residual=True)], ("shard", "0.fc2", 1, 1),
         ("sync", "0.act", "fwd_pre", "S(-1)", None)),
+    # explain counted a split (and its backward all-gather) at BERT's output row: what reached its
+    # parent's first argument was read together with the residual beside it
+    "row-across-parents-after-a-sync-keeping-the-split": _c(
+        [Block("bert", hidden=8, bias=False, heads=2)], ("sync", "0.inter.dense", "fwd_post", "S(-1)", None),
+        ("shard", "0.out.dense", 1, 1), ("shard", "0.inter.dense", 0, 1), dim=16),
 }
 
 
