@@ -793,12 +793,13 @@ def _owns_storage(t: torch.Tensor) -> bool:
 def train_without_cache(model: nn.Module) -> list[str]:
     """Make each outermost Hugging Face model in ``model`` run the forwards that record
     an autograd graph (gradients enabled) with ``use_cache=False`` unless the caller
-    passes ``use_cache`` or ``past_key_values`` — what Hugging Face's own gradient
-    checkpointing does. A checkpointed decoder layer otherwise appends its keys and values
-    to the model's cache a second time when it is recomputed in backward, which a
-    selective checkpoint (``policy=``) rejects ("invocation ... not found in storage") and
-    a full one hides in a cache of twice the length. Installs a forward pre-hook on
-    ``model`` (build's private copy); returns the paths it hooked.
+    passes ``use_cache`` or a cache (``cache``; ``past_key_values`` before transformers 5.24)
+    — what Hugging Face's own gradient checkpointing does. A checkpointed decoder layer
+    otherwise appends its keys and values to the model's cache a second time when it is
+    recomputed in backward, which a selective checkpoint (``policy=``) rejects ("invocation
+    ... not found in storage") and a full one hides in a cache of twice the length.
+    Installs a forward pre-hook on ``model`` (build's private copy); returns the paths it
+    hooked.
 
     >>> import torch.nn as nn
     >>> train_without_cache(nn.Linear(2, 2))
@@ -820,6 +821,6 @@ def _no_cache_when_training(
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     if not torch.is_grad_enabled():  # recomputation happens in any mode that records a graph
         return None
-    if kwargs.get("use_cache") is not None or kwargs.get("past_key_values") is not None:
+    if any(kwargs.get(k) is not None for k in ("use_cache", "cache", "past_key_values")):
         return None
     return args, {**kwargs, "use_cache": False}

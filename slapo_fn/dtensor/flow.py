@@ -105,6 +105,9 @@ class Flow:
     # for each child whose output the code splits into blocks, how it then takes a block
     # apart (:attr:`.features.Walk.inner`): the head check of packed columns reads it
     inner: Mapping[str, Apart] = field(default_factory=dict)
+    # the parent's own plain attributes its traced forward read (``self.num_heads``): a head
+    # count it never reads sizes none of its views
+    attrs: frozenset[str] = frozenset()
 
     def same_input(self, a: str, b: str) -> bool:
         """Whether children ``a`` and ``b`` are called on the very same tensor (q/k/v on the
@@ -568,7 +571,8 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
             attends = attends or _products_of_activations(node)
     found = Flow(MappingProxyType(feeds), output, frozenset(reads), MappingProxyType(first), MappingProxyType(apart),
                  leaves, MappingProxyType(hidden), MappingProxyType(handed), MappingProxyType(mixes), attends,
-                 MappingProxyType(ranked), _tokens(graph, parent, prefix, one), MappingProxyType(inner))
+                 MappingProxyType(ranked), _tokens(graph, parent, prefix, one), MappingProxyType(inner),
+                 frozenset(read))
     return found, read
 
 

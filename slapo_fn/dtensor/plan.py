@@ -1387,9 +1387,10 @@ def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
     (:func:`head_count_attrs`). Constant sizes from attributes of other names
     (``self.nh``, BLOOM's ``(num_heads, 3, head_dim)``) would meet this rank's share of
     the features: refused before running, naming the parent, with the two ways to write
-    it. Read from the traced data flow (:func:`.flow.flow`); traced or not, a parent
-    whose head count attributes count none of the column's features
-    (:func:`_unadjusted_head_counts`) is refused too."""
+    it. Read from the traced data flow (:func:`.flow.flow`); a parent whose head count
+    attributes count none of the column's features (:func:`_unadjusted_head_counts`) is
+    refused too: untraced, for any such count; traced, for those its forward reads (CodeGen
+    since transformers 5.24 views by ``-1`` and its block width, never ``num_attention_heads``)."""
     problems = []
     split_out = {path: axis for path, axis in _split_outputs(sch, p.modules).items()
                  if (mp := p.modules.get(path)) is None or mp.role is None or mp.role.packed == 1}
@@ -1400,7 +1401,10 @@ def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
         out = _out_features(get_module(sch.module, path))
         planned = p.modules.get(path)
         packed = planned.role.packed if planned is not None and planned.role is not None else 1
-        if out is not None and (counts := _unadjusted_head_counts(get_module(sch.module, parent), out, packed)):
+        counts = _unadjusted_head_counts(get_module(sch.module, parent), out, packed) if out is not None else ()
+        if found is not None and found[0] == parent:  # traced: only the counts its forward reads
+            counts = tuple(c for c in counts if c in found[2].attrs)
+        if counts:
             where = _named(parent)
             problems.append(Problem(
                 path,

@@ -325,6 +325,12 @@ def _get(module: nn.Module, name: str) -> Any:
     return getattr(module, name)
 
 
+def _kv_cache(cache: Any, past_key_values: Any) -> Any:
+    """The key/value cache a layer hands its attention: ``cache=`` since transformers 5.24,
+    ``past_key_values=`` before (the old name is still accepted there, as by the modules replaced)."""
+    return cache if cache is not None else past_key_values
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -346,7 +352,8 @@ class RotaryAttention(Attention):
 
     Keeps ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (and ``q_norm``/``k_norm``) of the
     replaced module. ``forward(hidden_states, position_embeddings, attention_mask,
-    past_key_values, **kwargs) -> (output, None)``, as the decoder layer calls it.
+    cache, **kwargs) -> (output, None)``, as the decoder layer calls it (``cache`` was
+    ``past_key_values`` before transformers 5.24: either name is taken).
 
     Example:
         >>> from transformers import LlamaConfig
@@ -420,6 +427,7 @@ class RotaryAttention(Attention):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
         past_key_values: Any = None,
+        cache: Any = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         if position_embeddings is None:
@@ -437,8 +445,8 @@ class RotaryAttention(Attention):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = position_embeddings
         q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        if (kv := _kv_cache(cache, past_key_values)) is not None:
+            k, v = kv.update(k, v, self.layer_idx)
         out = self._attend(q, k, v, attention_mask, self.sliding_window)
         return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
 
@@ -517,6 +525,7 @@ class FusedQKVAttention(Attention):
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
         output_attentions: bool | None = False,
+        cache: Any = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         if encoder_hidden_states is not None:
@@ -529,8 +538,8 @@ class FusedQKVAttention(Attention):
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         q, k, v = self.c_attn(hidden_states).chunk(3, dim=-1)  # unpacked as such: torch.fx traces it
         q, k, v = q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        if (kv := _kv_cache(cache, past_key_values)) is not None:
+            k, v = kv.update(k, v, self.layer_idx)
         out = self._attend(q, k, v, attention_mask)
         return self.resid_dropout(self.c_proj(out.reshape(*hidden_states.shape[:-1], -1))), None
 
@@ -595,14 +604,15 @@ class EncoderSelfAttention(Attention):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         past_key_values: Any = None,
+        cache: Any = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         q = self.query(hidden_states).view(shape).transpose(1, 2)
         k = self.key(hidden_states).view(shape).transpose(1, 2)
         v = self.value(hidden_states).view(shape).transpose(1, 2)
-        if past_key_values is not None:
-            cache = getattr(past_key_values, "self_attention_cache", past_key_values)
-            k, v = cache.update(k, v, self.layer_idx)
+        if (kv := _kv_cache(cache, past_key_values)) is not None:
+            kv = getattr(kv, "self_attention_cache", kv)
+            k, v = kv.update(k, v, self.layer_idx)
         out = self._attend(q, k, v, attention_mask)
         return out.reshape(*hidden_states.shape[:-1], -1), None

@@ -212,6 +212,22 @@ def test_kv_cache_decoding_matches(family: str) -> None:
     torch.testing.assert_close(outs[1], model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["past_key_values", "cache"])
+def test_the_kernel_takes_the_kv_cache_by_either_name(name: str) -> None:
+    """Decoder layers hand attention its cache as ``cache=`` since transformers 5.24
+    (``past_key_values=`` before): either name is updated, none is dropped into kwargs."""
+    from transformers import DynamicCache
+
+    model = _model("llama", "sdpa").eval()
+    kernel = Attention.from_hf(model.get_submodule("model.layers.0.self_attn"))
+    hidden = torch.randn(2, 6, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    rope = model.model.rotary_emb(hidden, torch.arange(6)[None])
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        kernel(hidden, rope, None, **{name: cache})
+    assert cache.get_seq_length() == 6
+
+
 # -- the functional core -----------------------------------------------------------------
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     groups = q.shape[1] // k.shape[1]
