@@ -861,9 +861,9 @@ def _fallback_plan(model: Any, args: argparse.Namespace) -> dict[str, str] | Non
         known = sorted(t for r in recipes.RECIPES.values() for t in r.model_types)
         raise ValueError(f"model_type {kind!r} has neither a recipe ({', '.join(known)}) nor a base_model_tp_plan: "
                          "write a recipe for it (slapo_fn.recipes) or add a base_model_tp_plan to its config.json")
-    if args.sp:
-        raise ValueError(f"--sp needs a recipe; model_type {kind!r} has only a base_model_tp_plan, which does not "
-                         "say which modules may run on sequence shards")
+    if args.sp and len(recipes.plan_stacks(plan)) != 1:
+        raise ValueError(f"--sp needs one stack of repeated layers; the base_model_tp_plan of model_type {kind!r} "
+                         "names none or several")
     if args.tp > 1:
         recipes.check_tp_plan(plan)
     return plan

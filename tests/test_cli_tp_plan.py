@@ -1,6 +1,6 @@
 """The ``slapo-fn`` command on a family without a recipe: the model's own Hugging Face
-``base_model_tp_plan`` schedules it (GPT-NeoX, Gemma2, Phi-3), checked by ``verify`` on 2 gloo
-ranks; a family with neither a recipe nor a plan is refused in one line, before any
+``base_model_tp_plan`` schedules it (GPT-NeoX, Gemma2, Phi-3), with sequence parallelism too,
+checked by ``verify`` on 2 gloo ranks; a family with neither a recipe nor a plan is refused in one line, before any
 process starts."""
 
 from __future__ import annotations
@@ -72,13 +72,25 @@ def test_explain_uses_the_models_own_plan_with_the_other_knobs(tmp_path: Path, m
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model_type", ["gpt_neox", "gemma2", "phi3"])
-def test_verify_of_the_models_own_plan_passes_on_two_ranks(tmp_path: Path, model_type: str) -> None:
-    result = run("verify", "--model", tiny(tmp_path, model_type), "--tp", "2")
+@pytest.mark.parametrize("sp", [[], ["--sp"]], ids=["tp", "sp"])
+def test_verify_of_the_models_own_plan_passes_on_two_ranks(tmp_path: Path, model_type: str, sp: list[str]) -> None:
+    result = run("verify", "--model", tiny(tmp_path, model_type), "--tp", "2", *sp)
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
     assert result.stdout.count(NOTE) == 1  # said once, by the first rank
     column = {"gpt_neox": "gpt_neox.layers.0.attention.query_key_value", "gemma2": "model.layers.0.self_attn.v_proj",
               "phi3": "model.layers.0.self_attn.qkv_proj"}
     assert column[model_type] in result.stdout and "OK: verified" in result.stdout
+
+
+def test_explain_runs_the_plans_layers_and_final_norm_on_sequence_shards(tmp_path: Path) -> None:
+    """With --sp, the plan's repeated layers and the final norm its base_model_pp_plan names
+    after them form the chain: all-gathers and reduce-scatters in place of all-reduces."""
+    result = run("explain", "--model", tiny(tmp_path, "gemma2"), "--tp", "2", "--sp")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "model.layers.[0,1]: sequence_parallel=seq@tp(axis 1)" in out
+    assert "model.norm: sequence_parallel=seq@tp(axis 1)" in out
+    assert "o_proj output P→S(1)@tp  fwd reduce_scatter" in out and "fwd all_reduce" not in out
 
 
 @pytest.mark.parametrize("command", [["explain"], ["verify", "--tp", "2"]], ids=["explain", "verify-tp2"])
@@ -105,8 +117,9 @@ def test_a_plan_added_to_config_json_is_used(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("model_type", "plan", "extra", "expected"), [
     ("stablelm", {"layers.*.mlp.up_proj": "packed_rowwise"}, [], "style 'packed_rowwise' has no slapo_fn equivalent"),
-    ("gpt_neox", None, ["--sp"], "--sp needs a recipe"),
-], ids=["unsupported-style", "sequence-parallel"])
+    ("stablelm", {"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise", "blocks.*.fc": "colwise"},
+     ["--sp"], "--sp needs one stack of repeated layers"),
+], ids=["unsupported-style", "sequence-parallel-over-two-stacks"])
 def test_what_a_plan_cannot_do_is_refused_without_a_traceback(tmp_path: Path, model_type: str,
                                                                plan: dict[str, str] | None, extra: list[str],
                                                                expected: str) -> None:

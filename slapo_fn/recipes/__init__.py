@@ -43,7 +43,7 @@ from .t5 import T5
 
 __all__ = ["BERT", "GPT2", "LLAMA", "MIXTRAL", "OPT", "QWEN2_MOE", "QWEN3", "QWEN3_MOE", "RECIPES", "T5", "Knobs",
            "MoeRecipe", "Recipe", "Shard", "Stack", "check_tp_plan", "for_model", "from_model_plan", "from_tp_plan",
-           "tp_plan_of"]
+           "plan_stacks", "tp_plan_of"]
 
 #: Every recipe, by name.
 RECIPES: Mapping[str, Recipe] = MappingProxyType({r.name: r for r in (LLAMA, QWEN3, GPT2, BERT, OPT, T5, MIXTRAL,
@@ -84,14 +84,17 @@ def from_model_plan(model: nn.Module) -> Recipe:
     ``base_model_tp_plan``: tensor parallelism is :func:`from_tp_plan`; the repeated
     layers the plan names (``layers.*`` of ``"layers.*.mlp.up_proj"``) are the layers that
     ``checkpoint``, ``compile`` and ``stages`` act on; ``dp_mode`` applies as in any recipe.
-    It has no kernels and no sequence-parallel plan (``sequence_parallel`` is refused).
+    It has no kernels. With ``sequence_parallel``, those layers run on sequence shards,
+    and so do the norms after them that the model's ``base_model_pp_plan`` names (the
+    final norm), as PyTorch's SP plan does; what may not run so is refused at build
+    (code over the sequence, attention without its projections sharded), never run.
 
     >>> from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
     >>> model = GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
     ...                                          intermediate_size=128, vocab_size=128))
     >>> recipe = from_model_plan(model)
-    >>> recipe.name, [s.layers for s in recipe.stacks]
-    ('gpt_neox (base_model_tp_plan)', ['gpt_neox.layers.*'])
+    >>> recipe.name, [s.layers for s in recipe.stacks], recipe.sp
+    ('gpt_neox (base_model_tp_plan)', ['gpt_neox.layers.*'], ('gpt_neox.layers.*', 'gpt_neox.final_layer_norm'))
     """
     model_type = model_type_of(model)
     plan = tp_plan_of(model)
@@ -101,33 +104,70 @@ def from_model_plan(model: nn.Module) -> Recipe:
             "write a Recipe for the family (slapo_fn.recipes), or give the model a base_model_tp_plan "
             "(e.g. in its config.json) or pass one to from_tp_plan(sch, plan)")])
     base = _base(model)
+    stacks = [f"{base}.{layers}" if base else layers for layers in plan_stacks(plan)]
+    if not stacks:
+        raise ScheduleError("recipes.from_model_plan", [Problem(
+            "", f"the base_model_tp_plan of model_type {model_type!r} names no repeated layers ('layers.*.…')",
+            "shard it with from_tp_plan(sch) and the other rewrites by hand")])
+    sp = tuple(stacks) + _norms_after(model, base, stacks) if len(stacks) == 1 else ()
+    return _PlanRecipe(name=f"{model_type} (base_model_tp_plan)", model_types=(str(model_type),),
+                       stacks=tuple(Stack(layers) for layers in stacks), sp=sp,
+                       extra_tp=lambda sch: from_tp_plan(sch, plan))
+
+
+def plan_stacks(plan: Mapping[str, str]) -> list[str]:
+    """The repeated layers a tensor-parallel plan names, relative to the base model
+    (``layers.*`` of ``"layers.*.mlp.up_proj"``), in the plan's order.
+
+    >>> plan_stacks({"layers.*.self_attn.q_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"})
+    ['layers.*']
+    """
     stacks: list[str] = []
     for path in plan:
         tokens = path.split(".")
         if "*" in tokens:
             layers = ".".join(tokens[: tokens.index("*") + 1])
-            layers = f"{base}.{layers}" if base else layers
             if layers not in stacks:
                 stacks.append(layers)
-    if not stacks:
-        raise ScheduleError("recipes.from_model_plan", [Problem(
-            "", f"the base_model_tp_plan of model_type {model_type!r} names no repeated layers ('layers.*.…')",
-            "shard it with from_tp_plan(sch) and the other rewrites by hand")])
-    return _PlanRecipe(name=f"{model_type} (base_model_tp_plan)", model_types=(str(model_type),),
-                       stacks=tuple(Stack(layers) for layers in stacks),
-                       extra_tp=lambda sch: from_tp_plan(sch, plan))
+    return stacks
+
+
+def _norms_after(model: nn.Module, base: str, stacks: list[str]) -> tuple[str, ...]:
+    """The modules the model's ``base_model_pp_plan`` names after its repeated layers that
+    are norms (a module of its own parameters and no children: the final norm), as paths."""
+    config = config_of(model)
+    pp = getattr(model if config is None else config, "base_model_pp_plan", None) or {}
+    names = list(pp)
+    layers = stacks[0].removeprefix(f"{base}.").removesuffix(".*")
+    if layers not in names:
+        return ()
+    found = []
+    for name in names[names.index(layers) + 1:]:
+        path = f"{base}.{name}" if base else name
+        module = model.get_submodule(path) if _has(model, path) else None
+        if module is not None and not module._modules and any(True for _ in module.parameters(recurse=False)):
+            found.append(path)
+    return tuple(found)
+
+
+def _has(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 class _PlanRecipe(Recipe):
-    """A recipe made by :func:`from_model_plan`: it refuses ``sequence_parallel`` by name
-    (a Hugging Face plan does not say which modules may run on sequence shards)."""
+    """A recipe made by :func:`from_model_plan`: ``sequence_parallel`` is refused where the
+    plan names no single stack of layers to run on sequence shards (``sp`` is empty)."""
 
     def _check(self, sch: Schedule, knobs: Knobs) -> None:
         super()._check(sch, knobs)
-        if knobs.sequence_parallel:
+        if knobs.sequence_parallel and not self.sp:
             raise LayoutError(f"recipes.{self.name}", [Problem(
-                "", "sequence_parallel needs a recipe: a base_model_tp_plan does not say which modules may run "
-                    "on sequence shards", "drop sequence_parallel (--sp), or write a Recipe with its sp modules")])
+                "", "sequence_parallel needs one stack of repeated layers, and this base_model_tp_plan names "
+                    f"{len(self.stacks)}", "drop sequence_parallel (--sp), or write a Recipe with its sp modules")])
 
 
 #: Column- and row-wise layers (rows take a Megatron pair's split input, or split a whole one
