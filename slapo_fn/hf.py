@@ -53,6 +53,7 @@ __all__ = [
     "GATED_MLP_MODEL_TYPES",
     "HEAD_COUNT_ATTRS",
     "HEAD_DIM_ATTRS",
+    "HEAD_WIDTH_ATTRS",
     "HIDDEN_SIZE_ATTRS",
     "LAYER_COUNT_ATTRS",
     "PIPELINE_STAGES",
@@ -372,6 +373,9 @@ HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "nu
                     "num_kv_heads")
 #: Attention-module attributes that hold the size of one head (LLaMA/GPT-2, T5, BERT).
 HEAD_DIM_ATTRS = ("head_dim", "key_value_proj_dim", "attention_head_size")
+#: Attention-module attributes that hold the width of all its heads together (XGLM's
+#: ``reshape(bsz, tgt_len, self.embed_dim)`` merging them back; BERT's ``all_head_size``).
+HEAD_WIDTH_ATTRS = ("embed_dim", "all_head_size")
 #: Experts-module attributes that hold its number of experts (Mixtral, Qwen2/3-MoE, DeepSeek-V3, gpt-oss
 #: experts read ``num_experts`` in their forwards to size their per-expert tables).
 EXPERT_COUNT_ATTRS = ("num_experts",)

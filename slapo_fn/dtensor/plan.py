@@ -45,7 +45,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..errors import Problem
-from ..hf import HEAD_COUNT_ATTRS, HEAD_DIM_ATTRS, is_conv1d, mixes_tokens
+from ..hf import HEAD_COUNT_ATTRS, HEAD_DIM_ATTRS, HEAD_WIDTH_ATTRS, is_conv1d, mixes_tokens
 from ..rewrites._common import INSTALLED, contains
 from ..schedule import Schedule
 from ..tree import caller_path, child_names, get_module, join, split, uncalled, walk
@@ -1297,6 +1297,17 @@ def head_count_attrs(parent: nn.Module, out: int, packed: int) -> tuple[str, ...
     if head_dim is None:
         return ()
     return tuple(a for a in HEAD_COUNT_ATTRS if type(own.get(a)) is int and own[a] * head_dim * packed == out)
+
+
+def head_width_attrs(parent: nn.Module, out: int, packed: int) -> tuple[str, ...]:
+    """The attributes of ``parent`` (attention whose head counts :func:`head_count_attrs`
+    finds) that hold the width of all the heads of a block of a column of ``out`` output
+    features in ``packed`` blocks (XGLM's ``embed_dim``, read to merge the heads back):
+    build's copy makes them this rank's width with the counts."""
+    if not head_count_attrs(parent, out, packed):
+        return ()
+    own = vars(parent)
+    return tuple(a for a in HEAD_WIDTH_ATTRS if type(own.get(a)) is int and own[a] * packed == out)
 
 
 def _unadjusted_head_counts(parent: nn.Module, out: int, packed: int) -> tuple[str, ...]:

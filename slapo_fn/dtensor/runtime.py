@@ -42,6 +42,7 @@ from .plan import (
     _parent,
     _sharded_output,
     head_count_attrs,
+    head_width_attrs,
     implicit,
     param_dims,
     plan,
@@ -541,11 +542,11 @@ def _adjust_packed_parent(model: nn.Module, path: str, role: Role, rt: _Runtime)
 def _adjust_head_counts(model: nn.Module, path: str, role: Role, rt: _Runtime, adjusted: set[tuple[int, str]]) -> None:
     """The parent (attention) of a column module whose output stays sharded runs on this
     rank's heads: each of its attributes :func:`.plan.head_count_attrs` names becomes the
-    local count on build's copy."""
+    local count on build's copy, and each :func:`.plan.head_width_attrs` names the local width."""
     m = get_module(model, path)
     parent = get_module(model, _parent(path))
     out = int(vars(m)["nf"]) if is_conv1d(m) else int(getattr(m, "out_features", 0))
-    for attr in head_count_attrs(parent, out, role.packed):
+    for attr in (*head_count_attrs(parent, out, role.packed), *head_width_attrs(parent, out, role.packed)):
         key = (id(parent), attr)
         if key not in adjusted:
             object.__setattr__(parent, attr, vars(parent)[attr] // rt.size(role.mesh_axis))
