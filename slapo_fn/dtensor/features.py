@@ -255,6 +255,9 @@ def _walk(node: fx.Node, elementwise: Callable[[fx.Node], bool], start: At,
                 todo.append((use, at, block))
                 continue
             if use.op == "output":
+                if at.merged is not None:  # handed on with each rank's rows where the tokens were
+                    return Walk(apart, "the batch and the tokens merged into one dimension, returned so", ranked,
+                                inner)
                 continue
             if use.op == "call_module":
                 if through is not None:

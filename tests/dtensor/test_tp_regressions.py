@@ -597,6 +597,7 @@ CASES["sp-member-merged-tokens-regrouped"] = _flat(
 CASES["sp-member-merged-tokens-handed-to-a-block"] = _flat(code=TokenMix())
 CASES["sp-member-merged-tokens-viewed-by-its-own-size"] = _flat(
     back=lambda y, x: y.view(y.size(0), -1))
+CASES["sp-member-merged-tokens-returned-merged"] = _flat(back=lambda y, x: y)
 
 
 class Mixer(nn.Module):
@@ -692,6 +693,8 @@ EXPECTED = {
     "sp-member-merged-tokens-regrouped": _BOTH_LAYERS + "view(-1, 2, ...)",
     "sp-member-merged-tokens-handed-to-a-block": _BOTH_LAYERS + "code(...) on the batch and the tokens merged",
     "sp-member-merged-tokens-viewed-by-its-own-size": _BOTH_LAYERS + "view(..., -1)",
+    "sp-member-merged-tokens-returned-merged": _BOTH_LAYERS + "the batch and the tokens merged into one dimension, "
+                                                              "returned so",
     "sp-member-child-fx-cannot-trace": "refused: build: '0.code': runs on this rank's tokens in the "
                                        "sequence_parallel chain over 'tp' (as part of '0'), and its forward "
                                        "applies BranchyMix's forward (fx cannot trace it",
