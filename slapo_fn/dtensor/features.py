@@ -299,8 +299,8 @@ def _shape_of(use: fx.Node, value: fx.Node) -> bool:
 
 
 #: What the walk along the tokens follows while the batch and the tokens are merged (besides
-#: children): ops on each row alone, over its features.
-_PER_ROW = frozenset({"linear", "layer_norm", "rms_norm"})
+#: children): ops on each row alone, over its features (``rows @ w``, as :func:`_step` reads it).
+_PER_ROW = frozenset({"linear", "layer_norm", "rms_norm", "matmul"})
 
 
 def _merging(use: fx.Node, value: fx.Node, at: At) -> _Step | None:
@@ -333,8 +333,6 @@ def _merging(use: fx.Node, value: fx.Node, at: At) -> _Step | None:
         return _Step(at.merged[1] if back else _text(use))
     if name in _ELEMENTWISE or (name in _PER_ROW and use.args[0] is value):
         return None
-    if name == "matmul" and use.args[0] is value:
-        return None
     return _Step(_text(use))
 
 
@@ -344,8 +342,8 @@ def _viewed_back(use: fx.Node, merged: fx.Node) -> bool:
     if op_name(use) in ("view_as", "reshape_as"):
         return len(use.args) > 1 and use.args[1] is merged
     shape = _shape_arg(use)
-    if len(shape) == 1 and _whole_shape(shape[0]) is not None:
-        return _whole_shape(shape[0]) is merged
+    if len(shape) == 1 and (whole := _whole_shape(shape[0])) is not None:
+        return whole is merged
     n = len(shape)
     return n > 1 and all(_size_of(d, merged) in (i, i - n) for i, d in enumerate(shape))
 
@@ -367,11 +365,8 @@ def _size_of(d: Any, value: fx.Node) -> int | None:
         return None
     if d.op == "call_method" and op_name(d) == "size" and len(d.args) > 1 and d.args[0] is value:
         return d.args[1] if isinstance(d.args[1], int) else None
-    if d.op == "call_function" and op_name(d) == "getitem" and isinstance(d.args[0], fx.Node):
-        src = d.args[0]
-        read = (op_name(src) == "getattr" and len(src.args) > 1 and src.args[1] == "shape") or (
-            src.op == "call_method" and op_name(src) == "size" and len(src.args) == 1)
-        return d.args[1] if read and src.args[0] is value and isinstance(d.args[1], int) else None
+    if d.op == "call_function" and op_name(d) == "getitem" and len(d.args) > 1 and _whole_shape(d.args[0]) is value:
+        return d.args[1] if isinstance(d.args[1], int) else None
     return None
 
 
@@ -597,9 +592,9 @@ def _view(use: fx.Node, name: str, at: At) -> _Step:
     shape = _shape_arg(use)
     if not shape:
         return _Step(_text(use))
-    if len(shape) == 1 and _whole_shape(shape[0]) is not None:
+    if len(shape) == 1 and (whole := _whole_shape(shape[0])) is not None:
         # view(y.shape): to another tensor's shape, of a rank and sizes the trace does not hold
-        if _whole_shape(shape[0]) is use.args[0]:
+        if whole is use.args[0]:
             return _Step(at)  # its own: nothing moves
         return _Step(replace(at, rank=None, assumed=False) if at.feat == -1 else _text(use))
     last = shape[-1]
@@ -636,17 +631,7 @@ def _view(use: fx.Node, name: str, at: At) -> _Step:
 def _own_last_size(d: Any, value: Any, rank: int | None) -> bool:
     """Whether a view's size ``d`` is ``value``'s own last size: ``value.size(-1)``,
     ``value.shape[-1]`` (or its index ``rank - 1``)."""
-    if not isinstance(d, fx.Node) or not isinstance(value, fx.Node):
-        return False
-    last = (-1,) if rank is None else (-1, rank - 1)
-    if d.op == "call_method" and op_name(d) == "size" and len(d.args) > 1:
-        return d.args[0] is value and d.args[1] in last
-    if d.op == "call_function" and op_name(d) == "getitem" and isinstance(d.args[0], fx.Node) and len(d.args) > 1:
-        src = d.args[0]
-        read = (op_name(src) == "getattr" and len(src.args) > 1 and src.args[1] == "shape") or (
-            src.op == "call_method" and op_name(src) == "size" and len(src.args) == 1)
-        return read and src.args[0] is value and d.args[1] in last
-    return False
+    return isinstance(value, fx.Node) and _size_of(d, value) in ((-1,) if rank is None else (-1, rank - 1))
 
 
 def _size_read(d: Any) -> bool:

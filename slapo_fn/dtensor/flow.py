@@ -53,7 +53,7 @@ from .features import nodes_in as _nodes_in
 from .features import op_name as _op_name
 from .features import sizes_only as _sizes_only
 
-__all__ = ["INPUT", "OUTPUT", "SIDE", "Apart", "Flow", "flow", "pointwise"]
+__all__ = ["INPUT", "OUTPUT", "SIDE", "Apart", "Flow", "flow", "own_layer", "pointwise"]
 
 #: What reaches a child from the parent's first argument (the hidden states), and where the
 #: parent's result goes.
@@ -194,6 +194,12 @@ def pointwise(module: nn.Module) -> bool:
     return kind.__module__ in ("torch.nn.modules.activation", "transformers.activations")
 
 
+def own_layer(module: nn.Module, bases: tuple[type[nn.Module], ...]) -> bool:
+    """Whether ``module`` is one of PyTorch's layers ``bases`` running that layer's own
+    forward (a subclass with a forward of its own may compute anything)."""
+    return any(isinstance(module, base) and type(module).forward is base.forward for base in bases)
+
+
 class _Caller(nn.Module):
     """Calls ``inner`` with its first ``n`` positional arguments (fx cannot trace a root
     taking ``*args``/``**kwargs``, as Hugging Face decoder layers do) and the keywords of
@@ -319,9 +325,7 @@ def _known_rank(parent: nn.Module, prefix: str, node: fx.Node, depth: int = 0) -
         return None
     if node.op == "call_module" and str(node.target).startswith(prefix):
         child = parent.get_submodule(str(node.target)[len(prefix):])
-        kind = type(child)
-        same = pointwise(child) or is_conv1d(child) or any(
-            isinstance(child, base) and kind.forward is base.forward for base in _SAME_RANK)
+        same = pointwise(child) or is_conv1d(child) or own_layer(child, _SAME_RANK)
         return _known_rank(parent, prefix, first, depth + 1) if same else None
     if elementwise_op(node):
         tensors = [a for a in node.all_input_nodes if not _sizes_only(a)]

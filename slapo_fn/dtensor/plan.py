@@ -51,7 +51,7 @@ from ..schedule import Schedule
 from ..tree import caller_path, child_names, get_module, join, split, uncalled, walk
 from .experts import EXPERTS, Experts
 from .features import ASSUMED_RANK, Apart
-from .flow import INPUT, OUTPUT, SIDE, Flow, flow, pointwise
+from .flow import INPUT, OUTPUT, SIDE, Flow, flow, own_layer, pointwise
 from .layout import Layout, shard_axes
 from .local import LOCAL
 from .rng import RNG, RngSpec
@@ -1780,9 +1780,7 @@ def _tokens_alone(sch: Schedule, path: str, columns: set[str], gathered: set[str
     module = get_module(sch.module, path)
     if path in columns or path in gathered or mixes_tokens(module):
         return True
-    kind = type(module)
-    return not module._modules and (pointwise(module) or is_conv1d(module) or any(
-        isinstance(module, base) and kind.forward is base.forward for base in _PER_TOKEN))
+    return not module._modules and (pointwise(module) or is_conv1d(module) or own_layer(module, _PER_TOKEN))
 
 
 _UNREAD = "{}'s forward (fx cannot trace it, so what it does over the tokens is unknown)"

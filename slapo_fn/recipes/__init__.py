@@ -104,12 +104,13 @@ def from_model_plan(model: nn.Module) -> Recipe:
             "write a Recipe for the family (slapo_fn.recipes), or give the model a base_model_tp_plan "
             "(e.g. in its config.json) or pass one to from_tp_plan(sch, plan)")])
     base = _base(model)
-    stacks = [f"{base}.{layers}" if base else layers for layers in plan_stacks(plan)]
+    relative = plan_stacks(plan)
+    stacks = [f"{base}.{layers}" if base else layers for layers in relative]
     if not stacks:
         raise ScheduleError("recipes.from_model_plan", [Problem(
             "", f"the base_model_tp_plan of model_type {model_type!r} names no repeated layers ('layers.*.…')",
             "shard it with from_tp_plan(sch) and the other rewrites by hand")])
-    sp = tuple(stacks) + _norms_after(model, base, stacks) if len(stacks) == 1 else ()
+    sp = tuple(stacks) + _norms_after(model, base, relative[0]) if len(stacks) == 1 else ()
     return _PlanRecipe(name=f"{model_type} (base_model_tp_plan)", model_types=(str(model_type),),
                        stacks=tuple(Stack(layers) for layers in stacks), sp=sp,
                        extra_tp=lambda sch: from_tp_plan(sch, plan))
@@ -132,30 +133,30 @@ def plan_stacks(plan: Mapping[str, str]) -> list[str]:
     return stacks
 
 
-def _norms_after(model: nn.Module, base: str, stacks: list[str]) -> tuple[str, ...]:
-    """The modules the model's ``base_model_pp_plan`` names after its repeated layers that
-    are norms (a module of its own parameters and no children: the final norm), as paths."""
+def _norms_after(model: nn.Module, base: str, layers: str) -> tuple[str, ...]:
+    """The modules the model's ``base_model_pp_plan`` names after its repeated ``layers``
+    (``layers.*``, relative to the base model) that are norms (a module of its own
+    parameters and no children: the final norm), as paths."""
     config = config_of(model)
     pp = getattr(model if config is None else config, "base_model_pp_plan", None) or {}
     names = list(pp)
-    layers = stacks[0].removeprefix(f"{base}.").removesuffix(".*")
-    if layers not in names:
+    stack = layers.removesuffix(".*")
+    if stack not in names:
         return ()
     found = []
-    for name in names[names.index(layers) + 1:]:
+    for name in names[names.index(stack) + 1:]:
         path = f"{base}.{name}" if base else name
-        module = model.get_submodule(path) if _has(model, path) else None
+        module = _module_at(model, path)
         if module is not None and not module._modules and any(True for _ in module.parameters(recurse=False)):
             found.append(path)
     return tuple(found)
 
 
-def _has(model: nn.Module, path: str) -> bool:
+def _module_at(model: nn.Module, path: str) -> nn.Module | None:
     try:
-        model.get_submodule(path)
+        return model.get_submodule(path)
     except AttributeError:
-        return False
-    return True
+        return None
 
 
 class _PlanRecipe(Recipe):
