@@ -193,8 +193,11 @@ def _plan(sch: Schedule) -> Plan:
     entries = _chain_entries(sch)
 
     merged = _merged_tokens(sch) if seqs else {}
+    whole = _whole_in_chains(sch)
 
     def region(path: str) -> SeqSpec | None:
+        if _inside_any(whole, path):
+            return None  # runs on the whole sequence (its syncs gather and split it)
         for root in seq_roots:
             if root == path or contains(root, path):
                 spec, role = seqs[root], roles.get(path)
@@ -219,7 +222,8 @@ def _plan(sch: Schedule) -> Plan:
         role = roles.get(path)
         seq = region(path)
         partnered = bool(partners.get(path))
-        spec_syncs = _resolved_syncs(path, syncs.get(path, ()), roles.get(path), seqs, entries,
+        spec_syncs = _resolved_syncs(path, _whole_syncs(syncs.get(path, ()), whole.get(path)), roles.get(path),
+                                     seqs, entries,
                                      functools.partial(_stated_output, sch, path), partnered,
                                      functools.partial(_arriving_at, know, path),
                                      role is None and pointwise(get_module(sch.module, path)))
@@ -365,7 +369,7 @@ def _plan(sch: Schedule) -> Plan:
     # modules with parameters inside a sequence-parallel chain (norms): replicated, Partial gradients
     for root in seq_roots:
         for path, module in walk(get_module(sch.module, root), root):
-            if path in modules or path in roles:
+            if path in modules or path in roles or _inside_any(whole, path):
                 continue
             if any(p is not None for p in module._parameters.values()):
                 modules[path] = ModulePlan(path, seq=seqs[root], local_params=True)
@@ -1140,8 +1144,11 @@ def _gathers_inside_chains(sch: Schedule, p: Plan) -> list[Problem]:
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
     seqs: dict[str, SeqSpec] = sch.annotations.of_kind(SEQ)
     order = {q: i for i, q in enumerate(sch.paths())}
+    whole = _whole_in_chains(sch)
     problems = []
     for path, mp in p.modules.items():
+        if _inside_any(whole, path):
+            continue  # runs on the whole sequence: its own syncs gather it and split it back
         for s in mp.syncs:
             role = roles.get(path)
             member = (spec := seqs.get(path)) is not None and spec.mesh_axis == s.mesh_axis
@@ -1177,12 +1184,17 @@ def _gathers_inside_chains(sch: Schedule, p: Plan) -> list[Problem]:
             what = ("splits the sequence again inside the chain, which splits and gathers it" if token else
                     "gathers the sequence for this module alone, while what it feeds in the chain takes sequence "
                     "shards")
+            pair = ""
+            if path not in seqs and role is None:  # a module inside a member may run on the whole sequence
+                other = (f"'fwd_post', Shard({chain.seq_axis}), src=Replicate()" if s.mode == "fwd_pre"
+                         else f"'fwd_pre', Replicate(), src=Shard({chain.seq_axis})")
+                pair = f"; or, to run it on the whole sequence, pair it with sf.sync(sch, {path!r}, {other})"
             problems.append(Problem(
                 path,
                 f"has a {s.mode} sync to {_code(s.layout)} over {s.mesh_axis!r} inside the sequence_parallel chain: "
                 f"it {what}",
                 f"end the chain before {path!r} (leave it out of sf.sequence_parallel), or drop the sync (the chain "
-                "gathers at its last member)",
+                f"gathers at its last member){pair}",
             ))
             break
     return problems
@@ -1647,12 +1659,15 @@ def _attention_on_sequence_shards(sch: Schedule) -> list[Problem]:
     or by its traced code multiplying two activations (:attr:`.flow.Flow.attends`: a
     user's own ``Head`` with ``q @ k.transpose(-2, -1)``). Refused, naming the module."""
     roles = sch.annotations.of_kind(ROLE)
+    whole = _whole_in_chains(sch)
     problems = []
     for member, spec in sch.annotations.of_kind(SEQ).items():
         if not any(r.mesh_axis == spec.mesh_axis and r.kind == "column" and (q == member or contains(member, q))
                    for q, r in roles.items()):
             continue  # nothing in it gathers the sequence: _ungathered_chain_members names the member
         for path, module in walk(get_module(sch.module, member), member):
+            if _inside_any(whole, path):
+                continue  # runs on the whole sequence
             if not (mixes_tokens(module) or ((fl := _flow_of(sch, path)) is not None and fl.attends)):
                 continue
             gathered = any(r.mesh_axis == spec.mesh_axis and r.kind == "column" and contains(path, q)
@@ -1692,22 +1707,36 @@ def _code_over_the_sequence(sch: Schedule) -> list[Problem]:
     children's, following the sequence's dimension (:attr:`.flow.Flow.tokens`);
     attention is :func:`_attention_on_sequence_shards`'s. Refused, naming the op."""
     problems = []
+    whole = _whole_in_chains(sch)
     for member, spec in sorted(sch.annotations.of_kind(SEQ).items()):
-        found = _member_over_sequence(sch, member, spec, {})
+        entered: set[str] = set()
+        found = _member_over_sequence(sch, member, spec, {}, entered)
+        problems += [Problem(
+            q,
+            f"is to run on the whole sequence (its syncs gather its input along dimension {spec.seq_axis} and split "
+            f"its output back), but slapo_fn cannot tell that its input is this rank's share of the sequence in the "
+            f"chain over {spec.mesh_axis!r}: in the code of {_named(member)} it comes after a column-parallel layer "
+            "or a module that gathers the tokens (the whole sequence, which the sync would gather twice), from "
+            "elsewhere, or through code slapo_fn does not follow",
+            "sync a module that takes the chain's activation before any column-parallel layer, or drop these syncs",
+        ) for q in sorted(w for w in whole if contains(member, w) and w not in entered) if found is None]
         if found is not None:
             where, op = found
+            run_whole = (f", or run {where!r} on the whole sequence: sf.sync(sch, {where!r}, 'fwd_pre', "
+                         f"Replicate(), src=Shard({spec.seq_axis})) and sf.sync(sch, {where!r}, 'fwd_post', "
+                         f"Shard({spec.seq_axis}), src=Replicate())" if where != member else "")
             problems.append(Problem(
                 where,
                 f"runs on this rank's tokens in the sequence_parallel chain over {spec.mesh_axis!r} (as part of "
                 f"{_named(member)}), and its forward applies {op}, which would see only those tokens",
                 f"leave {member!r} out of sequence_parallel, or move that code into a module whose projections "
-                "are column-parallel (its input is then gathered along the sequence)",
+                f"are column-parallel (its input is then gathered along the sequence){run_whole}",
             ))
     return problems
 
 
-def _member_over_sequence(sch: Schedule, member: str, spec: SeqSpec, merged: dict[str, int]
-                          ) -> tuple[str, str] | None:
+def _member_over_sequence(sch: Schedule, member: str, spec: SeqSpec, merged: dict[str, int],
+                          entered: set[str] | None = None) -> tuple[str, str] | None:
     """:func:`_over_sequence` of a sequence-parallel chain member (``merged`` as there)."""
     if spec.seq_axis not in (0, 1):
         return None
@@ -1716,8 +1745,12 @@ def _member_over_sequence(sch: Schedule, member: str, spec: SeqSpec, merged: dic
     # as the runtime does: a column called by the member's own code gathers its own input, one
     # deeper has its caller (attention) gather it
     callers = {caller_path(sch.module, q) for q in columns}
+    whole = {q for q in _whole_in_chains(sch) if contains(member, q)}
+    rows = {q for q, r in sch.annotations.of_kind(ROLE).items() if r.kind in ("row", "vocab")
+            and r.mesh_axis == spec.mesh_axis and contains(member, q)}
     return _over_sequence(sch, member, spec.seq_axis, columns,
-                          {c for c in callers if c != member and contains(member, c)}, merged)
+                          {c for c in callers if c != member and contains(member, c)}, merged,
+                          (whole, set() if entered is None else entered, rows))
 
 
 def _merged_tokens(sch: Schedule) -> dict[str, int]:
@@ -1732,13 +1765,17 @@ def _merged_tokens(sch: Schedule) -> dict[str, int]:
 
 
 def _over_sequence(sch: Schedule, path: str, seq_axis: int, columns: set[str], gathered: set[str],
-                   merged: dict[str, int]) -> tuple[str, str] | None:
+                   merged: dict[str, int], whole: tuple[set[str], set[str], set[str]] = (set(), set(), set())
+                   ) -> tuple[str, str] | None:
     """The first module under ``path`` (itself included) whose code runs on a token shard
     and acts over the sequence, with the op; ``None`` where none does or it cannot be read.
     The layers handed the batch and the tokens merged (:attr:`.features.At.merged`) are
     noted in ``merged``, each with that dimension (counted from the end): only layers that
     act on each token alone may be, and a gathering parent may not (it gathers along
-    ``seq_axis``)."""
+    ``seq_axis``). ``whole``: the modules run on the whole sequence (:func:`_whole_in_chains`),
+    where to note those handed this rank's tokens at ``seq_axis`` (which their syncs gather:
+    from the parent's input, a row's reduce-scatter (the rows given third) or a gathering
+    parent holding such a row; not from a column, which hands on the whole sequence)."""
     module = get_module(sch.module, path)
     if _tokens_alone(sch, path, columns, gathered):
         return None  # its input is gathered whole, it is attention (_attention_on_sequence_shards), or known
@@ -1756,13 +1793,25 @@ def _over_sequence(sch: Schedule, path: str, seq_axis: int, columns: set[str], g
         return path, tokens.mixes
     for name, at, flat in tokens.reached:
         child = join(path, name)
-        if flat:
+        if child in whole[0]:
+            found = None
+            # what hands it this rank's tokens: the parent's input, a row's reduce-scatter, or a
+            # gathering parent (attention) whose own row scatters its output
+            stops = columns | gathered | whole[2]
+            scattered = whole[2] | {g for g in gathered if any(contains(g, r) for r in whole[2])}
+            origins = fl.hidden_feeders(name, functools.partial(_not_in, stops, path))
+            if flat or at != seq_axis - ASSUMED_RANK:
+                where = "merged with the batch" if flat else f"moved to dimension {at}"
+                found = path, f"{name}(...) on the tokens {where}, which its syncs would gather along {seq_axis}"
+            elif all(q == INPUT or join(path, q) in scattered for q in origins):
+                whole[1].add(child)
+        elif flat:
             found = None
             if child in gathered or not _tokens_alone(sch, child, columns, gathered):
                 found = path, f"{name}(...) on the batch and the tokens merged into one dimension"
             merged.setdefault(child, at)
         elif at == seq_axis - ASSUMED_RANK:  # the child is handed tokens where its own code reads them
-            found = _over_sequence(sch, child, seq_axis, columns, gathered, merged)
+            found = _over_sequence(sch, child, seq_axis, columns, gathered, merged, whole)
         elif _tokens_alone(sch, child, columns, gathered):
             found = None
         else:  # its code was read with the tokens elsewhere: what it does over them is unknown
@@ -1770,6 +1819,11 @@ def _over_sequence(sch: Schedule, path: str, seq_axis: int, columns: set[str], g
         if found is not None:
             return found
     return None
+
+
+def _not_in(paths: set[str], parent: str, name: str) -> bool:
+    """Whether ``parent``'s child ``name`` is not one of ``paths``."""
+    return join(parent, name) not in paths
 
 
 def _tokens_alone(sch: Schedule, path: str, columns: set[str], gathered: set[str]) -> bool:
@@ -2290,6 +2344,54 @@ def _partial_sources(sch: Schedule) -> list[Problem]:
                 ))
                 break
     return problems
+
+
+def _whole_in_chains(sch: Schedule) -> dict[str, SeqSpec]:
+    """The modules inside a sequence-parallel chain's member that run on the whole
+    sequence, each with its chain: a ``fwd_pre`` sync gathers its input (``Shard(s)`` to
+    ``Replicate()``, ``s`` the chain's ``seq_axis``) and a ``fwd_post`` sync splits its
+    output back (``Replicate()`` to ``Shard(s)``), as PyTorch's
+    ``PrepareModuleInputOutput`` does around a mixture-of-experts block whose routing
+    reads every token. The module then runs replicated: its parameters' gradients are
+    whole on every rank (no partial sums to reduce), and code over the tokens in it sees
+    all of them. Only a module with no role of its own, strictly inside a member, not
+    inside another such module; the two syncs' ``src`` may be left out."""
+    seqs: dict[str, SeqSpec] = sch.annotations.of_kind(SEQ)
+    roles = sch.annotations.of_kind(ROLE)
+    found: dict[str, SeqSpec] = {}
+    for path, specs in sorted(sch.annotations.of_kind(SYNC).items()):
+        member = next((r for r in seqs if contains(r, path) and r != path), None)
+        if member is None or path in roles:
+            continue
+        spec = seqs[member]
+        pre = [s for s in specs if s.mode == "fwd_pre" and s.mesh_axis == spec.mesh_axis]
+        post = [s for s in specs if s.mode == "fwd_post" and s.mesh_axis == spec.mesh_axis]
+        if (len(pre) == len(post) == 1 and isinstance(pre[0].layout, Replicate)
+                and (pre[0].src is None or _on_tokens(pre[0].src, spec)) and _on_tokens(post[0].layout, spec)
+                and (post[0].src is None or isinstance(post[0].src, Replicate))):
+            found[path] = spec
+    return {path: spec for path, spec in found.items() if not _inside_any(found, path, strictly=True)}
+
+
+def _on_tokens(layout: Placement, spec: SeqSpec) -> bool:
+    """Whether ``layout`` is the chain's sequence shard (``Shard(1)``, or ``Shard(-2)`` of a
+    3-D activation)."""
+    return isinstance(layout, Shard) and layout.dim in (spec.seq_axis, spec.seq_axis - ASSUMED_RANK)
+
+
+def _whole_syncs(specs: tuple[SyncSpec, ...], spec: SeqSpec | None) -> tuple[SyncSpec, ...]:
+    """The syncs of a module run whole (:func:`_whole_in_chains`) with their ``src`` filled
+    in: the chain's shard at the input, whole at the output."""
+    if spec is None:
+        return specs
+    fill = {"fwd_pre": Shard(spec.seq_axis), "fwd_post": Replicate()}
+    return tuple(replace(s, src=fill[s.mode]) if s.src is None and s.mode in fill and s.mesh_axis == spec.mesh_axis
+                 else s for s in specs)
+
+
+def _inside_any(paths: Iterable[str], path: str, strictly: bool = False) -> bool:
+    """Whether ``path`` is one of ``paths`` or inside one (``strictly``: inside only)."""
+    return any((q == path and not strictly) or contains(q, path) for q in paths)
 
 
 def _enters_chain_whole(path: str, role: Role | None, seqs: Mapping[str, SeqSpec], entries: Mapping[str, str]) -> bool:

@@ -62,6 +62,15 @@ def sequence_parallel(
     own tokens, so their gradients are all-reduced in backward (``Replicate``, like the
     parameters: an optimizer step needs no collective).
 
+    A module inside a member whose code reads every token (a mixture-of-experts block's
+    router, a cumulative sum over the sequence) can run on the whole sequence, as
+    PyTorch's ``PrepareModuleInputOutput`` does it: a ``fwd_pre`` sync gathers its input
+    and a ``fwd_post`` sync splits its output back (one all-gather forward, one backward).
+    It then runs replicated, and its parameters' gradients are whole on every rank::
+
+        sch = sf.sync(sch, "model.layers.*.mlp", "fwd_pre", Replicate(), src=Shard(1))
+        sch = sf.sync(sch, "model.layers.*.mlp", "fwd_post", Shard(1), src=Replicate())
+
     ``input_layout=Shard(seq_axis)`` states that what enters the chain is already split
     along the sequence (as PyTorch's ``input_layouts``): a vocab-parallel embedding whose
     output is reduce-scattered (``sf.sync(sch, "embed", "fwd_post", Shard(1))``), or a

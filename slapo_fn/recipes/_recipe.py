@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from torch import nn
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard as DShard
 
 from ..combinators import Rewrite, chain, foreach
@@ -56,6 +57,9 @@ class Stack:
     # outputs stay sharded and the rows' inputs arrive sharded, stated with sync
     sharded_outputs: tuple[str, ...] = ()
     sharded_inputs: tuple[str, ...] = ()
+    # modules that run on the whole sequence under sequence parallelism (a mixture-of-experts
+    # block, whose routing reads every token): their input is gathered, their output split back
+    whole: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,9 @@ class Recipe:
                 steps.append(foreach(stack.layers, block))
             if knobs.sequence_parallel:
                 steps.append(sequence_parallel.at(list(self.sp)))
+                steps += [foreach(stack.layers, sync.at(list(stack.whole), "fwd_pre", Replicate(), src=DShard(1))
+                                  >> sync.at(list(stack.whole), "fwd_post", DShard(1), src=Replicate()))
+                          for stack in self.stacks if stack.whole]
         layers = [p for stack in stacks for p in stack]
         chosen = _checkpointed(layers, knobs.checkpoint)
         if chosen:

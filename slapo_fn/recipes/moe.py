@@ -6,6 +6,9 @@ all-to-all (:func:`~slapo_fn.expert_parallel`) and, with ``tp > 1``, each expert
 The knobs are every recipe's (:class:`~slapo_fn.recipes.Knobs`) plus ``ep`` (the expert-
 parallel degree, over the mesh axis ``"ep"``) and ``expert_tp`` (split each expert over
 ``tp``; default on when ``tp > 1``). The router and its auxiliary loss are the model's own.
+With ``sequence_parallel``, the decoder layers and the final norm run on sequence shards,
+and each experts' block on the whole sequence: its input is gathered and its output split
+back, so the router reads every token, as without it.
 
 Example:
     >>> import slapo_fn as sf
@@ -65,9 +68,6 @@ class MoeRecipe(Recipe):
                                         f"is {names or 'missing'}",
                                     'sf.create_schedule(model, mesh=init_device_mesh("cpu", (ep, tp), '
                                     'mesh_dim_names=("ep", "tp")))'))
-        if overrides.get("sequence_parallel") or (knobs is not None and knobs.sequence_parallel):
-            problems.append(Problem("", f"sequence_parallel is not supported by the {self.name} recipe (the "
-                                        "experts take the whole sequence)", "drop sequence_parallel"))
         if problems:
             raise LayoutError(f"recipes.{self.name}", problems)
         sch = super().__call__(sch, knobs, **overrides)  # validates the common knobs (tp an int ≥ 1)
@@ -94,7 +94,10 @@ _NORMS = MappingProxyType({
 MIXTRAL = MoeRecipe(
     name="mixtral",
     model_types=("mixtral",),
-    stacks=(Stack("**.layers.*", MappingProxyType(dict(_ATTENTION))),),
+    # with sequence parallelism the experts' block runs on the whole sequence: its router
+    # reads every token (the input is gathered, the output split back, as torchtitan does)
+    stacks=(Stack("**.layers.*", MappingProxyType(dict(_ATTENTION)), whole=("mlp",)),),
+    sp=("**.layers.*", "**.norm"),
     kernels=_NORMS,
 )
 
@@ -108,7 +111,7 @@ QWEN2_MOE = replace(
         "mlp.shared_expert.gate_proj": COLUMN,
         "mlp.shared_expert.up_proj": COLUMN,
         "mlp.shared_expert.down_proj": ROW,
-    })),),
+    }), whole=("mlp",)),),
 )
 
 #: Qwen3-MoE: no shared expert; q and k normalised per head after the projections.
@@ -116,5 +119,6 @@ QWEN3_MOE = replace(
     MIXTRAL,
     name="qwen3_moe",
     model_types=("qwen3_moe",),
-    stacks=(Stack("**.layers.*", MappingProxyType(dict(_ATTENTION)), local=("self_attn.{q_norm,k_norm}",)),),
+    stacks=(Stack("**.layers.*", MappingProxyType(dict(_ATTENTION)), local=("self_attn.{q_norm,k_norm}",),
+                  whole=("mlp",)),),
 )

@@ -458,13 +458,14 @@ def _recipe(rank: int, world: int, family: str, how: str) -> dict[str, Any]:
     model = FAMILIES[family]()
     if how == "tp_plan":  # the model's own base_model_tp_plan, incl. packed_colwise and moe_tp_experts
         sch = sf.recipes.from_tp_plan(sf.create_schedule(model, mesh=mesh((world,), ("tp",))))
-    elif how == "recipe_tp":
-        sch = sf.recipes.for_model(model)(sf.create_schedule(model, mesh=mesh((world,), ("tp",))), tp=world)
+    elif how in ("recipe_tp", "recipe_tp_sp"):  # with SP, the experts' block runs on the whole sequence
+        sch = sf.recipes.for_model(model)(sf.create_schedule(model, mesh=mesh((world,), ("tp",))), tp=world,
+                                          sequence_parallel=how == "recipe_tp_sp")
     else:
         sch = sf.recipes.for_model(model)(sf.create_schedule(model, mesh=mesh((world,), ("ep",))), ep=world,
                                           checkpoint=1.0)
     built, ref = sf.build(sch), sf.build(sf.create_schedule(model))
-    x = ids()
+    x = ids(seq=8 if how == "recipe_tp_sp" else 7)  # sequence shards split evenly
     # CommDebugMode's module tracker hands each module its own alias of a viewed input, which
     # hides from the runtime that Qwen2-MoE's shared gate/up projections read one tensor
     with CountCollectives() as fwd:
@@ -485,7 +486,9 @@ def _recipe(rank: int, world: int, family: str, how: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("family", "how"), [("mixtral", "tp_plan"), ("qwen2_moe", "tp_plan"),
                                              ("qwen2_moe", "recipe_tp"), ("mixtral", "recipe_ep"),
-                                             ("qwen3_moe", "tp_plan"), ("qwen3_moe", "recipe_tp")])
+                                             ("qwen3_moe", "tp_plan"), ("qwen3_moe", "recipe_tp"),
+                                             ("mixtral", "recipe_tp_sp"), ("qwen2_moe", "recipe_tp_sp"),
+                                             ("qwen3_moe", "recipe_tp_sp")])
 @pytest.mark.dist
 def test_moe_recipes_and_hf_plans_match_the_single_process_model(dist2, family: str, how: str) -> None:
     for r in dist2.run(_recipe, family, how, timeout=150):
@@ -509,8 +512,6 @@ def test_hf_plan_and_recipe_agree_on_mixtral() -> None:
     assert sf.recipes.for_model(tiny_qwen2_moe()) is sf.recipes.QWEN2_MOE
     with pytest.raises(sf.LayoutError, match="ep=2 needs a mesh with an 'ep' axis of size 2"):
         sf.recipes.MIXTRAL(sf.create_schedule(model, mesh=fake_mesh(2)), ep=2)
-    with pytest.raises(sf.LayoutError, match="sequence_parallel is not supported by the mixtral recipe"):
-        sf.recipes.MIXTRAL(sf.create_schedule(model, mesh=fake_mesh(2)), tp=2, sequence_parallel=True)
     with pytest.raises(sf.SelectorError):  # a plan passed in must match the model
         sf.recipes.from_tp_plan(sf.create_schedule(model, mesh=fake_mesh(2)), {"layers.*.mlp.up_proj": "colwise"})
 

@@ -738,7 +738,14 @@ def plans(draw: Any, model: nn.Module) -> tuple[tuple[Any, ...], ...]:
         given = "S(1)" if draw(st.integers(0, 4)) == 0 else None
         if given and start and draw(st.booleans()):  # the module before states its output split
             ops.append(("sync", f"{prefix}{start - 1}", "fwd_post", "S(1)", None))
-        ops.append(("sp", tuple(f"{prefix}{i}" for i in range(start, end)), given))
+        members = tuple(f"{prefix}{i}" for i in range(start, end))
+        ops.append(("sp", members, given))
+        sharded = {op[1] for op in ops if op[0] == "shard"}
+        inner = [p for p in paths if any(p.startswith(f"{m}.") for m in members) and p not in sharded]
+        if inner and draw(st.integers(0, 4)) == 0:  # one module inside runs on the whole sequence
+            path = draw(st.sampled_from(inner))
+            ops.append(("sync", path, "fwd_pre", "R", draw(st.sampled_from([None, "S(1)"]))))
+            ops.append(("sync", path, "fwd_post", "S(1)", draw(st.sampled_from([None, "R"]))))
     if not ops:  # every case states something (a build without annotations is the plain model)
         if shardable:
             ops.append(("shard", draw(st.sampled_from(shardable))[0], draw(st.sampled_from([0, 1])), 1))
@@ -1285,6 +1292,21 @@ CLOSED: dict[str, Case] = {
     "row-across-parents-after-a-sync-keeping-the-split": _c(
         [Block("bert", hidden=8, bias=False, heads=2)], ("sync", "0.inter.dense", "fwd_post", "S(-1)", None),
         ("shard", "0.out.dense", 1, 1), ("shard", "0.inter.dense", 0, 1), dim=16),
+    # q run on the whole sequence inside attention that nothing gathers for: q's rows came
+    # back to this rank's tokens, and attention ran over them alone (wrong numbers); the first
+    # draw of modules run whole found it, before any build refused it
+    "whole-q-inside-ungathered-attention": _c(
+        [Block("attn", bias=False, heads=1, style="hf")], ("sp", ("0",), None), ("sync", "0.q", "fwd_pre", "R", None),
+        ("sync", "0.q", "fwd_post", "S(1)", None)),
+    # a module run whole after a column, which hands on the whole sequence: gathered again, it
+    # would see it twice; refused at build
+    "whole-after-a-column": _c(
+        [Block("mlp", hidden=8, residual=True)], ("shard", "0.fc1", 0, 1), ("shard", "0.fc2", 1, 1),
+        ("sp", ("0",), None), ("sync", "0.act", "fwd_pre", "R", "S(1)"), ("sync", "0.act", "fwd_post", "S(1)", "R")),
+    # before the column: equal
+    "whole-before-a-column": _c(
+        [Block("mlp", hidden=8, residual=True, norm=True)], ("shard", "0.fc1", 0, 1), ("shard", "0.fc2", 1, 1),
+        ("sp", ("0",), None), ("sync", "0.norm", "fwd_pre", "R", None), ("sync", "0.norm", "fwd_post", "S(1)", None)),
 }
 
 

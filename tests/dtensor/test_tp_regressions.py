@@ -505,6 +505,53 @@ CASES["sp-member-leaf-module-fx-cannot-trace"] = (
     lambda: nn.Sequential(SeqMixing(Branchy()), SeqMixing(lambda h: h)), _seq_mixing_sp, (X,))
 
 
+
+class TokenMixWithWeights(nn.Module):
+    """A user's own module with parameters whose code mixes the tokens (each token plus a
+    learned share of the running sum before it), as a router reading every token does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h + h.cumsum(1) * self.scale
+
+
+def _run_whole(path: str, gather: bool = True, split: bool = True,
+               srcs: bool = True) -> Callable[[sf.Schedule], sf.Schedule]:
+    """The fix the refusal of code over the sequence names: ``path`` runs on the whole
+    sequence, its input gathered by one sync and its output split back by another."""
+
+    def rewrite(s: sf.Schedule) -> sf.Schedule:
+        s = _seq_mixing_sp(s)
+        if gather:
+            s = sf.sync(s, path, "fwd_pre", Replicate(), **({"src": Shard(1)} if srcs else {}))
+        if split:
+            s = sf.sync(s, path, "fwd_post", Shard(1), **({"src": Replicate()} if srcs else {}))
+        return s
+
+    return rewrite
+
+
+def _mixing_layers() -> nn.Module:
+    return nn.Sequential(SeqMixing(TokenMixWithWeights()), SeqMixing(TokenMixWithWeights()))
+
+
+# a module run on the whole sequence inside a chain member: its parameters' gradients are whole
+# on every rank (summed over the ranks as a chain's norms are, they would count every token twice)
+CASES["sp-module-run-on-the-whole-sequence"] = (_mixing_layers, _run_whole("*.code"), (X,))
+CASES["sp-module-run-on-the-whole-sequence-srcs-left-out"] = (_mixing_layers, _run_whole("*.code", srcs=False),
+                                                              (X,))
+CASES["sp-leaf-run-on-the-whole-sequence"] = (
+    lambda: nn.Sequential(SeqMixing(TokenRoll()), SeqMixing(lambda h: h)), _run_whole("0.code"), (X,))
+CASES["sp-module-gathered-not-split-back"] = (_mixing_layers, _run_whole("*.code", split=False), (X,))
+CASES["sp-module-split-back-not-gathered"] = (_mixing_layers, _run_whole("*.code", gather=False), (X,))
+# a member itself: leaving it out of the chain is the same, and says so
+CASES["sp-member-run-on-the-whole-sequence"] = (_mixing_layers, _run_whole("0"), (X,))
+
 def _seq_first_sp(s: sf.Schedule) -> sf.Schedule:
     """The chain over (sequence, batch, features) activations: nn.Transformer's default layout."""
     return sf.sequence_parallel(sf.shard(sf.shard(s, "*.fc1", axis=0), "*.fc2", axis=1), ["0", "1"], seq_axis=0)
@@ -701,6 +748,13 @@ EXPECTED = {
     "sp-member-leaf-module-fx-cannot-trace": "refused: build: '0.code': runs on this rank's tokens in the "
                                              "sequence_parallel chain over 'tp' (as part of '0'), and its forward "
                                              "applies Branchy's forward (fx cannot trace it",
+    "sp-module-run-on-the-whole-sequence": "equal",
+    "sp-module-run-on-the-whole-sequence-srcs-left-out": "equal",
+    "sp-leaf-run-on-the-whole-sequence": "equal",
+    # the code over the tokens, and the lone sync
+    "sp-module-gathered-not-split-back": "refused: build: 4 problems | - '0.code': runs on this rank's tokens",
+    "sp-module-split-back-not-gathered": "refused: build: 4 problems | - '0.code': runs on this rank's tokens",
+    "sp-member-run-on-the-whole-sequence": "refused: build: 4 problems | - '0.code': runs on this rank's tokens",
     "sp-pairs-across-parents": "equal",
     "sp-pairs-across-parents-softmax-after-the-row": "refused: build: 2 problems | - '0.out': runs on this rank's "
                                                      "tokens",
@@ -963,3 +1017,24 @@ def test_a_layer_subclass_is_sharded_whole_only_where_it_computes_what_its_base_
     with pytest.raises(sf.LayoutError, match=r"'0': cannot shard a Llama4Router as a whole: it subclasses nn.Linear "
                                              r"with a forward of its own that computes more than a Linear"):
         sf.shard(sf.create_schedule(router, mesh=fake_mesh(2)), "0", axis=0)
+
+
+def _whole_counts(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    r = parity(_mixing_layers(), _run_whole("*.code"), (X,), shape=(world,), loss=_weighted)
+    return {"measured": {"forward": r["fwd"], "backward": r["bwd"]}, "predicted": r["predicted"],
+            "grads": {n: p for n, p in r["grad_placements"].items() if ".code." in n}}
+
+
+def test_a_module_run_on_the_whole_sequence_costs_what_the_plan_says(dist2) -> None:
+    """Each layer's ``code`` gathers the tokens (one all-gather) and splits its output back
+    (its gradient all-gathered in backward); its parameters' gradients are whole on every
+    rank, so only the norms' are all-reduced: measured as the plan predicts."""
+    for r in dist2.run(_whole_counts, timeout=120):
+        assert r["measured"] == r["predicted"], r
+        # forward: 2 gathers for code, 2 for fc1, 1 at the chain's exit; fc2 reduce-scatters.
+        # backward: code's split and fc2's scatter, and the chain's entry, all-gather; fc1's
+        # gather reduce-scatters; one all-reduce of the norms' gradients after backward
+        assert r["measured"] == {"forward": {"all_gather": 5, "reduce_scatter": 2},
+                                 "backward": {"all_gather": 5, "reduce_scatter": 2, "all_reduce": 1}}, r
+        assert set(r["grads"].values()) == {("R",)}, r["grads"]

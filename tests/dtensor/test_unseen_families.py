@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 from tp_checks import parity
 
 import slapo_fn as sf
@@ -705,14 +705,19 @@ def _clip_text() -> tuple[nn.Module, tuple[Any, ...], Plan]:
     return CLIPTextModel(cfg), (_ids(),), plan
 
 
-def _mixtral() -> tuple[nn.Module, tuple[Any, ...], Plan]:
-    """Mixtral with its attention sharded and its experts left whole."""
+def _mixtral(whole: bool = False) -> tuple[nn.Module, tuple[Any, ...], Plan]:
+    """Mixtral with its attention sharded and its experts left whole (``whole``: under SP,
+    the experts' block gathers the tokens and splits its output back, as torchtitan's
+    ``PrepareModuleInputOutput`` around its MoE)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     cfg = MixtralConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                         num_local_experts=4, num_experts_per_tok=2, **_lm_kw())
-    plan = sf.foreach("model.layers.*", sf.scope("self_attn", _column("q_proj", "k_proj", "v_proj") >> _row("o_proj")))
-    return MixtralForCausalLM(cfg), (_ids(),), plan
+    layer = sf.scope("self_attn", _column("q_proj", "k_proj", "v_proj") >> _row("o_proj"))
+    if whole:
+        layer = layer >> sf.sync.at("mlp", "fwd_pre", Replicate(), src=Shard(1)) >> sf.sync.at(
+            "mlp", "fwd_post", Shard(1), src=Replicate())
+    return MixtralForCausalLM(cfg), (_ids(),), sf.foreach("model.layers.*", layer)
 
 
 def _mpnet() -> tuple[nn.Module, tuple[Any, ...], Plan]:
@@ -964,9 +969,11 @@ CASES: dict[str, Case] = {
     "clip-text": Case(_clip_text, equal=True),
     "clip-text+sp": Case(_clip_text, ("encoder.layers.*",), equal=True),
     "mixtral": Case(_mixtral, equal=True),
-    # its experts' block flattens the batch and the tokens (view(-1, hidden)) and routes by
-    # code fx cannot trace: refused at build under SP
+    # its experts' block flattens the batch and the tokens (view(-1, hidden)) and hands them to
+    # its router and experts, whose code the walk cannot follow: refused at build under SP
     "mixtral+sp": Case(_mixtral, ("model.layers.*", "model.norm"), at_build=True),
+    # the fix its refusal names: the experts' block run on the whole sequence
+    "mixtral+sp-moe-whole": Case(lambda: _mixtral(whole=True), ("model.layers.*", "model.norm"), equal=True),
     "nemotron+sp": Case(_nemotron, ("model.layers.*", "model.norm"), equal=True),
 }
 
