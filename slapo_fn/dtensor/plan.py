@@ -111,6 +111,10 @@ class ModulePlan:
     #: The runtime refuses an output of another rank (a 2-D ``(batch, features)``), for which
     #: the reading (``softmax(1)`` over the sequence) would be wrong.
     read_as_3d: str = ""
+    #: a column inside a sequence-parallel chain whose parent gathers the sequence for more
+    #: than its columns (:func:`_shared_gathers`): the gather's gradient is this rank's slice of
+    #: a whole one, and the column enters the region itself (an all-reduce of its gradient)
+    shared_gather: bool = False
 
     @property
     def keeps_features(self) -> bool:
@@ -194,6 +198,8 @@ def _plan(sch: Schedule) -> Plan:
 
     merged = _merged_tokens(sch) if seqs else {}
     whole = _whole_in_chains(sch)
+    shared = _shared_gathers(sch) if seqs else frozenset()
+    gathering: set[str] = set()  # the shared gathering parents whose gather is counted
 
     def region(path: str) -> SeqSpec | None:
         if _inside_any(whole, path):
@@ -239,7 +245,16 @@ def _plan(sch: Schedule) -> Plan:
                 group = f"{_parent(path)} {ax} " + (_entry_key(sch, path) if pre is None else f"own {path}")
                 leader = group not in fused
                 fused.add(group)
-                if in_seq:
+                if in_seq and caller_path(sch.module, path) in shared and path not in seqs:
+                    # its parent gathers the sequence once for all that reads it (slicing the whole
+                    # gradient back), and each group of columns enters with an all-reduce of its own
+                    assert seq is not None
+                    first = caller_path(sch.module, path) not in gathering
+                    gathering.add(caller_path(sch.module, path))
+                    bounds.append(Boundary(path, "input", f"S({seq.seq_axis})", "R", ax,
+                                           ("all_gather",) if first else (), ()))
+                    bounds.append(Boundary(path, "input", "R", "R", ax, (), ("all_reduce",) if leader else ()))
+                elif in_seq:
                     assert seq is not None
                     bounds.append(
                         Boundary(
@@ -365,11 +380,19 @@ def _plan(sch: Schedule) -> Plan:
         )
         modules[path] = ModulePlan(path, role, seq, partnered, entry, exit_, spec_syncs, rngs.get(path), local,
                                    partners=partners.get(path, ()), entry_group=group,
-                                   split_input=role is not None and role.kind == "row" and split_input)
-    # modules with parameters inside a sequence-parallel chain (norms): replicated, Partial gradients
+                                   split_input=role is not None and role.kind == "row" and split_input,
+                                   shared_gather=role is not None and role.kind == "column" and path not in seqs
+                                   and caller_path(sch.module, path) in shared)
+    # modules with parameters inside a sequence-parallel chain (norms): replicated, Partial gradients;
+    # not inside a parent that gathers the sequence (an unsharded q beside sharded k and v): they
+    # run on all of it, so their gradients are whole, unless declared to run on this rank's heads
+    gatherers = set(_gathering_parents(sch)) if seqs else set()
+    declared = sch.annotations.of_kind(LOCAL)
     for root in seq_roots:
         for path, module in walk(get_module(sch.module, root), root):
             if path in modules or path in roles or _inside_any(whole, path):
+                continue
+            if path not in declared and _inside_any(gatherers, path, strictly=True):
                 continue
             if any(p is not None for p in module._parameters.values()):
                 modules[path] = ModulePlan(path, seq=seqs[root], local_params=True)
@@ -2344,6 +2367,41 @@ def _partial_sources(sch: Schedule) -> list[Problem]:
                 ))
                 break
     return problems
+
+
+def _gathering_parents(sch: Schedule) -> dict[str, set[str]]:
+    """The parents that gather the sequence inside sequence-parallel chains (the callers,
+    strictly inside a member, of columns over the chain's mesh axis: attention, as the
+    runtime installs them), each with the names of those columns under it."""
+    roles = sch.annotations.of_kind(ROLE)
+    seqs: dict[str, SeqSpec] = sch.annotations.of_kind(SEQ)
+    whole = _whole_in_chains(sch)
+    columns_of: dict[str, set[str]] = {}
+    for q, r in roles.items():
+        member = next((m for m, spec in seqs.items() if contains(m, q) and spec.mesh_axis == r.mesh_axis), None)
+        if r.kind != "column" or member is None or _inside_any(whole, q):
+            continue
+        parent = caller_path(sch.module, q)
+        if contains(member, parent):  # not the member's own code: each such column gathers its own input
+            columns_of.setdefault(parent, set()).add(q[len(parent) + 1:])
+    return columns_of
+
+
+def _shared_gathers(sch: Schedule) -> frozenset[str]:
+    """The gathering parents of sequence-parallel chains (the callers, strictly inside a
+    member, of columns over the chain's mesh axis: attention) whose gathered input reaches
+    more than those columns: a q left unsharded beside sharded k and v, or code of the
+    parent's own. The gradient that comes back to the gather then holds whole parts (the
+    unsharded modules', the same on every rank) beside the columns' partial sums, and a
+    reduce-scatter of it would count the whole parts once per rank. Such a parent gathers
+    with the gradient sliced instead, and its columns each enter with an all-reduce. Where
+    the parent's code cannot be traced, it is taken as shared (right, at that cost)."""
+    shared = set()
+    for parent, columns in _gathering_parents(sch).items():
+        fl = _flow_of(sch, parent)
+        if fl is None or not fl.consumers(INPUT, _through(sch, parent)) <= columns:
+            shared.add(parent)
+    return frozenset(shared)
 
 
 def _whole_in_chains(sch: Schedule) -> dict[str, SeqSpec]:

@@ -120,7 +120,7 @@ class _Runtime:
         self.after = grads_after_backward
         self.pending: dict[tuple[str, str], tuple[torch.Tensor, str]] = {}
         self.queued: int | None = None
-        self.entries: list[tuple[torch.Tensor, tuple[str, int | None, str], torch.Tensor]] | None = None
+        self.entries: list[tuple[torch.Tensor, tuple[str, int | None, str, bool], torch.Tensor]] | None = None
         # the other tensor arguments of parents that gathered their first one (see _gathering)
         self.sides: list[torch.Tensor] = []
 
@@ -200,7 +200,7 @@ class _Runtime:
 
         return run
 
-    def enter(self, x: torch.Tensor, name: str, seq: int | None, group: str) -> torch.Tensor:
+    def enter(self, x: torch.Tensor, name: str, seq: int | None, group: str, sliced: bool = False) -> torch.Tensor:
         """Enter the TP region once per input tensor within a pass: columns of one entry
         ``group`` (:attr:`.plan.ModulePlan.entry_group`: siblings the plan knows are called
         on one value) handed the same tensor share one entry, so autograd sums their input
@@ -210,14 +210,19 @@ class _Runtime:
         code; every rank runs the same module code, so every rank hits or misses alike.
         Anything else enters again: one more collective, the same numbers. Columns of
         different parents enter apart even on one tensor (T5's cross-attention k/v of every
-        decoder block read the encoder's output), as the plan counts them."""
+        decoder block read the encoder's output), as the plan counts them. ``sliced``: a
+        gather along ``seq`` whose gradient is whole on every rank (this rank's slice of it
+        comes back), where more than columns read what it gathers (:func:`.plan._shared_gathers`)."""
+        key = (name, seq, group, sliced)
         if self.entries is not None:
             for prev, prev_key, entered in self.entries:
-                if prev_key == (name, seq, group) and _same_tensor(prev, x):
+                if prev_key == key and _same_tensor(prev, x):
                     return entered
-        entered = C.enter(x, self.axis(name)) if seq is None else C.gather_rs(x, seq, self.axis(name))
+        axis = self.axis(name)
+        entered = (C.enter(x, axis) if seq is None else C.gather(x, seq, axis) if sliced
+                   else C.gather_rs(x, seq, axis))
         if self.entries is not None:
-            self.entries.append((x, (name, seq, group), entered))
+            self.entries.append((x, key, entered))
             del self.entries[:-_RECENT]
         return entered
 
@@ -344,7 +349,9 @@ def _column(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> Callabl
                 x = rt.enter(x, ax, None, group)
             elif member:
                 x = rt.enter(x, ax, seq, group)
-            elif any(_same_tensor(x, side) for side in rt.sides):  # the parent's other input: not gathered
+            elif mp.shared_gather or any(_same_tensor(x, side) for side in rt.sides):
+                # its parent gathered the input for more than its columns (its gradient sliced back),
+                # or this is the parent's other input (not gathered): the column enters itself
                 x = rt.enter(x, ax, None, group)
             w, b = _local(m.weight), _local(m.bias)  # type: ignore[arg-type]
             if conv:
@@ -603,9 +610,9 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
     _localise_replicated(model, sch, p)
     # sequence parallel: a column group's parent (attention, MLP) all-gathers its input along the
     # sequence, so that model code reading the input's shape (HF attention's view) sees the full length
-    for parent, (ax, seq_axis) in _sp_parents(model, p, gathers_own).items():
+    for parent, (ax, seq_axis, shared) in _sp_parents(model, p, gathers_own).items():
         pm = get_module(model, parent)
-        pm.forward = _gathering(rt, pm.forward, ax, seq_axis, parent)  # type: ignore[method-assign]
+        pm.forward = _gathering(rt, pm.forward, ax, seq_axis, parent, shared)  # type: ignore[method-assign]
     # a parent that runs on this rank's heads and fails on their shapes (a head count it takes
     # from its config, a fused projection it splits by full sizes) says so as a LayoutError
     for parent in sorted({caller_path(model, mp.path) for mp in p.modules.values()
@@ -767,28 +774,34 @@ def _explained(path: str, forward: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _sp_parents(model: nn.Module, p: Plan, members: set[str]) -> dict[str, tuple[str, int]]:
-    out: dict[str, tuple[str, int]] = {}
+def _sp_parents(model: nn.Module, p: Plan, members: set[str]) -> dict[str, tuple[str, int, bool]]:
+    """The gathering parents: each with its mesh axis, the sequence's dimension, and
+    whether more than its columns read what it gathers (:attr:`.plan.ModulePlan.shared_gather`)."""
+    out: dict[str, tuple[str, int, bool]] = {}
     for mp in p.modules.values():
         role, seq = mp.role, mp.seq
         if mp.path in members:
             continue  # a chain member gathers its own input
         if role is not None and role.kind == "column" and seq is not None and seq.mesh_axis == role.mesh_axis:
-            out.setdefault(caller_path(model, mp.path), (role.mesh_axis, seq.seq_axis))
+            out.setdefault(caller_path(model, mp.path), (role.mesh_axis, seq.seq_axis, mp.shared_gather))
     return out
 
 
-def _gathering(rt: _Runtime, forward: Callable[..., Any], ax: str, seq_axis: int, parent: str) -> Callable[..., Any]:
+def _gathering(rt: _Runtime, forward: Callable[..., Any], ax: str, seq_axis: int, parent: str,
+               shared: bool) -> Callable[..., Any]:
     """The parent of columns inside a chain member gathers its first tensor input (the
-    hidden states) along the sequence. Its other tensor inputs (a cross-attention's encoder
-    states) are noted: a column called on one of them enters the region itself (see
-    :func:`_column`), or its input gradient would stay a sum over this rank's heads."""
+    hidden states) along the sequence (``shared``: for more than its columns, its gradient
+    then sliced back, see :attr:`.plan.ModulePlan.shared_gather`). Its other tensor inputs
+    (a cross-attention's encoder states) are noted: a column called on one of them enters
+    the region itself (see :func:`_column`), or its input gradient would stay a sum over
+    this rank's heads."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         rt.sides += [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a is not first]
         del rt.sides[:-_RECENT]
-        args, kwargs = _map_input(args, kwargs, functools.partial(rt.enter, name=ax, seq=seq_axis, group=parent))
+        args, kwargs = _map_input(args, kwargs, functools.partial(rt.enter, name=ax, seq=seq_axis, group=parent,
+                                                                  sliced=shared))
         return forward(*args, **kwargs)
 
     return run

@@ -1292,6 +1292,14 @@ CLOSED: dict[str, Case] = {
     "row-across-parents-after-a-sync-keeping-the-split": _c(
         [Block("bert", hidden=8, bias=False, heads=2)], ("sync", "0.inter.dense", "fwd_post", "S(-1)", None),
         ("shard", "0.out.dense", 1, 1), ("shard", "0.inter.dense", 0, 1), dim=16),
+    # BERT's attention.self_ with only v sharded, under SP: it gathers the sequence for q and k
+    # too, and the reduce-scatter of the gradient came back summed their whole gradients over the
+    # ranks (and q's and k's weights had theirs all-reduced again): wrong gradients, silently.
+    # Found by the explore profile; the gather now slices the gradient back and v enters itself
+    "gather-shared-with-unsharded-q-k": _c(
+        [Block("bert", hidden=8, act="relu", heads=2)], ("shard", "0.attention.self_.v", 0, 1),
+        ("shard", "0.attention.output.dense", 1, 1), ("shard", "0.inter.dense", 0, 1), ("shard", "0.out.dense", 1, 1),
+        ("sp", ("0",), None)),
     # q run on the whole sequence inside attention that nothing gathers for: q's rows came
     # back to this rank's tokens, and attention ran over them alone (wrong numbers); the first
     # draw of modules run whole found it, before any build refused it
