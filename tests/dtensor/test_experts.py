@@ -23,6 +23,7 @@ import slapo_fn as sf
 from slapo_fn.dtensor.experts import EXPERTS, Experts, expert_costs
 from slapo_fn.dtensor.plan import plan
 from slapo_fn.dtensor.shard import LAYOUT
+from slapo_fn.dtensor.sync import SYNC
 from slapo_fn.dtensor.testing import fake_mesh
 
 VOCAB = 128
@@ -458,6 +459,9 @@ def _recipe(rank: int, world: int, family: str, how: str) -> dict[str, Any]:
     model = FAMILIES[family]()
     if how == "tp_plan":  # the model's own base_model_tp_plan, incl. packed_colwise and moe_tp_experts
         sch = sf.recipes.from_tp_plan(sf.create_schedule(model, mesh=mesh((world,), ("tp",))))
+    elif how == "plan_sp":  # as for a family without a recipe: its own plan, SP with the experts' block whole
+        sch = sf.recipes.from_model_plan(model)(sf.create_schedule(model, mesh=mesh((world,), ("tp",))), tp=world,
+                                                sequence_parallel=True)
     elif how in ("recipe_tp", "recipe_tp_sp"):  # with SP, the experts' block runs on the whole sequence
         sch = sf.recipes.for_model(model)(sf.create_schedule(model, mesh=mesh((world,), ("tp",))), tp=world,
                                           sequence_parallel=how == "recipe_tp_sp")
@@ -465,7 +469,7 @@ def _recipe(rank: int, world: int, family: str, how: str) -> dict[str, Any]:
         sch = sf.recipes.for_model(model)(sf.create_schedule(model, mesh=mesh((world,), ("ep",))), ep=world,
                                           checkpoint=1.0)
     built, ref = sf.build(sch), sf.build(sf.create_schedule(model))
-    x = ids(seq=8 if how == "recipe_tp_sp" else 7)  # sequence shards split evenly
+    x = ids(seq=8 if how.endswith("_sp") else 7)  # sequence shards split evenly
     # CommDebugMode's module tracker hands each module its own alias of a viewed input, which
     # hides from the runtime that Qwen2-MoE's shared gate/up projections read one tensor
     with CountCollectives() as fwd:
@@ -488,7 +492,8 @@ def _recipe(rank: int, world: int, family: str, how: str) -> dict[str, Any]:
                                              ("qwen2_moe", "recipe_tp"), ("mixtral", "recipe_ep"),
                                              ("qwen3_moe", "tp_plan"), ("qwen3_moe", "recipe_tp"),
                                              ("mixtral", "recipe_tp_sp"), ("qwen2_moe", "recipe_tp_sp"),
-                                             ("qwen3_moe", "recipe_tp_sp")])
+                                             ("qwen3_moe", "recipe_tp_sp"), ("mixtral", "plan_sp"),
+                                             ("qwen2_moe", "plan_sp")])
 @pytest.mark.dist
 def test_moe_recipes_and_hf_plans_match_the_single_process_model(dist2, family: str, how: str) -> None:
     for r in dist2.run(_recipe, family, how, timeout=150):
@@ -509,6 +514,14 @@ def test_hf_plan_and_recipe_agree_on_mixtral() -> None:
     assert {k: str(v) for k, v in by_plan.annotations.of_kind(LAYOUT).items()} == \
         {k: str(v) for k, v in by_recipe.annotations.of_kind(LAYOUT).items()}
     assert by_plan.annotations.of_kind(EXPERTS) == by_recipe.annotations.of_kind(EXPERTS)
+    # as a family without a recipe: the experts' block runs whole under SP, and the plan's
+    # entries for layers the model does not have (DeepSeek's and GLM's dense first layers) are skipped
+    model.config.base_model_tp_plan = {**model.config.base_model_tp_plan, "layers.*.mlp.gate_proj": "colwise"}
+    recipe = sf.recipes.from_model_plan(model)
+    assert recipe.stacks[0].whole == ("mlp",)
+    sch = recipe(sf.create_schedule(model, mesh=fake_mesh(2)), tp=2, sequence_parallel=True)
+    assert [str(s) for s in sch.annotations.get("model.layers.1.mlp", SYNC)] == [
+        "fwd_pre S(1)→R@tp (all_gather)", "fwd_post R→S(1)@tp (local)"]
     assert sf.recipes.for_model(tiny_qwen2_moe()) is sf.recipes.QWEN2_MOE
     with pytest.raises(sf.LayoutError, match="ep=2 needs a mesh with an 'ep' axis of size 2"):
         sf.recipes.MIXTRAL(sf.create_schedule(model, mesh=fake_mesh(2)), ep=2)
