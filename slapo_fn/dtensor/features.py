@@ -309,8 +309,9 @@ def _merging(use: fx.Node, value: fx.Node, at: At) -> _Step | None:
     x.size(-1))`` around its MLP, and ``.view(shape)`` back): each row is then a token,
     and on this rank's rows code acting on each row alone is right, as the whole would
     be. Merged, the walk follows only such code, and the view back to the merged value's
-    own shape; anything else is what mixes. ``None``: ``use`` is no such step (the walk
-    reads it as any other op)."""
+    own shape; anything else is what mixes. An op over one dimension (``cumsum(-1)``) is
+    left to :func:`_step`, which finds whether that is the rows'. ``None``: ``use`` is no
+    such step (the walk reads it as any other op)."""
     if use.op not in ("call_function", "call_method"):
         return None
     name = op_name(use)
@@ -333,7 +334,13 @@ def _merging(use: fx.Node, value: fx.Node, at: At) -> _Step | None:
         return _Step(at.merged[1] if back else _text(use))
     if name in _ELEMENTWISE or (name in _PER_ROW and use.args[0] is value):
         return None
+    if name in _OVER_DIM and name not in _JOINING and use.args[0] is value:
+        return None  # over one dimension (a softmax, a cumsum): _step reads whether it is the rows'
     return _Step(_text(use))
+
+
+#: Ops of :data:`_OVER_DIM` that add a dimension or join tensors: on merged rows, not followed.
+_JOINING = frozenset({"cat", "concat", "concatenate", "stack", "unsqueeze"})
 
 
 def _viewed_back(use: fx.Node, merged: fx.Node) -> bool:

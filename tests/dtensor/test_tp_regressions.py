@@ -639,6 +639,11 @@ CASES["sp-member-mlp-on-merged-tokens-viewed-back-as-another"] = _flat(
     back=lambda y, x: y.view_as(x).transpose(0, 1).reshape(x.shape))
 # refused: merged, code over the rows, a view that regroups them, a module that is not per token
 CASES["sp-member-merged-tokens-softmax-over-the-rows"] = _flat(code=lambda h: h.softmax(0))
+CASES["sp-member-merged-tokens-cumsum-over-the-rows"] = _flat(code=lambda h: h.cumsum(-2))
+# over each row's features: right on this rank's rows (refused before, as if over the rows)
+CASES["sp-member-merged-tokens-cumsum-over-each-row"] = _flat(code=lambda h: h.cumsum(-1))
+CASES["sp-member-merged-tokens-softmax-over-each-row"] = _flat(code=lambda h: h * h.softmax(1))
+CASES["sp-member-merged-tokens-mean-over-each-row"] = _flat(code=lambda h: h - h.mean(-1, keepdim=True))
 CASES["sp-member-merged-tokens-regrouped"] = _flat(
     back=lambda y, x: y.view(-1, 2, x.shape[-1]).flip(1).reshape(x.shape))
 CASES["sp-member-merged-tokens-handed-to-a-block"] = _flat(code=TokenMix())
@@ -738,6 +743,10 @@ EXPECTED = {
     "sp-member-mlp-on-merged-tokens-viewed-back-as-another": _BOTH_LAYERS + "reshape(...)",
     "sp-member-merged-tokens-softmax-over-the-rows": _BOTH_LAYERS + "softmax(dim=0)",
     "sp-member-merged-tokens-regrouped": _BOTH_LAYERS + "view(-1, 2, ...)",
+    "sp-member-merged-tokens-cumsum-over-the-rows": _BOTH_LAYERS + "cumsum(dim=-2)",
+    "sp-member-merged-tokens-cumsum-over-each-row": "equal",
+    "sp-member-merged-tokens-softmax-over-each-row": "equal",
+    "sp-member-merged-tokens-mean-over-each-row": "equal",
     "sp-member-merged-tokens-handed-to-a-block": _BOTH_LAYERS + "code(...) on the batch and the tokens merged",
     "sp-member-merged-tokens-viewed-by-its-own-size": _BOTH_LAYERS + "view(..., -1)",
     "sp-member-merged-tokens-returned-merged": _BOTH_LAYERS + "the batch and the tokens merged into one dimension, "
