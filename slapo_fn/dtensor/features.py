@@ -40,7 +40,7 @@ from typing import Any
 import torch.fx as fx
 
 __all__ = ["ASSUMED_RANK", "Apart", "At", "Tokens", "Walk", "along_features", "along_tokens", "elementwise_op",
-           "metadata", "nodes_in", "sizes_only"]
+           "head_operands", "metadata", "nodes_in", "sizes_only"]
 
 #: The rank a traced value is taken to have where nothing in the trace says: a parent's
 #: arguments and its children's outputs are hidden states ``(batch, sequence, features)``.
@@ -211,6 +211,75 @@ def along_tokens(node: fx.Node, elementwise: Callable[[fx.Node], bool], seq_axis
     start = At(feat=seq_axis - ASSUMED_RANK)
     walked = _walk(node, elementwise, start, through=lambda use, at: _reach(use, at, child, tensor, reached))
     return Tokens(walked.mixes, tuple((name, *where) for name, where in reached.items()))
+
+
+def head_operands(node: fx.Node, elementwise: Callable[[fx.Node], bool]) -> dict[str, int]:
+    """The parent's arguments that its code combines, element by element, with the heads
+    a child's output (``node``) is viewed into: each placeholder's name with the
+    dimension (counted from the end, as broadcasting aligns them) that meets the heads.
+    MPT adds its ALiBi bias, built for every head by the model and handed to each
+    attention, to the scores ``q @ k.transpose(-1, -2)``: on this rank's heads the bias
+    must be this rank's share of it too. Followed from each view into heads (after a
+    split into blocks too) through moves, elementwise ops and batched products, to a
+    view merging the heads back; an operand is traced back to an argument through slices
+    (no dimension added or dropped) and casts."""
+    found: dict[str, int] = {}
+    todo: list[tuple[fx.Node, At, bool]] = [(node, At(), False)]
+    seen: set[fx.Node] = set()
+    while todo:
+        value, at, heads = todo.pop()
+        if value in seen:
+            continue
+        seen.add(value)
+        users = [u for u in value.users if not metadata(u)]
+        for use in users:
+            if use.op == "call_module":
+                if elementwise(use) and not heads:
+                    todo.append((use, at, heads))
+                continue
+            if use.op not in ("call_function", "call_method"):
+                continue
+            name = op_name(use)
+            if heads and at.rank is not None and (name in _ELEMENTWISE or name == "scaled_dot_product_attention"):
+                for arg in nodes_in((use.args, use.kwargs)):
+                    source = _argument_of(arg) if arg is not value else None
+                    if source is not None:
+                        found.setdefault(str(source.target), at.feat)
+                if name == "scaled_dot_product_attention":
+                    continue
+            step = _step(use, value, at, alone=len(users) == 1)
+            if isinstance(step.then, Apart):
+                if step.then.kind == "blocks" and name in _SPLITS and not heads:
+                    todo.append((use, replace(at, items=True), False))
+                elif step.then.kind == "heads" and not heads and at.rank is not None and step.then.dims:
+                    # the features become len(dims) dimensions, the heads first of them
+                    width = len(step.then.dims)
+                    todo.append((use, At(at.rank - 1 + width, -width, assumed=False), True))
+            elif isinstance(step.then, At) and (not heads or step.then.rank is not None):
+                todo.append((use, step.then, heads))
+    return found
+
+
+#: Ops an operand goes through on its way from an argument and keeps its dimensions.
+_KEEPING = frozenset({"to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous", "clone",
+                      "detach"})
+
+
+def _argument_of(node: fx.Node) -> fx.Node | None:
+    """The placeholder ``node`` is, or comes from through slices and casts; else ``None``."""
+    while node.op != "placeholder":
+        if node.op not in ("call_function", "call_method") or not node.args or not isinstance(node.args[0], fx.Node):
+            return None
+        name = op_name(node)
+        if name == "getitem":
+            index = node.args[1]
+            parts = index if isinstance(index, tuple) else (index,)
+            if not all(isinstance(p, slice) or p is Ellipsis for p in parts):
+                return None
+        elif name not in _KEEPING:
+            return None
+        node = node.args[0]
+    return node
 
 
 def _reach(use: fx.Node, at: At, child: Callable[[fx.Node], str | None], tensor: Callable[[str], bool],

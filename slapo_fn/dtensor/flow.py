@@ -47,7 +47,7 @@ from torch import nn
 from ..hf import is_conv1d
 from ..tree import uncalled
 from .features import ASSUMED_RANK as _ASSUMED_RANK
-from .features import Apart, At, Tokens, along_features, along_tokens, elementwise_op
+from .features import Apart, At, Tokens, along_features, along_tokens, elementwise_op, head_operands
 from .features import metadata as _metadata
 from .features import nodes_in as _nodes_in
 from .features import op_name as _op_name
@@ -108,6 +108,10 @@ class Flow:
     # the parent's own plain attributes its traced forward read (``self.num_heads``): a head
     # count it never reads sizes none of its views
     attrs: frozenset[str] = frozenset()
+    # the parent's arguments its code combines, element by element, with the heads its children's
+    # outputs are viewed into (MPT's ALiBi bias, built for every head), each with the dimension,
+    # counted from the end, that meets the heads (:func:`.features.head_operands`)
+    per_head: Mapping[str, int] = field(default_factory=dict)
 
     def same_input(self, a: str, b: str) -> bool:
         """Whether children ``a`` and ``b`` are called on the very same tensor (q/k/v on the
@@ -516,6 +520,7 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
     handed: dict[str, frozenset[str]] = {}
     output: frozenset[str] = frozenset()
     leaves: tuple[frozenset[str], ...] = ()
+    per_head: dict[str, int] = {}
     attends = False
     # a pointwise child called more than once (T5's one dropout after the embedding and after the
     # final norm) is traced as the code it is: one name for both calls would feed the first
@@ -561,6 +566,12 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
                     mixes[name] = walked.mixes
                 elif walked.ranked is not None:
                     ranked[name] = walked.ranked
+                if name in apart or name in inner:
+                    for target, dim in head_operands(node, functools.partial(_pointwise_call, parent,
+                                                                             prefix)).items():
+                        index = int(target[1:]) if target[1:].isdigit() else -1  # a0..a3: its parameters
+                        if 0 <= index < len(params):
+                            per_head.setdefault(params[index].name, dim)
         elif node.op == "output":
             # (hidden states, attention weights, cache): the first is the result; older Hugging Face
             # modules return (attention_output,) + self_outputs[1:], a tuple concatenated
@@ -576,7 +587,7 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
     found = Flow(MappingProxyType(feeds), output, frozenset(reads), MappingProxyType(first), MappingProxyType(apart),
                  leaves, MappingProxyType(hidden), MappingProxyType(handed), MappingProxyType(mixes), attends,
                  MappingProxyType(ranked), _tokens(graph, parent, prefix, one), MappingProxyType(inner),
-                 frozenset(read))
+                 frozenset(read), MappingProxyType(per_head))
     return found, read
 
 

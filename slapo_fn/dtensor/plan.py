@@ -539,6 +539,14 @@ def _stated_output(sch: Schedule, path: str, axis: str) -> Placement | None:
     return stated[-1] if stated else _stated_output(sch, child, axis)
 
 
+def per_head_operands(sch: Schedule, parent: str) -> Mapping[str, int]:
+    """The arguments of the module at ``parent`` that its code adds to its heads (a
+    per-head bias), each with the dimension that meets them (:attr:`.flow.Flow.per_head`);
+    empty where it adds none or cannot be traced."""
+    fl = _flow_of(sch, parent)
+    return {} if fl is None else fl.per_head
+
+
 def _flow_of(sch: Schedule, parent: str) -> Flow | None:
     """The data flow among the children of the module at ``parent``, traced with the values
     the module that calls it hands it (cached by :func:`.flow.flow`; within one
@@ -1695,7 +1703,8 @@ def _attention_on_sequence_shards(sch: Schedule) -> list[Problem]:
                 continue
             gathered = any(r.mesh_axis == spec.mesh_axis and r.kind == "column" and contains(path, q)
                            for q, r in roles.items())
-            if path == member and gathered:
+            if path == member and gathered and not any(mixes_tokens(c) for c in module.modules() if c is not module):
+                # (a block holding attention, with a head count of its own as MPT's, is no attention)
                 problems.append(Problem(
                     path,
                     f"is attention and itself a member of the sequence_parallel chain over {spec.mesh_axis!r}: "

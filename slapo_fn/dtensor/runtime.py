@@ -11,6 +11,7 @@ read the same one).
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -45,6 +46,7 @@ from .plan import (
     head_width_attrs,
     implicit,
     param_dims,
+    per_head_operands,
     plan,
     refusals,
 )
@@ -615,9 +617,15 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
         pm.forward = _gathering(rt, pm.forward, ax, seq_axis, parent, shared)  # type: ignore[method-assign]
     # a parent that runs on this rank's heads and fails on their shapes (a head count it takes
     # from its config, a fused projection it splits by full sizes) says so as a LayoutError
+    heads_of = {caller_path(model, mp.path): mp.role.mesh_axis for mp in p.modules.values()
+                if mp.keeps_features and mp.role is not None}
     for parent in sorted({caller_path(model, mp.path) for mp in p.modules.values()
                           if mp.role is not None and mp.role.kind == "column" and mp.partnered}):
         pm = get_module(model, parent)
+        operands = per_head_operands(sch, parent) if parent in heads_of else {}
+        counts = _head_counts(get_module(sch.module, parent), pm, rt.size(heads_of[parent])) if operands else None
+        if operands and counts is not None:
+            pm.forward = _per_head(rt, parent, pm, operands, heads_of[parent], *counts)  # type: ignore[method-assign]
         pm.forward = _explained(parent, pm.forward)  # type: ignore[method-assign]
     # one pass per forward of the root, and of each parent of column modules (see _Runtime.scoped)
     column_parents = {caller_path(model, mp.path) for mp in p.modules.values()
@@ -746,6 +754,62 @@ def _read_as_3d(mp: ModulePlan, forward: Callable[..., Any]) -> Callable[..., An
                 "the whole input), or leave it unsharded",
             )])
         return out
+
+    return run
+
+
+#: Attributes that count an attention's query heads (not its key/value groups).
+_QUERY_HEADS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
+
+
+def _head_counts(original: nn.Module, local: nn.Module, size: int) -> tuple[int, int] | None:
+    """An attention's whole and local head counts: the first query-head count among its
+    attributes, as the model has it and as build made it this rank's; ``None`` where it
+    has none, or build did not make it local."""
+    for attr in _QUERY_HEADS:
+        whole, mine = vars(original).get(attr), vars(local).get(attr)
+        if isinstance(whole, int) and isinstance(mine, int):
+            return (whole, mine) if whole == mine * size and size > 1 else None
+    return None
+
+
+def _per_head(rt: _Runtime, path: str, module: nn.Module, operands: Mapping[str, int], ax: str, whole: int,
+              local: int) -> Callable[..., Any]:
+    """``module``'s forward, running on this rank's ``local`` of its ``whole`` heads, with each
+    argument its code adds to the heads (:func:`.plan.per_head_operands`: MPT's ALiBi bias,
+    built by the model for every head) cut to this rank's heads along the dimension that
+    meets them. One of size 1 there broadcasts over the heads (a mask), and one already of
+    ``local`` heads is this rank's: both pass as they are. A learned one (it requires a
+    gradient) is refused: its gradient would have to be gathered over the heads."""
+    forward = module.forward
+    names = [q.name for q in list(inspect.signature(type(module).forward).parameters.values())[1:]
+             if q.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    rank = rt.mesh.get_local_rank(rt.dims.index(ax))
+
+    def cut(name: str, dim: int, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.dim() < -dim or x.shape[dim] in (1, local):
+            return x
+        if x.shape[dim] != whole or x.requires_grad:
+            why = ("is learned (it requires a gradient), which would have to be gathered over the heads"
+                   if x.shape[dim] == whole else f"has {x.shape[dim]} there, neither 1, this rank's {local} nor "
+                   f"all {whole} heads")
+            raise LayoutError("tensor parallel forward", [Problem(
+                path,
+                f"runs on this rank's {local} of its {whole} heads and adds its argument {name!r} to them; that "
+                f"argument, of shape {tuple(x.shape)}, meets the heads at dimension {dim} and {why}",
+                "keep this module's projections unsharded, or gather their outputs: "
+                "sf.sync(sch, '<column>', 'fwd_post', Replicate())",
+            )])
+        return x.narrow(dim, rank * local, local)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        given = list(args)
+        for name, dim in operands.items():
+            if name in kwargs:
+                kwargs[name] = cut(name, dim, kwargs[name])
+            elif name in names and names.index(name) < len(given):
+                given[names.index(name)] = cut(name, dim, given[names.index(name)])
+        return forward(*given, **kwargs)
 
     return run
 

@@ -552,6 +552,68 @@ CASES["sp-module-split-back-not-gathered"] = (_mixing_layers, _run_whole("*.code
 # a member itself: leaving it out of the chain is the same, and says so
 CASES["sp-member-run-on-the-whole-sequence"] = (_mixing_layers, _run_whole("0"), (X,))
 
+
+class BiasedHeads(nn.Module):
+    """Attention that adds a bias per head, handed in by its caller, to its scores (MPT's
+    ALiBi: the model builds it for every head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = 2, 4
+        self.q, self.k, self.v, self.o = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, self.num_heads, self.head_dim).transpose(1, 2) for t in (self.q(x), self.k(x),
+                                                                                         self.v(x)))
+        att = (q @ k.transpose(-1, -2) + bias[:, -s:, -s:]).softmax(-1)
+        return self.o((att @ v).transpose(1, 2).reshape(b, s, -1))
+
+
+class WithSlopes(nn.Module):
+    """A block that builds a bias per head from slopes (a buffer, or ``learned``) and hands
+    it to its attention."""
+
+    def __init__(self, learned: bool) -> None:
+        super().__init__()
+        self.attn = BiasedHeads()
+        slopes = torch.tensor([0.5, 0.25]).view(2, 1, 1)
+        if learned:
+            self.slopes = nn.Parameter(slopes)
+        else:
+            self.register_buffer("slopes", slopes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.shape[1]
+        return x + self.attn(x, self.slopes * -torch.arange(s, dtype=x.dtype).view(1, 1, s))
+
+
+class OwnSlopes(BiasedHeads):
+    """The bias per head built by the attention itself from a buffer of its own: on this
+    rank's one head, it broadcasts to both, and the attention hands its row all 8 features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("slopes", torch.tensor([0.5, 0.25]).view(2, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        s = x.shape[1]
+        return x + super().forward(x, self.slopes * -torch.arange(s, dtype=x.dtype).view(1, 1, s))
+
+
+def _biased_attention(s: sf.Schedule) -> sf.Schedule:
+    s = sf.shard(s, ["0.attn.q", "0.attn.k", "0.attn.v"], axis=0)
+    return sf.shard(s, "0.attn.o", axis=1)
+
+
+# the bias for both heads met this rank's one: a raw shape error from the model's code before
+CASES["attention-bias-per-head-from-the-caller"] = (lambda: nn.Sequential(WithSlopes(False)), _biased_attention, (X,))
+CASES["attention-bias-per-head-learned"] = (lambda: nn.Sequential(WithSlopes(True)), _biased_attention, (X,))
+# equal loss and wrong gradients, with no error, before the row refused a whole-width input
+CASES["attention-bias-of-its-own-per-head"] = (
+    lambda: nn.Sequential(OwnSlopes()), lambda s: sf.shard(sf.shard(s, ["0.q", "0.k", "0.v"], axis=0), "0.o", axis=1),
+    (X,))
+
 def _seq_first_sp(s: sf.Schedule) -> sf.Schedule:
     """The chain over (sequence, batch, features) activations: nn.Transformer's default layout."""
     return sf.sequence_parallel(sf.shard(sf.shard(s, "*.fc1", axis=0), "*.fc2", axis=1), ["0", "1"], seq_axis=0)
@@ -764,6 +826,12 @@ EXPECTED = {
     "sp-module-gathered-not-split-back": "refused: build: 4 problems | - '0.code': runs on this rank's tokens",
     "sp-module-split-back-not-gathered": "refused: build: 4 problems | - '0.code': runs on this rank's tokens",
     "sp-member-run-on-the-whole-sequence": "refused: build: 4 problems | - '0.code': runs on this rank's tokens",
+    "attention-bias-per-head-from-the-caller": "equal",
+    "attention-bias-per-head-learned": "refused: tensor parallel forward: '0.attn': runs on this rank's 1 of its 2 "
+                                       "heads and adds its argument 'bias' to them; that argument, of shape (2, 1, 4), "
+                                       "meets the heads at dimension -3 and is learned",
+    "attention-bias-of-its-own-per-head": "refused: tensor parallel forward: '0.o': takes this rank's 4 of the 8 "
+                                          "features",
     "sp-pairs-across-parents": "equal",
     "sp-pairs-across-parents-softmax-after-the-row": "refused: build: 2 problems | - '0.out': runs on this rank's "
                                                      "tokens",
