@@ -305,11 +305,14 @@ def _walk(node: fx.Node, elementwise: Callable[[fx.Node], bool], start: At,
     # each value with where its tracked dimension is, and whether it is a block of the output
     todo: list[tuple[fx.Node, At, bool]] = [(node, start, False)]
     seen: set[fx.Node] = set()
+    split_last: set[fx.Node] = set()  # values followed with the tracked dimension last
     while todo:
         value, at, block = todo.pop()
         if value in seen:
             continue
         seen.add(value)
+        if at.feat == -1 and not at.items and at.merged is None:
+            split_last.add(value)
         users = [u for u in value.users if not metadata(u) and not (through is not None and _shape_of(u, value))]
         if through is not None and not at.items and (read := _length_read(value, at)) is not None:
             return Walk(apart, read, ranked, inner)
@@ -334,6 +337,10 @@ def _walk(node: fx.Node, elementwise: Callable[[fx.Node], bool], start: At,
                     if isinstance(then, str):
                         return Walk(apart, then, ranked, inner)
                     todo.append((use, then, block))
+                continue
+            if value in split_last and _viewed_as(use, value, split_last):
+                # view(h.shape), h a value followed before with the dimension last, as this one: alike
+                todo.append((use, replace(at, rank=None, assumed=False), block))
                 continue
             merging = _merging(use, value, at) if through is not None else None
             step = merging or _step(use, value, at, alone=len(users) == 1)
@@ -422,6 +429,15 @@ def _viewed_back(use: fx.Node, merged: fx.Node) -> bool:
         return whole is merged
     n = len(shape)
     return n > 1 and all(_size_of(d, merged) in (i, i - n) for i, d in enumerate(shape))
+
+
+def _viewed_as(use: fx.Node, value: fx.Node, alike: set[fx.Node]) -> bool:
+    """Whether ``use`` views ``value`` to the whole shape of one of ``alike``
+    (``value.view(h.shape)``)."""
+    if op_name(use) not in ("view", "reshape") or use.op not in ("call_function", "call_method") or not use.args:
+        return False
+    shape = _shape_arg(use) if use.args[0] is value else ()
+    return len(shape) == 1 and _whole_shape(shape[0]) in alike
 
 
 def _whole_shape(d: Any) -> Any:
@@ -669,10 +685,9 @@ def _view(use: fx.Node, name: str, at: At) -> _Step:
     if not shape:
         return _Step(_text(use))
     if len(shape) == 1 and (whole := _whole_shape(shape[0])) is not None:
-        # view(y.shape): to another tensor's shape, of a rank and sizes the trace does not hold
-        if whole is use.args[0]:
-            return _Step(at)  # its own: nothing moves
-        return _Step(replace(at, rank=None, assumed=False) if at.feat == -1 else _text(use))
+        # view(y.shape): to another tensor's shape, whose last size is the whole width where y
+        # is not split alike (OPT's layer views its MLP's output back by its input's shape)
+        return _Step(at if whole is use.args[0] else _text(use))  # its own: nothing moves
     last = shape[-1]
     whole = last == -1 or _size_read(last)
     if at.feat < -1 and _own_last_size(last, use.args[0], at.rank):
