@@ -39,7 +39,7 @@ from .pipelines.split import Stage, split_stages
 from .render import format_bytes
 from .rewrites.checkpoint import CHECKPOINT
 from .schedule import Schedule
-from .tree import join
+from .tree import join, parent_path
 
 __all__ = ["ActivationRow", "ActivationTable", "MemoryRow", "MemoryTable", "activation_memory", "per_rank_memory",
            "profiled_peak_bytes"]
@@ -217,7 +217,7 @@ def _factors(sch: Schedule) -> Callable[[str], float]:
     size = _axis_sizes(sch)
     sharded_parents: dict[str, int] = {}
     for path, role in roles.items():
-        parent = path.rsplit(".", 1)[0] if "." in path else ""
+        parent = parent_path(path)
         if role.kind in ("column", "row"):
             sharded_parents[parent] = size.get(role.mesh_axis, 1)
     cache: dict[str, float] = {}
@@ -226,7 +226,7 @@ def _factors(sch: Schedule) -> Callable[[str], float]:
         if path in cache:
             return cache[path]
         role = roles.get(path)
-        parent = path.rsplit(".", 1)[0] if "." in path else ""
+        parent = parent_path(path)
         if role is not None:
             out = 1 / size.get(role.mesh_axis, 1) if role.kind == "row" else 1.0
         elif path in sharded_parents:

@@ -25,6 +25,7 @@ __all__ = [
     "child_names",
     "get_module",
     "join",
+    "parent_path",
     "private_copy",
     "set_at",
     "shallow_clone",
@@ -39,6 +40,12 @@ _CONTAINERS = (dict, OrderedDict, set, list)
 def split(path: str) -> list[str]:
     """``"a.b.c"`` → ``["a", "b", "c"]``; the root path ``""`` → ``[]``."""
     return path.split(".") if path else []
+
+
+def parent_path(path: str) -> str:
+    """The path of the module holding the one at ``path``: ``"a.b.c"`` → ``"a.b"``,
+    ``"a"`` → ``""`` (the root), and the root ``""`` → ``""``."""
+    return ".".join(split(path)[:-1])
 
 
 def join(*parts: str) -> str:
@@ -67,9 +74,9 @@ def caller_path(root: nn.Module, path: str) -> str:
     >>> caller_path(block, "mlp.fc"), caller_path(block, "mlp")
     ('', '')
     """
-    parent = ".".join(split(path)[:-1])
+    parent = parent_path(path)
     while parent and uncalled(get_module(root, parent)):
-        parent = ".".join(split(parent)[:-1])
+        parent = parent_path(parent)
     return parent
 
 

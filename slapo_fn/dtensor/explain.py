@@ -55,7 +55,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from ..hf import EXPERTS_PER_TOKEN_ATTRS, config_of, config_value, evenly_routed_experts
 from ..render import format_bytes, format_param
 from ..schedule import Schedule
-from ..tree import get_module, join, private_copy, walk
+from ..tree import get_module, join, parent_path, private_copy, walk
 from .data_parallel import DATA_PARALLEL, DataParallelSpec
 from .experts import EXPERTS
 from .layout import Layout
@@ -301,7 +301,7 @@ def activation_shapes(
     evenly_routed_experts(model)  # routing by data (nonzero) cannot run on fake tensors
     lists = _repeated_layers(model) if shorten else {}
     for path in lists:
-        owner = get_module(model, path.rsplit(".", 1)[0]) if "." in path else model
+        owner = get_module(model, parent_path(path))
         name = path.rsplit(".", 1)[-1]
         layers = [m for m in get_module(model, path)._modules.values() if m is not None]
         owner._modules[name] = nn.ModuleList(layers[:2])

@@ -48,7 +48,7 @@ from ..errors import Problem
 from ..hf import HEAD_COUNT_ATTRS, HEAD_DIM_ATTRS, HEAD_WIDTH_ATTRS, is_conv1d, mixes_tokens
 from ..rewrites._common import INSTALLED, contains
 from ..schedule import Schedule
-from ..tree import caller_path, child_names, get_module, join, split, uncalled, walk
+from ..tree import caller_path, child_names, get_module, join, parent_path, split, uncalled, walk
 from .experts import EXPERTS, Experts
 from .features import ASSUMED_RANK, Apart
 from .flow import INPUT, OUTPUT, SIDE, Flow, flow, own_layer, pointwise
@@ -160,8 +160,7 @@ def _named(path: str) -> str:
     return repr(path) if path else "the root"
 
 
-def _parent(path: str) -> str:
-    return ".".join(split(path)[:-1])
+_parent = parent_path
 
 
 def _siblings(root: nn.Module, path: str) -> list[str]:

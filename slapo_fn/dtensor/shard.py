@@ -40,7 +40,7 @@ from ..errors import LayoutError, Problem, ScheduleTypeError
 from ..hf import head_dim_of, is_conv1d
 from ..schedule import Key, Schedule
 from ..select import Selection
-from ..tree import get_module, join, split, uncalled, walk
+from ..tree import get_module, join, parent_path, split, uncalled, walk
 from .layout import Layout, from_spec, packed_shard
 
 __all__ = ["LAYOUT", "ROLE", "Role", "mesh_dims", "shard", "tied_paths"]
@@ -102,7 +102,7 @@ def _problem_uncalled(sch: Schedule, path: str) -> Problem | None:
 
 
 def _heads_problem(root: nn.Module, path: str, dim: int, packed: int, size: int, mesh_axis: str) -> Problem | None:
-    parent = get_module(root, ".".join(split(path)[:-1]))
+    parent = get_module(root, parent_path(path))
     # only ``head_dim`` (LLaMA, GPT-2, OPT …): BERT's 6 heads over 4 ranks build and match
     head_dim = head_dim_of(parent, ("head_dim",))
     if head_dim is None or (dim // packed) % head_dim:

@@ -33,6 +33,7 @@ from ..hf import config_of
 from ..hf import model_type as model_type_of
 from ..schedule import Schedule
 from ..select import select
+from ..tree import parent_path
 from ._recipe import Knobs, Recipe, Shard, Stack
 from .bert import BERT
 from .gpt2 import GPT2
@@ -113,17 +114,13 @@ def from_model_plan(model: nn.Module) -> Recipe:
     sp = tuple(stacks) + _norms_after(model, base, relative[0]) if len(stacks) == 1 else ()
     # with sequence parallelism the block holding a layer's experts runs on the whole sequence:
     # its router reads every token (its input gathered, its output split back)
-    whole = tuple(sorted({_parent_of(path[len(relative[0]) + 1:]) for path, style in plan.items()
+    whole = tuple(sorted({parent_path(path[len(relative[0]) + 1:]) for path, style in plan.items()
                           if style in _EXPERT_STYLES and path.startswith(relative[0] + ".")} - {""}))
     # the model's own plan: entries for layers it lacks (DeepSeek's dense first layers) are skipped
     return _PlanRecipe(name=f"{model_type} (base_model_tp_plan)", model_types=(str(model_type),),
                        stacks=tuple(Stack(layers, whole=whole if len(stacks) == 1 else ()) for layers in stacks),
                        sp=sp, extra_tp=from_tp_plan)
 
-
-def _parent_of(path: str) -> str:
-    """The parent of a dotted module path (``""`` for a top-level name)."""
-    return path.rpartition(".")[0]
 
 
 def plan_stacks(plan: Mapping[str, str]) -> list[str]:
