@@ -58,6 +58,7 @@ __all__ = [
     "LAYER_COUNT_ATTRS",
     "PIPELINE_STAGES",
     "POSITION_LIMIT_ATTRS",
+    "QUERY_HEAD_ATTRS",
     "TOKEN_ID_ARGS",
     "Assembly",
     "CheckpointKeys",
@@ -368,9 +369,10 @@ def clear_initialized_flags(module: nn.Module) -> None:
 
 
 # -- attention heads ----------------------------------------------------------------------
+#: Attention-module attributes that count its query heads (not its key/value groups).
+QUERY_HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
 #: Attention-module attributes that count heads (query or key/value heads).
-HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "num_key_value_heads", "n_kv_heads",
-                    "num_kv_heads")
+HEAD_COUNT_ATTRS = (*QUERY_HEAD_ATTRS, "num_key_value_heads", "n_kv_heads", "num_kv_heads")
 #: Attention-module attributes that hold the size of one head (LLaMA/GPT-2, T5, BERT).
 HEAD_DIM_ATTRS = ("head_dim", "key_value_proj_dim", "attention_head_size")
 #: Attention-module attributes that hold the width of all its heads together (XGLM's

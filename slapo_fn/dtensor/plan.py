@@ -227,6 +227,8 @@ def _plan(sch: Schedule) -> Plan:
         role = roles.get(path)
         seq = region(path)
         partnered = bool(partners.get(path))
+        caller = caller_path(sch.module, path)
+        shares = role is not None and role.kind == "column" and path not in seqs and caller in shared
         spec_syncs = _resolved_syncs(path, _whole_syncs(syncs.get(path, ()), whole.get(path)), roles.get(path),
                                      seqs, entries,
                                      functools.partial(_stated_output, sch, path), partnered,
@@ -244,12 +246,12 @@ def _plan(sch: Schedule) -> Plan:
                 group = f"{_parent(path)} {ax} " + (_entry_key(sch, path) if pre is None else f"own {path}")
                 leader = group not in fused
                 fused.add(group)
-                if in_seq and caller_path(sch.module, path) in shared and path not in seqs:
+                if in_seq and shares:
                     # its parent gathers the sequence once for all that reads it (slicing the whole
                     # gradient back), and each group of columns enters with an all-reduce of its own
                     assert seq is not None
-                    first = caller_path(sch.module, path) not in gathering
-                    gathering.add(caller_path(sch.module, path))
+                    first = caller not in gathering
+                    gathering.add(caller)
                     bounds.append(Boundary(path, "input", f"S({seq.seq_axis})", "R", ax,
                                            ("all_gather",) if first else (), ()))
                     bounds.append(Boundary(path, "input", "R", "R", ax, (), ("all_reduce",) if leader else ()))
@@ -380,8 +382,7 @@ def _plan(sch: Schedule) -> Plan:
         modules[path] = ModulePlan(path, role, seq, partnered, entry, exit_, spec_syncs, rngs.get(path), local,
                                    partners=partners.get(path, ()), entry_group=group,
                                    split_input=role is not None and role.kind == "row" and split_input,
-                                   shared_gather=role is not None and role.kind == "column" and path not in seqs
-                                   and caller_path(sch.module, path) in shared)
+                                   shared_gather=shares)
     # modules with parameters inside a sequence-parallel chain (norms): replicated, Partial gradients;
     # not inside a parent that gathers the sequence (an unsharded q beside sharded k and v): they
     # run on all of it, so their gradients are whole, unless declared to run on this rank's heads
@@ -569,6 +570,8 @@ class _Lookups:
 
     flows: dict[tuple[int, str], Flow | None] = field(default_factory=dict)
     callers: dict[tuple[int, str], tuple[str, str, Flow] | None] = field(default_factory=dict)
+    #: :func:`_whole_in_chains` of the schedule it was found for (read by the plan and several refusals)
+    whole: tuple[Schedule, dict[str, SeqSpec]] | None = None
 
 
 #: The lookups of the call under way; ``None`` outside one.
@@ -1742,7 +1745,7 @@ def _code_over_the_sequence(sch: Schedule) -> list[Problem]:
     for member, spec in sorted(sch.annotations.of_kind(SEQ).items()):
         entered: set[str] = set()
         found = _member_over_sequence(sch, member, spec, {}, entered)
-        problems += [Problem(
+        problems += [] if found is not None else [Problem(
             q,
             f"is to run on the whole sequence (its syncs gather its input along dimension {spec.seq_axis} and split "
             f"its output back), but slapo_fn cannot tell that its input is this rank's share of the sequence in the "
@@ -1750,7 +1753,7 @@ def _code_over_the_sequence(sch: Schedule) -> list[Problem]:
             "or a module that gathers the tokens (the whole sequence, which the sync would gather twice), from "
             "elsewhere, or through code slapo_fn does not follow",
             "sync a module that takes the chain's activation before any column-parallel layer, or drop these syncs",
-        ) for q in sorted(w for w in whole if contains(member, w) and w not in entered) if found is None]
+        ) for q in sorted(w for w in whole if contains(member, w) and w not in entered)]
         if found is not None:
             where, op = found
             run_whole = (f", or run {where!r} on the whole sequence: sf.sync(sch, {where!r}, 'fwd_pre', "
@@ -2413,6 +2416,16 @@ def _shared_gathers(sch: Schedule) -> frozenset[str]:
 
 
 def _whole_in_chains(sch: Schedule) -> dict[str, SeqSpec]:
+    """:func:`_modules_run_whole`, found once per :func:`plan` or :func:`refusals` call."""
+    memo = _LOOKUPS.get()
+    if memo is None:
+        return _modules_run_whole(sch)
+    if memo.whole is None or memo.whole[0] is not sch:
+        memo.whole = (sch, _modules_run_whole(sch))
+    return memo.whole[1]
+
+
+def _modules_run_whole(sch: Schedule) -> dict[str, SeqSpec]:
     """The modules inside a sequence-parallel chain's member that run on the whole
     sequence, each with its chain: a ``fwd_pre`` sync gathers its input (``Shard(s)`` to
     ``Replicate()``, ``s`` the chain's ``seq_axis``) and a ``fwd_post`` sync splits its
@@ -2426,7 +2439,7 @@ def _whole_in_chains(sch: Schedule) -> dict[str, SeqSpec]:
     roles = sch.annotations.of_kind(ROLE)
     found: dict[str, SeqSpec] = {}
     for path, specs in sorted(sch.annotations.of_kind(SYNC).items()):
-        member = next((r for r in seqs if contains(r, path) and r != path), None)
+        member = next((r for r in seqs if contains(r, path)), None)
         if member is None or path in roles:
             continue
         spec = seqs[member]

@@ -25,7 +25,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from ..errors import LayoutError, Problem
 from ..hf import EXPERT_COUNT_ATTRS as _EXPERT_COUNTS
-from ..hf import is_conv1d
+from ..hf import QUERY_HEAD_ATTRS, is_conv1d
 from ..rewrites._common import contains
 from ..schedule import Key, Schedule, path_exists
 from ..tree import caller_path, get_module, join, split, uncalled
@@ -758,15 +758,11 @@ def _read_as_3d(mp: ModulePlan, forward: Callable[..., Any]) -> Callable[..., An
     return run
 
 
-#: Attributes that count an attention's query heads (not its key/value groups).
-_QUERY_HEADS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
-
-
 def _head_counts(original: nn.Module, local: nn.Module, size: int) -> tuple[int, int] | None:
     """An attention's whole and local head counts: the first query-head count among its
     attributes, as the model has it and as build made it this rank's; ``None`` where it
     has none, or build did not make it local."""
-    for attr in _QUERY_HEADS:
+    for attr in QUERY_HEAD_ATTRS:
         whole, mine = vars(original).get(attr), vars(local).get(attr)
         if isinstance(whole, int) and isinstance(mine, int):
             return (whole, mine) if whole == mine * size and size > 1 else None
