@@ -213,21 +213,33 @@ def along_tokens(node: fx.Node, elementwise: Callable[[fx.Node], bool], seq_axis
     return Tokens(walked.mixes, tuple((name, *where) for name, where in reached.items()))
 
 
-def head_operands(node: fx.Node, elementwise: Callable[[fx.Node], bool]) -> dict[str, int]:
+@dataclass(frozen=True)
+class Meets:
+    """Where an argument of a parent meets the heads of its code (:func:`head_operands`):
+    at dimension ``dim``, counted from the end; ``merged``, that dimension is the batch and
+    the heads merged, the heads inner (BLOOM's ALiBi bias of ``(batch * heads, 1, keys)``,
+    added to the scores of ``q.reshape(batch * heads, -1, head_dim)``)."""
+
+    dim: int
+    merged: bool = False
+
+
+def head_operands(node: fx.Node, elementwise: Callable[[fx.Node], bool]) -> dict[str, Meets]:
     """The parent's arguments that its code combines, element by element, with the heads
-    a child's output (``node``) is viewed into: each placeholder's name with the
-    dimension (counted from the end, as broadcasting aligns them) that meets the heads.
-    MPT adds its ALiBi bias, built for every head by the model and handed to each
-    attention, to the scores ``q @ k.transpose(-1, -2)``: on this rank's heads the bias
-    must be this rank's share of it too. Followed from each view into heads (after a
-    split into blocks too) through moves, elementwise ops and batched products, to a
-    view merging the heads back; an operand is traced back to an argument through slices
-    (no dimension added or dropped) and casts."""
-    found: dict[str, int] = {}
-    todo: list[tuple[fx.Node, At, bool]] = [(node, At(), False)]
+    a child's output (``node``) is viewed into, each with where it meets them
+    (:class:`Meets`). MPT adds its ALiBi bias, built for every head by the model and
+    handed to each attention, to the scores ``q @ k.transpose(-1, -2)``: on this rank's
+    heads the bias must be this rank's share of it too. Followed from each view into heads
+    (after a split into blocks too) through moves, elementwise ops, batched products
+    (``baddbmm`` adds its first operand), views that keep the dimensions or merge the
+    batch with the heads, to a view merging the heads back; an operand is traced back to
+    an argument through slices, casts and a view taking the heads out of the batch
+    (Falcon's ``alibi.view(batch, num_heads, 1, -1)``)."""
+    found: dict[str, Meets] = {}
+    todo: list[tuple[fx.Node, At, bool, bool]] = [(node, At(), False, False)]
     seen: set[fx.Node] = set()
     while todo:
-        value, at, heads = todo.pop()
+        value, at, heads, merged = todo.pop()
         if value in seen:
             continue
         seen.add(value)
@@ -235,29 +247,117 @@ def head_operands(node: fx.Node, elementwise: Callable[[fx.Node], bool]) -> dict
         for use in users:
             if use.op == "call_module":
                 if elementwise(use) and not heads:
-                    todo.append((use, at, heads))
+                    todo.append((use, at, heads, merged))
                 continue
             if use.op not in ("call_function", "call_method"):
                 continue
             name = op_name(use)
-            if heads and at.rank is not None and (name in _ELEMENTWISE or name == "scaled_dot_product_attention"):
-                for arg in nodes_in((use.args, use.kwargs)):
-                    source = _argument_of(arg) if arg is not value else None
-                    if source is not None:
-                        found.setdefault(str(source.target), at.feat)
+            if heads and at.rank is not None:
+                added = _added_operands(use, name, value)
+                for arg in added:
+                    if (source := _argument_of(arg)) is not None:
+                        found.setdefault(str(source.target), Meets(at.feat, merged))
+                    elif (through := _viewed_argument(arg, at, merged)) is not None:
+                        found.setdefault(str(through.target), Meets(-(at.rank - 1), merged=True))
                 if name == "scaled_dot_product_attention":
                     continue
+                if (then := _heads_view(use, at, merged) or _heads_index(use, at, merged)) is not None:
+                    todo.append((use, then[0], True, then[1]))
+                    continue
+                if merged and name in ("view", "reshape", "flatten", "unflatten"):
+                    continue  # the batch and heads regrouped another way: not followed
             step = _step(use, value, at, alone=len(users) == 1)
             if isinstance(step.then, Apart):
                 if step.then.kind == "blocks" and name in _SPLITS and not heads:
-                    todo.append((use, replace(at, items=True), False))
+                    todo.append((use, replace(at, items=True), False, False))
                 elif step.then.kind == "heads" and not heads and at.rank is not None and step.then.dims:
                     # the features become len(dims) dimensions, the heads first of them
                     width = len(step.then.dims)
-                    todo.append((use, At(at.rank - 1 + width, -width, assumed=False), True))
+                    todo.append((use, At(at.rank - 1 + width, -width, assumed=False), True, False))
             elif isinstance(step.then, At) and (not heads or step.then.rank is not None):
-                todo.append((use, step.then, heads))
+                todo.append((use, step.then, heads, merged))
     return found
+
+
+def _added_operands(use: fx.Node, name: str, value: fx.Node) -> list[fx.Node]:
+    """The operands ``use`` adds, element by element, to the heads in ``value``: the
+    others of an elementwise op or of attention (its mask), the first of ``baddbmm``."""
+    if name in _ELEMENTWISE or name == "scaled_dot_product_attention":
+        return [a for a in nodes_in((use.args, use.kwargs)) if a is not value]
+    if name == "baddbmm":
+        first = use.args[0] if use.args else use.kwargs.get("input")
+        return [first] if isinstance(first, fx.Node) and first is not value else []
+    return []
+
+
+def _heads_view(use: fx.Node, at: At, merged: bool) -> tuple[At, bool] | None:
+    """A view in the walk over the heads that :func:`_step` does not follow: one keeping
+    every dimension, the heads' given by their count (Falcon's ``reshape(batch, num_heads,
+    q_len, head_dim)``), or one merging the batch in front of the heads into one
+    dimension (BLOOM's ``reshape(batch * num_heads, -1, head_dim)``): the new place of the
+    heads and whether they are merged; ``None`` for any other op."""
+    if op_name(use) not in ("view", "reshape") or at.rank is None:
+        return None
+    shape = _shape_arg(use)
+    pos = at.rank + at.feat
+    sized = [isinstance(d, int) or (isinstance(d, fx.Node) and sizes_only(d)) for d in shape]
+    if not shape or not all(sized):
+        return None
+    if merged:
+        # the batch taken out again in front of the heads: view(batch, num_heads, q_len, -1)
+        unmerged = pos == 0 and len(shape) == at.rank + 1 and isinstance(shape[1], int) and shape[1] > 0
+        return (At(len(shape), 1 - len(shape), assumed=False), False) if unmerged else None
+    if len(shape) == at.rank and isinstance(shape[pos], int) and shape[pos] > 0:
+        return at, merged
+    if pos == 1 and len(shape) == at.rank - 1 and isinstance(shape[0], fx.Node) \
+            and op_name(shape[0]) == "mul":
+        return At(len(shape), -len(shape), assumed=False), True
+    return None
+
+
+def _heads_index(use: fx.Node, at: At, merged: bool) -> tuple[At, bool] | None:
+    """An index in the walk over the heads that keeps them whole and takes single items
+    of other dimensions (Falcon's and BLOOM's ``fused[..., 0, :]``, q of each head's [q|k|v]):
+    the new place of the heads; ``None`` for any other op."""
+    if op_name(use) != "getitem" or at.rank is None or len(use.args) < 2:
+        return None
+    index = use.args[1]
+    parts = list(index) if isinstance(index, tuple) else [index]
+    if not all(p is None or p is Ellipsis or isinstance(p, slice) or (isinstance(p, int) and not isinstance(p, bool))
+               for p in parts) or parts.count(Ellipsis) > 1:
+        return None
+    taking = [p for p in parts if p is not None and p is not Ellipsis]
+    if len(taking) > at.rank:
+        return None
+    if Ellipsis in parts:
+        i = parts.index(Ellipsis)
+        parts[i:i + 1] = [slice(None)] * (at.rank - len(taking))
+    parts += [slice(None)] * (at.rank - len([p for p in parts if p is not None]))
+    kept, where, dim = 0, None, 0
+    for p in parts:
+        if p is None:
+            kept += 1
+            continue
+        if dim == at.rank + at.feat:
+            if p != slice(None):
+                return None
+            where = kept
+        if not isinstance(p, int):
+            kept += 1
+        dim += 1
+    return (At(kept, where - kept, assumed=False), merged) if where is not None else None
+
+
+def _viewed_argument(arg: fx.Node, at: At, merged: bool) -> fx.Node | None:
+    """The argument viewed into ``arg`` with the heads taken out of the batch in front of
+    them (Falcon's ``alibi.view(batch, num_heads, 1, -1)`` of a ``(batch * heads, 1,
+    keys)`` bias), where ``arg`` meets heads at ``at`` as its second dimension; ``None``
+    for any other way to it. That argument meets the heads merged, at its first dimension."""
+    if merged or at.rank is None or at.rank + at.feat != 1 or op_name(arg) not in ("view", "reshape"):
+        return None
+    if arg.op not in ("call_function", "call_method") or not isinstance(arg.args[0], fx.Node):
+        return None
+    return _argument_of(arg.args[0]) if len(_shape_arg(arg)) == at.rank else None
 
 
 #: Ops an operand goes through on its way from an argument and keeps its dimensions.
@@ -474,7 +574,7 @@ def _length_read(value: fx.Node, at: At) -> str | None:
                 lengths.append(use)
         elif (metadata(use) and use.op == "call_function" and use.args[1] == "shape") or (
                 use.op == "call_method" and use.target == "size" and len(use.args) == 1):
-            lengths += [u for u in use.users if op_name(u) == "getitem" and _pos(u.args[1], at)[0] == at.feat]
+            lengths += _sizes_at(use, at)
     todo, seen = list(lengths), set(lengths)
     while todo:
         size = todo.pop()
@@ -488,6 +588,28 @@ def _length_read(value: fx.Node, at: At) -> str | None:
             elif op_name(use) not in _SHAPED:
                 return f"{_text(use)} to the length of its share of the sequence"
     return None
+
+
+def _sizes_at(shape: fx.Node, at: At, offset: int = 0, stop: int | None = None, depth: int = 0) -> list[fx.Node]:
+    """The items of ``shape`` (a tensor's shape, or its dimensions ``offset`` to ``stop``)
+    that read the length of the dimension at ``at``: ``x.shape[1]``, and through slices of
+    the shape (``bsz, s = x.shape[:2]``)."""
+    found: list[fx.Node] = []
+    for u in shape.users:
+        if op_name(u) != "getitem" or len(u.args) < 2:
+            continue
+        index = u.args[1]
+        if isinstance(index, int) and not isinstance(index, bool):
+            dim = offset + index if index >= 0 else index if stop is None else stop + index
+            if _pos(dim, at)[0] == at.feat:
+                found.append(u)
+        elif isinstance(index, slice) and index.step in (None, 1) and depth < 8 and all(
+                b is None or (isinstance(b, int) and not isinstance(b, bool) and b >= 0)
+                for b in (index.start, index.stop)):
+            end = offset + index.stop if index.stop is not None else stop
+            found += _sizes_at(u, at, offset + (index.start or 0), end if stop is None or end is None
+                               else min(end, stop), depth + 1)
+    return found
 
 
 @dataclass(frozen=True)

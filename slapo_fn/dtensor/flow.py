@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import operator
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -47,7 +48,7 @@ from torch import nn
 from ..hf import is_conv1d
 from ..tree import uncalled
 from .features import ASSUMED_RANK as _ASSUMED_RANK
-from .features import Apart, At, Tokens, along_features, along_tokens, elementwise_op, head_operands
+from .features import Apart, At, Meets, Tokens, along_features, along_tokens, elementwise_op, head_operands
 from .features import metadata as _metadata
 from .features import nodes_in as _nodes_in
 from .features import op_name as _op_name
@@ -109,9 +110,9 @@ class Flow:
     # count it never reads sizes none of its views
     attrs: frozenset[str] = frozenset()
     # the parent's arguments its code combines, element by element, with the heads its children's
-    # outputs are viewed into (MPT's ALiBi bias, built for every head), each with the dimension,
-    # counted from the end, that meets the heads (:func:`.features.head_operands`)
-    per_head: Mapping[str, int] = field(default_factory=dict)
+    # outputs are viewed into (MPT's ALiBi bias, built for every head), each with where it meets
+    # the heads (:func:`.features.head_operands`)
+    per_head: Mapping[str, Meets] = field(default_factory=dict)
 
     def same_input(self, a: str, b: str) -> bool:
         """Whether children ``a`` and ``b`` are called on the very same tensor (q/k/v on the
@@ -195,7 +196,42 @@ def pointwise(module: nn.Module) -> bool:
     if isinstance(module, nn.Identity | nn.modules.dropout._DropoutNd):
         return True
     kind = type(module)
-    return kind.__module__ in ("torch.nn.modules.activation", "transformers.activations")
+    if kind.__module__ in ("torch.nn.modules.activation", "transformers.activations"):
+        return True
+    return not module._modules and not module._buffers and _elementwise_code(module)
+
+
+#: Whether a module's own code is elementwise (:func:`_elementwise_code`), by its class, forward
+#: and plain attributes. Bounded: cleared when it grows past :data:`_SHAPES_MAX`.
+_ELEMENTWISE_CODE: dict[tuple[Any, ...], bool] = {}
+
+
+def _elementwise_code(module: nn.Module) -> bool:
+    """Whether fx traces ``module``'s forward, on one tensor, into ops that each act on
+    every element alone (BLOOM's ``BloomGelu``, an ``autograd.Function`` whose forward is
+    ``x * 0.5 * (1 + tanh(...))``). A module of any other code, or one fx cannot trace, is
+    not taken for elementwise."""
+    key = (type(module), type(module).forward, tuple((k, v) for k, v in vars(module).items() if isinstance(v, _PLAIN)))
+    if key in _ELEMENTWISE_CODE:
+        return _ELEMENTWISE_CODE[key]
+    params = _positional(module)
+    found = False
+    if params and len([p for p in params if p.default is inspect.Parameter.empty]) == 1:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                graph = fx.Tracer().trace(module)
+        except Exception:  # any failure of symbolic tracing: not known to be elementwise
+            graph = None
+        if graph is not None:
+            inputs = [n for n in graph.nodes if n.op == "placeholder"]
+            ops = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+            found = bool(inputs) and all(elementwise_op(n) for n in ops) and all(
+                not n.users for n in inputs[1:])
+    if len(_ELEMENTWISE_CODE) > _SHAPES_MAX:
+        _ELEMENTWISE_CODE.clear()
+    _ELEMENTWISE_CODE[key] = found
+    return found
 
 
 def own_layer(module: nn.Module, bases: tuple[type[nn.Module], ...]) -> bool:
@@ -349,6 +385,17 @@ def _rank(node: fx.Node, assumed: int, depth: int = 0) -> int:
     inner = _rank(first, assumed, depth + 1)
     if node.op == "call_method" and node.target == "unsqueeze":
         return inner + 1
+    # Falcon's fused_qkv[..., 0, :]: each integer index drops a dimension, each None adds one (one
+    # integer alone may pick an item of a tuple, q of split()'s (q, k, v): not read)
+    if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2 \
+            and isinstance(index := node.args[1], tuple) \
+            and all(i is None or i is Ellipsis or isinstance(i, int | slice | list) for i in index):
+        return inner - sum(isinstance(i, int) for i in index) + sum(i is None for i in index)
+    if node.op == "call_method" and node.target == "flatten" and inner > 0:
+        given = (*node.args[1:3], *(0, -1)[len(node.args[1:3]):])  # flatten(start_dim=0, end_dim=-1)
+        start, end = node.kwargs.get("start_dim", given[0]), node.kwargs.get("end_dim", given[1])
+        if isinstance(start, int) and isinstance(end, int):
+            return inner - ((end % inner) - (start % inner))
     return inner
 
 
@@ -520,7 +567,7 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
     handed: dict[str, frozenset[str]] = {}
     output: frozenset[str] = frozenset()
     leaves: tuple[frozenset[str], ...] = ()
-    per_head: dict[str, int] = {}
+    per_head: dict[str, Meets] = {}
     attends = False
     # a pointwise child called more than once (T5's one dropout after the embedding and after the
     # final norm) is traced as the code it is: one name for both calls would feed the first
@@ -567,11 +614,11 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
                 elif walked.ranked is not None:
                     ranked[name] = walked.ranked
                 if name in apart or name in inner:
-                    for target, dim in head_operands(node, functools.partial(_pointwise_call, parent,
+                    for target, meets in head_operands(node, functools.partial(_pointwise_call, parent,
                                                                              prefix)).items():
                         index = int(target[1:]) if target[1:].isdigit() else -1  # a0..a3: its parameters
                         if 0 <= index < len(params):
-                            per_head.setdefault(params[index].name, dim)
+                            per_head.setdefault(params[index].name, meets)
         elif node.op == "output":
             # (hidden states, attention weights, cache): the first is the result; older Hugging Face
             # modules return (attention_output,) + self_outputs[1:], a tuple concatenated

@@ -50,7 +50,7 @@ from ..rewrites._common import INSTALLED, contains
 from ..schedule import Schedule
 from ..tree import caller_path, child_names, get_module, join, parent_path, split, uncalled, walk
 from .experts import EXPERTS, Experts
-from .features import ASSUMED_RANK, Apart
+from .features import ASSUMED_RANK, Apart, Meets
 from .flow import INPUT, OUTPUT, SIDE, Flow, flow, own_layer, pointwise
 from .layout import Layout, shard_axes
 from .local import LOCAL
@@ -539,9 +539,9 @@ def _stated_output(sch: Schedule, path: str, axis: str) -> Placement | None:
     return stated[-1] if stated else _stated_output(sch, child, axis)
 
 
-def per_head_operands(sch: Schedule, parent: str) -> Mapping[str, int]:
+def per_head_operands(sch: Schedule, parent: str) -> Mapping[str, Meets]:
     """The arguments of the module at ``parent`` that its code adds to its heads (a
-    per-head bias), each with the dimension that meets them (:attr:`.flow.Flow.per_head`);
+    per-head bias), each with where it meets them (:attr:`.flow.Flow.per_head`);
     empty where it adds none or cannot be traced."""
     fl = _flow_of(sch, parent)
     return {} if fl is None else fl.per_head
@@ -1344,6 +1344,43 @@ def head_count_attrs(parent: nn.Module, out: int, packed: int) -> tuple[str, ...
     return tuple(a for a in HEAD_COUNT_ATTRS if type(own.get(a)) is int and own[a] * head_dim * packed == out)
 
 
+def grouped_head_count_attrs(parent: nn.Module, out: int, how: Apart | None) -> tuple[str, ...]:
+    """The head counts of an attention whose fused column of ``out`` features (not packed)
+    its forward views into groups of heads, ``how`` (:attr:`.flow.Flow.apart`): ``(g, k,
+    head_dim)``, g a head count (Falcon's and BLOOM's ``view(B, S, num_heads, 3,
+    head_dim)``: each head's q, k and v side by side), or ``(-1, k, head_dim)`` (Falcon's
+    new decoder architecture: each kv head's queries, then its key and value). A rank's
+    contiguous rows are then whole groups, and it holds the same share of every count that
+    the groups divide (``num_heads`` and ``num_kv_heads``): build makes each this rank's.
+    None where a size inside a group is a head count too: ``(3, num_heads, head_dim)`` is
+    three blocks of heads (timm's, ``packed=3``), and one number cannot tell the two apart.
+
+    Example:
+        >>> import torch.nn as nn
+        >>> att = nn.Module()
+        >>> att.num_heads, att.num_kv_heads, att.head_dim = 8, 2, 16
+        >>> grouped_head_count_attrs(att, (8 + 2 * 2) * 16, Apart("heads", dims=(-1, 6, 16)))
+        ('num_heads', 'num_kv_heads')
+        >>> grouped_head_count_attrs(att, 3 * 8 * 16, Apart("heads", dims=(3, 8, 16))) # blocks of heads
+        ()
+    """
+    own = vars(parent)
+    head_dim = next((v for a in HEAD_DIM_ATTRS if isinstance(v := own.get(a), int) and v > 0), None)
+    dims = how.dims if how is not None and how.kind == "heads" else ()
+    if head_dim is None or len(dims) < 3 or dims[-1] != head_dim or any(d is None or d <= 0 for d in dims[1:]):
+        return ()
+    counts = {a: v for a in HEAD_COUNT_ATTRS if type(v := own.get(a)) is int and v > 0}
+    inside = 1
+    for d in dims[1:]:
+        inside *= d  # type: ignore[operator]
+    groups = out // inside
+    if out % inside or dims[0] not in (-1, groups) or groups not in counts.values():
+        return ()
+    if dims[0] != -1 and any(d in counts.values() for d in dims[1:-1]):
+        return ()
+    return tuple(a for a, v in counts.items() if v % groups == 0)
+
+
 def head_width_attrs(parent: nn.Module, out: int, packed: int) -> tuple[str, ...]:
     """The attributes of ``parent`` (attention whose head counts :func:`head_count_attrs`
     finds) that hold the width of all the heads of a block of a column of ``out`` output
@@ -1355,17 +1392,36 @@ def head_width_attrs(parent: nn.Module, out: int, packed: int) -> tuple[str, ...
     return tuple(a for a in HEAD_WIDTH_ATTRS if type(own.get(a)) is int and own[a] * packed == out)
 
 
-def _unadjusted_head_counts(parent: nn.Module, out: int, packed: int) -> tuple[str, ...]:
+def heads_made_local(sch: Schedule, path: str, packed: int) -> tuple[str, ...]:
+    """The attributes of the module calling column ``path`` (attention, its output kept
+    split for its row) that build's copy makes this rank's: the head counts of the column's
+    own features (:func:`head_count_attrs`) with the widths beside them
+    (:func:`head_width_attrs`), else those of the groups of heads its traced forward views
+    the output into (:func:`grouped_head_count_attrs`)."""
+    parent = get_module(sch.module, _parent(path))
+    out = _out_features(get_module(sch.module, path))
+    if out is None:
+        return ()
+    if counts := head_count_attrs(parent, out, packed):
+        return (*counts, *head_width_attrs(parent, out, packed))
+    found = _caller(sch, path)
+    how = found[2].apart.get(found[1]) if found is not None and found[0] == _parent(path) else None
+    return grouped_head_count_attrs(parent, out, how) if packed == 1 else ()
+
+
+def _unadjusted_head_counts(parent: nn.Module, out: int, packed: int, how: Apart | None = None) -> tuple[str, ...]:
     """The head counts of an attention-like ``parent`` (a head size attribute beside them)
     when none of them counts its column's ``out`` features in ``packed`` blocks, so
-    :func:`head_count_attrs` finds none for build to make this rank's: Falcon's
-    ``num_heads`` beside a fused ``query_key_value`` of ``num_heads + 2 * num_kv_heads``
-    heads, whose ``reshape(batch, self.num_heads, ...)`` would meet this rank's share."""
+    :func:`head_count_attrs` finds none for build to make this rank's, nor, from its
+    traced view ``how``, :func:`grouped_head_count_attrs`: Falcon's multi-query
+    ``num_heads`` beside a fused ``query_key_value`` of ``num_heads + 2`` heads, whose
+    ``reshape(batch, self.num_heads, ...)`` would meet this rank's share."""
     own = vars(parent)
     if not any(isinstance(own.get(a), int) for a in HEAD_DIM_ATTRS):
         return ()
     counts = tuple(a for a in HEAD_COUNT_ATTRS if type(own.get(a)) is int)
-    if not counts or head_count_attrs(parent, out, packed):
+    if not counts or head_count_attrs(parent, out, packed) or (packed == 1 and grouped_head_count_attrs(
+            parent, out, how)):
         return ()
     return counts
 
@@ -1457,7 +1513,8 @@ def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
         out = _out_features(get_module(sch.module, path))
         planned = p.modules.get(path)
         packed = planned.role.packed if planned is not None and planned.role is not None else 1
-        counts = _unadjusted_head_counts(get_module(sch.module, parent), out, packed) if out is not None else ()
+        traced = how if found is not None and found[0] == parent else None
+        counts = _unadjusted_head_counts(get_module(sch.module, parent), out, packed, traced) if out else ()
         if found is not None and found[0] == parent:  # traced: only the counts its forward reads
             counts = tuple(c for c in counts if c in found[2].attrs)
         if counts:
@@ -1538,7 +1595,16 @@ def _head_view_problem(sch: Schedule, path: str, parent: str, how: Apart, out: i
             "put the -1 first (view(B, S, -1, head_dim)), or keep the head count in num_heads and the head size "
             "in head_dim (build makes them this rank's)",
         )
-    if -1 not in how.dims and per == out and not head_count_attrs(module, out, 1):
+    grouped = grouped_head_count_attrs(module, out, how) if part == "output" else ()
+    groups = how.dims[0]
+    if grouped and isinstance(groups, int) and groups > 0 and groups % size:  # with -1, checked above
+        return Problem(
+            path,
+            f"{where}'s forward views its output's features as {shape}: {groups} groups of heads, which "
+            f"{size} ranks cannot hold whole",
+            f"use a mesh axis whose size divides {groups}, or leave it unsharded",
+        )
+    if -1 not in how.dims and per == out and not head_count_attrs(module, out, 1) and not grouped:
         return Problem(
             path,
             f"{where}'s forward views {what}its output's features as {shape}, sizes from attributes slapo_fn does "
@@ -1705,8 +1771,7 @@ def _attention_on_sequence_shards(sch: Schedule) -> list[Problem]:
                 continue
             gathered = any(r.mesh_axis == spec.mesh_axis and r.kind == "column" and contains(path, q)
                            for q, r in roles.items())
-            if path == member and gathered and not any(mixes_tokens(c) for c in module.modules() if c is not module):
-                # (a block holding attention, with a head count of its own as MPT's, is no attention)
+            if path == member and gathered and _attention(module):
                 problems.append(Problem(
                     path,
                     f"is attention and itself a member of the sequence_parallel chain over {spec.mesh_axis!r}: "
@@ -1866,9 +1931,16 @@ def _tokens_alone(sch: Schedule, path: str, columns: set[str], gathered: set[str
     by :func:`_attention_on_sequence_shards`), or a leaf :func:`_leaf_over_sequence`
     knows without reading its code."""
     module = get_module(sch.module, path)
-    if path in columns or path in gathered or mixes_tokens(module):
+    if path in columns or path in gathered or _attention(module):
         return True
     return not module._modules and (pointwise(module) or is_conv1d(module) or own_layer(module, _PER_TOKEN))
+
+
+def _attention(module: nn.Module) -> bool:
+    """Whether ``module`` is attention (:func:`.hf.mixes_tokens`) holding none: a block
+    holding attention, with a head count of its own (MPT's, BLOOM's), runs its own code on
+    the tokens, which is read as any other's."""
+    return mixes_tokens(module) and not any(mixes_tokens(c) for c in module.modules() if c is not module)
 
 
 _UNREAD = "{}'s forward (fx cannot trace it, so what it does over the tokens is unknown)"

@@ -32,7 +32,7 @@ from ..tree import caller_path, get_module, join, split, uncalled
 from . import collectives as C
 from .data_parallel import DATA_PARALLEL
 from .experts import EXPERTS, experts_forward
-from .features import ASSUMED_RANK
+from .features import ASSUMED_RANK, Meets
 from .layout import Layout
 from .local import LOCAL
 from .plan import (
@@ -42,8 +42,7 @@ from .plan import (
     _local_axis,
     _parent,
     _sharded_output,
-    head_count_attrs,
-    head_width_attrs,
+    heads_made_local,
     implicit,
     param_dims,
     per_head_operands,
@@ -548,14 +547,13 @@ def _adjust_packed_parent(model: nn.Module, path: str, role: Role, rt: _Runtime)
         object.__setattr__(parent, "split_size", chunk // rt.size(role.mesh_axis))
 
 
-def _adjust_head_counts(model: nn.Module, path: str, role: Role, rt: _Runtime, adjusted: set[tuple[int, str]]) -> None:
+def _adjust_head_counts(model: nn.Module, sch: Schedule, path: str, role: Role, rt: _Runtime,
+                        adjusted: set[tuple[int, str]]) -> None:
     """The parent (attention) of a column module whose output stays sharded runs on this
-    rank's heads: each of its attributes :func:`.plan.head_count_attrs` names becomes the
-    local count on build's copy, and each :func:`.plan.head_width_attrs` names the local width."""
-    m = get_module(model, path)
+    rank's heads: each of its head counts and widths :func:`.plan.heads_made_local` names
+    becomes this rank's share on build's copy."""
     parent = get_module(model, _parent(path))
-    out = int(vars(m)["nf"]) if is_conv1d(m) else int(getattr(m, "out_features", 0))
-    for attr in (*head_count_attrs(parent, out, role.packed), *head_width_attrs(parent, out, role.packed)):
+    for attr in heads_made_local(sch, path, role.packed):
         key = (id(parent), attr)
         if key not in adjusted:
             object.__setattr__(parent, attr, vars(parent)[attr] // rt.size(role.mesh_axis))
@@ -598,7 +596,7 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
             if mp.keeps_features:  # not where the output is gathered: the parent then sees all of it
                 if mp.role.packed > 1:
                     _adjust_packed_parent(model, path, mp.role, rt)
-                _adjust_head_counts(model, path, mp.role, rt, adjusted)
+                _adjust_head_counts(model, sch, path, mp.role, rt, adjusted)
         elif mp.role is not None and mp.role.kind in ("row", "vocab"):
             forward = _row(rt, m, mp)
         elif (mp.role is not None and mp.role.kind == "param") or mp.local_params:
@@ -769,26 +767,38 @@ def _head_counts(original: nn.Module, local: nn.Module, size: int) -> tuple[int,
     return None
 
 
-def _per_head(rt: _Runtime, path: str, module: nn.Module, operands: Mapping[str, int], ax: str, whole: int,
+def _per_head(rt: _Runtime, path: str, module: nn.Module, operands: Mapping[str, Meets], ax: str, whole: int,
               local: int) -> Callable[..., Any]:
     """``module``'s forward, running on this rank's ``local`` of its ``whole`` heads, with each
     argument its code adds to the heads (:func:`.plan.per_head_operands`: MPT's ALiBi bias,
     built by the model for every head) cut to this rank's heads along the dimension that
-    meets them. One of size 1 there broadcasts over the heads (a mask), and one already of
-    ``local`` heads is this rank's: both pass as they are. A learned one (it requires a
-    gradient) is refused: its gradient would have to be gathered over the heads."""
+    meets them; where that dimension is the batch and the heads merged (BLOOM's), the batch
+    is its first argument's (the hidden states). One of size 1 there broadcasts over the
+    heads (a mask), and one already of ``local`` heads is this rank's: both pass as they
+    are. A learned one (it requires a gradient) is refused: its gradient would have to be
+    gathered over the heads."""
     forward = module.forward
     names = [q.name for q in list(inspect.signature(type(module).forward).parameters.values())[1:]
              if q.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
     rank = rt.mesh.get_local_rank(rt.dims.index(ax))
 
-    def cut(name: str, dim: int, x: Any) -> Any:
-        if not isinstance(x, torch.Tensor) or x.dim() < -dim or x.shape[dim] in (1, local):
+    def cut(name: str, meets: Meets, x: Any, batch: int | None) -> Any:
+        dim = meets.dim
+        if not isinstance(x, torch.Tensor) or x.dim() < -dim:
             return x
-        if x.shape[dim] != whole or x.requires_grad:
+        # merged, the batch and heads are its first dimension; one more dimension holds them apart
+        # (Falcon's (batch, heads, 1, keys) bias, which its attention views as BLOOM's is merged)
+        merged = meets.merged and x.dim() == -dim
+        per = 1 if not merged else batch
+        size = x.shape[dim]
+        if per is not None and size in (1, per, per * local):
+            return x
+        if per is None or size != per * whole or x.requires_grad:
+            with_batch = f" merged with the batch of {per}" if merged and per is not None else ""
             why = ("is learned (it requires a gradient), which would have to be gathered over the heads"
-                   if x.shape[dim] == whole else f"has {x.shape[dim]} there, neither 1, this rank's {local} nor "
-                   f"all {whole} heads")
+                   if per is not None and size == per * whole else
+                   "comes with no hidden states to read the batch from" if per is None else
+                   f"has {size} there, neither 1, this rank's {local} nor all {whole} heads{with_batch}")
             raise LayoutError("tensor parallel forward", [Problem(
                 path,
                 f"runs on this rank's {local} of its {whole} heads and adds its argument {name!r} to them; that "
@@ -796,15 +806,20 @@ def _per_head(rt: _Runtime, path: str, module: nn.Module, operands: Mapping[str,
                 "keep this module's projections unsharded, or gather their outputs: "
                 "sf.sync(sch, '<column>', 'fwd_post', Replicate())",
             )])
-        return x.narrow(dim, rank * local, local)
+        if not merged:
+            return x.narrow(dim, rank * local, local)
+        d = x.dim() + dim
+        return x.unflatten(d, (per, whole)).narrow(d + 1, rank * local, local).flatten(d, d + 1)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         given = list(args)
-        for name, dim in operands.items():
+        first = given[0] if given else kwargs.get(names[0]) if names else None
+        batch = int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() > 0 else None
+        for name, meets in operands.items():
             if name in kwargs:
-                kwargs[name] = cut(name, dim, kwargs[name])
+                kwargs[name] = cut(name, meets, kwargs[name], batch)
             elif name in names and names.index(name) < len(given):
-                given[names.index(name)] = cut(name, dim, given[names.index(name)])
+                given[names.index(name)] = cut(name, meets, given[names.index(name)], batch)
         return forward(*given, **kwargs)
 
     return run

@@ -266,6 +266,91 @@ def test_pointwise_modules() -> None:
     assert not pointwise(nn.Softmax(-1)) and not pointwise(nn.LayerNorm(4)) and not pointwise(nn.GLU())
 
 
+class _TanhGelu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return g * torch.sigmoid(1.702 * x)
+
+
+class OwnGelu(nn.Module):  # BLOOM's BloomGelu: its own class, an autograd.Function of elementwise code
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _TanhGelu.apply(x)
+
+
+class OwnSoftmax(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.softmax(-1)
+
+
+class OwnCenter(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean(-1, keepdim=True)
+
+
+def test_a_module_of_elementwise_code_is_pointwise_and_one_over_its_features_is_not() -> None:
+    assert pointwise(OwnGelu())
+    assert not pointwise(OwnSoftmax()) and not pointwise(OwnCenter())
+    holder = nn.Sequential(OwnGelu())  # a module with children is judged by them, not its code
+    assert not pointwise(holder)
+
+
+class GroupedHeads(nn.Module):
+    """Falcon's and BLOOM's attention: q, k and v of each head side by side in one fused
+    projection, taken out by an index of the group's dimension; the ALiBi bias it is handed
+    is ``(batch * heads, 1, keys)``, added by ``baddbmm`` on the batch and heads merged."""
+
+    def __init__(self, merged: bool) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.merged = 2, 4, merged
+        self.qkv, self.o = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, alibi: torch.Tensor) -> torch.Tensor:
+        bsz, s, _ = x.shape
+        fused = self.qkv(x).view(bsz, s, self.num_heads, 3, self.head_dim)
+        q, k, v = (fused[..., i, :].transpose(1, 2) for i in range(3))
+        if self.merged:
+            n = bsz * self.num_heads
+            scores = alibi.baddbmm(q.reshape(n, s, self.head_dim), k.reshape(n, s, self.head_dim).mT)
+            scores = scores.view(bsz, self.num_heads, s, s)
+        else:
+            scores = q @ k.mT + alibi.view(bsz, self.num_heads, 1, -1)
+        return self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(bsz, s, -1))
+
+
+@pytest.mark.parametrize("merged", [True, False])
+def test_a_bias_added_to_heads_merged_with_the_batch_is_found(merged: bool) -> None:
+    from slapo_fn.dtensor.features import Meets
+
+    fl = flow(GroupedHeads(merged))
+    assert fl is not None
+    assert fl.apart == {"qkv": Apart("heads", dims=(2, 3, 4))}
+    # the batch and heads merged, the heads inner, at its first dimension (of 3)
+    assert fl.per_head == {"alibi": Meets(-3, merged=True)}
+
+
+def test_a_shape_unpacked_from_a_slice_of_it_is_a_read_of_its_length() -> None:
+    """``bsz, s = x.shape[:2]`` then ``torch.arange(s)``: positions of this rank's tokens."""
+
+    class Positions(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            _, s = x.shape[:2]
+            return self.proj(x) + torch.arange(s, dtype=x.dtype)[:, None]
+
+    fl = flow(Positions())
+    assert fl is not None and fl.tokens[1].mixes is not None and "arange" in fl.tokens[1].mixes
+    assert fl.tokens[0].mixes is None  # the batch's length is not read
+
+
 def test_modules_alike_in_what_their_forward_reads_trace_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """LLaMA's attention layers differ in ``layer_idx``, which their forward reads only
     with a cache: the second layer's flow is the first's, traced once; a module whose

@@ -68,7 +68,7 @@ VOCAB, BATCH_SIZE, SEQ = 16, 2, 4
 class Block:
     """One top-level block of the tree (see :func:`make_blocks` for what each kind builds)."""
 
-    kind: str  # mlp | gated | attn | layer | branches | functional | chain | norm | bert
+    kind: str  # mlp | gated | attn | layer | branches | functional | chain | norm | bert | fused
     hidden: int = 0  # mlp / gated / layer: hidden width
     act: str = "gelu"
     bias: bool = True
@@ -270,6 +270,70 @@ class Attention(nn.Module):
         return x + y if self.residual else y
 
 
+class Fused(nn.Module):
+    """BLOOM's and Falcon's attention: one ``qkv`` Linear whose rows hold each head's q, k
+    and v side by side, viewed ``(B, S, self.num_heads, 3, self.head_dim)`` (style
+    ``grouped``) or ``(B, S, -1, 3, self.head_dim)`` (``grouped-infer``), then ``o``. It adds
+    ``bias``, one per head built by its caller (:class:`Alibi`), to the scores: of
+    ``(B * heads, 1, S)`` through ``baddbmm`` on the batch and heads merged (BLOOM's,
+    ``self.merged``), or of ``(B, heads, 1, S)`` viewed by the head count (Falcon's)."""
+
+    FLOW: ClassVar[dict[str, tuple[str, ...]]] = {"o": ("qkv",)}
+
+    def __init__(self, d: int, b: Block) -> None:
+        super().__init__()
+        self.residual, self.style, self.merged = b.residual, b.style, b.act == "gelu"
+        if b.norm:
+            self.norm = nn.LayerNorm(d)
+        self.num_heads, self.head_dim = b.heads, d // b.heads
+        self.qkv = nn.Linear(d, 3 * d, bias=b.bias)
+        self.o = nn.Linear(d, d, bias=b.bias)
+
+    def extra_repr(self) -> str:
+        heads = "-1" if self.style == "grouped-infer" else "self.num_heads"
+        return (f"{self.num_heads} heads, qkv(x).view(B, S, {heads}, 3, self.head_dim), + bias "
+                f"{'(B * heads, 1, S) by baddbmm' if self.merged else '(B, heads, 1, S)'}"
+                + (", + x" if self.residual else ""))
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.norm(x) if "norm" in self._modules else x
+        bsz, s = h.shape[:2]
+        fused = self.qkv(h).view(bsz, s, -1 if self.style == "grouped-infer" else self.num_heads, 3, self.head_dim)
+        q, k, v = (fused[..., i, :].transpose(1, 2) for i in range(3))
+        scale = 1 / math.sqrt(self.head_dim)
+        if bias is None:
+            scores = q @ k.transpose(-1, -2) * scale
+        elif self.merged:
+            merged = bsz * self.num_heads
+            scores = bias.baddbmm(q.reshape(merged, s, self.head_dim), k.reshape(merged, s, self.head_dim).mT,
+                                  alpha=scale).view(bsz, self.num_heads, s, s)
+        else:
+            scores = q @ k.transpose(-1, -2) * scale + bias.view(bsz, self.num_heads, 1, -1)
+        y = self.o((scores.softmax(-1) @ v).transpose(1, 2).reshape(bsz, s, -1))
+        return x + y if self.residual else y
+
+
+class Alibi(nn.Module):
+    """BLOOM's model around its attention: a bias built for every head (``self.num_heads``,
+    which build leaves whole: it is not the attention's), handed to ``attn``."""
+
+    def __init__(self, d: int, b: Block) -> None:
+        super().__init__()
+        self.num_heads = b.heads
+        self.attn = Fused(d, replace(b, residual=False, norm=False))
+
+    def extra_repr(self) -> str:
+        return "x + attn(x, bias), bias = slopes[head] * arange(S), one per head"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, s = x.shape[:2]
+        slopes = 0.5 ** torch.arange(1, self.num_heads + 1, dtype=x.dtype)
+        bias = (slopes[:, None] * torch.arange(s, dtype=x.dtype)).expand(bsz, self.num_heads, s)
+        bias = bias.reshape(bsz * self.num_heads, 1, s) if self.attn.merged else bias.reshape(
+            bsz, self.num_heads, 1, s)
+        return x + self.attn(x, bias)
+
+
 class Layer(nn.Module):
     """A pre-norm decoder layer: ``x + attn(ln1(x))``, then ``+ mlp(ln2(x))``."""
 
@@ -442,6 +506,8 @@ def make_blocks(d: int, b: Block) -> list[nn.Module]:
         "mlp": Mlp, "gated": Gated, "attn": Attention, "layer": Layer, "branches": Branches, "functional": Functional,
         "bert": Bert,
     }
+    if b.kind == "fused":
+        return [Alibi(d, b) if b.extra else Fused(d, b)]
     return [cls[b.kind](d, b)]
 
 
@@ -545,8 +611,9 @@ def output_paths(model: nn.Module) -> list[str]:
             last = "layers"
         elif isinstance(m, Bert):
             last = "out"  # out's own code (a norm of a sum) makes the output: it ends there
-        elif isinstance(m, Mlp | Gated | Attention | Functional) and not m.residual:
-            last = {Mlp: "fc2", Gated: "down", Attention: "o"}.get(type(m), "out" if "out" in m._modules else "act")
+        elif isinstance(m, Mlp | Gated | Attention | Functional | Fused) and not m.residual:
+            last = {Mlp: "fc2", Gated: "down", Attention: "o", Fused: "o"}.get(
+                type(m), "out" if "out" in m._modules else "act")
         if last is None:
             return out
         path, m = _join(path, last), m._modules[last]
@@ -636,7 +703,7 @@ WIDTHS = st.sampled_from([8, 16])
 @st.composite
 def blocks(draw: Any, d: int) -> Block:
     kind = draw(st.sampled_from(["mlp", "gated", "attn", "layer", "branches", "functional", "chain", "norm",
-                                 "bert"]))
+                                 "bert", "fused"]))
     bias, act = draw(st.booleans()), draw(ACTS)
     norm, residual = draw(st.booleans()), draw(st.booleans())
     if kind == "mlp":
@@ -652,6 +719,9 @@ def blocks(draw: Any, d: int) -> Block:
             return Block(kind, hidden=draw(WIDTHS), act=act, bias=bias, heads=heads, style=style,
                          extra=draw(st.booleans()))
         return Block(kind, bias=bias, heads=heads, style=style, norm=norm, residual=residual)
+    if kind == "fused":  # act: gelu for BLOOM's merged bias, relu for Falcon's; extra: with a bias
+        return Block(kind, bias=bias, act=act, heads=draw(st.sampled_from([1, 2, 4])), norm=norm, residual=residual,
+                     style=draw(st.sampled_from(["grouped", "grouped-infer"])), extra=draw(st.booleans()))
     if kind == "branches":
         return Block(kind, bias=bias, style=draw(st.sampled_from(["add", "mul"])), norm=norm, residual=residual)
     if kind == "bert":
@@ -676,6 +746,8 @@ def _megatron(model: nn.Module) -> list[tuple[Any, ...]]:
             ops += [("shard", f"{path}.{n}", 0, 1) for n in ("gate", "up")] + [("shard", f"{path}.down", 1, 1)]
         elif isinstance(m, Attention):
             ops += [("shard", f"{path}.{n}", 0, 1) for n in "qkv"] + [("shard", f"{path}.o", 1, 1)]
+        elif isinstance(m, Fused):
+            ops += [("shard", f"{path}.qkv", 0, 1), ("shard", f"{path}.o", 1, 1)]
         elif isinstance(m, Bert):
             ops += [("shard", f"{path}.attention.self_.{n}", 0, 1) for n in "qkv"]
             ops += [("shard", f"{path}.attention.output.dense", 1, 1), ("shard", f"{path}.inter.dense", 0, 1),
@@ -1320,6 +1392,20 @@ CLOSED: dict[str, Case] = {
     "whole-before-a-column": _c(
         [Block("mlp", hidden=8, residual=True, norm=True)], ("shard", "0.fc1", 0, 1), ("shard", "0.fc2", 1, 1),
         ("sp", ("0",), None), ("sync", "0.norm", "fwd_pre", "R", None), ("sync", "0.norm", "fwd_post", "S(1)", None)),
+    # BLOOM's and Falcon's fused q|k|v per head, with a bias for every head handed in by the block
+    # that holds the attention: refused at build before (head counts of no column's features), equal
+    "grouped-heads-bias-merged-with-the-batch": _c(
+        [_NORM, Block("fused", bias=False, heads=2, style="grouped", act="gelu", extra=True)],
+        ("shard", "1.attn.qkv", 0, 1), ("shard", "1.attn.o", 1, 1)),
+    "grouped-heads-bias-viewed-by-heads": _c(
+        [_NORM, Block("fused", bias=False, heads=4, style="grouped-infer", act="relu", extra=True)],
+        ("shard", "1.attn.qkv", 0, 1), ("shard", "1.attn.o", 1, 1)),
+    # raw shape error: that block, a chain member, built its bias from this rank's tokens
+    # (bsz, s = x.shape[:2]; arange(s)): a block holding attention was taken for attention, its own
+    # code not read; refused at build
+    "grouped-heads-bias-built-from-a-token-shard": _c(
+        [_NORM, Block("fused", bias=False, heads=2, style="grouped", act="gelu", extra=True)],
+        ("shard", "1.attn.qkv", 0, 1), ("shard", "1.attn.o", 1, 1), ("sp", ("1",), None)),
 }
 
 

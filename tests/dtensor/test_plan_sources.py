@@ -8,6 +8,8 @@ activation or split a column's input. The same cases run on 2 ranks, equal or re
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from test_tp_regressions import Branches  # a(x) + b(x)
@@ -230,20 +232,26 @@ def test_a_wrong_src_inside_a_module_lists_layers_is_refused() -> None:
     assert path == "model.norm"
 
 
-def test_an_untraceable_attention_with_head_counts_build_cannot_adjust_is_refused_before_running() -> None:
-    """Falcon's attention cannot be traced (it unpacks ``position_embeddings``, an argument
-    past the ones traced), and its ``num_heads`` counts neither the fused
-    ``query_key_value`` (``num_heads + 2 * num_kv_heads`` heads) nor anything else build
-    makes this rank's: its ``reshape(batch, self.num_heads, ...)`` met this rank's share at
-    the first forward. Refused before running, naming the column and the attention."""
+def test_an_attention_with_head_counts_build_cannot_adjust_is_refused_before_running() -> None:
+    """Falcon-7B's multi-query attention: its fused ``query_key_value`` holds ``num_heads``
+    query heads, then one key and one value head (``view(B, S, num_heads + 2, head_dim)``),
+    so no head count build could make this rank's counts its features: its ``reshape(batch,
+    self.num_heads, ...)`` would meet this rank's share. Refused before running, naming the
+    column and the attention. Falcon's other layouts ([q|k|v] per head, [q q|k|v] per kv
+    head) are whole groups of heads on each rank, whose counts build makes this rank's."""
     from transformers import FalconConfig, FalconForCausalLM
 
-    cfg = FalconConfig(hidden_size=64, num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
-                       vocab_size=64, num_hidden_layers=1, use_cache=False)
-    base = schedule(FalconForCausalLM(cfg))
-    sch = sf.shard(sf.shard(base, "transformer.h.0.self_attention.query_key_value", axis=0),
-                   "transformer.h.0.self_attention.dense", axis=1)
-    ((path, reason),) = refused(sch)
+    def falcon(**arch: Any) -> sf.Schedule:
+        cfg = FalconConfig(hidden_size=64, num_attention_heads=4, vocab_size=64, num_hidden_layers=1,
+                           use_cache=False, **arch)
+        return schedule(FalconForCausalLM(cfg))
+
+    def sharded(base: sf.Schedule) -> sf.Schedule:
+        return sf.shard(sf.shard(base, "transformer.h.0.self_attention.query_key_value", axis=0),
+                        "transformer.h.0.self_attention.dense", axis=1)
+
+    base = falcon(multi_query=True, new_decoder_architecture=False)
+    ((path, reason),) = refused(sharded(base))
     assert path == "transformer.h.0.self_attention.query_key_value"
     assert "'transformer.h.0.self_attention' counts heads in num_heads" in reason
     # its output gathered, the attention sees the whole features: accepted
@@ -254,6 +262,8 @@ def test_an_untraceable_attention_with_head_counts_build_cannot_adjust_is_refuse
     mlp = sf.shard(sf.shard(base, "transformer.h.0.mlp.dense_h_to_4h", axis=0), "transformer.h.0.mlp.dense_4h_to_h",
                    axis=1)
     assert refused(mlp) == []
+    assert refused(sharded(falcon(num_kv_heads=2, new_decoder_architecture=True))) == []
+    assert refused(sharded(falcon(multi_query=False, new_decoder_architecture=False))) == []
 
 
 def test_a_sync_or_chain_on_a_module_list_is_refused_when_stated() -> None:

@@ -118,13 +118,19 @@ def _gpt_neo() -> tuple[nn.Module, tuple[Any, ...], Plan]:
     return GPTNeoForCausalLM(cfg), (_ids(),), plan
 
 
-def _falcon() -> tuple[nn.Module, tuple[Any, ...], Plan]:
-    from transformers import FalconConfig, FalconForCausalLM
+def _falcon(**arch: Any) -> Callable[[], tuple[nn.Module, tuple[Any, ...], Plan]]:
+    # query_key_value's rows are per group of heads, which a plain column shard keeps whole: per kv
+    # head [q q | k | v] (the new decoder architecture), per head [q | k | v] (the old one, with
+    # rotary positions or with ALiBi built for every head and merged with the batch)
+    def make() -> tuple[nn.Module, tuple[Any, ...], Plan]:
+        from transformers import FalconConfig, FalconForCausalLM
 
-    # the new decoder architecture with 2 kv heads: query_key_value rows are per kv group [q q | k | v]
-    cfg = FalconConfig(hidden_size=64, num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
-                       hidden_dropout=0.0, attention_dropout=0.0, **_lm_kw())
-    return FalconForCausalLM(cfg), (_ids(),), _fused_block("transformer.h.*", "self_attention", "query_key_value", 1)
+        cfg = FalconConfig(hidden_size=64, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0,
+                           **arch, **_lm_kw())
+        return FalconForCausalLM(cfg), (_ids(),), _fused_block("transformer.h.*", "self_attention",
+                                                               "query_key_value", 1)
+
+    return make
 
 
 def _bloom() -> tuple[nn.Module, tuple[Any, ...], Plan]:
@@ -855,8 +861,16 @@ CASES: dict[str, Case] = {
     "gpt-neox-packed3": Case(_neox(3)),
     "gpt-neo": Case(_gpt_neo),
     "gpt-neo+sp": Case(_gpt_neo, ("transformer.h.*", "transformer.ln_f")),
-    "falcon": Case(_falcon),
-    "bloom": Case(_bloom),
+    "falcon": Case(_falcon(num_kv_heads=2, new_decoder_architecture=True), equal=True),
+    "falcon+sp": Case(_falcon(num_kv_heads=2, new_decoder_architecture=True),
+                      ("transformer.h.*", "transformer.ln_f"), equal=True),
+    "falcon-per-head": Case(_falcon(multi_query=False, new_decoder_architecture=False), equal=True),
+    "falcon-alibi": Case(_falcon(multi_query=False, new_decoder_architecture=False, alibi=True,
+                                 parallel_attn=False), equal=True),
+    # falcon-7b's multi-query attention: one k and one v head for all, which 2 ranks cannot split
+    "falcon-multi-query": Case(_falcon(multi_query=True, new_decoder_architecture=False), at_build=True),
+    "bloom": Case(_bloom, equal=True),
+    "bloom+sp": Case(_bloom, ("transformer.h.*", "transformer.ln_f"), equal=True),
     "bart": Case(_bart),
     "bart+sp": Case(_bart, ("encoder.layers.*", "decoder.layers.*")),
     "bart+sp-decoder": Case(_bart, ("decoder.layers.*",)),
@@ -1028,12 +1042,12 @@ def _family(rank: int, world: int, name: str) -> dict[str, str]:
 # ----------------------------------------------------------------------------- the test
 
 #: Bugs of the library today (strict: a fix turns these into XPASS).
-# Refused before running: bloom (the traced attention views by sizes slapo_fn cannot make
-# local), gpt-neox-packed3 (packed=3 on an output viewed into heads first), bart+sp and
-# whisper+sp (the encoder's final norm between chain members), phi3 (qkv_proj sliced at
-# fixed positions, qkv[..., :q]: the traced flow's "slices"), falcon (new decoder
-# architecture: its num_heads counts no column's features, and its reshape(batch, num_heads,
-# ...) would meet this rank's share; it was refused only at its first forward).
+# Refused before running: gpt-neox-packed3 (packed=3 on an output viewed into heads first),
+# bart+sp and whisper+sp (the encoder's final norm between chain members), phi3 (qkv_proj sliced
+# at fixed positions, qkv[..., :q]: the traced flow's "slices"), falcon-multi-query (one k and v
+# head for all). BLOOM and Falcon were refused until their groups of heads ([q|k|v] per head,
+# [q q|k|v] per kv head) were read from the traced view, and their ALiBi bias, built for every
+# head and merged with the batch, cut to this rank's heads.
 XFAIL: dict[str, str] = {
 }
 
