@@ -36,19 +36,20 @@ from ..select import select
 from ..tree import parent_path
 from ._recipe import Knobs, Recipe, Shard, Stack
 from .bert import BERT
+from .fused_qkv import BLOOM, FALCON
 from .gpt2 import GPT2
 from .llama import LLAMA, QWEN3
 from .moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE, MoeRecipe
 from .opt import OPT
 from .t5 import T5
 
-__all__ = ["BERT", "GPT2", "LLAMA", "MIXTRAL", "OPT", "QWEN2_MOE", "QWEN3", "QWEN3_MOE", "RECIPES", "T5", "Knobs",
-           "MoeRecipe", "Recipe", "Shard", "Stack", "check_tp_plan", "for_model", "from_model_plan", "from_tp_plan",
-           "plan_stacks", "tp_plan_of"]
+__all__ = ["BERT", "BLOOM", "FALCON", "GPT2", "LLAMA", "MIXTRAL", "OPT", "QWEN2_MOE", "QWEN3", "QWEN3_MOE", "RECIPES",
+           "T5", "Knobs", "MoeRecipe", "Recipe", "Shard", "Stack", "check_tp_plan", "for_model", "from_model_plan",
+           "from_tp_plan", "plan_stacks", "tp_plan_of"]
 
 #: Every recipe, by name.
-RECIPES: Mapping[str, Recipe] = MappingProxyType({r.name: r for r in (LLAMA, QWEN3, GPT2, BERT, OPT, T5, MIXTRAL,
-                                                                       QWEN2_MOE, QWEN3_MOE)})
+RECIPES: Mapping[str, Recipe] = MappingProxyType({r.name: r for r in (LLAMA, QWEN3, GPT2, BERT, OPT, T5, BLOOM,
+                                                                       FALCON, MIXTRAL, QWEN2_MOE, QWEN3_MOE)})
 
 
 def for_model(model: nn.Module) -> Recipe:
