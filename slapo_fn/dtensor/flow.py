@@ -48,7 +48,7 @@ from torch import nn
 from ..hf import is_conv1d
 from ..tree import uncalled
 from .features import ASSUMED_RANK as _ASSUMED_RANK
-from .features import Apart, At, Meets, Tokens, along_features, along_tokens, elementwise_op, head_operands
+from .features import Apart, At, Meets, Tokens, Walk, along_features, along_tokens, elementwise_op, head_operands
 from .features import metadata as _metadata
 from .features import nodes_in as _nodes_in
 from .features import op_name as _op_name
@@ -113,6 +113,9 @@ class Flow:
     # outputs are viewed into (MPT's ALiBi bias, built for every head), each with where it meets
     # the heads (:func:`.features.head_operands`)
     per_head: Mapping[str, Meets] = field(default_factory=dict)
+    # for each child whose output the parent's code views into heads by a constant count, the
+    # parent's own attributes that give that count and nothing else (:func:`_counted_by`)
+    counts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def same_input(self, a: str, b: str) -> bool:
         """Whether children ``a`` and ``b`` are called on the very same tensor (q/k/v on the
@@ -601,10 +604,7 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
             handed[name] = handed.get(name, frozenset()) | _handed(parent.get_submodule(name), node)
             sources[node] = frozenset({name})
             if name not in apart:
-                rank = _known_rank(parent, prefix, node)
-                start = At() if rank is None else At(rank, assumed=False)
-                walked = along_features(node, functools.partial(_pointwise_call, parent, prefix),
-                                        start if one[name] else replace(start, items=None))
+                walked = _features_of(parent, prefix, node, one[name])
                 if walked.apart is not None:
                     apart[name] = walked.apart
                 if walked.inner is not None:
@@ -631,11 +631,87 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
         else:
             sources[node] = upstream
             attends = attends or _products_of_activations(node)
+    counts = _counted_by(parent, read, apart, graph, one, lambda shell: _traced(tracer, shell, call, fixed))
     found = Flow(MappingProxyType(feeds), output, frozenset(reads), MappingProxyType(first), MappingProxyType(apart),
                  leaves, MappingProxyType(hidden), MappingProxyType(handed), MappingProxyType(mixes), attends,
                  MappingProxyType(ranked), _tokens(graph, parent, prefix, one), MappingProxyType(inner),
-                 frozenset(read), MappingProxyType(per_head))
+                 frozenset(read), MappingProxyType(per_head), MappingProxyType(counts))
     return found, read
+
+
+def _features_of(parent: nn.Module, prefix: str, node: fx.Node, one: bool) -> Walk:
+    """The walk along the features of the output of the child ``node`` calls
+    (:func:`.features.along_features`); ``one``: the child returns one tensor."""
+    rank = _known_rank(parent, prefix, node)
+    start = At() if rank is None else At(rank, assumed=False)
+    return along_features(node, functools.partial(_pointwise_call, parent, prefix),
+                          start if one else replace(start, items=None))
+
+
+def _counted_by(parent: nn.Module, read: set[str], apart: Mapping[str, Apart], graph: fx.Graph,
+                one: Mapping[str, bool], retrace: Callable[[nn.Module], fx.Graph | None]) -> dict[str, tuple[str, ...]]:
+    """For each child whose output the parent's code views into heads by a constant count
+    (``view(B, S, self.nh, self.hd)``), the parent's own integer attributes that give that
+    count and nothing else: traced again with one of them doubled (``retrace``), the
+    child's count doubles, and the code is as it was but for sizes (of views and the
+    arithmetic on sizes feeding them). Build may then make such an attribute this rank's
+    share, whatever its name; one read for anything else (a loop over the heads, a scale, a
+    range of slopes) is not, and a view by it stays refused."""
+    wanted = {name: how.dims[0] for name, how in apart.items()
+              if how.kind == "heads" and len(how.dims) >= 2 and isinstance(how.dims[0], int) and how.dims[0] > 0}
+    own = vars(parent)
+    prefix = _INNER + "."
+    found: dict[str, list[str]] = {}
+    for attr in sorted(read):
+        value = own.get(attr)
+        if type(value) is not int or value not in wanted.values():
+            continue
+        shell = _recording(parent, set())
+        shell.__dict__[attr] = 2 * value
+        other = retrace(shell)
+        if other is None or not _same_but_sizes(graph, other):
+            continue
+        calls = {str(n.target)[len(prefix):]: n for n in other.nodes
+                 if n.op == "call_module" and str(n.target).startswith(prefix)}
+        for name, count in wanted.items():
+            if count != value or name not in calls:
+                continue
+            again = _features_of(parent, prefix, calls[name], one[name]).apart
+            if again == replace(apart[name], dims=(2 * count, *apart[name].dims[1:])):
+                found.setdefault(name, []).append(attr)
+    return {name: tuple(attrs) for name, attrs in found.items()}
+
+
+#: Ops whose integer arguments are sizes: a view by sizes, or a tensor made to a shape.
+_SIZED = frozenset({"view", "reshape", "expand", "unflatten", "new_zeros", "new_ones", "new_empty", "new_full"})
+
+
+def _same_but_sizes(a: fx.Graph, b: fx.Graph) -> bool:
+    """Whether two traces of one forward are the same code but for integer sizes: of views
+    (:data:`_SIZED`), and of arithmetic on sizes alone (``bsz * self.nh``)."""
+    left, right = list(a.nodes), list(b.nodes)
+    if len(left) != len(right):
+        return False
+    index = {n: i for i, n in enumerate(left)} | {n: i for i, n in enumerate(right)}
+
+    def plain(arg: Any, sized: bool) -> Any:
+        if isinstance(arg, fx.Node):
+            return ("node", index[arg])
+        if isinstance(arg, tuple | list):
+            return tuple(plain(x, sized) for x in arg)
+        if isinstance(arg, dict):
+            return tuple(sorted((k, plain(v, sized)) for k, v in arg.items()))
+        if sized and isinstance(arg, int) and not isinstance(arg, bool):
+            return "size"
+        return ("tensor", tuple(arg.shape)) if isinstance(arg, torch.Tensor) else arg
+
+    for x, y in zip(left, right, strict=True):
+        if x.op != y.op or x.target != y.target:
+            return False
+        sized = (x.op in ("call_method", "call_function") and _op_name(x) in _SIZED) or _sizes_only(x)
+        if plain((x.args, x.kwargs), sized) != plain((y.args, y.kwargs), sized):
+            return False
+    return True
 
 
 def _tokens(graph: fx.Graph, parent: nn.Module, prefix: str, one: Mapping[str, bool]) -> Mapping[int, Tokens]:

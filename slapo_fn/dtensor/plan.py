@@ -1397,7 +1397,9 @@ def heads_made_local(sch: Schedule, path: str, packed: int) -> tuple[str, ...]:
     split for its row) that build's copy makes this rank's: the head counts of the column's
     own features (:func:`head_count_attrs`) with the widths beside them
     (:func:`head_width_attrs`), else those of the groups of heads its traced forward views
-    the output into (:func:`grouped_head_count_attrs`)."""
+    the output into (:func:`grouped_head_count_attrs`), else, whatever their names, those
+    that give the count of heads it views the output into and nothing else
+    (:attr:`.flow.Flow.counts`: ``view(B, S, self.nh, self.hd)``)."""
     parent = get_module(sch.module, _parent(path))
     out = _out_features(get_module(sch.module, path))
     if out is None:
@@ -1405,8 +1407,27 @@ def heads_made_local(sch: Schedule, path: str, packed: int) -> tuple[str, ...]:
     if counts := head_count_attrs(parent, out, packed):
         return (*counts, *head_width_attrs(parent, out, packed))
     found = _caller(sch, path)
-    how = found[2].apart.get(found[1]) if found is not None and found[0] == _parent(path) else None
-    return grouped_head_count_attrs(parent, out, how) if packed == 1 else ()
+    if packed != 1 or found is None or found[0] != _parent(path):
+        return ()
+    how = found[2].apart.get(found[1])
+    if grouped := grouped_head_count_attrs(parent, out, how):
+        return grouped
+    return found[2].counts.get(found[1], ()) if how is not None and _views_all(how, out) else ()
+
+
+def _views_all(how: Apart, out: int) -> bool:
+    """Whether the view ``how`` sizes all of ``out`` features by its constants (``(4,
+    16)`` of 64), or the head size from the features (``(4, None)``: ``x.size(-1) // 4``;
+    ``(4, -1)``)."""
+    dims = how.dims
+    if not dims or -1 in dims[:-1] or None in dims[:-1]:
+        return False
+    if dims[-1] in (None, -1):
+        return True
+    per = 1
+    for d in dims:
+        per *= d  # type: ignore[operator]
+    return per == out
 
 
 def _unadjusted_head_counts(parent: nn.Module, out: int, packed: int, how: Apart | None = None) -> tuple[str, ...]:
@@ -1448,11 +1469,11 @@ def _blocks_of_heads(parent: nn.Module, dims: tuple[int | None, ...], out: int |
     return dims[1] == -1 or any(vars(parent).get(a) == dims[1] for a in head_count_attrs(parent, out, packed))
 
 
-def _made_local(parent: nn.Module, out: int, leading: tuple[int | None, ...]) -> bool:
-    """Whether ``leading``, the sizes a view puts in front of its ``-1``, is one head count
-    build makes this rank's (:func:`head_count_attrs`)."""
+def _made_local(parent: nn.Module, made: tuple[str, ...], leading: tuple[int | None, ...]) -> bool:
+    """Whether ``leading``, the sizes a view puts in front of its ``-1`` (or of a head size
+    it computes), is one head count build makes this rank's (one of the attributes ``made``)."""
     own = vars(parent)
-    return len(leading) == 1 and any(own.get(a) == leading[0] for a in head_count_attrs(parent, out, 1))
+    return len(leading) == 1 and any(own.get(a) == leading[0] for a in made)
 
 
 def _split_outputs(sch: Schedule, modules: Mapping[str, ModulePlan]) -> dict[str, str]:
@@ -1496,13 +1517,14 @@ def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
     features) into code that views its output into heads must leave each rank whole
     heads, and sizes the view can be given this rank's share of: a ``-1`` (Hugging
     Face's ``view(*shape[:-1], -1, head_dim)``) or a head count build makes local
-    (:func:`head_count_attrs`). Constant sizes from attributes of other names
-    (``self.nh``, BLOOM's ``(num_heads, 3, head_dim)``) would meet this rank's share of
-    the features: refused before running, naming the parent, with the two ways to write
-    it. Read from the traced data flow (:func:`.flow.flow`); a parent whose head count
-    attributes count none of the column's features (:func:`_unadjusted_head_counts`) is
-    refused too: untraced, for any such count; traced, for those its forward reads (CodeGen
-    since transformers 5.24 views by ``-1`` and its block width, never ``num_attention_heads``)."""
+    (:func:`heads_made_local`: of the column's features, of groups of heads, or any
+    attribute the trace shows sizes the heads and nothing else). Constants, and attributes
+    read for more than sizes, would meet this rank's share of the features: refused
+    before running, naming the parent, with the two ways to write it. Read from the traced
+    data flow (:func:`.flow.flow`); a parent whose head count attributes count none of the
+    column's features (:func:`_unadjusted_head_counts`) is refused too: untraced, for any
+    such count; traced, for those its forward reads (CodeGen since transformers 5.24 views
+    by ``-1`` and its block width, never ``num_attention_heads``)."""
     problems = []
     split_out = {path: axis for path, axis in _split_outputs(sch, p.modules).items()
                  if (mp := p.modules.get(path)) is None or mp.role is None or mp.role.packed == 1}
@@ -1547,6 +1569,10 @@ def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
     return problems
 
 
+_HEAD_VIEW_FIX = ("view it with -1 heads (view(B, S, -1, head_dim)), or by a head count its forward reads from an "
+                  "attribute for sizes alone (self.num_heads, or any name: build makes it this rank's)")
+
+
 def _head_view_problem(sch: Schedule, path: str, parent: str, how: Apart, out: int, size: int,
                        part: str = "output") -> Problem | None:
     """Why the view ``how`` of ``out`` features (of the whole output, or of each ``part``
@@ -1557,10 +1583,20 @@ def _head_view_problem(sch: Schedule, path: str, parent: str, how: Apart, out: i
     what = "" if part == "output" else f"each {part} of "
     local, where = out // size, _named(parent)
     module = get_module(sch.module, parent)
+    made = heads_made_local(sch, path, 1) if part == "output" else head_count_attrs(module, out, 1)
+    count = how.dims[0]
+    if part == "output" and isinstance(count, int) and count > 0 and count % size and any(
+            vars(module).get(a) == count for a in made):
+        return Problem(
+            path,
+            f"{where}'s forward views its output into {count} heads (or groups of heads), which {size} ranks "
+            "cannot hold whole",
+            f"use a mesh axis whose size divides {count}, or leave it unsharded",
+        )
     if how.dims[-1] is None and -1 not in how.dims:
         # view(B, S, 4, x.size(-1) // 4): a fixed count, the head size computed from this rank's share
         fixed = tuple(d for d in how.dims[:-1] if d is not None)
-        if not fixed or _made_local(module, out, fixed):
+        if not fixed or _made_local(module, made, fixed):
             return None
         shape = "(" + ", ".join("?" if d is None else str(d) for d in how.dims) + ")"
         return Problem(
@@ -1569,8 +1605,7 @@ def _head_view_problem(sch: Schedule, path: str, parent: str, how: Apart, out: i
             f"{' x '.join(map(str, fixed))} heads of the whole {part}, which slapo_fn does not know to make "
             f"this rank's, so this rank's {local} features would make that many heads of the wrong size (the "
             "numbers silently wrong)",
-            "view it with -1 heads (view(B, S, -1, head_dim)), or keep the head count in num_heads and the "
-            "head size in head_dim (build makes them this rank's)",
+            _HEAD_VIEW_FIX,
         )
     if None in how.dims:
         return None
@@ -1586,31 +1621,21 @@ def _head_view_problem(sch: Schedule, path: str, parent: str, how: Apart, out: i
             "features do not fill that view",
             f"use a mesh axis whose size divides its {out // per} heads, or leave it unsharded",
         )
-    if -1 in how.dims and how.dims.index(-1) > 0 and not _made_local(module, out, how.dims[: how.dims.index(-1)]):
+    if -1 in how.dims and how.dims.index(-1) > 0 and not _made_local(module, made, how.dims[: how.dims.index(-1)]):
         return Problem(
             path,
             f"{where}'s forward views {what}its output's features as {shape}: the sizes in front of the -1 count "
             f"the whole {part}'s heads, so this rank's {local} features would make that many heads of the wrong "
             "size (the numbers silently wrong)",
-            "put the -1 first (view(B, S, -1, head_dim)), or keep the head count in num_heads and the head size "
-            "in head_dim (build makes them this rank's)",
+            _HEAD_VIEW_FIX,
         )
-    grouped = grouped_head_count_attrs(module, out, how) if part == "output" else ()
-    groups = how.dims[0]
-    if grouped and isinstance(groups, int) and groups > 0 and groups % size:  # with -1, checked above
+    if -1 not in how.dims and per == out and not made:
         return Problem(
             path,
-            f"{where}'s forward views its output's features as {shape}: {groups} groups of heads, which "
-            f"{size} ranks cannot hold whole",
-            f"use a mesh axis whose size divides {groups}, or leave it unsharded",
-        )
-    if -1 not in how.dims and per == out and not head_count_attrs(module, out, 1) and not grouped:
-        return Problem(
-            path,
-            f"{where}'s forward views {what}its output's features as {shape}, sizes from attributes slapo_fn does "
-            f"not know to make this rank's (it holds {local} of the {out} features)",
-            "view it with -1 heads (view(B, S, -1, head_dim)), or keep the head count in num_heads and the head "
-            "size in head_dim (build makes them this rank's)",
+            f"{where}'s forward views {what}its output's features as {shape}, sizes slapo_fn cannot make this "
+            f"rank's (constants, or attributes its forward reads for more than sizes; it holds {local} of the {out} "
+            "features)",
+            _HEAD_VIEW_FIX,
         )
     return None
 

@@ -76,14 +76,16 @@ class Heads(nn.Module):
         self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
 
     def split(self, t: torch.Tensor) -> torch.Tensor:
-        if self.view == "h":
-            return t.unflatten(-1, (self.h, -1))  # a count of the whole output's heads
+        if self.view in ("h", "h-scaled"):
+            return t.unflatten(-1, (self.h, -1))  # a count of the whole output's heads, of no known name
         if self.view == "num_heads":
             return t.unflatten(-1, (self.num_heads, -1))
         return t.unflatten(-1, (-1, D // 4))  # -1 heads of a fixed size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.split(self.q(x)), self.split(self.k(x)), self.split(self.v(x))
+        if self.view == "h-scaled":  # h read for more than sizes: build may not make it this rank's
+            q = q / self.h
         a = torch.einsum("bshd,bthd->bhst", q, k).softmax(-1)
         return self.o(torch.einsum("bhst,bthd->bshd", a, v).flatten(-2))
 
@@ -110,7 +112,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[sf.Schedule], sf.Sched
     "flip": (lambda: Pair(lambda h: h.flip(-1)), _pair(), "flip(dim=-1)"),
     "layer_norm": (lambda: Pair(lambda h: F.layer_norm(h, h.shape[-1:])), _pair(), "layer_norm(...)"),
     "concat-features": (lambda: Concat(-1), _concat, "cat(dim=-1)"),
-    "heads-counted-whole": (lambda: Heads("h"), _heads, "the sizes in front of the -1"),
+    "heads-counted-whole": (lambda: Heads("h-scaled"), _heads, "the sizes in front of the -1"),
 
     # over each feature alone, or over the sequence: equal
     "gelu-and-scale": (lambda: Pair(lambda h: F.gelu(h) * 0.5 + 1.0), _pair(), None),
@@ -118,6 +120,8 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[sf.Schedule], sf.Sched
     "concat-sequence": (lambda: Concat(1), _concat, None),
     "heads-minus-one-first": (lambda: Heads("-1"), _heads, None),
     "heads-in-num_heads": (lambda: Heads("num_heads"), _heads, None),
+    # a count in self.h, read for the split's sizes alone (the trace, again with h doubled, says so)
+    "heads-in-an-attribute-of-its-own": (lambda: Heads("h"), _heads, None),
     "last-token": (lambda: Pair(lambda h: h[:, -1]), _pair(), None),
     # the column's output read by the parent beside its row as well: no pair, gathered whole
     "slice-beside-the-row": (lambda: Beside(lambda h: h[..., :D]), _pair(), None),

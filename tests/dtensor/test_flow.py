@@ -433,3 +433,34 @@ def test_a_pointwise_child_called_twice_is_traced_as_code() -> None:
     fl = flow(Reuses())
     assert fl is not None and not fl.called("drop")
     assert fl.feeders("b") == {"a"} and fl.reaching_output() == {"b"}
+
+
+class NamedHeads(nn.Module):
+    """Attention whose head count is in ``self.nh``, a name no list holds; ``scaled`` reads it
+    for a scale too."""
+
+    def __init__(self, scaled: bool) -> None:
+        super().__init__()
+        self.nh, self.hd, self.scaled = 2, 4, scaled
+        self.q, self.k, self.o = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, s, _ = x.shape
+        q = self.q(x).view(bsz, s, self.nh, self.hd).transpose(1, 2)
+        k = self.k(x).view(bsz, s, 8 // self.hd, self.hd).transpose(1, 2)
+        if self.scaled:
+            q = q / self.nh
+        a = (q @ k.mT).softmax(-1) @ k
+        return self.o(a.transpose(1, 2).reshape(bsz, s, self.nh * self.hd))
+
+
+def test_a_head_count_of_any_name_read_for_sizes_alone_is_found() -> None:
+    """Traced again with ``nh`` doubled, q's view counts twice the heads and the code is the
+    same but for sizes: ``nh`` counts q's heads. k's count is ``8 // hd``, which doubling nh
+    leaves as it was: ``nh`` does not count k's heads. Read for a scale too, ``nh`` counts
+    nothing build may change."""
+    fl = flow(NamedHeads(scaled=False))
+    assert fl is not None and fl.apart["q"] == Apart("heads", dims=(2, 4))
+    assert dict(fl.counts) == {"q": ("nh",)}
+    scaled = flow(NamedHeads(scaled=True))
+    assert scaled is not None and dict(scaled.counts) == {}

@@ -73,7 +73,8 @@ class Block:
     act: str = "gelu"
     bias: bool = True
     heads: int = 0  # attn / layer
-    style: str = ""  # attn / layer: hf | infer | fixed | untraced; branches: add | mul; mlp: _MLP_CODE
+    style: str = ""  # attn / layer: hf | hf-seq | infer | fixed | fixed-scaled | untraced; branches: add | mul;
+    # mlp: _MLP_CODE; fused: grouped | grouped-infer
     norm: bool = False  # a LayerNorm child applied first
     residual: bool = False  # x + f(x)
     widths: tuple[int, ...] = ()  # chain: the widths between its Linears
@@ -222,9 +223,11 @@ class Attention(nn.Module):
     """q/k/v/o and softmax attention, reshaping by heads. ``style``: ``hf`` reads
     ``self.num_heads``/``self.head_dim`` (Hugging Face's names); ``hf-seq`` views as
     ``(B, -1, self.num_heads, self.head_dim)`` (OPT's: the sequence inferred); ``infer`` views as
-    ``(B, S, -1, self.hd)``; ``fixed`` views as ``(B, S, self.nh, self.hd)`` (names that no
-    library can guess); ``untraced`` as ``fixed``, behind a branch on a tensor's values
-    (it always takes the same way) that fx cannot trace."""
+    ``(B, S, -1, self.hd)``; ``fixed`` views as ``(B, S, self.nh, self.hd)`` (names no list
+    holds: the trace tells that ``nh`` sizes the heads and nothing else); ``fixed-scaled`` as
+    ``fixed``, and scales q by ``self.nh`` too (so ``nh`` may not become this rank's);
+    ``untraced`` as ``fixed``, behind a branch on a tensor's values (it always takes the
+    same way) that fx cannot trace."""
 
     FLOW: ClassVar[dict[str, tuple[str, ...]]] = {"o": ("q", "k", "v")}
     SHARED = ("q", "k", "v")
@@ -246,7 +249,8 @@ class Attention(nn.Module):
                 "infer": "(B, S, -1, self.hd)"}
         heads = getattr(self, "num_heads", getattr(self, "nh", 0))
         return f"{heads} heads, view{view.get(self.style, '(B, S, self.nh, self.hd)')}" + (
-            ", untraceable" if self.style == "untraced" else "") + (", + x" if self.residual else "")
+            ", untraceable" if self.style == "untraced" else "") + (
+            ", q * (1 + 1 / self.nh)" if self.style == "fixed-scaled" else "") + (", + x" if self.residual else "")
 
     def _split(self, t: torch.Tensor) -> torch.Tensor:
         bsz, s = t.shape[:2]
@@ -265,6 +269,8 @@ class Attention(nn.Module):
         if self.style == "untraced" and not bool(torch.isfinite(h).all()):  # fx cannot trace a value's branch
             h = h.nan_to_num()
         q, k, v = self._split(self.q(h)), self._split(self.k(h)), self._split(self.v(h))
+        if self.style == "fixed-scaled":
+            q = q * (1.0 + 1.0 / self.nh)
         att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1)
         y = self.o((att @ v).transpose(1, 2).reshape(*h.shape[:2], -1))
         return x + y if self.residual else y
@@ -714,7 +720,7 @@ def blocks(draw: Any, d: int) -> Block:
         return Block(kind, hidden=draw(WIDTHS), act=act, bias=bias, norm=norm, residual=residual)
     if kind in ("attn", "layer"):
         heads = draw(st.sampled_from([1, 2, 4]))
-        style = draw(st.sampled_from(["hf", "hf-seq", "infer", "fixed", "untraced"]))
+        style = draw(st.sampled_from(["hf", "hf-seq", "infer", "fixed", "fixed-scaled", "untraced"]))
         if kind == "layer":
             return Block(kind, hidden=draw(WIDTHS), act=act, bias=bias, heads=heads, style=style,
                          extra=draw(st.booleans()))
@@ -1118,8 +1124,12 @@ CLOSED: dict[str, Case] = {
     "sibling-order": _c([_ATTN], ("shard", "0.q", 0, 1), ("shard", "0.k", 0, 1), ("shard", "0.v", 1, 1),
                         ("shard", "0.o", 1, 1)),
     "equal-in-columns": _c([_ATTN], ("shard", "0.q", 0, 1), ("shard", "0.o", 0, 1)),
-    # a constant head count (self.nh) the build cannot make local: refused from the traced view
+    # a head count in an attribute of no known name (self.nh): refused from the traced view, until
+    # the trace told that nh sizes the heads and nothing else (traced again with nh doubled); equal
     "head-attr": _c([Block("attn", heads=2, style="fixed", bias=False)], *_MEGATRON_ATTN),
+    # nh read for a scale too: not made this rank's (the scale would change); refused at build
+    "head-attr-read-for-more-than-sizes": _c([Block("attn", heads=2, style="fixed-scaled", bias=False)],
+                                             *_MEGATRON_ATTN),
     # the plan fills in every sync's src, the runtime reads it
     "sp-sync-default-src": _c([_NORM, _NORM], ("sp", ("0", "1"), None), ("sync", "1", "fwd_post", "R", None)),
     "sp-sync-default-src-pre": _c([_MLP, _MLP], ("sp", ("0", "1"), None), ("sync", "1.fc1", "fwd_pre", "R", None)),
