@@ -40,7 +40,7 @@ from typing import Any
 import torch.fx as fx
 
 __all__ = ["ASSUMED_RANK", "Apart", "At", "Tokens", "Walk", "along_features", "along_tokens", "elementwise_op",
-           "head_operands", "metadata", "nodes_in", "sizes_only"]
+           "head_operands", "metadata", "nodes_in", "sizes_only", "viewed_by_width"]
 
 #: The rank a traced value is taken to have where nothing in the trace says: a parent's
 #: arguments and its children's outputs are hidden states ``(batch, sequence, features)``.
@@ -548,6 +548,16 @@ def _whole_shape(d: Any) -> Any:
             d.op == "call_method" and op_name(d) == "size" and len(d.args) == 1):
         return d.args[0]
     return None
+
+
+def viewed_by_width(node: fx.Node, value: fx.Node) -> bool:
+    """Whether ``node`` views a tensor with a size that is ``value``'s last (its width
+    when ``value`` is the parent's hidden states, as read there: ``B, N, C = x.shape``
+    then ``y.reshape(B, N, C)``; ``x.size(-1)``)."""
+    if node.op not in ("call_function", "call_method") or op_name(node) not in ("view", "reshape") \
+            or not node.args or node.args[0] is value:
+        return False
+    return any(_size_of(d, value) in (-1, ASSUMED_RANK - 1) for d in _shape_arg(node))
 
 
 def _size_of(d: Any, value: fx.Node) -> int | None:

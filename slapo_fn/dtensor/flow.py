@@ -48,7 +48,18 @@ from torch import nn
 from ..hf import is_conv1d
 from ..tree import uncalled
 from .features import ASSUMED_RANK as _ASSUMED_RANK
-from .features import Apart, At, Meets, Tokens, Walk, along_features, along_tokens, elementwise_op, head_operands
+from .features import (
+    Apart,
+    At,
+    Meets,
+    Tokens,
+    Walk,
+    along_features,
+    along_tokens,
+    elementwise_op,
+    head_operands,
+    viewed_by_width,
+)
 from .features import metadata as _metadata
 from .features import nodes_in as _nodes_in
 from .features import op_name as _op_name
@@ -116,6 +127,10 @@ class Flow:
     # for each child whose output the parent's code views into heads by a constant count, the
     # parent's own attributes that give that count and nothing else (:func:`_counted_by`)
     counts: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # for each child whose output the parent's code views (after any ops) by the width of its
+    # hidden states, read off them (timm's ``B, N, C = x.shape``, then ``reshape(B, N, C)``): a
+    # width build cannot make this rank's share of a column's features
+    by_width: Mapping[str, str] = field(default_factory=dict)
 
     def same_input(self, a: str, b: str) -> bool:
         """Whether children ``a`` and ``b`` are called on the very same tensor (q/k/v on the
@@ -632,10 +647,18 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
             sources[node] = upstream
             attends = attends or _products_of_activations(node)
     counts = _counted_by(parent, read, apart, graph, one, lambda shell: _traced(tracer, shell, call, fixed))
+    # views by the width of the parent's hidden states (timm's B, N, C = x.shape; reshape(B, N, C)),
+    # of values computed from children's outputs
+    hidden_in = next((n for n in graph.nodes if n.op == "placeholder" and n.target == "a0"), None)
+    by_width: dict[str, str] = {}
+    for node in graph.nodes:
+        if hidden_in is not None and viewed_by_width(node, hidden_in):
+            for name in sorted(sources.get(node.args[0], frozenset()) - {INPUT, SIDE}):  # type: ignore[arg-type]
+                by_width.setdefault(name, f"{_op_name(node)}(..., {params[0].name}'s width)")
     found = Flow(MappingProxyType(feeds), output, frozenset(reads), MappingProxyType(first), MappingProxyType(apart),
                  leaves, MappingProxyType(hidden), MappingProxyType(handed), MappingProxyType(mixes), attends,
                  MappingProxyType(ranked), _tokens(graph, parent, prefix, one), MappingProxyType(inner),
-                 frozenset(read), MappingProxyType(per_head), MappingProxyType(counts))
+                 frozenset(read), MappingProxyType(per_head), MappingProxyType(counts), MappingProxyType(by_width))
     return found, read
 
 

@@ -1554,6 +1554,18 @@ def _heads_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
         if how is not None and out is not None and (problem := _head_view_problem(
                 sch, path, parent, how, out, _axis_size(sch, axis))) is not None:
             problems.append(problem)
+    for path in sorted(_split_outputs(sch, p.modules)):
+        # timm's B, N, C = x.shape; ...; (attn @ v).transpose(1, 2).reshape(B, N, C): the heads
+        # merged back by the whole width, where this rank holds its share of them
+        found = _caller(sch, path)
+        if found is not None and (op := found[2].by_width.get(found[1])) is not None:
+            problems.append(Problem(
+                path,
+                f"{_named(found[0])}'s forward views a value computed from its output by the width of its "
+                f"input, {op}: that width is all of the features, of which this rank holds its share",
+                "view it by -1 there (reshape(B, N, -1)), or gather its output: "
+                f"sf.sync(sch, {path!r}, 'fwd_post', Replicate())",
+            ))
     for path, axis in sorted(_split_outputs(sch, p.modules).items()):
         # a packed column's blocks, each viewed into heads after the parent splits them apart
         # (nanoGPT's q, k, v = c_attn(x).split(n_embd); k.view(B, T, n_head, C // n_head))

@@ -464,3 +464,25 @@ def test_a_head_count_of_any_name_read_for_sizes_alone_is_found() -> None:
     assert dict(fl.counts) == {"q": ("nh",)}
     scaled = flow(NamedHeads(scaled=True))
     assert scaled is not None and dict(scaled.counts) == {}
+
+
+class MergedByWidth(nn.Module):
+    """timm's attention merges its heads back by its input's width: ``B, N, C = x.shape``."""
+
+    def __init__(self, by_width: bool) -> None:
+        super().__init__()
+        self.by_width = by_width
+        self.qkv, self.proj = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape  # timm's names
+        q, k, v = self.qkv(x).reshape(B, N, 3, 2, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        y = ((q @ k.mT).softmax(-1) @ v).transpose(1, 2)
+        return self.proj(y.reshape(B, N, C) if self.by_width else y.reshape(B, N, -1))
+
+
+def test_a_view_by_the_input_s_width_of_what_a_child_computed_is_noted() -> None:
+    fl = flow(MergedByWidth(True))
+    assert fl is not None and dict(fl.by_width) == {"qkv": "reshape(..., x's width)"}
+    plain = flow(MergedByWidth(False))
+    assert plain is not None and dict(plain.by_width) == {}

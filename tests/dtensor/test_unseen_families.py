@@ -757,8 +757,8 @@ def _fnet() -> tuple[nn.Module, tuple[Any, ...], Plan]:
 class TimmAttention(nn.Module):
     """timm's ViT attention as written there: one ``qkv`` reshaped to (3, heads, head_dim),
     blocks first, so ``packed=3`` is its layout; ``merge`` is how the heads are put back:
-    ``reshape(B, N, C)`` with the input's width (refused at the first forward: that width
-    is not this rank's) or ``reshape(B, N, -1)``."""
+    ``reshape(B, N, C)`` with the input's width (refused at build: that width is not this
+    rank's) or ``reshape(B, N, -1)``."""
 
     def __init__(self, dim: int, num_heads: int, merge: str) -> None:
         super().__init__()
@@ -935,7 +935,8 @@ CASES: dict[str, Case] = {
     "timm-vit": Case(_timm_vit("-1", 3), equal=True),
     "timm-vit+sp": Case(_timm_vit("-1", 3), ("blocks.*", "norm"), equal=True),
     "timm-vit-unpacked": Case(_timm_vit("-1", 1), at_build=True),  # the head count is of one block
-    "timm-vit-merged-by-input-width": Case(_timm_vit("C", 3)),  # refused at the first forward
+    # reshape(B, N, C) with the input's width: refused at build (it was at the first forward)
+    "timm-vit-merged-by-input-width": Case(_timm_vit("C", 3), at_build=True),
     # MLP-Mixer: Megatron across the channels, and across the tokens
     "mlp-mixer": Case(lambda: _mixer(False), equal=True),
     "mlp-mixer-tokens": Case(lambda: _mixer(True), equal=True),
