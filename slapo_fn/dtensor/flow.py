@@ -646,7 +646,8 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
         else:
             sources[node] = upstream
             attends = attends or _products_of_activations(node)
-    counts = _counted_by(parent, read, apart, graph, one, lambda shell: _traced(tracer, shell, call, fixed))
+    counts = _counted_by(parent, read, apart, graph, one, sources,
+                         lambda shell: _traced(tracer, shell, call, fixed))
     # views by the width of the parent's hidden states (timm's B, N, C = x.shape; reshape(B, N, C)),
     # of values computed from children's outputs
     hidden_in = next((n for n in graph.nodes if n.op == "placeholder" and n.target == "a0"), None)
@@ -672,49 +673,78 @@ def _features_of(parent: nn.Module, prefix: str, node: fx.Node, one: bool) -> Wa
 
 
 def _counted_by(parent: nn.Module, read: set[str], apart: Mapping[str, Apart], graph: fx.Graph,
-                one: Mapping[str, bool], retrace: Callable[[nn.Module], fx.Graph | None]) -> dict[str, tuple[str, ...]]:
+                one: Mapping[str, bool], sources: Mapping[fx.Node, frozenset[str]],
+                retrace: Callable[[nn.Module], fx.Graph | None]) -> dict[str, tuple[str, ...]]:
     """For each child whose output the parent's code views into heads by a constant count
     (``view(B, S, self.nh, self.hd)``), the parent's own integer attributes that give that
     count and nothing else: traced again with one of them doubled (``retrace``), the
-    child's count doubles, and the code is as it was but for sizes (of views and the
-    arithmetic on sizes feeding them). Build may then make such an attribute this rank's
-    share, whatever its name; one read for anything else (a loop over the heads, a scale, a
-    range of slopes) is not, and a view by it stays refused."""
+    child's count doubles, and the code is as it was but for the sizes of views of values
+    computed from such children (and the arithmetic on sizes feeding them). Then, beside
+    them, the attributes holding those heads' whole width (``reshape(B, S, self.dim)``
+    merging them back), found the same way. Build may make each this rank's share,
+    whatever its name; one read for anything else (a loop over the heads, a scale, a range
+    of slopes, a view of the input) is not, and a view by it stays refused."""
     wanted = {name: how.dims[0] for name, how in apart.items()
               if how.kind == "heads" and len(how.dims) >= 2 and isinstance(how.dims[0], int) and how.dims[0] > 0}
     own = vars(parent)
     prefix = _INNER + "."
+
+    seen: dict[str, tuple[fx.Graph, frozenset[str]] | None] = {}
+
+    def doubled(attr: str) -> tuple[fx.Graph, frozenset[str]] | None:
+        """The trace with ``attr`` doubled, and the children whose values the views it
+        resized hold; ``None`` where it changed more than sizes."""
+        if attr not in seen:
+            seen[attr] = _doubled(attr)
+        return seen[attr]
+
+    def _doubled(attr: str) -> tuple[fx.Graph, frozenset[str]] | None:
+        shell = _recording(parent, set())
+        shell.__dict__[attr] = 2 * own[attr]
+        other = retrace(shell)
+        resized = _resized(graph, other) if other is not None else None
+        if other is None or resized is None:
+            return None
+        return other, frozenset().union(*(sources.get(n.args[0], frozenset()) for n in resized  # type: ignore[arg-type]
+                                          if n.args and isinstance(n.args[0], fx.Node)))
+
     found: dict[str, list[str]] = {}
     for attr in sorted(read):
         value = own.get(attr)
-        if type(value) is not int or value not in wanted.values():
+        if type(value) is not int or value not in wanted.values() or (got := doubled(attr)) is None:
             continue
-        shell = _recording(parent, set())
-        shell.__dict__[attr] = 2 * value
-        other = retrace(shell)
-        if other is None or not _same_but_sizes(graph, other):
-            continue
+        other, holders = got
         calls = {str(n.target)[len(prefix):]: n for n in other.nodes
                  if n.op == "call_module" and str(n.target).startswith(prefix)}
-        for name, count in wanted.items():
-            if count != value or name not in calls:
-                continue
-            again = _features_of(parent, prefix, calls[name], one[name]).apart
-            if again == replace(apart[name], dims=(2 * count, *apart[name].dims[1:])):
+        counted = {name for name, count in wanted.items() if count == value and name in calls
+                   and _features_of(parent, prefix, calls[name], one[name]).apart
+                   == replace(apart[name], dims=(2 * count, *apart[name].dims[1:]))}
+        if counted and holders <= counted:
+            for name in sorted(counted):
                 found.setdefault(name, []).append(attr)
-    return {name: tuple(attrs) for name, attrs in found.items()}
+    counts = {name: tuple(attrs) for name, attrs in found.items()}
+    widths: dict[str, tuple[str, ...]] = {}
+    for name, attrs in counts.items():
+        child = parent.get_submodule(name)
+        width = vars(child).get("nf") if is_conv1d(child) else getattr(child, "out_features", None)
+        heads = {q for q, a in counts.items() if a == attrs}  # the children counted alike
+        widths[name] = tuple(attr for attr in sorted(read - set(attrs))
+                             if isinstance(width, int) and type(own.get(attr)) is int and own[attr] == width
+                             and (got := doubled(attr)) is not None and got[1] and got[1] <= heads)
+    return {name: (*attrs, *widths[name]) for name, attrs in counts.items()}
 
 
 #: Ops whose integer arguments are sizes: a view by sizes, or a tensor made to a shape.
 _SIZED = frozenset({"view", "reshape", "expand", "unflatten", "new_zeros", "new_ones", "new_empty", "new_full"})
 
 
-def _same_but_sizes(a: fx.Graph, b: fx.Graph) -> bool:
-    """Whether two traces of one forward are the same code but for integer sizes: of views
-    (:data:`_SIZED`), and of arithmetic on sizes alone (``bsz * self.nh``)."""
+def _resized(a: fx.Graph, b: fx.Graph) -> list[fx.Node] | None:
+    """Where two traces of one forward are the same code but for integer sizes (of views,
+    :data:`_SIZED`, and of arithmetic on sizes alone: ``bsz * self.nh``), the views of
+    ``a`` whose sizes differ; ``None`` where they differ in anything else."""
     left, right = list(a.nodes), list(b.nodes)
     if len(left) != len(right):
-        return False
+        return None
     index = {n: i for i, n in enumerate(left)} | {n: i for i, n in enumerate(right)}
 
     def plain(arg: Any, sized: bool) -> Any:
@@ -728,13 +758,18 @@ def _same_but_sizes(a: fx.Graph, b: fx.Graph) -> bool:
             return "size"
         return ("tensor", tuple(arg.shape)) if isinstance(arg, torch.Tensor) else arg
 
+    changed: set[fx.Node] = set()
     for x, y in zip(left, right, strict=True):
         if x.op != y.op or x.target != y.target:
-            return False
+            return None
         sized = (x.op in ("call_method", "call_function") and _op_name(x) in _SIZED) or _sizes_only(x)
         if plain((x.args, x.kwargs), sized) != plain((y.args, y.kwargs), sized):
-            return False
-    return True
+            return None
+        if sized and plain((x.args, x.kwargs), False) != plain((y.args, y.kwargs), False):
+            changed.add(x)
+        elif sized and any(n in changed for n in x.all_input_nodes if _sizes_only(n)):
+            changed.add(x)  # sizes computed from a changed size
+    return [n for n in changed if n.op in ("call_method", "call_function") and _op_name(n) in _SIZED]
 
 
 def _tokens(graph: fx.Graph, parent: nn.Module, prefix: str, one: Mapping[str, bool]) -> Mapping[int, Tokens]:

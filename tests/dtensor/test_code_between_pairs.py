@@ -72,11 +72,11 @@ class Heads(nn.Module):
         if view == "num_heads":  # the names build makes this rank's
             self.num_heads, self.head_dim = 4, D // 4
         else:
-            self.h = 4
+            self.h, self.width = 4, D
         self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
 
     def split(self, t: torch.Tensor) -> torch.Tensor:
-        if self.view in ("h", "h-scaled"):
+        if self.view in ("h", "h-scaled", "h-width"):
             return t.unflatten(-1, (self.h, -1))  # a count of the whole output's heads, of no known name
         if self.view == "num_heads":
             return t.unflatten(-1, (self.num_heads, -1))
@@ -87,7 +87,10 @@ class Heads(nn.Module):
         if self.view == "h-scaled":  # h read for more than sizes: build may not make it this rank's
             q = q / self.h
         a = torch.einsum("bshd,bthd->bhst", q, k).softmax(-1)
-        return self.o(torch.einsum("bhst,bthd->bshd", a, v).flatten(-2))
+        y = torch.einsum("bhst,bthd->bshd", a, v)
+        if self.view == "h-width":  # merged back by a width of its own, which build makes this rank's too
+            return self.o(y.reshape(*y.shape[:2], self.width))
+        return self.o(y.flatten(-2))
 
 
 def _pair(column: str = "fc", row: str = "out") -> Callable[[sf.Schedule], sf.Schedule]:
@@ -122,6 +125,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[sf.Schedule], sf.Sched
     "heads-in-num_heads": (lambda: Heads("num_heads"), _heads, None),
     # a count in self.h, read for the split's sizes alone (the trace, again with h doubled, says so)
     "heads-in-an-attribute-of-its-own": (lambda: Heads("h"), _heads, None),
+    "heads-and-width-in-attributes-of-their-own": (lambda: Heads("h-width"), _heads, None),
     "last-token": (lambda: Pair(lambda h: h[:, -1]), _pair(), None),
     # the column's output read by the parent beside its row as well: no pair, gathered whole
     "slice-beside-the-row": (lambda: Beside(lambda h: h[..., :D]), _pair(), None),

@@ -436,34 +436,36 @@ def test_a_pointwise_child_called_twice_is_traced_as_code() -> None:
 
 
 class NamedHeads(nn.Module):
-    """Attention whose head count is in ``self.nh``, a name no list holds; ``scaled`` reads it
-    for a scale too."""
+    """Attention whose head count is in ``self.nh`` and whose width is in ``self.dim``, names
+    no list holds. ``use``: where else ``nh`` is read: ``"scale"`` scales q by it, ``"input"``
+    views the input by it (neither is a size of the heads)."""
 
-    def __init__(self, scaled: bool) -> None:
+    def __init__(self, use: str = "") -> None:
         super().__init__()
-        self.nh, self.hd, self.scaled = 2, 4, scaled
+        self.nh, self.hd, self.dim, self.use = 2, 4, 8, use
         self.q, self.k, self.o = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, s, _ = x.shape
         q = self.q(x).view(bsz, s, self.nh, self.hd).transpose(1, 2)
-        k = self.k(x).view(bsz, s, 8 // self.hd, self.hd).transpose(1, 2)
-        if self.scaled:
+        k = self.k(x).view(bsz, s, self.nh, self.hd).transpose(1, 2)
+        if self.use == "scale":
             q = q / self.nh
+        if self.use == "input":
+            x = x.view(bsz, s, self.nh, -1).flatten(-2)
         a = (q @ k.mT).softmax(-1) @ k
-        return self.o(a.transpose(1, 2).reshape(bsz, s, self.nh * self.hd))
+        return self.o(a.transpose(1, 2).reshape(bsz, s, self.dim)) + x
 
 
-def test_a_head_count_of_any_name_read_for_sizes_alone_is_found() -> None:
-    """Traced again with ``nh`` doubled, q's view counts twice the heads and the code is the
-    same but for sizes: ``nh`` counts q's heads. k's count is ``8 // hd``, which doubling nh
-    leaves as it was: ``nh`` does not count k's heads. Read for a scale too, ``nh`` counts
-    nothing build may change."""
-    fl = flow(NamedHeads(scaled=False))
+@pytest.mark.parametrize("use", ["", "scale", "input"])
+def test_a_head_count_of_any_name_read_for_sizes_alone_is_found(use: str) -> None:
+    """Traced again with ``nh`` doubled, q's and k's views count twice the heads and the
+    code is the same but for the sizes of views of values computed from q and k: ``nh``
+    counts their heads, and ``dim``, doubled alike, their width. Read for a scale, or to
+    view the input, ``nh`` counts nothing build may change (nor then ``dim``)."""
+    fl = flow(NamedHeads(use))
     assert fl is not None and fl.apart["q"] == Apart("heads", dims=(2, 4))
-    assert dict(fl.counts) == {"q": ("nh",)}
-    scaled = flow(NamedHeads(scaled=True))
-    assert scaled is not None and dict(scaled.counts) == {}
+    assert dict(fl.counts) == ({"q": ("nh", "dim"), "k": ("nh", "dim")} if not use else {})
 
 
 class MergedByWidth(nn.Module):
