@@ -232,7 +232,7 @@ def _plan(sch: Schedule) -> Plan:
         spec_syncs = _resolved_syncs(path, _whole_syncs(syncs.get(path, ()), whole.get(path)), roles.get(path),
                                      seqs, entries,
                                      functools.partial(_stated_output, sch, path), partnered,
-                                     functools.partial(_arriving_at, know, path),
+                                     functools.partial(_arriving, sch, know, path),
                                      role is None and pointwise(get_module(sch.module, path)))
         out_sync = next((s for s in spec_syncs if s.mode == "fwd_post"), None)
         group = ""
@@ -521,6 +521,32 @@ def _resolved_syncs(path: str, specs: tuple[SyncSpec, ...], role: Role | None, s
 def _arriving_at(know: Callable[[str], _Features], path: str, axis: str) -> Placement | None:
     """The features the data flow brings to ``path``'s input over ``axis`` (``None``: unknown)."""
     return know(axis).arriving(path)
+
+
+def _arriving(sch: Schedule, know: Callable[[str], _Features], path: str, axis: str) -> Placement | None:
+    """The layout ``path``'s input arrives in over ``axis``: the features the data flow
+    brings (:func:`_arriving_at`), else the layout the one module feeding it states for its
+    output (:func:`_stated_input`); ``None`` where neither is known."""
+    return _arriving_at(know, path, axis) or _stated_input(sch, path, axis)
+
+
+def _stated_input(sch: Schedule, path: str, axis: str) -> Placement | None:
+    """The layout over ``axis`` that the ``fwd_post`` syncs of the one module feeding
+    ``path``'s input in its caller's traced code state for that module's output (or that
+    its own children state, :func:`_stated_output`): a GELU after a Linear whose output a
+    sync splits along the sequence arrives split so. ``None`` where another value, or more
+    than one module, feeds it, or none states a layout."""
+    found = _caller(sch, path)
+    if found is None:
+        return None
+    here, name, fl = found
+    feeders = fl.hidden_feeders(name)
+    if len(feeders) != 1 or feeders & {INPUT, SIDE}:
+        return None
+    feeder = join(here, next(iter(feeders)))
+    stated = [s.layout for s in sch.annotations.of_kind(SYNC).get(feeder, ()) if s.mode == "fwd_post"
+              and s.mesh_axis == axis and s.src != s.layout]
+    return stated[-1] if stated else _stated_output(sch, feeder, axis)
 
 
 def _stated_output(sch: Schedule, path: str, axis: str) -> Placement | None:

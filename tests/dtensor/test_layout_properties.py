@@ -1402,6 +1402,12 @@ CLOSED: dict[str, Case] = {
     "whole-before-a-column": _c(
         [Block("mlp", hidden=8, residual=True, norm=True)], ("shard", "0.fc1", 0, 1), ("shard", "0.fc2", 1, 1),
         ("sp", ("0",), None), ("sync", "0.norm", "fwd_pre", "R", None), ("sync", "0.norm", "fwd_post", "S(1)", None)),
+    # wrong numbers (half the sequence out): a GELU's fwd_post Shard(1) sync after a Linear whose
+    # own sync already split its output took its input for Replicate() and split it again; the
+    # layout a lone feeder's sync states is now what arrives
+    "split-again-after-a-feeder-s-split": Case(
+        8, True, "", (Block("chain", widths=(16,), flat=True),),
+        (("sync", "1", "fwd_post", "S(1)", None), ("sync", "2", "fwd_post", "S(1)", None), ("sp", ("3",), "S(1)"))),
     # BLOOM's and Falcon's fused q|k|v per head, with a bias for every head handed in by the block
     # that holds the attention: refused at build before (head counts of no column's features), equal
     "grouped-heads-bias-merged-with-the-batch": _c(
