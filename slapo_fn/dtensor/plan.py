@@ -543,10 +543,7 @@ def _stated_input(sch: Schedule, path: str, axis: str) -> Placement | None:
     feeders = fl.hidden_feeders(name)
     if len(feeders) != 1 or feeders & {INPUT, SIDE}:
         return None
-    feeder = join(here, next(iter(feeders)))
-    stated = [s.layout for s in sch.annotations.of_kind(SYNC).get(feeder, ()) if s.mode == "fwd_post"
-              and s.mesh_axis == axis and s.src != s.layout]
-    return stated[-1] if stated else _stated_output(sch, feeder, axis)
+    return _stated_by(sch, join(here, next(iter(feeders))), axis)
 
 
 def _stated_output(sch: Schedule, path: str, axis: str) -> Placement | None:
@@ -559,10 +556,15 @@ def _stated_output(sch: Schedule, path: str, axis: str) -> Placement | None:
     reach = fl.reaching_output(_through(sch, path))
     if len(reach) != 1 or reach & {INPUT, SIDE}:
         return None
-    child = join(path, next(iter(reach)))
-    stated = [s.layout for s in sch.annotations.of_kind(SYNC).get(child, ()) if s.mode == "fwd_post"
+    return _stated_by(sch, join(path, next(iter(reach))), axis)
+
+
+def _stated_by(sch: Schedule, module: str, axis: str) -> Placement | None:
+    """The layout over ``axis`` that ``module``'s last ``fwd_post`` sync states for its
+    output, else the one its children state (:func:`_stated_output`)."""
+    stated = [s.layout for s in sch.annotations.of_kind(SYNC).get(module, ()) if s.mode == "fwd_post"
               and s.mesh_axis == axis and s.src != s.layout]
-    return stated[-1] if stated else _stated_output(sch, child, axis)
+    return stated[-1] if stated else _stated_output(sch, module, axis)
 
 
 def per_head_operands(sch: Schedule, parent: str) -> Mapping[str, Meets]:
