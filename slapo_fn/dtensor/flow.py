@@ -238,7 +238,7 @@ def _elementwise_code(module: nn.Module) -> bool:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                graph = fx.Tracer().trace(module)
+                graph = fx.Tracer().trace(_recording(module, set()))  # a copy: what it sets stays off
         except Exception:  # any failure of symbolic tracing: not known to be elementwise
             graph = None
         if graph is not None:

@@ -293,7 +293,15 @@ class OwnCenter(nn.Module):
         return x - x.mean(-1, keepdim=True)
 
 
+class Remembers(nn.Module):  # elementwise, but it keeps its last input: tracing must not set it
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last = x
+        return x * 2
+
+
 def test_a_module_of_elementwise_code_is_pointwise_and_one_over_its_features_is_not() -> None:
+    remembers = Remembers()
+    assert pointwise(remembers) and not hasattr(remembers, "last")
     assert pointwise(OwnGelu())
     assert not pointwise(OwnSoftmax()) and not pointwise(OwnCenter())
     holder = nn.Sequential(OwnGelu())  # a module with children is judged by them, not its code
