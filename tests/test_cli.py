@@ -30,9 +30,9 @@ def losses(stdout: str) -> dict[int, float]:
     return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"^step (\d+) loss ([\d.]+)", stdout, re.M)}
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("parallel", [["--dp", "2"], ["--dp", "2", "--tp", "2"]], ids=["dp2", "dp2xtp2"])
+@pytest.mark.parametrize("parallel", [pytest.param(["--dp", "2"], id="dp2", marks=pytest.mark.slow),
+                                      pytest.param(["--dp", "2", "--tp", "2"], id="dp2xtp2")])
 def test_train_on_several_ranks_lowers_the_loss(parallel: list[str]) -> None:
     result = run("train", "--model", "llama-tiny", *parallel, "--steps", "12", "--lr", "1e-2", "--log-every", "1",
                  "--no-progress", "--seq", "32")
@@ -80,9 +80,8 @@ def _pids(run_dir: Path) -> list[int]:
     return [int(p.read_text()) for p in run_dir.glob("pid-*")]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("how", ["kill-a-rank", "ctrl-c"])
+@pytest.mark.parametrize("how", ["kill-a-rank", pytest.param("ctrl-c", marks=pytest.mark.slow)])
 def test_a_killed_rank_or_ctrl_c_exits_non_zero_and_leaves_no_process(tmp_path: Path, how: str) -> None:
     run_dir, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
     proc = _start_long_run(run_dir, metrics)
@@ -132,7 +131,6 @@ def test_explain_7b_lists_per_rank_memory_within_one_percent(capsys: pytest.Capt
     assert "model.layers.*.mlp.down_proj output P→R@tp  fwd all_reduce" in out
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_verify_prints_a_per_module_report() -> None:
     result = run("verify", "--model", "llama-tiny", "--tp", "2")

@@ -207,9 +207,9 @@ def _wait_for(predicate: Callable[[], bool], timeout: float) -> bool:
     return predicate()
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGTERM, id="SIGTERM"),
+                                 pytest.param(signal.SIGHUP, id="SIGHUP", marks=pytest.mark.slow)])
 def test_a_signal_to_the_launcher_stops_every_worker(tmp_path: Path, sig: signal.Signals) -> None:
     run_dir, metrics = tmp_path / f"run-{sig.name}-{os.getpid()}", tmp_path / "metrics.jsonl"
     marker = str(run_dir)  # in the command line of the launcher, the agent and every worker

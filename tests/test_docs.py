@@ -82,9 +82,9 @@ def script(page: Path) -> tuple[str, int]:
 PYTHON_PAGES = [p for p in PAGES if any(b.language == "python" for b in blocks(p))]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("page", PYTHON_PAGES, ids=lambda p: p.name)
+@pytest.mark.parametrize("page", [pytest.param(p, id=p.name, marks=() if p.name == "README.md" else pytest.mark.slow)
+                                  for p in PYTHON_PAGES])
 def test_the_python_blocks_of_a_page_run_as_one_script(page: Path, tmp_path: Path) -> None:
     code, ranks = script(page)
     path = tmp_path / page.name.replace(".md", ".py")
@@ -153,7 +153,6 @@ def test_each_shell_command_of_the_docs_is_real(block: Block, command: str) -> N
         pytest.fail(f"{block}: '{command}': this test does not know how to check '{program}'")
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_explain_commands_of_the_docs_run() -> None:
     explains = sorted({c for _, c in SH_COMMANDS if shlex.split(c)[1:2] == ["explain"]})

@@ -88,7 +88,6 @@ CASES = {
 
 
 @pytest.mark.dist
-@pytest.mark.slow
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("case", list(CASES))
 def test_parallel_training_matches_single_process(dist_pool: Any, case: str) -> None:
