@@ -82,6 +82,7 @@ __all__ = [
     "is_encoder_decoder",
     "is_pretrained_model",
     "is_transformers_module",
+    "linear_features",
     "model_type",
     "position_limit",
     "recompute_buffers",
@@ -128,6 +129,21 @@ def is_conv1d(module: nn.Module) -> bool:
     False
     """
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def linear_features(module: nn.Module) -> tuple[int, int] | None:
+    """``(in_features, out_features)`` of a linear layer: ``nn.Linear`` or Hugging Face's
+    ``Conv1D`` (``nx``, ``nf``); ``None`` for any other module.
+
+    >>> import torch.nn as nn
+    >>> linear_features(nn.Linear(4, 6)), linear_features(nn.ReLU())
+    ((4, 6), None)
+    """
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if is_conv1d(module):
+        return int(vars(module)["nx"]), int(vars(module)["nf"])
+    return None
 
 
 # -- config -------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..hf import is_conv1d
+from ..hf import is_conv1d, linear_features
 from ..tree import uncalled
 from .features import ASSUMED_RANK as _ASSUMED_RANK
 from .features import (
@@ -726,7 +726,7 @@ def _counted_by(parent: nn.Module, read: set[str], apart: Mapping[str, Apart], g
     widths: dict[str, tuple[str, ...]] = {}
     for name, attrs in counts.items():
         child = parent.get_submodule(name)
-        width = vars(child).get("nf") if is_conv1d(child) else getattr(child, "out_features", None)
+        width = None if (features := linear_features(child)) is None else features[1]
         heads = {q for q, a in counts.items() if a == attrs}  # the children counted alike
         widths[name] = tuple(attr for attr in sorted(read - set(attrs))
                              if isinstance(width, int) and type(own.get(attr)) is int and own[attr] == width

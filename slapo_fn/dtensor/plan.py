@@ -45,7 +45,15 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ..errors import Problem
-from ..hf import HEAD_COUNT_ATTRS, HEAD_DIM_ATTRS, HEAD_WIDTH_ATTRS, is_conv1d, mixes_tokens
+from ..hf import (
+    HEAD_COUNT_ATTRS,
+    HEAD_DIM_ATTRS,
+    HEAD_WIDTH_ATTRS,
+    head_dim_of,
+    is_conv1d,
+    linear_features,
+    mixes_tokens,
+)
 from ..rewrites._common import INSTALLED, contains
 from ..schedule import Schedule
 from ..tree import caller_path, child_names, get_module, join, parent_path, split, uncalled, walk
@@ -172,11 +180,7 @@ def _siblings(root: nn.Module, path: str) -> list[str]:
 
 
 def _in_features(module: nn.Module) -> int | None:
-    if isinstance(module, nn.Linear):
-        return module.in_features
-    if is_conv1d(module):
-        return int(vars(module)["nx"])
-    return None
+    return None if (f := linear_features(module)) is None else f[0]
 
 
 def plan(sch: Schedule) -> Plan:
@@ -940,11 +944,7 @@ def implicit(p: Plan) -> list[Problem]:
 
 
 def _out_features(module: nn.Module) -> int | None:
-    if isinstance(module, nn.Linear):
-        return module.out_features
-    if is_conv1d(module):
-        return int(vars(module)["nf"])
-    return None
+    return None if (f := linear_features(module)) is None else f[1]
 
 
 def _unsharded_twins(sch: Schedule, p: Plan) -> list[Problem]:
@@ -1276,7 +1276,7 @@ def _ungathered_chain_members(sch: Schedule) -> list[Problem]:
         if any(r.mesh_axis == spec.mesh_axis and r.kind in ("column", "embed_dim") and (q == path or contains(path, q))
                for q, r in roles.items()):
             continue
-        linear = next((join(path, q) for q, m in walk(module) if q and (isinstance(m, nn.Linear) or is_conv1d(m))),
+        linear = next((join(path, q) for q, m in walk(module) if q and linear_features(m) is not None),
                       None)
         example = f"sf.shard(sch, {linear!r}, axis=...)" if linear else "sf.shard"
         problems.append(Problem(
@@ -1365,8 +1365,7 @@ def head_count_attrs(parent: nn.Module, out: int, packed: int) -> tuple[str, ...
     self.num_heads, head_dim)``), as Megatron's per-partition head count does. Only a
     count that, times a head size attribute, equals the block's width (so q/k/v of GQA
     each have their own); none where the parent holds no head size."""
-    own = vars(parent)
-    head_dim = next((v for a in HEAD_DIM_ATTRS if isinstance(v := own.get(a), int) and v > 0), None)
+    own, head_dim = vars(parent), head_dim_of(parent)
     if head_dim is None:
         return ()
     return tuple(a for a in HEAD_COUNT_ATTRS if type(own.get(a)) is int and own[a] * head_dim * packed == out)
@@ -1392,8 +1391,7 @@ def grouped_head_count_attrs(parent: nn.Module, out: int, how: Apart | None) -> 
         >>> grouped_head_count_attrs(att, 3 * 8 * 16, Apart("heads", dims=(3, 8, 16))) # blocks of heads
         ()
     """
-    own = vars(parent)
-    head_dim = next((v for a in HEAD_DIM_ATTRS if isinstance(v := own.get(a), int) and v > 0), None)
+    own, head_dim = vars(parent), head_dim_of(parent)
     dims = how.dims if how is not None and how.kind == "heads" else ()
     if head_dim is None or len(dims) < 3 or dims[-1] != head_dim or any(d is None or d <= 0 for d in dims[1:]):
         return ()

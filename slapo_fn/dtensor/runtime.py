@@ -40,6 +40,7 @@ from .plan import (
     Plan,
     _in_features,
     _local_axis,
+    _out_features,
     _parent,
     _sharded_output,
     heads_made_local,
@@ -539,8 +540,7 @@ def _distribute(model: nn.Module, sch: Schedule, rt: _Runtime) -> None:
 def _adjust_packed_parent(model: nn.Module, path: str, role: Role, rt: _Runtime) -> None:
     """A packed column module's parent that splits its output by a full-size attribute
     (GPT-2 attention's ``split_size``) gets the local size on build's copy."""
-    m = get_module(model, path)
-    out = int(vars(m)["nf"]) if is_conv1d(m) else int(getattr(m, "out_features", 0))
+    out = _out_features(get_module(model, path)) or 0
     parent = get_module(model, _parent(path))
     chunk = out // role.packed
     if getattr(parent, "split_size", None) == chunk:
