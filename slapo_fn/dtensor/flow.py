@@ -131,6 +131,9 @@ class Flow:
     # hidden states, read off them (timm's ``B, N, C = x.shape``, then ``reshape(B, N, C)``): a
     # width build cannot make this rank's share of a column's features
     by_width: Mapping[str, str] = field(default_factory=dict)
+    # the children the forward calls, in the order of its code's first call to each (OPT's decoder
+    # registers its final norm before its layers and calls it after them)
+    order: tuple[str, ...] = ()
 
     def same_input(self, a: str, b: str) -> bool:
         """Whether children ``a`` and ``b`` are called on the very same tensor (q/k/v on the
@@ -659,7 +662,8 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
     found = Flow(MappingProxyType(feeds), output, frozenset(reads), MappingProxyType(first), MappingProxyType(apart),
                  leaves, MappingProxyType(hidden), MappingProxyType(handed), MappingProxyType(mixes), attends,
                  MappingProxyType(ranked), _tokens(graph, parent, prefix, one), MappingProxyType(inner),
-                 frozenset(read), MappingProxyType(per_head), MappingProxyType(counts), MappingProxyType(by_width))
+                 frozenset(read), MappingProxyType(per_head), MappingProxyType(counts), MappingProxyType(by_width),
+                 tuple(dict.fromkeys(called)))
     return found, read
 
 

@@ -38,6 +38,7 @@ import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 import torch
 from torch import nn
@@ -195,7 +196,7 @@ def _plan(sch: Schedule) -> Plan:
     seqs: dict[str, SeqSpec] = sch.annotations.of_kind(SEQ)
     syncs: dict[str, tuple[SyncSpec, ...]] = sch.annotations.of_kind(SYNC)
     rngs: dict[str, RngSpec] = sch.annotations.of_kind(RNG)
-    order = {p: i for i, p in enumerate(sch.paths())}
+    order = _run_order(sch)
     seq_roots = sorted(seqs, key=lambda p: order.get(p, 0))
     entries = _chain_entries(sch)
 
@@ -604,6 +605,8 @@ class _Lookups:
     callers: dict[tuple[int, str], tuple[str, str, Flow] | None] = field(default_factory=dict)
     #: :func:`_whole_in_chains` of the schedule it was found for (read by the plan and several refusals)
     whole: tuple[Schedule, dict[str, SeqSpec]] | None = None
+    #: :func:`_run_order` of the schedule it was found for
+    order: tuple[Schedule, Mapping[str, int]] | None = None
 
 
 #: The lookups of the call under way; ``None`` outside one.
@@ -775,7 +778,7 @@ def _untraced_pairs(sch: Schedule, p: Plan) -> list[Problem]:
     this rank's share (slapo_fn's attention kernels take their head counts from the
     recipe): trusted, as :func:`_unsourced` trusts it."""
     kept = frozenset(q for q, mp in p.modules.items() if mp.keeps_features)
-    order = {q: i for i, q in enumerate(sch.paths())}
+    order = _run_order(sch)
     problems = []
     for (parent, axis), paths in _pair_groups(sch).items():
         if _installed(sch, parent) or not _by_module_order(sch, parent, paths):
@@ -986,7 +989,7 @@ def _stray_token_shards(sch: Schedule) -> list[Problem]:
     Refused, naming the module, unless a ``fwd_pre`` sync gathers the activation back
     before any such module (feature shards, ``Shard(-1)``, are the roles' business)."""
     syncs = sch.annotations.of_kind(SYNC)
-    order = list(sch.paths())
+    order = _run_order(sch)
 
     in_chain = functools.partial(_in_chain, sch)
 
@@ -1039,7 +1042,7 @@ def _stray_token_shards(sch: Schedule) -> list[Problem]:
                 problems.append(Problem(
                     q or "<root>", f"receives a token shard from the {what}, outside a sequence_parallel chain: "
                     f"{why}", fix))
-    return sorted(set(problems), key=lambda pr: order.index(pr.path) if pr.path in order else 0)
+    return sorted(set(problems), key=lambda pr: order.get(pr.path, 0))
 
 
 def _token_consumer(
@@ -1145,7 +1148,7 @@ def _unsplit_chain_inputs(sch: Schedule) -> list[Problem]:
     length): refused, naming what feeds it. Read from the data flow, level by level up
     the tree, and from module order where a parent's flow is unknown."""
     seqs = sch.annotations.of_kind(SEQ)
-    order = {q: i for i, q in enumerate(sch.paths())}
+    order = _run_order(sch)
     syncs = sch.annotations.of_kind(SYNC)
     problems = []
     firsts: dict[str, str] = {}
@@ -1204,7 +1207,7 @@ def _gathers_inside_chains(sch: Schedule, p: Plan) -> list[Problem]:
     the chain's shard are layouts of the chain; the rest are refused, naming the module."""
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
     seqs: dict[str, SeqSpec] = sch.annotations.of_kind(SEQ)
-    order = {q: i for i, q in enumerate(sch.paths())}
+    order = _run_order(sch)
     whole = _whole_in_chains(sch)
     problems = []
     for path, mp in p.modules.items():
@@ -1297,7 +1300,7 @@ def _chain_gaps(sch: Schedule) -> list[Problem]:
     shape error inside model code, or partial gradients. Refused, naming it, unless a
     ``fwd_pre`` sync gathers the sequence back for it."""
     seqs = sch.annotations.of_kind(SEQ)
-    order = {q: i for i, q in enumerate(sch.paths())}
+    order = _run_order(sch)
     problems = []
     for axis in sorted({s.mesh_axis for s in seqs.values()}):
         members = sorted((q for q, s in seqs.items() if s.mesh_axis == axis), key=lambda q: order.get(q, 0))
@@ -2035,7 +2038,7 @@ def _lone_columns_in_chains(sch: Schedule, p: Plan) -> list[Problem]:
     vocab embedding) that no column feeds, other than the chain's first member (which
     enters the chain by its reduce-scatter), would scatter the sequence shard again."""
     seqs = sch.annotations.of_kind(SEQ)
-    order = {q: i for i, q in enumerate(sch.paths())}
+    order = _run_order(sch)
     across = _sequence_pairs_across(sch, p)
     problems = []
     for path, mp in p.modules.items():
@@ -2155,7 +2158,7 @@ def _split_input_into_reducers(sch: Schedule, p: Plan) -> list[Problem]:
     own partial output along the sequence; told that its input arrives split already
     (``input_layout=Shard(...)``), it would split the sequence a second time. Refused,
     naming it."""
-    order = {q: i for i, q in enumerate(sch.paths())}
+    order = _run_order(sch)
     problems = []
     for path, spec in sch.annotations.of_kind(SEQ).items():
         if not spec.sharded_input:
@@ -2550,6 +2553,40 @@ def _shared_gathers(sch: Schedule) -> frozenset[str]:
     return frozenset(shared)
 
 
+def _run_order(sch: Schedule) -> Mapping[str, int]:
+    """Each module path's place in the order the model runs them, pre-order: the children of
+    a parent whose forward fx traces come in the order its code first calls them, in the
+    places module order gives the called ones (OPT's decoder registers ``final_layer_norm``
+    before ``layers`` and calls it after them); elsewhere module order. The order of two
+    paths is their common ancestor's, so only the ancestors of sequence-parallel members,
+    whose chains the order decides (first, last, what runs between), are traced for it.
+    Found once per :func:`plan` or :func:`refusals` call."""
+    memo = _LOOKUPS.get()
+    if memo is not None and memo.order is not None and memo.order[0] is sch:
+        return memo.order[1]
+    traced = {a for q in sch.annotations.of_kind(SEQ) for a in _ancestors(q)}
+    paths: list[str] = []
+
+    def visit(path: str, module: nn.Module) -> None:
+        paths.append(path)
+        names = [n for n, c in module._modules.items() if c is not None]
+        fl = _flow_of(sch, path) if path in traced and len(names) > 1 and not uncalled(module) else None
+        if fl is not None:
+            first: dict[str, int] = {}
+            for i, called in enumerate(fl.order):
+                first.setdefault(split(called)[0], i)
+            ordered = iter(sorted((n for n in names if n in first), key=first.__getitem__))
+            names = [next(ordered) if n in first else n for n in names]
+        for n in names:
+            visit(join(path, n), module._modules[n])  # type: ignore[arg-type]
+
+    visit("", sch.module)
+    found = MappingProxyType({q: i for i, q in enumerate(paths)})
+    if memo is not None:
+        memo.order = (sch, found)
+    return found
+
+
 def _whole_in_chains(sch: Schedule) -> dict[str, SeqSpec]:
     """:func:`_modules_run_whole`, found once per :func:`plan` or :func:`refusals` call."""
     memo = _LOOKUPS.get()
@@ -2623,7 +2660,7 @@ def _chain_ends(sch: Schedule) -> dict[str, tuple[str, str]]:
     """Per mesh axis, the first and last members of its sequence-parallel chain in module
     order: the chain's entry shards the sequence at the first, its exit gathers the last
     one's output back to the whole sequence."""
-    order = {q: i for i, q in enumerate(sch.paths())}
+    order = _run_order(sch)
     members: dict[str, list[str]] = {}
     for r, spec in sch.annotations.of_kind(SEQ).items():
         members.setdefault(spec.mesh_axis, []).append(r)

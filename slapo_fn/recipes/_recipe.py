@@ -24,7 +24,7 @@ from torch.distributed.tensor import Shard as DShard
 from ..combinators import Rewrite, chain, foreach
 from ..dtensor import sequence_parallel, shard, sync, tp_local
 from ..dtensor.data_parallel import data_parallel
-from ..errors import LayoutError, Problem, ScheduleError, ScheduleTypeError
+from ..errors import LayoutError, Problem, ScheduleError, ScheduleTypeError, SelectorError
 from ..pipelines import cut_pipeline_stage
 from ..rewrites import checkpoint, compile, replace  # noqa: A004
 from ..schedule import Schedule
@@ -90,7 +90,8 @@ class Knobs:
 class Recipe:
     """A model family's schedule, as data. ``stacks`` are its sequences of repeated
     blocks with their tensor-parallel plans (T5 has an encoder and a decoder stack);
-    ``sp`` lists what runs sequence-parallel, in order; ``kernels`` maps selectors to
+    ``sp`` lists what runs sequence-parallel, in order, and ``sp_optional`` what joins it
+    where the model has it (OPT-350m has no final norm); ``kernels`` maps selectors to
     replacement factories; ``extra_tp`` adds family-specific layout rewrites;
     ``heads``/``kv_heads`` name the config's head counts (checked against ``tp``)."""
 
@@ -98,6 +99,7 @@ class Recipe:
     model_types: tuple[str, ...]
     stacks: tuple[Stack, ...]
     sp: tuple[str, ...] = ()
+    sp_optional: tuple[str, ...] = ()
     kernels: Mapping[str, Factory] = field(default_factory=lambda: MappingProxyType({}))
     extra_tp: Callable[[Schedule], Schedule] | None = None
     heads: str = "num_attention_heads"
@@ -127,7 +129,7 @@ class Recipe:
                     block = block >> sync.at(list(stack.sharded_inputs), "fwd_pre", DShard(-1), src=DShard(-1))
                 steps.append(foreach(stack.layers, block))
             if knobs.sequence_parallel:
-                steps.append(sequence_parallel.at(list(self.sp)))
+                steps.append(sequence_parallel.at([*self.sp, *(p for p in self.sp_optional if _has(sch, p))]))
                 steps += [foreach(stack.layers, sync.at(list(stack.whole), "fwd_pre", Replicate(), src=DShard(1))
                                   >> sync.at(list(stack.whole), "fwd_post", DShard(1), src=Replicate()))
                           for stack in self.stacks if stack.whole]
@@ -243,3 +245,11 @@ def _cuts(layers: Sequence[str], stages: int | tuple[int, ...]) -> list[str]:
     if isinstance(stages, int):  # 1..len(layers), checked by Recipe._check
         return [layers[len(layers) * i // stages - 1] for i in range(1, stages)]
     return [layers[i] for i in stages]
+
+
+def _has(sch: Schedule, where: str) -> bool:
+    """Whether ``where`` selects any module of ``sch``'s model."""
+    try:
+        return bool(select(where).modules(sch.module))
+    except SelectorError:
+        return False

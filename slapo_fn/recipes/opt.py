@@ -23,5 +23,6 @@ OPT = Recipe(
         ),
     ),
     sp=("**.decoder.layers.*",),
+    sp_optional=("**.decoder.final_layer_norm",),  # OPT-350m normalises in each layer, not after them
     kv_heads=None,
 )

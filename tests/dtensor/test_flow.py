@@ -88,6 +88,18 @@ def test_shapes_read_for_a_view_are_not_data_and_same_input_is_one_value() -> No
     assert layer is not None and layer.feeders("self_attn") == {"input_layernorm"}
 
 
+def test_order_is_the_code_s_not_the_registration_s() -> None:
+    """OPT's decoder registers its final norm before its layers and calls it after them."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    decoder = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                                       num_attention_heads=2, word_embed_proj_dim=32)).model.decoder
+    assert list(decoder._modules) == ["embed_tokens", "embed_positions", "final_layer_norm", "layers"]
+    fl = flow(decoder)
+    assert fl is not None
+    assert fl.order == ("embed_tokens", "embed_positions", "layers.0", "layers.1", "final_layer_norm")
+
+
 def test_functional_reads_are_recorded_and_untraceable_parents_have_no_flow() -> None:
     fl = flow(Reads())
     assert fl is not None and fl.reads == {"proj"} and not fl.called("proj")

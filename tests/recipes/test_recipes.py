@@ -171,6 +171,25 @@ def test_knobs_choose_layers_and_cuts() -> None:
     assert len(sch.annotations.of_kind(COMPILE)) == 4
 
 
+def test_opt_runs_its_final_norm_sequence_parallel_where_it_has_one() -> None:
+    """OPT's decoder registers ``final_layer_norm`` before ``layers`` and calls it after them:
+    it joins the chain as its last member. OPT-350m normalises in each layer and has none."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from slapo_fn.dtensor.sequence import SEQ
+
+    sch = sf.recipes.OPT(sf.create_schedule(tiny_opt(), mesh=fake_mesh(2)), tp=2, sequence_parallel=True)
+    assert list(sch.annotations.of_kind(SEQ)) == ["model.decoder.layers.0", "model.decoder.layers.1",
+                                                  "model.decoder.final_layer_norm"]
+    sf.explain(sch, token_ids(seq=8))  # the plan takes the chain in the order the decoder runs it
+    torch.manual_seed(0)
+    opt_350m = OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
+                                        num_attention_heads=4, word_embed_proj_dim=32, do_layer_norm_before=False,
+                                        max_position_embeddings=32))
+    sch = sf.recipes.OPT(sf.create_schedule(opt_350m, mesh=fake_mesh(2)), tp=2, sequence_parallel=True)
+    assert list(sch.annotations.of_kind(SEQ)) == ["model.decoder.layers.0", "model.decoder.layers.1"]
+
+
 def test_recipe_errors_are_reported_together() -> None:
     from slapo_fn.recipes import LLAMA
 
