@@ -1,5 +1,5 @@
 """The ``slapo-fn`` command on a family without a recipe: the model's own Hugging Face
-``base_model_tp_plan`` schedules it (GPT-NeoX, Gemma2, Phi-3), with sequence parallelism too,
+``base_model_tp_plan`` schedules it (GPT-NeoX, Gemma2, Phi-3, OLMo2), with sequence parallelism too,
 checked by ``verify`` on 2 gloo ranks; a family with neither a recipe nor a plan is refused in one line, before any
 process starts."""
 
@@ -33,6 +33,10 @@ TINY: dict[str, dict[str, Any]] = {
     "phi3": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
              "vocab_size": 128, "max_position_embeddings": 64, "pad_token_id": 0, "bos_token_id": 1,
              "eos_token_id": 2},
+    # q/k RMSNorms over the whole projection: the plan gathers q/k/v for them, and o splits its
+    # whole input; under SP the attention gathers the sequence first and o reduce-scatters it back
+    "olmo2": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 128, "vocab_size": 128, "max_position_embeddings": 64},
 }
 
 
@@ -71,14 +75,17 @@ def test_explain_uses_the_models_own_plan_with_the_other_knobs(tmp_path: Path, m
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("model_type", ["gpt_neox", "gemma2", "phi3"])
-@pytest.mark.parametrize("sp", [[], ["--sp"]], ids=["tp", "sp"])
+@pytest.mark.parametrize(("model_type", "sp"), [
+    *(pytest.param(m, sp, id=f"{'sp' if sp else 'tp'}-{m}") for m in ("gpt_neox", "gemma2", "phi3")
+      for sp in ([], ["--sp"])),
+    pytest.param("olmo2", ["--sp"], id="sp-olmo2"),
+])
 def test_verify_of_the_models_own_plan_passes_on_two_ranks(tmp_path: Path, model_type: str, sp: list[str]) -> None:
     result = run("verify", "--model", tiny(tmp_path, model_type), "--tp", "2", *sp)
     assert result.returncode == 0, (result.stdout[-3000:], result.stderr[-3000:])
     assert result.stdout.count(NOTE) == 1  # said once, by the first rank
     column = {"gpt_neox": "gpt_neox.layers.0.attention.query_key_value", "gemma2": "model.layers.0.self_attn.v_proj",
-              "phi3": "model.layers.0.self_attn.qkv_proj"}
+              "phi3": "model.layers.0.self_attn.qkv_proj", "olmo2": "model.layers.0.self_attn.q_proj"}
     assert column[model_type] in result.stdout and "OK: verified" in result.stdout
 
 

@@ -2045,6 +2045,8 @@ def _lone_columns_in_chains(sch: Schedule, p: Plan) -> list[Problem]:
         role, seq = mp.role, mp.seq
         if role is None or seq is None or seq.mesh_axis != role.mesh_axis or mp.partnered or path in across:
             continue
+        if _whole_in_parent(sch, p, path):
+            continue
         members = sorted((q for q, s in seqs.items() if s.mesh_axis == seq.mesh_axis), key=lambda q: order.get(q, 0))
         if role.kind == "embed_dim":
             problems.append(Problem(
@@ -2081,6 +2083,62 @@ def _lone_columns_in_chains(sch: Schedule, p: Plan) -> list[Problem]:
             "of the chain",
         ))
     return problems
+
+
+def _whole_in_parent(sch: Schedule, p: Plan, path: str) -> bool:
+    """Whether a lone column or row inside a sequence-parallel chain sits in a stretch of its
+    parent's code that runs on the whole sequence: each column there gathers the sequence
+    and then its features (no row reads its output alone: OLMo2's q/k/v, whose full-width
+    q/k norms come between), the children between hold no layout and compute on whole
+    values, and each row takes such a whole input, splits it and reduce-scatters the
+    sequence back (PyTorch's colwise with output ``Replicate()``, rowwise with input
+    ``Replicate()``). A column qualifies when all its output reaches ends in such rows; a
+    row when all that reaches it starts at such columns (or side values: rotary ``cos``/
+    ``sin``) and its output reaches only the parent's result. Not where a norm narrower than
+    a column's output (one per head, Gemma 3's) comes between: declared ``tp_local``, it
+    lets the column pair with its row, and the refusal says so. Only in a parent strictly
+    inside a member (attention inside a decoder layer), which gathers the sequence for its
+    columns and runs its other children whole (:func:`_gathering_parents`); a member's own
+    children run on its sequence shard."""
+    found = _caller(sch, path)
+    mp = p.modules[path]
+    if found is None or mp.role is None:
+        return False
+    caller, name, fl = found
+    if not any(contains(member, caller) for member in sch.annotations.of_kind(SEQ)):
+        return False
+    axis = mp.role.mesh_axis
+    laid = {*sch.annotations.of_kind(ROLE), *sch.annotations.of_kind(SEQ), *sch.annotations.of_kind(SYNC)}
+
+    def whole(q: str) -> bool:  # runs on whole values as it is: nothing laid out at or under it
+        full = join(caller, q)
+        return not any(a == full or contains(full, a) for a in laid)
+
+    def lone(q: str, kind: str) -> bool:  # no syncs but a column's gather of its output (colwise_gather_output)
+        m = p.modules.get(join(caller, q))
+        gathers = all(s.mode == "fwd_post" and s.mesh_axis == axis and isinstance(s.layout, Replicate)
+                      for s in m.syncs) if m is not None else False
+        return (m is not None and m.role is not None and m.role.kind == kind and m.role.mesh_axis == axis
+                and not m.partnered and (not m.syncs or (kind == "column" and gathers))
+                and m.seq is not None and m.seq.mesh_axis == axis and (kind != "column" or not per_head(q)))
+
+    def per_head(column: str) -> bool:
+        # a norm whose weight is narrower than the column's output acts on its heads (Gemma 3's
+        # q/k norms): declared tp_local it pairs the column with its row; refused so as to say so
+        width = _out_features(get_module(sch.module, join(caller, column))) or 0
+        return any(0 < max((t.numel() for t in get_module(sch.module, norm).parameters()), default=0) < width
+                   for norm in _norms_between(sch, join(caller, column)))
+
+    def row(q: str) -> bool:
+        sources = fl.feeders(q, whole)
+        return (lone(q, "row") and any(lone(s, "column") for s in sources)
+                and all(s == SIDE or lone(s, "column") for s in sources) and fl.consumers(q, whole) <= {OUTPUT})
+
+    if mp.role.kind == "row":
+        return row(name)
+    users = fl.consumers(name, whole)
+    return mp.role.kind == "column" and lone(name, "column") and bool(users) and all(
+        u != OUTPUT and row(u) for u in users)
 
 
 def _norms_between(sch: Schedule, column: str) -> list[str]:

@@ -163,6 +163,8 @@ class Mlp(nn.Module):
             self.norm = nn.LayerNorm(d)
         self.fc1 = nn.Linear(d, b.hidden, bias=b.bias)
         self.act = _act(b.act)
+        if b.style == "mid-norm":  # NormFormer's FFN norm; OLMo2's q/k norms over the whole projection
+            self.mid = nn.LayerNorm(b.hidden)
         self.fc2 = nn.Linear(b.hidden, d, bias=b.bias)
 
         self.style = b.style
@@ -176,7 +178,8 @@ class Mlp(nn.Module):
         flat = self.style.startswith("flat")  # OPT's MLP: on the batch and the tokens merged
         x0 = x.reshape(-1, x.size(-1)) if flat else x
         h = self.norm(x0) if "norm" in self._modules else x0
-        y = self.fc2(_MLP_CODE[self.style][1](self.act(self.fc1(h))))
+        h = self.act(self.fc1(h))
+        y = self.fc2(_MLP_CODE[self.style][1](self.mid(h) if "mid" in self._modules else h))
         y = x0 + y if self.residual else y
         return y.view(x.shape) if flat else y
 
@@ -192,6 +195,7 @@ _MLP_CODE: dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = {
     "moved": ("act(fc1(x)).mT.softmax(1).mT", lambda h: h.mT.softmax(1).mT),  # over the features
     "flat": ("act(fc1(x))", lambda h: h),
     "flat-rows": ("act(fc1(x)).softmax(0)", lambda h: h.softmax(0)),  # over every token
+    "mid-norm": ("mid(act(fc1(x))), mid a LayerNorm", lambda h: h),  # a child over the features
 }
 
 
@@ -342,7 +346,8 @@ class Alibi(nn.Module):
 
 
 class Layer(nn.Module):
-    """A pre-norm decoder layer: ``x + attn(ln1(x))``, then ``+ mlp(ln2(x))``."""
+    """A pre-norm decoder layer: ``x + attn(ln1(x))``, then ``+ mlp(ln2(x))``; with relu, a
+    LayerNorm over the MLP's hidden features between its Linears (NormFormer's)."""
 
     def extra_repr(self) -> str:
         return "x + attn(ln1(x)), then + mlp(ln2(x))"
@@ -352,7 +357,7 @@ class Layer(nn.Module):
         self.ln1 = nn.LayerNorm(d)
         self.attn = Attention(d, replace(b, norm=False, residual=False))
         self.ln2 = nn.LayerNorm(d)
-        mlp = replace(b, norm=False, residual=False, style="")
+        mlp = replace(b, norm=False, residual=False, style="mid-norm" if b.act == "relu" else "")
         self.mlp = Gated(d, mlp) if b.extra else Mlp(d, mlp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -743,7 +748,7 @@ def blocks(draw: Any, d: int) -> Block:
     if kind == "mlp":
         return Block(kind, hidden=draw(WIDTHS), act=act, bias=bias, norm=norm, residual=residual,
                      style=draw(st.sampled_from(["", "", "scaled", "seq-softmax", "normed", "seq-max", "moved",
-                                                  "flat", "flat-rows"])))
+                                                  "flat", "flat-rows", "mid-norm"])))
     if kind == "gated":
         return Block(kind, hidden=draw(WIDTHS), act=act, bias=bias, norm=norm, residual=residual)
     if kind in ("attn", "layer"):
@@ -1470,6 +1475,25 @@ def test_a_chain_runs_in_the_order_its_parent_calls_it_not_module_order(dist_poo
         reordered=True)
     assert [n for n, _ in make_model(case, "meta").named_children()] == ["b3", "b2", "b1", "b0"]
     assert check_case(case, lambda: dist_pool(2)) == ("equal", "")
+
+
+def test_a_norm_between_a_column_and_its_row_runs_whole_where_its_parent_gathers_the_sequence(
+        dist_pool: Any) -> None:
+    """A LayerNorm over an MLP's hidden features (NormFormer's; OLMo2's q/k norms over the
+    whole projection) keeps the column from its row, so the column gathers its features.
+    Inside a chain member, the MLP (the member's child) gathers the sequence for the column,
+    the norm runs on the whole sequence, and the row splits its whole input and reduce-
+    scatters the sequence back: equal. Where the MLP is the member itself, its children run
+    on the sequence shard, so the norm's gradient would be summed again: refused."""
+    layer = Block("layer", hidden=16, heads=2, act="relu")
+    attn = (*(("shard", f"0.attn.{n}", 0, 1) for n in "qkv"), ("shard", "0.attn.o", 1, 1))
+    mlp = (("shard", "0.mlp.fc1", 0, 1), ("shard", "0.mlp.fc2", 1, 1))
+    assert check_case(_c([layer, Block("norm")], *attn, *mlp, ("sp", ("0", "1"), None)),
+                      lambda: dist_pool(2)) == ("equal", "")
+    alone = Block("mlp", hidden=16, style="mid-norm")
+    status, why = check_case(_c([alone, Block("norm")], ("shard", "0.fc1", 0, 1), ("shard", "0.fc2", 1, 1),
+                                ("sp", ("0", "1"), None)), lambda: dist_pool(2))
+    assert status == "refused" and why.startswith("build:"), why
 
 
 _BERT = Block("bert", hidden=16, bias=True, heads=2)

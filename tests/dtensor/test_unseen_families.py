@@ -904,6 +904,11 @@ CASES: dict[str, Case] = {
     # q/k RMSNorms over the whole projection: the columns are gathered for them (its own plan's
     # colwise_gather_output / rowwise_split_input)
     "olmo2": Case(_llama_kin("Olmo2", num_key_value_heads=2), equal=True),
+    # under SP too: the attention gathers the sequence for q/k/v, gathers their features for the
+    # norms, and o splits its whole input and reduce-scatters the sequence back
+    "olmo2+sp": Case(_llama_kin("Olmo2", num_key_value_heads=2), ("model.layers.*", "model.norm"), equal=True),
+    "olmo2-gathered+sp": Case(_llama_kin("Olmo2", ("q_proj", "k_proj", "v_proj"), num_key_value_heads=2),
+                              ("model.layers.*", "model.norm"), equal=True),
     # LayerNorm over (heads, head_dim), attention and MLP in parallel
     "cohere-qk-norm": Case(_llama_kin("Cohere", num_key_value_heads=2, use_qk_norm=True), equal=True),
     "glm": Case(_glm, equal=True),
