@@ -380,6 +380,13 @@ def _argument_problems(args: argparse.Namespace) -> list[Problem]:
                                     f"split into {micro} microbatches{default}",
                                     f"--batch {micro * args.dp * accum * math.ceil(local / micro)}"
                                     + (f", or --microbatches among {', '.join(divisors)}" if divisors else "")))
+    if (args.command in ("train", "verify", "explain") and args.sp is True and args.tp > 1 and args.seq is not None
+            and args.seq % args.tp):
+        down, up = args.seq - args.seq % args.tp, args.seq - args.seq % args.tp + args.tp
+        problems.append(Problem("--seq", f"{args.seq} tokens per sequence do not split evenly over the --tp "
+                                         f"{args.tp} ranks that --sp splits each sequence over",
+                                f"--seq {up}" + (f" or {down}" if down else "")
+                                + " (a multiple of --tp), or drop --sp"))
     if train and args.nnodes > 1 and _world(args) % args.nnodes:
         problems.append(Problem("--nnodes", f"{_world(args)} ranks (--dp {args.dp} x --tp {args.tp} x --pp "
                                             f"{args.pp}) do not split evenly over {args.nnodes} nodes",

@@ -113,6 +113,11 @@ CASES = [
     pytest.param(["verify", "--model", "{short}", "--seq", "32"],
                  ["'--seq'", "32 is longer than the 16 positions", "--seq 16"], id="seq-beyond-positions"),
     pytest.param(["verify", "--rtol", "-1"], ["'--rtol'", "got -1"], id="verify-tolerance", marks=SLOW),
+    # a sequence --sp cannot split over the ranks: said before any rank starts, not by the first forward
+    pytest.param(["verify", "--tp", "2", "--sp", "--seq", "17"], ["'--seq'", "--tp 2", "--seq 18 or 16", "drop --sp"],
+                 id="seq-over-tp-with-sp"),
+    pytest.param(["train", "--tp", "2", "--sp", "--seq", "1"], ["'--seq'", "--seq 2 (a multiple"],
+                 id="seq-below-tp-with-sp", marks=SLOW),
 ]
 
 
