@@ -124,6 +124,11 @@ class ModulePlan:
     #: than its columns (:func:`_shared_gathers`): the gather's gradient is this rank's slice of
     #: a whole one, and the column enters the region itself (an all-reduce of its gradient)
     shared_gather: bool = False
+    #: a column inside a sequence-parallel chain, under a parent that gathers the sequence,
+    #: whose input is the parent's other argument (a cross-attention's k/v on the encoder
+    #: states, whole on every rank), not the gathered one: it enters the region itself (an
+    #: all-reduce of its input gradient)
+    side_input: bool = False
 
     @property
     def keeps_features(self) -> bool:
@@ -204,6 +209,7 @@ def _plan(sch: Schedule) -> Plan:
     whole = _whole_in_chains(sch)
     shared = _shared_gathers(sch) if seqs else frozenset()
     gathering: set[str] = set()  # the shared gathering parents whose gather is counted
+    gatherers = set(_gathering_parents(sch)) if seqs else set()
 
     def region(path: str) -> SeqSpec | None:
         if _inside_any(whole, path):
@@ -234,6 +240,8 @@ def _plan(sch: Schedule) -> Plan:
         partnered = bool(partners.get(path))
         caller = caller_path(sch.module, path)
         shares = role is not None and role.kind == "column" and path not in seqs and caller in shared
+        on_side = (role is not None and role.kind == "column" and path not in seqs and caller in gatherers
+                   and _reads_side(sch, path))
         spec_syncs = _resolved_syncs(path, _whole_syncs(syncs.get(path, ()), whole.get(path)), roles.get(path),
                                      seqs, entries,
                                      functools.partial(_stated_output, sch, path), partnered,
@@ -251,7 +259,11 @@ def _plan(sch: Schedule) -> Plan:
                 group = f"{_parent(path)} {ax} " + (_entry_key(sch, path) if pre is None else f"own {path}")
                 leader = group not in fused
                 fused.add(group)
-                if in_seq and shares:
+                if in_seq and on_side:
+                    # called on the parent's other input (encoder states), which its parent does not
+                    # gather: whole on every rank, it enters the region as outside a chain
+                    bounds.append(Boundary(path, "input", "R", "R", ax, (), ("all_reduce",) if leader else ()))
+                elif in_seq and shares:
                     # its parent gathers the sequence once for all that reads it (slicing the whole
                     # gradient back), and each group of columns enters with an all-reduce of its own
                     assert seq is not None
@@ -387,11 +399,10 @@ def _plan(sch: Schedule) -> Plan:
         modules[path] = ModulePlan(path, role, seq, partnered, entry, exit_, spec_syncs, rngs.get(path), local,
                                    partners=partners.get(path, ()), entry_group=group,
                                    split_input=role is not None and role.kind == "row" and split_input,
-                                   shared_gather=shares)
+                                   shared_gather=shares, side_input=on_side)
     # modules with parameters inside a sequence-parallel chain (norms): replicated, Partial gradients;
     # not inside a parent that gathers the sequence (an unsharded q beside sharded k and v): they
     # run on all of it, so their gradients are whole, unless declared to run on this rank's heads
-    gatherers = set(_gathering_parents(sch)) if seqs else set()
     declared = sch.annotations.of_kind(LOCAL)
     for root in seq_roots:
         for path, module in walk(get_module(sch.module, root), root):
@@ -668,6 +679,18 @@ def _entry_key(sch: Schedule, path: str) -> str:
     if found is not None and found[1] in found[2].first:
         return "value " + found[2].first[found[1]]
     return f"own {path}"
+
+
+def _reads_side(sch: Schedule, path: str) -> bool:
+    """Whether all that reaches ``path``'s input in its caller's code comes from the
+    caller's other arguments (:data:`.flow.SIDE`: a cross-attention's encoder states), none
+    of it from its first (the hidden states)."""
+    found = _caller(sch, path)
+    if found is None:
+        return False
+    caller, name, fl = found
+    sources = fl.feeders(name, _through(sch, caller))
+    return bool(sources) and sources <= {SIDE}
 
 
 def _fed_split(sch: Schedule, path: str, axis: str) -> bool:

@@ -351,7 +351,7 @@ def _column(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> Callabl
                 x = rt.enter(x, ax, None, group)
             elif member:
                 x = rt.enter(x, ax, seq, group)
-            elif mp.shared_gather or any(_same_tensor(x, side) for side in rt.sides):
+            elif mp.shared_gather or mp.side_input or any(_same_tensor(x, side) for side in rt.sides):
                 # its parent gathered the input for more than its columns (its gradient sliced back),
                 # or this is the parent's other input (not gathered): the column enters itself
                 x = rt.enter(x, ax, None, group)

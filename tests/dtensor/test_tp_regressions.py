@@ -1115,3 +1115,74 @@ def test_a_module_run_on_the_whole_sequence_costs_what_the_plan_says(dist2) -> N
         assert r["measured"] == {"forward": {"all_gather": 5, "reduce_scatter": 2},
                                  "backward": {"all_gather": 5, "reduce_scatter": 2, "all_reduce": 1}}, r
         assert set(r["grads"].values()) == {("R",)}, r["grads"]
+
+
+class _CrossAttention(nn.Module):
+    """A cross-attention whose k and v read the encoder states through code of its own
+    (``scaled``: ``enc * 0.5``) or as they are."""
+
+    def __init__(self, scaled: bool) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+        self.scaled, self.heads = scaled, 2
+
+    def forward(self, x: torch.Tensor, enc: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        e = enc * 0.5 if self.scaled else enc
+        q = self.q(x).view(b, s, self.heads, -1).transpose(1, 2)
+        k = self.k(e).view(b, enc.shape[1], self.heads, -1).transpose(1, 2)
+        v = self.v(e).view(b, enc.shape[1], self.heads, -1).transpose(1, 2)
+        return self.o((torch.softmax(q @ k.transpose(-1, -2), -1) @ v).transpose(1, 2).reshape(b, s, -1))
+
+
+class _CrossLayer(nn.Module):
+    def __init__(self, scaled: bool) -> None:
+        super().__init__()
+        self.norm, self.attn = nn.LayerNorm(16), _CrossAttention(scaled)
+
+    def forward(self, x: torch.Tensor, enc: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(self.norm(x), enc)
+
+
+class _CrossDecoder(nn.Module):
+    def __init__(self, scaled: bool) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(16, 16)  # learned: its gradient is what a partial one would break
+        self.layers = nn.ModuleList([_CrossLayer(scaled), _CrossLayer(scaled)])
+
+    def forward(self, x: torch.Tensor, enc: torch.Tensor) -> torch.Tensor:
+        enc = self.encoder(enc)
+        for layer in self.layers:
+            x = layer(x, enc)
+        return x
+
+
+def _cross_attention_in_a_chain(rank: int, world: int, scaled: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+
+    def rewrite(s: sf.Schedule) -> sf.Schedule:
+        block = sf.scope("attn", sf.shard.at(["q", "k", "v"], axis=0) >> sf.shard.at("o", axis=1))
+        s = sf.foreach("layers.*", block)(s)
+        return sf.sequence_parallel(s, ["layers.*"])
+
+    # counted without CommDebugMode's module tracker: it hands k and v inputs that share no base
+    # with the encoder states, so they would enter apart (one all-reduce each, the same numbers)
+    return parity(_CrossDecoder(scaled), rewrite, (torch.randn(2, 4, 16), torch.randn(2, 6, 16)), shape=(world,),
+                  tracker=False)
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["as-given", "through-code"])
+def test_cross_attention_kv_on_the_encoder_states_inside_a_chain_enter_the_region_themselves(
+        dist2, scaled: bool) -> None:
+    """Inside a sequence-parallel chain, a cross-attention gathers the sequence of its first
+    input only; its k and v read the encoder states, whole on every rank, and each group
+    enters the region with an all-reduce of its input gradient. Read through code of the
+    parent's own (``enc * 0.5``), the runtime missed them: the encoder's gradient stayed this
+    rank's heads' share. The plan now marks them (``side_input``), and explain counts what
+    runs (it counted a gather and a reduce-scatter for them before)."""
+    for r in dist2.run(_cross_attention_in_a_chain, scaled, timeout=200):
+        # per layer: the attention's gather of its input, the reduce-scatter of o; the chain's exit
+        assert r["fwd"] == {"all_gather": 3, "reduce_scatter": 2}, r["fwd"]
+        # and one all-reduce per layer for k and v, one for the norms' weights at the end of backward
+        assert r["bwd"] == {"all_gather": 3, "reduce_scatter": 2, "all_reduce": 3}, r["bwd"]
+        assert r["predicted"] == {"forward": r["fwd"], "backward": r["bwd"]}
