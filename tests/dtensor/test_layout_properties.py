@@ -648,7 +648,9 @@ def output_paths(model: nn.Module) -> list[str]:
         elif isinstance(m, Reordered):
             last = f"b{m.count - 1}"
         elif isinstance(m, Bert):
-            last = "out"  # out's own code (a norm of a sum) makes the output: it ends there
+            last = "out"
+        elif isinstance(m, CrossOut):
+            last = "norm"  # norm(dense(x) + residual): the norm's output is the block's
         elif isinstance(m, Mlp | Gated | Attention | Functional | Fused) and not m.residual:
             last = {Mlp: "fc2", Gated: "down", Attention: "o", Fused: "o"}.get(
                 type(m), "out" if "out" in m._modules else "act")
@@ -1440,6 +1442,11 @@ CLOSED: dict[str, Case] = {
     # wrong numbers (half the sequence out): a GELU's fwd_post Shard(1) sync after a Linear whose
     # own sync already split its output took its input for Replicate() and split it again; the
     # layout a lone feeder's sync states is now what arrives
+    # the test's own reading: BERT's output block ends in its norm, whose fwd_post sync states the
+    # model's output split by features (the explore compared it whole)
+    "output-split-by-the-last-norm-s-sync": _c([Block("bert", hidden=8, heads=4)],
+                                              ("sync", "0.out.norm", "fwd_post", "S(-1)", "R"),
+                                              ("shard", "0.out.dense", 0, 1), dim=16),
     "split-again-after-a-feeder-s-split": Case(
         8, True, "", (Block("chain", widths=(16,), flat=True),),
         (("sync", "1", "fwd_post", "S(1)", None), ("sync", "2", "fwd_post", "S(1)", None), ("sp", ("3",), "S(1)"))),
