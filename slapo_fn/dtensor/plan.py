@@ -508,12 +508,14 @@ def _resolved_syncs(path: str, specs: tuple[SyncSpec, ...], role: Role | None, s
     it (``inner(axis)``, :func:`_stated_output`), for an input the features the data flow
     brings (``arriving(axis)``: a sync before it split them), else ``Replicate()``. A
     module that ``passes`` its input's layout on (pointwise) has, at its output, the layout
-    its ``fwd_pre`` syncs left, else what arrives. ``bwd_post`` syncs keep theirs."""
+    its ``fwd_pre`` syncs left, else what arrives (whichever order the syncs were stated
+    in: the input's run first). ``bwd_post`` syncs keep theirs."""
     seq = seqs.get(path)
     whole_in = _enters_chain_whole(path, role, seqs, entries)
-    out: list[SyncSpec] = []
+    out: dict[int, SyncSpec] = {}
     last: dict[tuple[str, str], Placement] = {}
-    for s in specs:
+    for i in sorted(range(len(specs)), key=lambda i: specs[i].mode != "fwd_pre"):
+        s = specs[i]
         key = (s.mode, s.mesh_axis)
         src = s.src
         if src is None and s.mode != "bwd_post":
@@ -530,8 +532,8 @@ def _resolved_syncs(path: str, specs: tuple[SyncSpec, ...], role: Role | None, s
                 src = (inner(s.mesh_axis) if s.mode == "fwd_post" else arriving(s.mesh_axis)) or Replicate()
         if s.mode != "bwd_post" and src != s.layout:  # a sync from a layout to itself moves nothing, asserts nothing
             last[key] = s.layout
-        out.append(s if src is s.src else replace(s, src=src))
-    return tuple(out)
+        out[i] = s if src is s.src else replace(s, src=src)
+    return tuple(out[i] for i in range(len(specs)))
 
 
 def _arriving_at(know: Callable[[str], _Features], path: str, axis: str) -> Placement | None:

@@ -1442,6 +1442,10 @@ CLOSED: dict[str, Case] = {
     # wrong numbers (half the sequence out): a GELU's fwd_post Shard(1) sync after a Linear whose
     # own sync already split its output took its input for Replicate() and split it again; the
     # layout a lone feeder's sync states is now what arrives
+    # a pointwise module's fwd_post sync stated before its fwd_pre one: its default src read the
+    # input's layout before that sync was resolved, so it gathered nothing (a raw shape error)
+    "post-sync-stated-before-the-pre-sync": _c([Block("gated", hidden=16)], ("sync", "0.act", "fwd_post", "R", None),
+                                              ("sync", "0.act", "fwd_pre", "S(-1)", None)),
     # the test's own reading: BERT's output block ends in its norm, whose fwd_post sync states the
     # model's output split by features (the explore compared it whole)
     "output-split-by-the-last-norm-s-sync": _c([Block("bert", hidden=8, heads=4)],
