@@ -382,7 +382,8 @@ def _argument_problems(args: argparse.Namespace) -> list[Problem]:
                                     + (f", or --microbatches among {', '.join(divisors)}" if divisors else "")))
     if (args.command in ("train", "verify", "explain") and args.sp is True and args.tp > 1 and args.seq is not None
             and args.seq % args.tp):
-        down, up = args.seq - args.seq % args.tp, args.seq - args.seq % args.tp + args.tp
+        down = args.seq - args.seq % args.tp
+        up = down + args.tp
         problems.append(Problem("--seq", f"{args.seq} tokens per sequence do not split evenly over the --tp "
                                          f"{args.tp} ranks that --sp splits each sequence over",
                                 f"--seq {up}" + (f" or {down}" if down else "")

@@ -2130,7 +2130,7 @@ def _whole_in_parent(sch: Schedule, p: Plan, path: str) -> bool:
     if found is None or mp.role is None:
         return False
     caller, name, fl = found
-    if not any(contains(member, caller) for member in sch.annotations.of_kind(SEQ)):
+    if caller not in _gathering_parents(sch):
         return False
     axis = mp.role.mesh_axis
     laid = {*sch.annotations.of_kind(ROLE), *sch.annotations.of_kind(SEQ), *sch.annotations.of_kind(SYNC)}
@@ -2139,13 +2139,15 @@ def _whole_in_parent(sch: Schedule, p: Plan, path: str) -> bool:
         full = join(caller, q)
         return not any(a == full or contains(full, a) for a in laid)
 
-    def lone(q: str, kind: str) -> bool:  # no syncs but a column's gather of its output (colwise_gather_output)
+    def lone(q: str, kind: str) -> bool:  # no syncs, but a column's gather of its output (colwise_gather_output)
         m = p.modules.get(join(caller, q))
-        gathers = all(s.mode == "fwd_post" and s.mesh_axis == axis and isinstance(s.layout, Replicate)
-                      for s in m.syncs) if m is not None else False
-        return (m is not None and m.role is not None and m.role.kind == kind and m.role.mesh_axis == axis
-                and not m.partnered and (not m.syncs or (kind == "column" and gathers))
-                and m.seq is not None and m.seq.mesh_axis == axis and (kind != "column" or not per_head(q)))
+        if (m is None or m.role is None or m.role.kind != kind or m.role.mesh_axis != axis or m.partnered
+                or m.seq is None or m.seq.mesh_axis != axis):
+            return False
+        if kind == "row":
+            return not m.syncs
+        return all(s.mode == "fwd_post" and s.mesh_axis == axis and isinstance(s.layout, Replicate)
+                   for s in m.syncs) and not per_head(q)
 
     def per_head(column: str) -> bool:
         # a norm whose weight is narrower than the column's output acts on its heads (Gemma 3's
