@@ -555,7 +555,13 @@ class Reordered(nn.Module):
         return x
 
     def called(self) -> list[nn.Module]:
-        return [getattr(self, f"b{i}") for i in range(self.count)]
+        return [getattr(self, n) for n in called_names(self)]
+
+
+def called_names(parent: nn.Module) -> list[str]:
+    """The names of ``parent``'s children in the order it calls them (module order, but for
+    a :class:`Reordered` root)."""
+    return [f"b{i}" for i in range(parent.count)] if isinstance(parent, Reordered) else list(parent._modules)
 
 
 def top(model: nn.Module) -> tuple[str, Any]:
@@ -626,7 +632,7 @@ def producers(model: nn.Module, path: str) -> tuple[str, ...]:
     parent = model.get_submodule(_parent(path))
     flow: dict[str, tuple[str, ...]] = getattr(parent, "FLOW", {})
     if isinstance(parent, nn.Sequential | nn.ModuleList | Reordered):
-        names = [f"b{i}" for i in range(parent.count)] if isinstance(parent, Reordered) else list(parent._modules)
+        names = called_names(parent)
         i = names.index(_name(path)) - 1
         while i >= 0 and isinstance(parent._modules[names[i]], nn.GELU | nn.ReLU):
             i -= 1
@@ -720,8 +726,7 @@ class Facts:
 
     def siblings(self, path: str) -> list[str]:
         parent = self.model.get_submodule(_parent(path))
-        names = [f"b{i}" for i in range(parent.count)] if isinstance(parent, Reordered) else list(parent._modules)
-        return [_join(_parent(path), n) for n in names]
+        return [_join(_parent(path), n) for n in called_names(parent)]
 
     def columns(self) -> list[str]:
         return [p for p, (k, _) in self.roles.items() if k == "column"]
