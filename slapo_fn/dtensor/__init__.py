@@ -20,17 +20,23 @@ from .local import tp_local
 from .loss import vocab_parallel_cross_entropy
 from .plan import Boundary, Plan, plan
 from .rng import fork_rng
+from .roles import Column, EmbedDim, Gathered, Role, Row, VocabEmbed
 from .runtime import apply_tensor_parallel
 from .sequence import sequence_parallel
-from .shard import Role, shard
+from .shard import shard
 from .sync import sync
 
 __all__ = [
     "Boundary",
+    "Column",
+    "EmbedDim",
     "Experts",
+    "Gathered",
     "Layout",
     "Plan",
     "Role",
+    "Row",
+    "VocabEmbed",
     "apply_tensor_parallel",
     "expert_parallel",
     "expert_tensor_parallel",

@@ -31,7 +31,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..errors import LayoutError, Problem
 
-__all__ = ["Axis", "enter", "enter_all", "gather", "gather_rs", "redistribute", "reduce", "reduce_scatter", "split"]
+__all__ = ["Axis", "enter", "enter_all", "gather", "gather_rs", "redistribute", "reduce", "reduce_scatter", "split",
+           "unpack"]
 
 Axis = tuple[DeviceMesh, int]
 
@@ -241,6 +242,12 @@ def reduce_scatter(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
     """Reduce-scatter along ``dim`` forward (a partial sum becomes sharded); all-gather backward."""
     _even(x, dim, axis, "reduce_scatter")
     return _ReduceScatter.apply(x, dim, axis)  # type: ignore[no-any-return]
+
+
+def unpack(gathered: torch.Tensor, packed: int, size: int) -> torch.Tensor:
+    """``[A_0 B_0 C_0 | A_1 B_1 C_1]`` (each rank's packed chunks, all-gathered along the last
+    dimension) → ``[A_0 A_1 | B_0 B_1 | C_0 C_1]`` (the unsharded module's order)."""
+    return gathered.unflatten(-1, (size, packed, -1)).transpose(-3, -2).flatten(-3)
 
 
 def redistribute(x: torch.Tensor, src: Placement, dst: Placement, axis: Axis) -> torch.Tensor:

@@ -57,6 +57,7 @@ from ..render import format_bytes, format_param
 from ..schedule import Schedule
 from ..tree import get_module, join, parent_path, private_copy, walk
 from .data_parallel import DATA_PARALLEL, DataParallelSpec
+from .dryrun import dtensor_collectives
 from .experts import EXPERTS
 from .layout import Layout
 from .plan import Boundary, plan
@@ -68,7 +69,7 @@ __all__ = ["ActivationShapes", "Collective", "ParamLayout", "TensorParallelExpla
            "data_parallel_collectives", "explain_tensor_parallel", "loss_collectives"]
 
 Direction = Literal["forward", "backward"]
-Origin = Literal["shard", "sync", "sequence_parallel", "implicit", "data_parallel", "pipeline", "loss"]
+Origin = Literal["shard", "sync", "sequence_parallel", "implicit", "data_parallel", "pipeline", "loss", "dtensor"]
 
 _SIDE_OF_MODE = {"fwd_pre": "input", "fwd_post": "output", "bwd_post": "input grad"}
 
@@ -477,7 +478,15 @@ def explain_tensor_parallel(
         except Exception as e:  # explain never fails for a model it cannot run fake
             note = f"the fake run failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     collectives: list[Collective] = []
-    for b in plan(sch).boundaries:
+    p = plan(sch)
+    if p.on_dtensors:  # DTensor chooses the collectives op by op: counted on a fake run
+        found, why = dtensor_collectives(sch, inputs, kwargs) if inputs or kwargs else (None, "")
+        note = why or ("runs on DTensor activations, whose collectives are DTensor's own: pass example "
+                       f"inputs to count them ({p.on_dtensors[0].path!r}: {p.on_dtensors[0].reason})"
+                       if found is None else "")
+        collectives = [Collective("", "region", r.direction, r.op, "?", "?", r.mesh_axis, "dtensor", r.bytes)  # type: ignore[arg-type]
+                       for r in found or ()]
+    for b in () if p.on_dtensors else p.boundaries:
         origin = _origin(sch, b)
         size = shapes.bytes_of(b, by_path) if shapes is not None else None
         if shapes is not None and b.tensor in ("dispatch", "combine", "counts"):

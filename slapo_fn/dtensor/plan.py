@@ -64,11 +64,12 @@ from .flow import INPUT, OUTPUT, SIDE, Flow, flow, own_layer, pointwise
 from .layout import Layout, shard_axes
 from .local import LOCAL
 from .rng import RNG, RngSpec
+from .roles import Column, Role
 from .sequence import SEQ, SeqSpec
-from .shard import LAYOUT, ROLE, Role, mesh_dims, tied_paths
+from .shard import LAYOUT, ROLE, mesh_dims, tied_paths
 from .sync import SYNC, SyncSpec, collective_of
 
-__all__ = ["Boundary", "ModulePlan", "Plan", "implicit", "plan", "refusals"]
+__all__ = ["Boundary", "ModulePlan", "Plan", "implicit", "plan", "refusals", "unproven"]
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,11 @@ class Plan:
     #: mesh has axes the parameters do not live on (FSDP's ``dp``, ``pp``), whose own hooks
     #: read the gradients during backward, each module's are reduced where they are made.
     grads_after_backward: bool = False
+    #: Why the plan cannot prove the model right on local shards (:func:`unproven`): where
+    #: any, the build runs the model on DTensor activations (:mod:`.region`), whose
+    #: collectives are DTensor's own (:mod:`.dryrun` counts them on example inputs), not
+    #: :attr:`boundaries`.
+    on_dtensors: tuple[Problem, ...] = ()
 
     def counts(self) -> dict[str, dict[str, int]]:
         """``{"forward": {op: n}, "backward": {op: n}}`` for one step (each module called once)."""
@@ -242,7 +248,8 @@ def _plan(sch: Schedule) -> Plan:
         shares = role is not None and role.kind == "column" and path not in seqs and caller in shared
         on_side = (role is not None and role.kind == "column" and path not in seqs and caller in gatherers
                    and _reads_side(sch, path))
-        spec_syncs = _resolved_syncs(path, _whole_syncs(syncs.get(path, ()), whole.get(path)), roles.get(path),
+        spec_syncs = _resolved_syncs(path, _restated(sch, path, _whole_syncs(syncs.get(path, ()), whole.get(path))),
+                                     roles.get(path),
                                      seqs, entries,
                                      functools.partial(_stated_output, sch, path), partnered,
                                      functools.partial(_arriving, sch, know, path),
@@ -430,7 +437,7 @@ def _plan(sch: Schedule) -> Plan:
         found = _caller(sch, path)
         if path in modules and found is not None and (op := found[2].ranked.get(found[1])) is not None:
             modules[path] = replace(modules[path], read_as_3d=op)
-    return Plan(modules, tuple(bounds), after)
+    return Plan(modules, tuple(bounds), after, tuple(_unproven(sch, Plan(modules, tuple(bounds), after))))
 
 
 def param_dims(sch: Schedule) -> tuple[str, ...]:
@@ -491,6 +498,30 @@ def _kept_columns(sch: Schedule, paired: Iterable[str]) -> frozenset[str]:
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
     return frozenset(q for q in paired if (r := roles.get(q)) is not None and r.kind == "column"
                      and not _partner_gathered(sch, (q,), r.mesh_axis))
+
+
+def _restated(sch: Schedule, path: str, specs: tuple[SyncSpec, ...]) -> tuple[SyncSpec, ...]:
+    """``specs`` with each ``bwd_post`` sync from ``Partial()`` that restates what a column's
+    entry already does made a sync from ``Replicate()`` (which moves nothing): Slapo's
+    schedules write an all-reduce of the input gradient on every column (or the module
+    holding them), which slapo_fn's columns issue themselves; summed again, the gradient
+    would be the axis size times too large."""
+    return tuple(replace(s, src=Replicate()) if s.mode == "bwd_post" and isinstance(s.src, Partial)
+                 and _input_reaches_column(sch, path, s.mesh_axis) else s for s in specs)
+
+
+def _input_reaches_column(sch: Schedule, path: str, axis: str, depth: int = 0) -> bool:
+    """Whether ``path`` is a column over ``axis``, or its own code hands its input to one
+    (through its children, as far as their data flow is known): that column's entry then
+    all-reduces the input's gradient."""
+    role = sch.annotations.get(path, ROLE)
+    if isinstance(role, Column) and role.mesh_axis == axis:
+        return True
+    fl = _flow_of(sch, path) if depth < 8 else None
+    if fl is None:
+        return False
+    return any(c not in (OUTPUT, SIDE, INPUT) and _input_reaches_column(sch, join(path, c), axis, depth + 1)
+               for c in fl.consumers(INPUT, _through(sch, path)))
 
 
 def _resolved_syncs(path: str, specs: tuple[SyncSpec, ...], role: Role | None, seqs: Mapping[str, SeqSpec],
@@ -2568,6 +2599,32 @@ def _model_output(sch: Schedule, path: str) -> bool:
     return True
 
 
+def stated_model_output(sch: Schedule) -> dict[str, Placement]:
+    """Per mesh axis, the layout syncs state for the model's result: a ``fwd_post`` sync on
+    the root, or on a module whose output is the result and nothing else's (vocab-parallel
+    logits kept split), or a ``fwd_pre`` sync on an elementwise module there (its output
+    keeps its input's layout); the outermost one stated wins. Axes not named are whole."""
+    with _flows_memo():
+        syncs: dict[str, tuple[SyncSpec, ...]] = sch.annotations.of_kind(SYNC)
+        paths = sorted((q for q in syncs if not q or _model_output(sch, q)), key=lambda q: -len(split(q)))
+        out: dict[str, Placement] = {}
+        for q in paths:
+            through = bool(q) and pointwise(get_module(sch.module, q))
+            for mode in ("fwd_pre", "fwd_post"):
+                for spec in syncs[q]:
+                    if spec.mode == mode and (mode == "fwd_post" or through):
+                        out[spec.mesh_axis] = spec.layout
+        return out
+
+
+def chain_entries_given_split(sch: Schedule) -> dict[str, SeqSpec]:
+    """The first members of the sequence-parallel chains told that their input arrives split
+    (``input_layout=Shard(d)``), with their chain's spec."""
+    seqs: dict[str, SeqSpec] = sch.annotations.of_kind(SEQ)
+    with _flows_memo():
+        return {first: seqs[first] for first in _chain_entries(sch).values() if seqs[first].sharded_input}
+
+
 def _partial_sources(sch: Schedule) -> list[Problem]:
     """A ``fwd_post`` sync's ``src=Partial()`` says that each rank holds a share of the
     output to be summed, as a row-parallel module's local result is. A built-in
@@ -2803,8 +2860,10 @@ def _unsourced(sch: Schedule) -> list[Problem]:
             if src is None or src == s.layout:
                 continue
             if s.mode == "bwd_post":
-                # slapo_fn's own layouts hand back whole input gradients (a column's entry reduces them)
-                if isinstance(src, Partial) and not own_code:
+                # slapo_fn's own layouts hand back whole input gradients (a column's entry reduces them);
+                # only the user's own code at or inside the module may hand back a partial one
+                if isinstance(src, Partial) and not _own_code_at(sch, path) and not _input_reaches_column(
+                        sch, path, s.mesh_axis):
                     problems.append(Problem(
                         path or "<root>",
                         f"has a bwd_post sync from Partial() over {s.mesh_axis!r}, but nothing in the schedule "
@@ -2850,6 +2909,13 @@ def _unsourced(sch: Schedule) -> list[Problem]:
                 ))
                 break
     return problems
+
+
+def _own_code_at(sch: Schedule, path: str) -> bool:
+    """Whether the user's own tensor-parallel code may run at or inside ``path``: a module
+    installed by ``sf.replace``, a ``tp_local`` one, experts."""
+    return any(q == path or contains(path, q) for key in (INSTALLED, LOCAL, EXPERTS)
+               for q in sch.annotations.of_kind(key))
 
 
 def _role_output_syncs(sch: Schedule) -> list[Problem]:
@@ -3094,7 +3160,9 @@ def _contradicted_sources(sch: Schedule, partners: Mapping[str, tuple[str, ...]]
                 if inner is not None:
                     known[s.mesh_axis] = (inner, "a sync inside it")
                 elif role is None and (spec := member(path, s.mesh_axis)) is not None:
-                    known[s.mesh_axis] = (Shard(spec.seq_axis), "the sequence_parallel chain it is a member of")
+                    gathered = isinstance(moved.get(s.mesh_axis), Replicate)  # its own fwd_pre sync made it whole
+                    known[s.mesh_axis] = ((Replicate(), "its fwd_pre sync, which gathers its input,") if gathered
+                                          else (Shard(spec.seq_axis), "the sequence_parallel chain it is a member of"))
                 elif role is None and not _in_chain(sch, path, s.mesh_axis):
                     made = know(s.mesh_axis).made(path, own_syncs=False)
                     if made is not None:
@@ -3116,22 +3184,60 @@ def _contradicted_sources(sch: Schedule, partners: Mapping[str, tuple[str, ...]]
 
 
 def refusals(sch: Schedule, p: Plan) -> list[Problem]:
-    """Every layout of ``sch`` the build would get silently wrong or fail on inside model
-    code, as problems naming the module and the fix (``build`` raises them at once)."""
+    """The statements of ``sch`` its layouts contradict (a ``src=`` nothing makes, a sync on
+    a module never called, a chain told its input arrives split that a module hands whole),
+    as problems naming the module and the fix: ``build`` raises them at once."""
     with _flows_memo():
-        return _refusals(sch, p)
+        return _contradictions(sch, p)
 
 
-def _refusals(sch: Schedule, p: Plan) -> list[Problem]:
+def unproven(sch: Schedule, p: Plan) -> list[Problem]:
+    """Where the plan cannot prove that code runs right on local shards (a split by a full
+    size, a tie sharded on one side, a column in a chain that no row reads): the build then
+    runs the model on DTensor activations (:mod:`.region`), and PyTorch's sharding
+    propagation computes it (:attr:`Plan.on_dtensors`)."""
+    return list(p.on_dtensors)
+
+
+def _contradictions(sch: Schedule, p: Plan) -> list[Problem]:
+    return (_unsplit_chain_inputs(sch) + _partial_sources(sch) + _sources(sch) + _role_output_syncs(sch)
+            + _bypassed(sch, p) + _whole_tp_locals(sch))
+
+
+def _whole_tp_locals(sch: Schedule) -> list[Problem]:
+    """``tp_local`` states that a module runs on this rank's shard, so its replicated
+    parameters' gradients are partial sums, reduced over the mesh axis. Where the data flow
+    shows the whole activation reaching it (a norm before the columns, the model's final
+    norm), each rank's gradient is already the whole one, and the reduction would multiply
+    it by the axis size: refused, naming the module."""
+    problems = []
+    partners = _partners(sch)
+    known: dict[str, _Features] = {}
+    for path, spec in sch.annotations.of_kind(LOCAL).items():
+        found = _caller(sch, path)
+        if found is None:
+            continue
+        f = known.setdefault(spec.mesh_axis, _Features(sch, spec.mesh_axis, partners))
+        parent, name, fl = found
+        if isinstance(f._combine(parent, fl.feeders(name, f._through(parent))), Replicate):
+            problems.append(Problem(
+                path,
+                f"is declared tp_local (to run on this rank's shard over {spec.mesh_axis!r}), but by the data flow "
+                "the whole activation reaches it: every rank's gradient of its parameters is already the whole "
+                "one, and reducing it over the ranks would multiply it",
+                f"drop tp_local for {path!r} (it is for modules after a column kept split, such as per-head norms)",
+            ))
+    return problems
+
+
+def _unproven(sch: Schedule, p: Plan) -> list[Problem]:
     return (_half_sharded_ties(sch) + _unsharded_twins(sch, p) + _stray_token_shards(sch)
             + _ungathered_chain_members(sch) + _chain_gaps(sch) + _packed_outputs_read_whole(sch, p)
             + _untraced_pairs(sch, p) + _chains_inside_pairs(sch, p) + _attention_on_sequence_shards(sch)
             + _code_over_the_sequence(sch)
             + _lone_columns_in_chains(sch, p) + _split_input_into_reducers(sch, p) + _functional_reads(sch, p)
             + _feature_syncs(sch, p) + _half_gathered_pairs(sch, p) + _gathers_inside_chains(sch, p)
-            + _packing_against_flow(sch, p) + _heads_against_flow(sch, p) + _unsplit_chain_inputs(sch)
-            + _partial_sources(sch) + _sources(sch) + _role_output_syncs(sch) + _bypassed(sch, p)
-            + _features_mixed(sch, p))
+            + _packing_against_flow(sch, p) + _heads_against_flow(sch, p) + _features_mixed(sch, p))
 
 
 def _bypassed(sch: Schedule, p: Plan) -> list[Problem]:

@@ -28,7 +28,7 @@ from ..hf import EXPERT_COUNT_ATTRS as _EXPERT_COUNTS
 from ..hf import QUERY_HEAD_ATTRS, is_conv1d
 from ..rewrites._common import contains
 from ..schedule import Key, Schedule, path_exists
-from ..tree import caller_path, get_module, join, split, uncalled
+from ..tree import caller_path, get_module, join, parent_path, split, uncalled, walk
 from . import collectives as C
 from .data_parallel import DATA_PARALLEL
 from .experts import EXPERTS, experts_forward
@@ -43,16 +43,20 @@ from .plan import (
     _out_features,
     _parent,
     _sharded_output,
+    chain_entries_given_split,
     heads_made_local,
     implicit,
     param_dims,
     per_head_operands,
     plan,
     refusals,
+    stated_model_output,
 )
+from .region import Activations, island, normalized, reduce_partial_grads, region, relayout, role_on_dtensors
 from .rng import RNG, forked
-from .sequence import SEQ
-from .shard import LAYOUT, ROLE, Role, mesh_dims
+from .roles import Role
+from .sequence import SEQ, SeqSpec
+from .shard import LAYOUT, ROLE, mesh_dims
 from .sync import SYNC, SyncSpec
 
 __all__ = ["apply_tensor_parallel"]
@@ -365,7 +369,7 @@ def _column(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> Callabl
         kept_local = out_sync is None and mp.partnered and not emb
         if packed > 1 and not kept_local and not _is_last_dim_shard(out_sync, y.dim()):
             # this rank's output is [Q_r|K_r|V_r]: gathered, the chunks are put back in order
-            full = _unpack(C.gather(y, -1, rt.axis(ax)), packed, rt.size(ax))
+            full = C.unpack(C.gather(y, -1, rt.axis(ax)), packed, rt.size(ax))
             return full if out_sync is None else C.redistribute(full, Replicate(), out_sync.layout, rt.axis(ax))
         if out_sync is not None:
             return C.redistribute(y, Shard(y.dim() - 1), out_sync.layout, rt.axis(ax))
@@ -378,12 +382,6 @@ def _column(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> Callabl
 
 def _is_last_dim_shard(sync: SyncSpec | None, ndim: int) -> bool:
     return sync is not None and isinstance(sync.layout, Shard) and sync.layout.dim % ndim == ndim - 1
-
-
-def _unpack(gathered: torch.Tensor, packed: int, size: int) -> torch.Tensor:
-    """``[A_0 B_0 C_0 | A_1 B_1 C_1]`` (each rank's packed chunks, all-gathered) →
-    ``[A_0 A_1 | B_0 B_1 | C_0 C_1]`` (the unsharded module's order)."""
-    return gathered.unflatten(-1, (size, packed, -1)).transpose(-3, -2).flatten(-3)
 
 
 def _whole_input_problem(mp: ModulePlan, full_in: int, size: int) -> Problem:
@@ -517,10 +515,13 @@ def _distribute(model: nn.Module, sch: Schedule, rt: _Runtime) -> None:
     """Every parameter becomes a DTensor on the parameter mesh: its layout where it has
     one, ``Replicate`` elsewhere, so optimizers (foreach, fused) and ``clip_grad_norm_``
     see one kind of tensor. Each rank keeps its own chunk (no communication: every rank
-    holds the full value); a tied parameter stays one tensor."""
+    holds the full value); a tied parameter stays one tensor, with the layout any of its
+    paths has (a tie sharded on one side: the model then runs on DTensor activations)."""
     memo: dict[int, nn.Parameter] = {}
-    targets: dict[str, Layout | None] = dict.fromkeys(n for n, _ in model.named_parameters(remove_duplicate=False))
-    targets.update(sch.annotations.of_kind(LAYOUT))
+    # the paths with a layout first: a tie takes the layout of whichever path has one
+    targets: dict[str, Layout | None] = dict(sch.annotations.of_kind(LAYOUT))
+    for n, _ in model.named_parameters(remove_duplicate=False):
+        targets.setdefault(n, None)
     replicate = [Replicate()] * len(rt.param_dims)
     for path, lay in targets.items():
         tokens = split(path)
@@ -574,6 +575,9 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
         if problems:
             raise LayoutError("build(strict=True)", problems)
     rt = _Runtime(sch, p.grads_after_backward)
+    if p.on_dtensors:
+        _install_on_dtensors(model, sch, p, rt)
+        return
     seq_roots = set(sch.annotations.of_kind(SEQ))
     # a column whose caller is strictly inside a chain member (attention, MLP) has its input
     # gathered by that caller, so that model code reshaping it sees the whole sequence; any
@@ -939,6 +943,104 @@ def _wrap_boundaries(rt: _Runtime, mp: ModulePlan, forward: Callable[..., Any], 
         if mp.exit is not None and not post:
             x = mp.exit
             out = _first_tensor(out, convert(Shard(x.seq_axis), Replicate(), x.mesh_axis))
+        return out
+
+    return run
+
+
+def _install_on_dtensors(model: nn.Module, sch: Schedule, p: Plan, rt: _Runtime) -> None:
+    """The whole model as one DTensor region (:mod:`.region`): every parameter a DTensor,
+    each planned module's forward on DTensor activations, the root entered and left with
+    whole (replicated) values."""
+    acts = Activations(rt.param_mesh, rt.param_dims)
+    _distribute(model, sch, rt)
+    given = chain_entries_given_split(sch)
+    for path, mp in p.modules.items():
+        m = get_module(model, path)
+        forward: Callable[..., Any] = m.forward
+        role = mp.role
+        if mp.experts is not None:
+            forward = _experts_on_dtensors(rt, acts, m, mp, forward)
+        elif role is not None and not role.own_forward:
+            stated = next((s.layout for s in mp.syncs if s.mode == "fwd_post"), None)
+            # in a chain, a partial sum goes on as this rank's tokens (a reduce-scatter)
+            in_chain = mp.seq is not None and mp.seq.mesh_axis == role.mesh_axis and isinstance(role.gives(3), Partial)
+            out = stated if stated is not None else Shard(mp.seq.seq_axis) if in_chain and mp.seq else None
+            forward = role_on_dtensors(acts, m, role, out)
+        forward = _boundaries_on_dtensors(acts, mp, forward, given.get(path))
+        if mp.rng is not None:
+            forward = forked(forward, rt.mesh.get_local_rank(rt.dims.index(mp.rng.mesh_axis)))
+        m.forward = forward  # type: ignore[method-assign]
+    planned = set(p.modules)
+    on_the_way = {join(*split(q)[:i]) for q in planned for i in range(len(split(q)) + 1)}
+    for path, m in walk(model):
+        parent = parent_path(path) if path else None
+        if path not in on_the_way and parent in on_the_way and not uncalled(m):
+            m.forward = island(acts, m, m.forward)  # type: ignore[method-assign]
+    model.forward = region(acts, model.forward, stated_model_output(sch))  # type: ignore[method-assign]
+    reduce_partial_grads(model)
+
+
+def _experts_on_dtensors(rt: _Runtime, acts: Activations, m: nn.Module, mp: ModulePlan,
+                         forward: Callable[..., Any]) -> Callable[..., Any]:
+    """An experts module inside a region: its local forward (:func:`.experts.experts_forward`)
+    on whole (replicated) inputs, its whole output a replicated DTensor."""
+    assert mp.experts is not None
+    ep, etp = mp.experts.mesh_axis, mp.experts.tensor_axis
+    axes = (rt.axis(ep) if ep else None, rt.axis(etp) if etp else None)
+    local = experts_forward(m, mp.experts, axes, forward, _local_value)
+    if ep is not None:
+        _adjust_expert_count(m, mp.experts.num_experts, mp.experts.local_experts(rt.size(ep)))
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = acts.locals_of((args, kwargs))
+        return acts.to_dtensor(local(*args, **kwargs))
+
+    return run
+
+
+def _boundaries_on_dtensors(acts: Activations, mp: ModulePlan, forward: Callable[..., Any],
+                            given: SeqSpec | None) -> Callable[..., Any]:
+    """``mp``'s syncs and sequence-parallel entry and exit inside a region: each moves the
+    DTensor it acts on to the layout it states (DTensor knows where it comes from: a
+    stated ``src`` is checked by the plan, and a ``bwd_post`` sync is what DTensor's own
+    backward already does). ``given``: the chain ``mp`` enters first was told its input
+    arrives split, so a plain (local) tensor handed to it is taken as this rank's shard."""
+    # a sync from a layout to itself moves nothing and asserts nothing (a plain tensor handed on
+    # through it keeps the meaning the next statement gives it)
+    pre = [s for s in mp.syncs if s.mode == "fwd_pre" and s.src != s.layout]
+    post = [s for s in mp.syncs if s.mode == "fwd_post" and s.src != s.layout] if (
+        mp.role is None or mp.role.own_forward) else []
+    if not (pre or post or mp.entry or mp.exit or given):
+        return forward
+
+    def shard_of(x: torch.Tensor) -> torch.Tensor:
+        assert given is not None
+        places = acts.placements(**{given.mesh_axis: Shard(given.seq_axis % x.dim())})
+        return x if isinstance(x, DTensor) else DTensor.from_local(x, acts.mesh, places, run_check=False)
+
+    def move(axis: str, layout: Placement, src: Placement | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """To ``layout``: a DTensor from where it is; a plain (local) tensor, handed in by
+        the caller, from ``src``, the layout the plan resolved for it."""
+        def run(x: torch.Tensor) -> torch.Tensor:
+            if not isinstance(x, DTensor) and isinstance(src, Shard):
+                places = acts.placements(**{axis: normalized(src, x.dim())})
+                x = DTensor.from_local(x, acts.mesh, places, run_check=False)
+            return relayout(acts, x, axis, layout)
+        return run
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if given is not None:
+            args, kwargs = _map_input(args, kwargs, shard_of)
+        if mp.entry is not None:
+            args, kwargs = _map_input(args, kwargs, move(mp.entry.mesh_axis, Shard(mp.entry.seq_axis)))
+        for s in pre:
+            args, kwargs = _map_input(args, kwargs, move(s.mesh_axis, s.layout, s.src))
+        out = forward(*args, **kwargs)
+        for s in post:
+            out = _first_tensor(out, move(s.mesh_axis, s.layout))
+        if mp.exit is not None and not post:
+            out = _first_tensor(out, move(mp.exit.mesh_axis, Replicate()))
         return out
 
     return run

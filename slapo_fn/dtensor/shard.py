@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import nn
@@ -42,29 +41,12 @@ from ..schedule import Key, Schedule
 from ..select import Selection
 from ..tree import get_module, join, parent_path, split, uncalled, walk
 from .layout import Layout, from_spec, packed_shard
+from .roles import Column, EmbedDim, Gathered, Role, Row, VocabEmbed
 
 __all__ = ["LAYOUT", "ROLE", "Role", "mesh_dims", "shard", "tied_paths"]
 
 LAYOUT: Key[Layout] = Key("layout")
 ROLE: Key[Role] = Key("tp")
-
-RoleKind = Literal["column", "row", "vocab", "embed_dim", "param"]
-
-
-@dataclass(frozen=True)
-class Role:
-    """How a sharded module computes: ``column`` (output features sharded), ``row`` (input
-    features sharded, output a partial sum), ``vocab`` (embedding rows sharded, output a
-    partial sum), ``embed_dim`` (embedding columns sharded) or ``param`` (any other
-    parameter sharding: the module runs on gathered parameters)."""
-
-    kind: RoleKind
-    mesh_axis: str
-    packed: int = 1
-
-    def __str__(self) -> str:
-        return f"{self.kind}@{self.mesh_axis}" + (f"×{self.packed}" if self.packed > 1 else "")
-
 
 def mesh_dims(mesh: DeviceMesh) -> tuple[str, ...]:
     names = mesh.mesh_dim_names
@@ -246,7 +228,7 @@ def _module_plan(
         tp = [p for n, p in zip(lay.mesh_dims, lay.placements, strict=True) if n == mesh_axis]
         others = [p for n, p in zip(lay.mesh_dims, lay.placements, strict=True) if n != mesh_axis]
         if any(isinstance(p, Shard | _StridedShard) for p in others) or not tp or not isinstance(tp[0], Shard):
-            return _Plan(path, Role("param", mesh_axis), (("weight", lay),))
+            return _Plan(path, Gathered(mesh_axis), (("weight", lay),))
         axis = tp[0].dim % weight.dim()
     if axis is None:
         problems.append(Problem(path, "neither axis= nor layout= given", "pass axis=0 (column) or axis=1 (row)"))
@@ -265,11 +247,22 @@ def _module_plan(
     has_bias = module._parameters.get("bias") is not None
     out_axis = 1 if is_conv1d(module) else 0
     if isinstance(module, nn.Embedding):
-        return _Plan(path, Role("vocab" if axis == 0 else "embed_dim", mesh_axis, packed), (("weight", w),))
+        return _Plan(path, (VocabEmbed if axis == 0 else EmbedDim)(mesh_axis, packed), (("weight", w),))
     column = axis == out_axis
     bias = _layout(sch, packed_shard(0, packed), mesh_axis) if column else _layout(sch, Replicate(), mesh_axis)
     params = (("weight", w), ("bias", bias)) if has_bias else (("weight", w),)
-    return _Plan(path, Role("column" if column else "row", mesh_axis, packed), params)
+    return _Plan(path, (Column if column else Row)(mesh_axis, packed), params)
+
+
+def _split_features(module: nn.Module, role: Role | None) -> tuple[int, int] | None:
+    """The weight dimension a column's outputs or a row's inputs split (attention's heads,
+    where its parent has them) and its packing; ``None`` for other roles."""
+    conv = is_conv1d(module)
+    if isinstance(role, Column):
+        return (1 if conv else 0), role.packed
+    if isinstance(role, Row):
+        return (0 if conv else 1), 1
+    return None
 
 
 def _check_arguments(axis: object, mesh_axis: object, packed: object, layout: object) -> None:
@@ -438,13 +431,11 @@ size 4 of mesh axis 'tp'
             param = module._parameters[name]
             assert param is not None
             _check_param(sch, join(path, name), tuple(param.shape), lay, packed, problems)
-        if plan.role is not None and plan.role.kind in ("column", "row"):
+        features = _split_features(module, plan.role)
+        if features is not None:
             w = module._parameters["weight"]
             assert w is not None
-            feat = (1 if is_conv1d(module) else 0) if plan.role.kind == "column" else (0 if is_conv1d(module) else 1)
-            h = _heads_problem(
-                sch.module, path, w.shape[feat], packed if plan.role.kind == "column" else 1, size, mesh_axis
-            )
+            h = _heads_problem(sch.module, path, w.shape[features[0]], features[1], size, mesh_axis)
             if h is not None:
                 problems.append(h)
         existing = sch.annotations.get(path, ROLE)
@@ -460,7 +451,7 @@ size 4 of mesh axis 'tp'
         if plan.role is not None:
             sch = sch.annotate_path(plan.module, ROLE, plan.role)
         elif sch.annotations.get(plan.module, ROLE) is None:
-            sch = sch.annotate_path(plan.module, ROLE, Role("param", mesh_axis))
+            sch = sch.annotate_path(plan.module, ROLE, Gathered(mesh_axis))
         for name, lay in plan.params:
             sch = sch.annotate_path(join(plan.module, name), LAYOUT, lay)
     return sch

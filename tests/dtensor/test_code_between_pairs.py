@@ -3,11 +3,13 @@
 A Megatron pair keeps the column's output as this rank's features, so the parent's code
 between the two runs on a share of them. That is right for code acting on each feature
 alone (activations, gates, scaling) and for code taking the features apart into heads;
-it is silently wrong for anything over the features: a norm, a mean, a softmax, a max,
-a flip, a concatenation of two columns. Such a plan is refused at build, naming the op,
-and the refusal's own fix (the column's output gathered) runs equal. Head views whose
-fixed sizes count the whole output's heads (``unflatten(-1, (self.h, -1))``) are refused
-the same way unless build makes the count local (``num_heads`` beside ``head_dim``)."""
+it would be silently wrong for anything over the features: a norm, a mean, a softmax, a
+max, a flip, a concatenation of two columns. The plan cannot prove such code right on
+local shards, so the model runs on DTensor activations (PyTorch's sharding propagation
+gathers what the op needs), equal, and the plan's reason names the op; the reason's fix
+(the column's output gathered) runs equal on local shards. Head views whose fixed sizes
+count the whole output's heads (``unflatten(-1, (self.h, -1))``) go the same way unless
+build makes the count local (``num_heads`` beside ``head_dim``)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from dist import mesh
 from torch import nn
 from torch.distributed.tensor import Replicate
 from tp_checks import parity
@@ -181,10 +184,14 @@ def _outcome(rank: int, world: int, name: str, fixed: bool) -> str:
     torch.manual_seed(0)
     make, plan, _ = CASES[name]
     x = torch.randn(*((4,) if name in FLAT else (2, 6)), D, generator=torch.Generator().manual_seed(3))
+    rewrite = _gathered(name) if fixed else plan
     try:
-        parity(make(), _gathered(name) if fixed else plan, (x,), shape=(world,), loss=_loss, tracker=False)
+        r = parity(make(), rewrite, (x,), shape=(world,), loss=_loss, tracker=False)
     except sf.LayoutError as e:
         return f"refused: {e}"
+    if r["on_dtensors"]:
+        why = sf.dtensor.plan(rewrite(sf.create_schedule(make(), mesh=mesh((world,), ("tp",))))).on_dtensors
+        return "equal on DTensors: " + " | ".join(str(p) for p in why)
     return "equal"
 
 
@@ -199,10 +206,10 @@ def test_code_between_a_pair_is_equal_or_refused_naming_the_op(dist2: Any, name:
         assert got[0].startswith("refused: tensor parallel forward:"), got[0]
         assert op.removeprefix("forward: ") in got[0] and "(batch, sequence, features)" in got[0], got[0]
     else:
-        assert got[0].startswith("refused: build:"), got[0]  # before running, not at the first forward
+        assert got[0].startswith("equal on DTensors: "), got[0]  # decided at build, before running
         assert op in got[0], got[0]
 
 
 @pytest.mark.parametrize("name", [n for n, case in CASES.items() if case[2] is not None])
-def test_the_refusals_fix_runs_equal(dist2: Any, name: str) -> None:
+def test_the_reasons_fix_runs_equal_on_local_shards(dist2: Any, name: str) -> None:
     assert dist2.run(_outcome, name, True, timeout=120) == ["equal", "equal"]

@@ -250,8 +250,8 @@ def test_an_output_sliced_at_fixed_positions() -> None:
     fl = flow(Sliced())
     assert fl is not None and fl.apart == {"qkv": Apart("slices", 3)}
     sch = sf.shard(sf.shard(sf.create_schedule(Sliced(), mesh=fake_mesh(2)), "qkv", axis=0), "out", axis=1)
-    with pytest.raises(sf.LayoutError, match="3 slices at fixed feature positions"):
-        sf.build(sch)
+    # this rank's share holds other features than the slices take: not on local shards
+    assert any("3 slices at fixed feature positions" in p.reason for p in sf.dtensor.plan(sch).on_dtensors)
 
 
 def test_tracing_leaves_the_module_as_it_was_and_a_changed_attribute_traces_again() -> None:

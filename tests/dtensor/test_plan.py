@@ -18,7 +18,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 import slapo_fn as sf
 from slapo_fn.dtensor.boundary import Boundary, Plan, implicit, plan
 from slapo_fn.dtensor.layout import Layout, describe, from_spec, packed_shard, shard_axes
-from slapo_fn.dtensor.shard import LAYOUT, Role
+from slapo_fn.dtensor.roles import Column, EmbedDim, Gathered, Row, VocabEmbed
+from slapo_fn.dtensor.shard import LAYOUT
 from slapo_fn.dtensor.sync import collective_of
 from slapo_fn.dtensor.testing import fake_mesh
 
@@ -71,8 +72,8 @@ def test_column_then_row_is_a_megatron_pair_one_all_reduce_each_way() -> None:
     assert leave == Boundary("2", "output", "P", "R", "tp", ("all_reduce",), (), True, "output")
     assert p.counts() == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}
     assert set(p.modules) == {"0", "2"}  # GELU in between needs nothing
-    assert p.modules["0"].role == Role("column", "tp") and p.modules["0"].partnered
-    assert p.modules["2"].role == Role("row", "tp") and p.modules["2"].partnered
+    assert p.modules["0"].role == Column("tp") and p.modules["0"].partnered
+    assert p.modules["2"].role == Row("tp") and p.modules["2"].partnered
     assert implicit(p) == []  # the pair's contract states every boundary
 
 
@@ -170,14 +171,14 @@ def test_a_vocab_parallel_embedding_all_reduces_its_partial_output() -> None:
     p = plan(sf.shard(schedule(nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8))), "0", axis=0))
     # token ids have no gradient: no input boundary at all
     assert listing(p) == ["0 output: P→R@tp  fwd: all_reduce  bwd: -"]
-    assert p.modules["0"].role == Role("vocab", "tp")
+    assert p.modules["0"].role == VocabEmbed("tp")
     assert p.counts() == {"forward": {"all_reduce": 1}, "backward": {}}
 
 
 def test_an_embedding_sharded_on_its_feature_axis_all_gathers_its_output() -> None:
     p = plan(sf.shard(schedule(nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8))), "0", axis=1))
     assert listing(p) == ["0 output: S(-1)→R@tp  fwd: all_gather  bwd: -  (implicit)"]
-    assert p.modules["0"].role == Role("embed_dim", "tp")
+    assert p.modules["0"].role == EmbedDim("tp")
     assert p.counts() == {"forward": {"all_gather": 1}, "backward": {}}
 
 
@@ -197,7 +198,7 @@ def test_a_vocab_parallel_head_kept_sharded_reduce_scatters() -> None:
 def test_a_packed_column_plans_like_a_column_with_its_packing_in_the_role() -> None:
     sch = sf.shard(schedule(nn.Sequential(nn.Linear(8, 24))), "0", axis=0, packed=3)
     p = plan(sch)
-    assert p.modules["0"].role == Role("column", "tp", packed=3)
+    assert p.modules["0"].role == Column("tp", packed=3)
     assert str(p.modules["0"].role) == "column@tp×3"
     assert [(b.path, b.side, b.forward, b.backward) for b in p.boundaries] == [
         ("0", "input", (), ("all_reduce",)),
@@ -217,7 +218,7 @@ def test_a_packed_column_paired_with_a_row_keeps_its_heads_local() -> None:
         f"{attn}.c_attn input: R→R@tp  fwd: -  bwd: all_reduce",
         f"{attn}.c_proj output: P→R@tp  fwd: all_reduce  bwd: -",
     ]
-    assert p.modules[f"{attn}.c_attn"].role == Role("column", "tp", packed=3)
+    assert p.modules[f"{attn}.c_attn"].role == Column("tp", packed=3)
 
 
 def test_a_lone_packed_column_output_boundary_names_its_packed_layout() -> None:
@@ -389,7 +390,7 @@ def test_sync_of_a_module_on_a_gathered_parameter() -> None:
         "0 param weight: (tp=S(0)×2)→R@tp  fwd: all_gather  bwd: -  (implicit)",
         "0 output: P→R@tp  fwd: all_reduce  bwd: -",
     ]
-    assert p.boundaries[0].tensor == "param:weight" and p.modules["0"].role == Role("param", "tp")
+    assert p.boundaries[0].tensor == "param:weight" and p.modules["0"].role == Gathered("tp")
     (problem,) = implicit(p)
     assert "as a whole" in problem.fix
 
@@ -454,7 +455,7 @@ def test_on_a_2d_mesh_a_column_and_a_row_on_different_axes_are_no_pair() -> None
 def test_on_a_2d_mesh_a_weight_sharded_over_both_axes_is_gathered_twice() -> None:
     sch = sf.shard(schedule(mlp(), 2, 2), "0", layout=("dp", "tp"))
     p = plan(sch)
-    assert p.modules["0"].role == Role("param", "tp")
+    assert p.modules["0"].role == Gathered("tp")
     assert listing(p) == ["0 param weight: (dp=S(0), tp=S(1))→R@tp  fwd: all_gather, all_gather  bwd: -  (implicit)"]
 
 

@@ -77,7 +77,15 @@ def schedule(model: nn.Module) -> sf.Schedule:
 
 
 def refused(sch: sf.Schedule) -> list[tuple[str, str]]:
+    """The statements the plan's layouts contradict: build refuses them."""
     return [(p.path, p.reason) for p in refusals(sch, plan(sch))]
+
+
+def off_local(sch: sf.Schedule) -> list[tuple[str, str]]:
+    """What keeps the model off local shards: a contradiction (refused), or code the plan
+    cannot prove right on them (the model then runs on DTensor activations)."""
+    p = plan(sch)
+    return [(q.path, q.reason) for q in (*refusals(sch, p), *p.on_dtensors)]
 
 
 @pytest.mark.parametrize("src", [Partial(), Shard(1), Shard(-1)])
@@ -150,26 +158,26 @@ def test_a_sharded_modules_output_is_converted_once_from_its_own_layout() -> Non
     assert refused(sf.sync(row, "0.fc2", "fwd_post", Shard(1), src=Partial())) == []
 
 
-def test_a_row_split_by_features_before_a_residual_add_is_refused() -> None:
+def test_a_row_split_by_features_before_a_residual_add_is_off_local() -> None:
     row = sf.shard(schedule(nn.Sequential(Branches())), "0.a", axis=1)
-    problems = refused(sf.sync(row, "0.a", "fwd_post", Shard(-1)))
+    problems = off_local(sf.sync(row, "0.a", "fwd_post", Shard(-1)))
     assert [p for p, _ in problems] == ["0.a"] and "combined with other values" in problems[0][1]
 
 
-def test_half_of_a_pair_gathered_is_refused() -> None:
+def test_half_of_a_pair_gathered_is_off_local() -> None:
     sch = sf.shard(schedule(nn.Sequential(Gated())), "0.gate", axis=0)
     sch = sf.shard(sf.shard(sch, "0.up", axis=0), "0.down", axis=1)
-    ((path, reason),) = refused(sf.sync(sch, "0.gate", "fwd_post", Replicate()))
+    ((path, reason),) = off_local(sf.sync(sch, "0.gate", "fwd_post", Replicate()))
     assert path == "0.down" and "'0.gate', which a fwd_post sync gathers" in reason and "'0.up'" in reason
 
 
-def test_a_gather_inside_a_chain_is_refused_but_its_exit_is_not() -> None:
+def test_a_gather_inside_a_chain_runs_on_dtensors_but_its_exit_does_not() -> None:
     sch = sf.shard(schedule(nn.Sequential(Gated(), nn.LayerNorm(8))), "0.gate", axis=0)
     sch = sf.sequence_parallel(sf.shard(sf.shard(sch, "0.up", axis=0), "0.down", axis=1), ["0", "1"])
-    ((path, reason),) = refused(sf.sync(sch, "0.gate", "fwd_pre", Replicate(), src=Shard(1)))
+    ((path, reason),) = off_local(sf.sync(sch, "0.gate", "fwd_pre", Replicate(), src=Shard(1)))
     assert path == "0.gate" and "gathers the sequence for this module alone" in reason
-    assert [p for p, _ in refused(sf.sync(sch, "0", "fwd_post", Replicate()))] == ["0"]
-    assert refused(sf.sync(sch, "1", "fwd_post", Replicate())) == []  # the chain's exit
+    assert [p for p, _ in off_local(sf.sync(sch, "0", "fwd_post", Replicate()))] == ["0"]
+    assert off_local(sf.sync(sch, "1", "fwd_post", Replicate())) == []  # the chain's exit
 
 
 def test_a_pair_whose_activation_a_sync_gathers_counts_the_rows_local_split() -> None:
@@ -232,13 +240,14 @@ def test_a_wrong_src_inside_a_module_lists_layers_is_refused() -> None:
     assert path == "model.norm"
 
 
-def test_an_attention_with_head_counts_build_cannot_adjust_is_refused_before_running() -> None:
+def test_an_attention_with_head_counts_build_cannot_adjust_runs_on_dtensors() -> None:
     """Falcon-7B's multi-query attention: its fused ``query_key_value`` holds ``num_heads``
     query heads, then one key and one value head (``view(B, S, num_heads + 2, head_dim)``),
     so no head count build could make this rank's counts its features: its ``reshape(batch,
-    self.num_heads, ...)`` would meet this rank's share. Refused before running, naming the
-    column and the attention. Falcon's other layouts ([q|k|v] per head, [q q|k|v] per kv
-    head) are whole groups of heads on each rank, whose counts build makes this rank's."""
+    self.num_heads, ...)`` would meet this rank's share. The plan cannot keep it on local
+    shards, naming the column and the attention; the model runs on DTensor activations.
+    Falcon's other layouts ([q|k|v] per head, [q q|k|v] per kv head) are whole groups of
+    heads on each rank, whose counts build makes this rank's."""
     from transformers import FalconConfig, FalconForCausalLM
 
     def falcon(**arch: Any) -> sf.Schedule:
@@ -251,19 +260,19 @@ def test_an_attention_with_head_counts_build_cannot_adjust_is_refused_before_run
                         "transformer.h.0.self_attention.dense", axis=1)
 
     base = falcon(multi_query=True, new_decoder_architecture=False)
-    ((path, reason),) = refused(sharded(base))
+    ((path, reason),) = off_local(sharded(base))
     assert path == "transformer.h.0.self_attention.query_key_value"
     assert "'transformer.h.0.self_attention' counts heads in num_heads" in reason
     # its output gathered, the attention sees the whole features: accepted
     gathered = sf.sync(sf.shard(base, "transformer.h.0.self_attention.query_key_value", axis=0),
                        "transformer.h.0.self_attention.query_key_value", "fwd_post", Replicate())
-    assert refused(gathered) == []
+    assert off_local(gathered) == []
     # the MLP beside it (no heads) is sharded as usual
     mlp = sf.shard(sf.shard(base, "transformer.h.0.mlp.dense_h_to_4h", axis=0), "transformer.h.0.mlp.dense_4h_to_h",
                    axis=1)
-    assert refused(mlp) == []
-    assert refused(sharded(falcon(num_kv_heads=2, new_decoder_architecture=True))) == []
-    assert refused(sharded(falcon(multi_query=False, new_decoder_architecture=False))) == []
+    assert off_local(mlp) == []
+    assert off_local(sharded(falcon(num_kv_heads=2, new_decoder_architecture=True))) == []
+    assert off_local(sharded(falcon(multi_query=False, new_decoder_architecture=False))) == []
 
 
 def test_a_sync_or_chain_on_a_module_list_is_refused_when_stated() -> None:
@@ -343,24 +352,24 @@ def test_a_partial_src_where_the_flow_is_unknown_needs_a_module_that_could_sum_s
 
     stack = sf.foreach("layers.*", sf.shard.at("fc1", axis=0) >> sf.shard.at("fc2", axis=1))(
         schedule(UntracedStack()))
-    assert refused(stack) == []
-    ((path, reason),) = refused(sf.sync(stack, "layers.0", "fwd_post", Replicate(), src=Partial()))
+    assert off_local(stack) == []
+    ((path, reason),) = off_local(sf.sync(stack, "layers.0", "fwd_post", Replicate(), src=Partial()))
     assert path == "layers.0" and "nothing in the schedule makes Partial() there" in reason
-    assert refused(sf.sync(stack, "layers.0.fc2", "fwd_post", Replicate(), src=Partial())) == []  # a row's own
+    assert off_local(sf.sync(stack, "layers.0.fc2", "fwd_post", Replicate(), src=Partial())) == []  # a row's own
     # paired by module order (fx cannot trace the parent): refused whatever the src
     pair = sf.shard(sf.shard(schedule(nn.Sequential(UntracedPair(), nn.Linear(8, 8))), "0.fc1", axis=0),
                     "0.fc2", axis=1)
-    assert [p for p, _ in refused(pair)] == ["0"]
+    assert [p for p, _ in off_local(pair)] == ["0"]
 
     opt = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
                                    num_attention_heads=4, max_position_embeddings=32, use_cache=False))
     megatron = _megatron("model.decoder.layers.*", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                     "self_attn.out_proj", "fc1", "fc2"), ("self_attn.out_proj", "fc2"))
     sch = megatron(schedule(opt))
-    assert refused(sch) == []
+    assert off_local(sch) == []
     for layer in ("model.decoder.layers.0", "model.decoder.layers.1.self_attn"):
-        assert [p for p, _ in refused(sf.sync(sch, layer, "fwd_post", Replicate(), src=Partial()))] == [layer]
-    assert refused(sf.sync(sch, "model.decoder.layers.0.fc2", "fwd_post", Replicate(), src=Partial())) == []
+        assert [p for p, _ in off_local(sf.sync(sch, layer, "fwd_post", Replicate(), src=Partial()))] == [layer]
+    assert off_local(sf.sync(sch, "model.decoder.layers.0.fc2", "fwd_post", Replicate(), src=Partial())) == []
 
 
 class UntracedPair(nn.Module):
@@ -464,16 +473,16 @@ class UntracedLayer(nn.Module):
         return x + self.mlp(x)
 
 
-def test_a_pair_matched_by_module_order_alone_is_refused_until_its_columns_gather() -> None:
+def test_a_pair_matched_by_module_order_alone_runs_on_dtensors_until_its_columns_gather() -> None:
     """An attention fx cannot trace pairs its q/k/v and out by module order alone, and
     what its code does with this rank's features between them is unknown (a view by a
     head count slapo_fn does not know would take them for whole heads). It used to be
-    trusted, and so was a ``src=Partial()`` on it. Refused, naming the attention and the
-    syncs that gather its columns; with those, accepted, and a ``src=Partial()`` nothing
-    makes is refused anywhere."""
+    trusted, and so was a ``src=Partial()`` on it. The model runs on DTensor activations,
+    the plan naming the attention and the syncs that gather its columns; with those, on
+    local shards, and a ``src=Partial()`` nothing makes is refused anywhere."""
     sch = _megatron("*", ("attn.q", "attn.k", "attn.v", "attn.out", "mlp.fc1", "mlp.fc2"),
                     ("attn.out", "mlp.fc2"))(schedule(nn.Sequential(UntracedLayer(), UntracedLayer())))
-    problems = refusals(sch, plan(sch))
+    problems = plan(sch).on_dtensors
     assert [p.path for p in problems] == ["0.attn", "1.attn"]
     assert "fx cannot trace its forward" in problems[0].reason and "'0.attn.q', '0.attn.k', '0.attn.v'" in (
         problems[0].reason)
@@ -482,9 +491,9 @@ def test_a_pair_matched_by_module_order_alone_is_refused_until_its_columns_gathe
     for layer in ("0", "1"):
         for col in ("q", "k", "v"):
             gathered = sf.sync(gathered, f"{layer}.attn.{col}", "fwd_post", Replicate())
-    assert refused(gathered) == []
+    assert off_local(gathered) == []
     for module in ("1", "1.attn", "1.mlp"):
-        ((path, reason),) = refused(sf.sync(gathered, module, "fwd_post", Replicate(), src=Partial()))
+        ((path, reason),) = off_local(sf.sync(gathered, module, "fwd_post", Replicate(), src=Partial()))
         assert path == module and "nothing in the schedule makes Partial() there" in reason
 
 

@@ -1,0 +1,284 @@
+"""DTensor regions: code whose layouts the plan cannot prove runs on DTensor activations.
+
+Between sharded modules, slapo_fn keeps activations as local tensors with a layout the
+plan knows (Megatron style: the collectives are the plan's, at module boundaries). Where
+the plan cannot prove that code between modules is right on local shards (a split by a
+full size, a tied parameter sharded on one side, a column in a chain that no row reads),
+that code runs on DTensor activations instead, and PyTorch's own sharding propagation
+decides each op's layout and redistributes where it must. A region is entered with the
+layouts the plan knows (usually ``Replicate``) and left the same way.
+
+Inside a region:
+
+* every parameter is the DTensor the build made it (no local values swapped in);
+* a sharded module runs its role's local forward on the local shards of its input,
+  redistributed to what the role takes (:meth:`Role.takes`), and hands on a DTensor of
+  what it gives (:meth:`Role.gives`), then converted to the layout a ``fwd_post`` sync or
+  a sequence-parallel chain states, as PyTorch's ``ParallelStyle`` does with
+  ``use_local_output=False``;
+* plain tensors the model makes (masks, rotary tables) count as replicated, and an op
+  DTensor cannot shard runs on whole values (:class:`OnDTensors`); CPU attention has the
+  rules PyTorch gives CUDA's (:mod:`.rules`);
+* a replicated parameter whose gradient DTensor leaves ``Partial`` (a norm on sequence
+  shards) has it all-reduced as it is made, so every gradient has its parameter's
+  placement and an optimizer step needs no collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from . import rules  # noqa: F401  (CPU attention's sharding rules, registered on import)
+from .collectives import gather, unpack
+from .roles import Role
+
+__all__ = ["Activations", "OnDTensors", "region"]
+
+
+class Activations:
+    """How activations are DTensors in one build: the mesh and mesh-dimension names of the
+    parameters (:func:`.plan.param_dims`), placements written per mesh-axis name."""
+
+    def __init__(self, mesh: Any, dims: tuple[str, ...]) -> None:
+        self.mesh, self.dims = mesh, dims
+
+    def placements(self, **by_axis: Placement) -> tuple[Placement, ...]:
+        """Placements over the activation mesh, ``Replicate`` on the axes not named."""
+        return tuple(by_axis.get(d, Replicate()) for d in self.dims)
+
+    def replicated(self) -> tuple[Placement, ...]:
+        return self.placements()
+
+    def to_dtensor(self, x: Any, placements: tuple[Placement, ...] | None = None) -> Any:
+        """``x`` as a DTensor: a DTensor is redistributed to ``placements`` (kept as it is
+        where none are given), a plain tensor taken as holding them (``Replicate``)."""
+        if isinstance(x, DTensor):
+            return x if placements is None or tuple(x.placements) == placements else x.redistribute(
+                x.device_mesh, placements)
+        if not isinstance(x, torch.Tensor):
+            return x
+        return DTensor.from_local(x, self.mesh, placements or self.replicated(), run_check=False)
+
+    def to_local(self, x: Any, placements: tuple[Placement, ...] | None = None) -> Any:
+        """``x`` as a local tensor of ``placements`` (``Replicate`` where none are given)."""
+        if not isinstance(x, DTensor):
+            return x
+        want = placements or self.replicated()
+        if tuple(x.placements) != want:
+            x = x.redistribute(x.device_mesh, want)
+        return x.to_local()
+
+    def locals_of(self, value: Any) -> Any:
+        """``value`` with every DTensor in it a whole (replicated) local tensor."""
+        return pytree.tree_map(lambda v: self.to_local(v) if isinstance(v, DTensor) else v, value)
+
+
+def _tree(fn: Callable[[Any], Any], value: Any) -> Any:
+    """``fn`` on every tensor in ``value`` (tuples, lists, dicts and Hugging Face's
+    ``ModelOutput``, which keeps its type)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, Mapping) and hasattr(value, "to_tuple"):  # a ModelOutput: keep its type
+        return type(value)(**{k: _tree(fn, v) for k, v in value.items()})
+    return pytree.tree_map(lambda v: fn(v) if isinstance(v, torch.Tensor) else v, value)
+
+
+def region(acts: Activations, forward: Callable[..., Any], leaving: Mapping[str, Placement]) -> Callable[..., Any]:
+    """``forward`` (the root's) run on DTensor activations: the plain tensors it is handed
+    count as replicated where an op first meets them with a DTensor (:class:`OnDTensors`),
+    and each tensor it returns leaves as a local tensor, whole on every mesh axis but
+    those ``leaving`` states a layout for (a sync keeping the model's output split)."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, DTensor):
+            return t
+        places = tuple(p if p == normalized(leaving.get(d, Replicate()), t.dim()) else Replicate()
+                       for d, p in zip(acts.dims, t.placements, strict=True))
+        return acts.to_local(t, places)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with OnDTensors():
+            out = forward(*args, **kwargs)
+        return _tree(local, out)
+
+    return run
+
+
+class OnDTensors(TorchFunctionMode):
+    """What a region's code needs of DTensor beyond its own dispatch:
+
+    * a plain tensor meeting a DTensor in an op (a mask, a rotary table, token ids the
+      model made) becomes a replicated DTensor first, so that autograd saves DTensors and
+      the backward, which runs outside the region, never mixes the two;
+    * an op that DTensor cannot shard (a view into sizes the shards do not divide,
+      ``(3, heads, head_dim)`` out of a split ``3*width``; an op with no sharding rule) runs
+      on the whole values, gathered first (:func:`_on_whole_values`): computed where
+      DTensor alone would refuse it.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        ref = next((a for a in flat if isinstance(a, DTensor)), None)
+        if ref is None:
+            return func(*args, **kwargs)
+        if any(type(a) is torch.Tensor or (isinstance(a, nn.Parameter) and not isinstance(a, DTensor)) for a in flat):
+            mesh = ref.device_mesh
+            flat = [DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim, run_check=False)
+                    if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in flat]
+            args, kwargs = pytree.tree_unflatten(flat, spec)
+        try:
+            out = func(*args, **kwargs)
+        except Exception:  # no rule for it, or none for its shards: the op itself on whole values
+            if any(isinstance(a, DTensor) and is_fake(a._local_tensor) for a in flat):
+                raise  # a fake run (explain's count) fails where it cannot follow the real one
+            return _on_whole_values(func, args, kwargs)
+        if any(isinstance(p, Partial) and p.reduce_op != "sum" for t in pytree.tree_leaves(out)
+               if isinstance(t, DTensor) for p in t.placements):
+            # a mean or max over a split dimension: DTensor cannot take its gradient back from the
+            # sums the rest of backward hands it, so it is taken on whole values
+            return _on_whole_values(func, args, kwargs)
+        return pytree.tree_map(_settled, out)
+
+
+def _settled(x: Any) -> Any:
+    """A DTensor an op left split in strides (``_StridedShard``: the batch and a split
+    sequence merged into one dimension) made whole along that dimension: DTensor's rules
+    for ops over such a dimension are not all right for it (a cumulative sum over the
+    merged rows came out wrong), so none is run on one."""
+    if not isinstance(x, DTensor) or not any(isinstance(p, _StridedShard) for p in x.placements):
+        return x
+    places = [Replicate() if isinstance(p, _StridedShard) else p for p in x.placements]
+    return x.redistribute(x.device_mesh, places)
+
+
+def _on_whole_values(func: Any, args: Any, kwargs: Any) -> Any:
+    """``func`` on the whole values of its DTensor arguments, run as the single-process op
+    on every rank (its results replicated DTensors): where DTensor has no sharding rule
+    for an op or cannot express its result on the shards (a view into sizes the shards do
+    not divide; ``torch._grouped_mm`` on CPU), the op is still computed, at the cost of
+    gathering its operands. An op that fails on whole values fails as it would unsharded."""
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    mesh = next(a for a in flat if isinstance(a, DTensor)).device_mesh
+    whole = [Replicate()] * mesh.ndim
+    local = [a.redistribute(mesh, whole).to_local() if isinstance(a, DTensor) else a for a in flat]
+    largs, lkwargs = pytree.tree_unflatten(local, spec)
+    out = func(*largs, **lkwargs)
+    return pytree.tree_map(lambda t: DTensor.from_local(t, mesh, whole, run_check=False)
+                           if isinstance(t, torch.Tensor) else t, out)
+
+
+def reduce_partial_grads(module: nn.Module) -> list[Any]:
+    """Hooks on every replicated DTensor parameter of ``module`` that all-reduce a
+    ``Partial`` gradient as it is made (a parameter used on activation shards), so that
+    each gradient has its parameter's placement. Returns the hook handles."""
+    handles = []
+    seen: set[int] = set()
+    for p in module.parameters():
+        if id(p) in seen or not isinstance(p, DTensor) or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        if any(isinstance(pl, Shard) for pl in p.placements):
+            continue
+        placements = tuple(p.placements)
+
+        def hook(g: torch.Tensor, placements: tuple[Placement, ...] = placements) -> torch.Tensor:
+            if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
+                return g.redistribute(g.device_mesh, placements)
+            return g
+
+        handles.append(p.register_hook(hook))
+    return handles
+
+
+def normalized(p: Placement, ndim: int) -> Placement:
+    """``p`` with a negative shard dimension counted from the front of ``ndim`` dimensions."""
+    return Shard(p.dim % ndim) if isinstance(p, Shard) and not isinstance(p, _StridedShard) else p
+
+
+def relayout(acts: Activations, x: torch.Tensor, axis: str, layout: Placement) -> DTensor:
+    """A DTensor activation moved to ``layout`` over mesh axis ``axis`` (the other axes kept)."""
+    dt: DTensor = acts.to_dtensor(x)
+    places = list(dt.placements)
+    places[acts.dims.index(axis)] = normalized(layout, dt.dim())
+    return dt if tuple(places) == tuple(dt.placements) else dt.redistribute(dt.device_mesh, places)
+
+
+def role_on_dtensors(acts: Activations, m: nn.Module, role: Role, out: Placement | None) -> Callable[..., Any]:
+    """A sharded module's forward inside a region, as PyTorch's parallel styles run with
+    ``use_local_output=False``: its input moved to what its role takes and made local
+    (the layout of its local gradient declared), the role's local forward on the shards,
+    the result a DTensor of what the role gives, moved to ``out`` where that is stated (a
+    ``fwd_post`` sync, a sequence-parallel chain's shard). A partial sum is never handed
+    on (made whole, then the bias the role left out is added), and a packed column's
+    output is put back whole in its module's own order (DTensor's ops would take its
+    strided shards for plain ones)."""
+    axis = role.mesh_axis
+    i = acts.dims.index(axis)
+    rank, size = acts.mesh.get_local_rank(i), acts.mesh.size(i)
+
+    def forward(x: torch.Tensor) -> Any:
+        dt: DTensor = acts.to_dtensor(x)
+        takes = role.takes(dt.dim())
+        if takes is None:  # token ids: whole on every rank, with no gradient
+            local, base = acts.to_local(dt), list(acts.replicated())
+        else:
+            dt = relayout(acts, dt, axis, takes)
+            base = list(dt.placements)
+            grad = [*base[:i], role.input_grad(dt.dim()), *base[i + 1:]]
+            local = dt.to_local(grad_placements=grad)
+        y = role.local_forward(m, local, rank)
+        gives = role.gives(y.dim())
+        if isinstance(gives, _StridedShard):
+            y, gives = unpack(gather(y, -1, (acts.mesh, i)), role.packed, size), Replicate()
+        places = [Replicate() if isinstance(p, Shard) and p.dim >= y.dim() else p for p in base]
+        places[i] = gives
+        result: torch.Tensor = DTensor.from_local(y, acts.mesh, places, run_check=False)
+        to = Replicate() if out is None and isinstance(gives, Partial) else out
+        if to is not None:
+            result = relayout(acts, result, axis, to)
+        bias = role.bias_after(m)
+        return result if bias is None else result + bias
+
+    return forward
+
+
+def island(acts: Activations, m: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+    """The forward of a module inside a region that holds no sharded parameter: where every
+    DTensor it is handed is replicated, it runs as the single-process module on the local
+    values (its parameters' local values swapped in), and its results are replicated
+    DTensors, as DTensor itself would compute them but with no op dispatched through it
+    (a router's ``torch._grouped_mm``, which DTensor cannot propagate on CPU, runs too);
+    handed a split or partial value, it runs on DTensors."""
+    params = {n: p for n, p in m.named_parameters() if isinstance(p, DTensor)}
+    if any(not all(isinstance(pl, Replicate) for pl in p.placements) for p in params.values()):
+        return forward  # a sharded parameter (one side of a tie): DTensor computes with it
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        flat = pytree.tree_leaves((args, kwargs))
+        if not all(not isinstance(a, DTensor) or all(isinstance(p, Replicate) for p in a.placements) for a in flat):
+            return forward(*args, **kwargs)
+        args, kwargs = pytree.tree_map(lambda a: a.to_local() if isinstance(a, DTensor) else a, (args, kwargs))
+        values = {n: _parameter(m, n).to_local() for n in params}
+        with _reparametrize_module(m, values):  # type: ignore[arg-type]
+            out = forward(*args, **kwargs)
+        return _tree(acts.to_dtensor, out)
+
+    return run
+
+
+def _parameter(m: nn.Module, name: str) -> DTensor:
+    """``m``'s parameter ``name`` as it is now (an FSDP2 block swaps its own in its forward)."""
+    p = m.get_parameter(name)
+    assert isinstance(p, DTensor)
+    return p

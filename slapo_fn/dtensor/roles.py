@@ -1,0 +1,202 @@
+"""Roles: how a sharded module computes, as small frozen values in the shape of PyTorch's
+``ParallelStyle``.
+
+A role owns, over its mesh axis, what its module takes (the layout its input must have,
+and the layout of the local gradient of that input), what it gives (its output's layout
+before any resharding), and its local forward: the module's computation on the local
+shards of its input and parameters, with no collective. The planner, the runtime on
+local shards and the DTensor regions ask a role these questions; none of them branches
+on which role it is.
+
+============  ===============  ======================  ===============================
+role          takes (input)    its input's local grad  gives (output)
+============  ===============  ======================  ===============================
+``Column``    ``Replicate``    ``Partial``             ``Shard(-1)`` (features)
+``Row``       ``Shard(-1)``    ``Shard(-1)``           ``Partial`` (bias added after)
+``VocabEmbed``  token ids      —                       ``Partial`` (rows outside: 0)
+``EmbedDim``  token ids        —                       ``Shard(-1)``
+``Gathered``  as it comes      as it comes             as it computes (parameters gathered)
+============  ===============  ======================  ===============================
+
+Example:
+    >>> import torch, torch.nn as nn
+    >>> role = Column("tp")
+    >>> print(role)
+    column@tp
+    >>> role.takes(3), role.input_grad(3), role.gives(3)
+    (Replicate(), Partial(sum), Shard(dim=2))
+    >>> lin = nn.Linear(4, 6)
+    >>> role.local_forward(lin, torch.ones(2, 4), rank=0).shape  # its own weight here: 6 features
+    torch.Size([2, 6])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from ..hf import is_conv1d
+
+__all__ = ["Column", "EmbedDim", "Gathered", "Role", "Row", "VocabEmbed", "local_value"]
+
+
+def local_value(p: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's shard of a parameter (a plain tensor is its own)."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+@dataclass(frozen=True)
+class Role:
+    """How a sharded module computes over ``mesh_axis`` (``packed``: the number of fused
+    chunks each sharded separately, GPT-2's [Q|K|V] is 3)."""
+
+    mesh_axis: str
+    packed: int = 1
+    #: How ``print(sch)`` names it (``column@tp``).
+    name: ClassVar[str] = ""
+    #: Whether the module's own forward runs, on its parameters gathered (``Gathered``),
+    #: instead of :meth:`local_forward`.
+    own_forward: ClassVar[bool] = False
+
+    @property
+    def kind(self) -> str:
+        return self.name
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.mesh_axis}" + (f"×{self.packed}" if self.packed > 1 else "")
+
+    def takes(self, ndim: int) -> Placement | None:
+        """The layout its input must have over :attr:`mesh_axis`; ``None`` for token ids
+        (whole on every rank, with no gradient)."""
+        return Replicate()
+
+    def input_grad(self, ndim: int) -> Placement:
+        """The layout of the gradient :meth:`local_forward` makes for its local input."""
+        return Replicate()
+
+    def gives(self, ndim: int) -> Placement:
+        """The layout of what :meth:`local_forward` returns."""
+        return Replicate()
+
+    def local_forward(self, module: nn.Module, x: torch.Tensor, rank: int) -> torch.Tensor:
+        """The module's computation on this rank's shards (``rank`` on :attr:`mesh_axis`),
+        with no collective."""
+        raise NotImplementedError(f"{self} runs its module's own forward")
+
+    def bias_after(self, module: nn.Module) -> torch.Tensor | None:
+        """A bias :meth:`local_forward` leaves out, to be added once to the summed output."""
+        return None
+
+
+def _linear(module: nn.Module, x: torch.Tensor, bias: bool) -> torch.Tensor:
+    w = local_value(module.weight)  # type: ignore[arg-type]
+    b = local_value(module.bias) if bias else None  # type: ignore[arg-type]
+    assert w is not None
+    if is_conv1d(module):  # Hugging Face's Conv1D stores its weight (in, out)
+        flat = x.reshape(-1, x.shape[-1])
+        y = torch.addmm(b, flat, w) if b is not None else flat @ w
+        return y.view(*x.shape[:-1], w.shape[1])
+    return F.linear(x, w, b)
+
+
+@dataclass(frozen=True)
+class Column(Role):
+    """Output features split (a ``Linear``'s weight rows, a ``Conv1D``'s columns; the bias
+    split alike): whole input in, this rank's features out; the local input gradient is a
+    partial sum. Packed, its local features are this rank's share of each fused chunk."""
+
+    name: ClassVar[str] = "column"
+
+    def takes(self, ndim: int) -> Placement:
+        return Replicate()
+
+    def input_grad(self, ndim: int) -> Placement:
+        return Partial()
+
+    def gives(self, ndim: int) -> Placement:
+        return Shard(ndim - 1) if self.packed == 1 else _StridedShard(ndim - 1, split_factor=self.packed)
+
+    def local_forward(self, module: nn.Module, x: torch.Tensor, rank: int) -> torch.Tensor:
+        return _linear(module, x, bias=True)
+
+
+@dataclass(frozen=True)
+class Row(Role):
+    """Input features split (the weight's columns; the bias whole, added once after the
+    sum): this rank's features in, a partial sum out."""
+
+    name: ClassVar[str] = "row"
+
+    def takes(self, ndim: int) -> Placement:
+        return Shard(ndim - 1)
+
+    def input_grad(self, ndim: int) -> Placement:
+        return Shard(ndim - 1)
+
+    def gives(self, ndim: int) -> Placement:
+        return Partial()
+
+    def local_forward(self, module: nn.Module, x: torch.Tensor, rank: int) -> torch.Tensor:
+        return _linear(module, x, bias=False)
+
+    def bias_after(self, module: nn.Module) -> torch.Tensor | None:
+        return module._parameters.get("bias")
+
+
+@dataclass(frozen=True)
+class VocabEmbed(Role):
+    """An embedding's rows (the vocabulary) split: each rank looks up the ids in its rows
+    and gives zeros for the others, a partial sum over the ranks."""
+
+    name: ClassVar[str] = "vocab"
+
+    def takes(self, ndim: int) -> None:
+        return None
+
+    def gives(self, ndim: int) -> Placement:
+        return Partial()
+
+    def local_forward(self, module: nn.Module, x: torch.Tensor, rank: int) -> torch.Tensor:
+        w = local_value(module.weight)  # type: ignore[arg-type]
+        assert w is not None and isinstance(module, nn.Embedding)
+        rows = w.shape[0]
+        lo = rank * rows
+        outside = (x < lo) | (x >= lo + rows)
+        pad = module.padding_idx
+        local_pad = pad - lo if isinstance(pad, int) and lo <= pad < lo + rows else None
+        return F.embedding((x - lo).masked_fill(outside, 0), w, local_pad).masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+@dataclass(frozen=True)
+class EmbedDim(Role):
+    """An embedding's columns (the embedding dimension) split: this rank's features of
+    every id."""
+
+    name: ClassVar[str] = "embed_dim"
+
+    def takes(self, ndim: int) -> None:
+        return None
+
+    def gives(self, ndim: int) -> Placement:
+        return Shard(ndim - 1)
+
+    def local_forward(self, module: nn.Module, x: torch.Tensor, rank: int) -> torch.Tensor:
+        w = local_value(module.weight)  # type: ignore[arg-type]
+        assert w is not None and isinstance(module, nn.Embedding)
+        return F.embedding(x, w, module.padding_idx, module.max_norm, module.norm_type, module.scale_grad_by_freq,
+                           module.sparse)
+
+
+@dataclass(frozen=True)
+class Gathered(Role):
+    """Any other sharding of a module's parameters: the module's own forward runs on them
+    gathered (one all-gather per use), on whatever it is handed."""
+
+    name: ClassVar[str] = "param"
+    own_forward: ClassVar[bool] = True
