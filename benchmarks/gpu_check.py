@@ -143,11 +143,16 @@ def header() -> dict[str, Any]:
 
     found["transformers"] = transformers.__version__
     found["transformers_from"] = str(Path(transformers.__file__).parent.parent)
-    import slapo_fn
+    import slapo_fn as sf
     from slapo_fn.presets import build_model
 
-    found["slapo_fn_from"] = str(Path(slapo_fn.__file__).parent)
-    build_model("llama-tiny", meta=True)  # transformers' model code imports and builds, not only its package
+    found["slapo_fn_from"] = str(Path(sf.__file__).parent)
+    # the stack works, not only imports: a tiny model's step, as Hugging Face runs it and as the recipe does
+    torch.manual_seed(0)
+    model, ids = build_model("llama-tiny"), torch.randint(0, 256, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    built = sf.build(sf.recipes.for_model(model)(sf.create_schedule(model), kernels=True))
+    found["tiny_step_loss"] = round(float(built(input_ids=ids, labels=ids).loss.detach()), 4)
     return found
 
 
@@ -241,6 +246,59 @@ def train_part(args: argparse.Namespace, env: dict[str, str], clock: Clock, log:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return results
+
+
+def throughput_part(args: argparse.Namespace, out: Path, env: dict[str, str], clock: Clock,
+                    log: Callable[[str], None], save: Callable[[], None]) -> dict[str, Any]:
+    """``gpu_throughput.py``, one process per variant (a crash or a hang costs one variant;
+    ``--quick``: eager and the recipe in one); ``measured`` holds each variant's figures."""
+    base = [sys.executable, "benchmarks/gpu_throughput.py", *(["--smoke"] if args.smoke else []), "--model",
+            args.model, "--seq", str(args.seq)]
+    measured: dict[str, Any] = {}
+    part: dict[str, Any] = {"status": "ok", "variants": {}, "measured": measured}
+    groups = [["hf_eager", "recipe"]] if args.quick else [["hf_eager"], ["recipe"], ["recipe_compile"]]
+    for group in groups:
+        extra = ["--batch", "auto"]
+        if group == ["recipe_compile"]:  # a new batch recompiles: take the recipe's (or eager's)
+            found = measured.get("recipe") or measured.get("hf_eager")
+            extra = ["--batch", str(found["batch"])] if found else ["--batch", "auto", "--search-probes", "4"]
+        if "hf_eager" in measured:
+            extra += ["--eager-tokens-per-s", str(measured["hf_eager"]["tokens_per_s"])]
+        if group != ["hf_eager"]:
+            extra += ["--profile-out", str(out / f"profile_{group[-1]}.txt")]
+        limit = [clock.limit(v) for v in group][-1]
+        result = run([*base, "--variants", ",".join(group), *extra], limit, env, log)
+        for variant in group:
+            figures = result.get("result", {}).get(variant)
+            if figures:
+                measured[variant] = figures
+                log(f"throughput {variant}: batch {figures['batch']}, {figures['tokens_per_s']:,.0f} tokens/s, "
+                    f"MFU {figures['mfu']}, step {figures['step_s']} s, peak {figures['peak_memory_gib']} GiB"
+                    + (f", {figures['speedup_vs_hf_eager']}x HF eager" if "speedup_vs_hf_eager" in figures else ""))
+        part["variants"][",".join(group)] = result
+        if result["status"] != "ok":
+            part["status"] = "failed"
+        save()
+    return part
+
+
+def goals_met(parts: dict[str, Any]) -> dict[str, bool | None]:
+    """Each goal of :data:`GOALS` against the figures (``None``: no figure for it)."""
+    measured = parts.get("throughput", {}).get("measured", {})
+    explained = parts.get("explain", {}).get("result", {})
+    met: dict[str, bool | None] = {}
+    for variant in ("recipe", "recipe_compile"):
+        figures = measured.get(variant, {})
+        mfu, speedup = figures.get("mfu"), figures.get("speedup_vs_hf_eager")
+        met[f"{variant}_mfu"] = None if mfu is None else mfu >= GOALS["recipe_mfu"]
+        met[f"{variant}_speedup"] = None if speedup is None else speedup >= GOALS["recipe_speedup_vs_hf_eager"]
+        e = explained.get(variant, {})
+        memory, step = e.get("memory_ratio"), e.get("step_time_ratio")
+        met[f"{variant}_explain_memory"] = (None if memory is None
+                                            else abs(memory - 1) <= GOALS["explain_memory_ratio_within"])
+        met[f"{variant}_explain_step_time"] = (None if step is None
+                                               else abs(step - 1) <= GOALS["explain_step_time_ratio_within"])
+    return met
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -351,32 +409,8 @@ def drive(args: argparse.Namespace) -> int:
 
     measured: dict[str, Any] = {}
     if "throughput" in wanted:
-        base = [py, "benchmarks/gpu_throughput.py", *smoke, "--model", args.model, "--seq", str(args.seq)]
-        throughput: dict[str, Any] = {}
-        parts["throughput"] = {"status": "ok", "variants": throughput}
-        for variant in ("hf_eager", "recipe", "recipe_compile"):
-            if variant not in steps:
-                continue
-            extra = ["--batch", "auto"]
-            if variant == "recipe_compile":  # a new batch recompiles: take the recipe's (or eager's)
-                found = measured.get("recipe") or measured.get("hf_eager")
-                extra = ["--batch", str(found["batch"])] if found else ["--batch", "auto", "--search-probes", "4"]
-            if "hf_eager" in measured:
-                extra += ["--eager-tokens-per-s", str(measured["hf_eager"]["tokens_per_s"])]
-            if variant != "hf_eager":
-                extra += ["--profile-out", str(out / f"profile_{variant}.txt")]
-            result = run([*base, "--variants", variant, *extra], clock.limit(variant), env, log)
-            figures = result.get("result", {}).get(variant)
-            if figures:
-                measured[variant] = figures
-                result["peak_tflops"] = result["result"]["peak_tflops"]
-                log(f"throughput {variant}: batch {figures['batch']}, {figures['tokens_per_s']:,.0f} tokens/s, "
-                    f"MFU {figures['mfu']}, step {figures['step_s']} s, peak {figures['peak_memory_gib']} GiB"
-                    + (f", {figures['speedup_vs_hf_eager']}x HF eager" if "speedup_vs_hf_eager" in figures else ""))
-            throughput[variant] = result
-            if result["status"] != "ok":
-                parts["throughput"]["status"] = "failed"
-            save()
+        parts["throughput"] = throughput_part(args, out, env, clock, log, save)
+        measured = parts["throughput"]["measured"]
 
     if "explain" in wanted:
         if measured:
@@ -407,6 +441,7 @@ def drive(args: argparse.Namespace) -> int:
             parts["train"] = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
         save()
 
+    report["goals_met"] = goals_met(parts)
     report["seconds"] = round(args.budget_s - (clock.deadline - time.monotonic()), 1)
     report["ok"] = all(p.get("status") == "ok" for p in parts.values())
     save()

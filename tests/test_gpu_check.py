@@ -43,12 +43,13 @@ def test_the_quick_smoke_runs_every_part_and_writes_the_figures(tmp_path: Path) 
     assert any(line.startswith("packages:") and "flash_attn absent" in line for line in log[:6]), log[:6]
     parts = figures["parts"]
     assert parts["parity"]["result"]["ok"] and parts["parity"]["result"]["checks"]["model"]["status"] == "pass"
-    variants = parts["throughput"]["variants"]
-    eager, recipe = variants["hf_eager"]["result"]["hf_eager"], variants["recipe"]["result"]["recipe"]
+    measured = parts["throughput"]["measured"]
+    eager, recipe = measured["hf_eager"], measured["recipe"]
     assert eager["batch"] == recipe["batch"] == 4  # the smoke's --max-batch, found by the search
     assert [(p["batch"], p["fits"]) for p in eager["batch_search"]] == [(1, True), (2, True), (4, True)]
     assert recipe["first_loss"] == pytest.approx(eager["first_loss"], abs=1e-3)  # same weights, same batch
     assert recipe["speedup_vs_hf_eager"] > 0 and recipe["mfu"] > 0
+    assert (tmp_path / recipe["profile"]["table"]).is_file()  # on CPU the recipe is short of the GPU goal
     explained = parts["explain"]["result"]
     assert explained["hardware"] == "cpu" and explained["recipe"]["step_time_ratio"] > 0
     train = parts["train"]["result"]["foreach"]
@@ -60,8 +61,9 @@ def test_the_quick_smoke_runs_every_part_and_writes_the_figures(tmp_path: Path) 
 def test_the_full_smoke_compiles_and_resumes_bit_identically_with_both_adamws(tmp_path: Path) -> None:
     result, figures = _smoke(tmp_path)
     assert result.returncode == 0, result.stdout[-4000:]
-    compiled = figures["parts"]["throughput"]["variants"]["recipe_compile"]["result"]["recipe_compile"]
-    assert compiled["tokens_per_s"] > 0
+    throughput = figures["parts"]["throughput"]
+    assert set(throughput["variants"]) == {"hf_eager", "recipe", "recipe_compile"}  # one process each
+    assert throughput["measured"]["recipe_compile"]["tokens_per_s"] > 0
     for impl in ("foreach", "fused"):
         train = figures["parts"]["train"]["result"][impl]
         assert train["resume_bit_identical"] and train["resume_steps_compared"] == 4, train
