@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PYTHONUNBUFFERED := 1
 
-.PHONY: demo test test-all lint typecheck bench clean
+.PHONY: demo test test-all lint typecheck bench gpu-check wheelhouse clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -52,7 +52,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# Each benchmark prints one JSON line; on a GPU machine add benchmarks/gpu_throughput.py.
+# Each benchmark prints one JSON line; on a GPU machine: make gpu-check (below).
 bench: $(STAMP)
 	$(BIN)/python benchmarks/schedule_cost.py
 	$(BIN)/python benchmarks/fusion.py
@@ -61,6 +61,24 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/recipe_speed.py
 	$(BIN)/python benchmarks/moe.py
 	$(BIN)/python benchmarks/explain_scale.py
+
+# GPU figures in one call of the lent GPU machine (benchmarks/gpu_check.sh says how): run there as
+# `bash benchmarks/gpu_check.sh OUT` or `make gpu-check OUT=folder`; `--smoke` runs it on CPU here.
+OUT ?= gpu-check-out
+gpu-check:
+	bash benchmarks/gpu_check.sh $(OUT)
+
+# The wheels the GPU machine lacks (it has no network), for Python 3.12 on x86-64 Linux, in .whl/
+# (ignored by git; carried to the machine): the transformers this project is tested on (the machine
+# has 5.17; its other needs, tokenizers 0.23, huggingface-hub 1.x and safetensors 0.8, are there).
+WHEELHOUSE := .whl
+GPU_WHEELS := transformers==5.24.0
+wheelhouse:
+	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d $(WHEELHOUSE) $(GPU_WHEELS)
+	@du -sh $(WHEELHOUSE) && ls $(WHEELHOUSE)
 
 clean:
 	rm -rf $(VENV) $(DEMO) *.egg-info .pytest_cache .mypy_cache .ruff_cache

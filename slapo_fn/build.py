@@ -282,9 +282,13 @@ def allocate(model: nn.Module, device: torch.device) -> None:
 def reset_fsdp_shards(module: FSDPModule) -> None:
     """FSDP2 keeps a padded copy of each local shard it manages; after the shard got new
     storage it must be made again (what ``FSDPModule._apply`` does after ``to_empty``).
-    Private API of torch's FSDP2 (checked on torch 2.13)."""
+    Private API of torch's FSDP2 (checked on torch 2.11 and 2.13)."""
     state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch < 2.12: one optional group per FSDP module
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
     with torch.no_grad():
-        for group in state._fsdp_param_groups:
+        for group in groups:
             for fsdp_param in group.fsdp_params:
                 fsdp_param.reset_sharded_param()

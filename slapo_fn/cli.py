@@ -67,6 +67,8 @@ __all__ = ["CommandLineError", "main"]
 PG_TIMEOUT_S = 60
 #: Learning-rate decays of ``--decay`` (``slapo_fn.train.DECAYS``, named here without importing torch).
 DECAYS = ("cosine", "linear", "constant")
+#: AdamW implementations of ``--optimizer-impl`` (``slapo_fn.train.adamw``'s ``impl``).
+OPTIMIZER_IMPLS = ("auto", "foreach", "fused", "for-loop")
 #: The most lines a refusal takes; a longer one is cut, saying how many lines are left out.
 MAX_MESSAGE_LINES = 10
 
@@ -94,7 +96,9 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree (mesh axis 'dp')")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (mesh axis 'tp')")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages, one per rank (mesh axis 'pp')")
-    p.add_argument("--dp-mode", choices=("fsdp", "ddp"), default="fsdp")
+    p.add_argument("--dp-mode", choices=("fsdp", "ddp"), default=None,
+                   help="data parallelism over --dp: FSDP2 (the default when --dp > 1) or DDP; given with --dp 1, "
+                        "one rank runs the data-parallel job of one (a process group and a one-rank mesh)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
     p.add_argument("--checkpoint", type=float, default=None, metavar="RATIO",
                    help="activation checkpointing of the first RATIO of the layers (1.0 = all)")
@@ -131,6 +135,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     loop.add_argument("--min-lr", type=float, default=0.0, help="the learning rate the decay ends at")
     loop.add_argument("--weight-decay", type=float, default=0.01,
                       help="AdamW weight decay of matrices (not of biases and norm scales)")
+    loop.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS, default="auto",
+                      help="AdamW's kernels: auto (torch's choice: foreach on GPUs), foreach, fused or for-loop")
     loop.add_argument("--grad-clip", type=float, default=None, metavar="NORM",
                       help="clip gradients to this global norm (across TP, FSDP and pipeline stages)")
     loop.add_argument("--grad-accum", type=int, default=1, metavar="K",
@@ -429,6 +435,9 @@ def _train_argument_problems(args: argparse.Namespace) -> list[Problem]:
         problems.append(Problem("--tensorboard", "needs the tensorboard package, which is not installed",
                                 "pip install 'slapo_fn[tensorboard]' (or: pip install tensorboard), or leave out "
                                 "--tensorboard"))
+    if args.metrics is not None and not Path(args.metrics).absolute().parent.is_dir():
+        problems.append(Problem("--metrics", f"{args.metrics}: its folder does not exist",
+                                "--metrics FILE in an existing folder (the file is created or appended to)"))
     if args.resume and not args.checkpoint_dir:
         problems.append(Problem("--resume", "needs --checkpoint-dir (where the checkpoints are)",
                                 "--resume --checkpoint-dir DIR"))
@@ -564,7 +573,7 @@ def _check_inputs(args: argparse.Namespace) -> None:
         problems = _data_problems(args, config) + _resume_problems(args)
         if problems:
             raise CommandLineError(args.command, problems)
-    if _world(args) > 1 and args.command != "explain":  # explain builds the schedule in this process anyway
+    if _axes(args) and args.command != "explain":  # explain builds the schedule in this process anyway
         _check_schedule(args)
 
 
@@ -800,7 +809,7 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any]:
         raise CommandLineError(args.command, [Problem(
             "--dp/--tp/--pp", f"{world} processes started for dp*tp*pp = {_world(args)} ranks",
             f"start {_world(args)} processes, or let slapo-fn start them (run it without torchrun)")])
-    if world == 1:
+    if not _axes(args):  # one process, no data-parallel job of one: no process group
         return device, None
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
     axes = _axes(args)
@@ -809,8 +818,10 @@ def _setup(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def _axes(args: argparse.Namespace) -> list[tuple[str, int]]:
-    """The mesh axes of ``--dp/--pp/--tp`` larger than one, in mesh order."""
-    return [(n, s) for n, s in (("dp", args.dp), ("pp", args.pp), ("tp", args.tp)) if s > 1]
+    """The mesh axes of ``--dp/--pp/--tp`` larger than one, in mesh order; ``dp`` of one
+    too where ``--dp-mode`` asks for data parallelism over it (FSDP2 over one rank)."""
+    return [(n, s) for n, s in (("dp", args.dp), ("pp", args.pp), ("tp", args.tp))
+            if s > 1 or (n == "dp" and getattr(args, "dp_mode", None) is not None)]
 
 
 def _teardown() -> None:
@@ -825,7 +836,13 @@ def _knobs(args: argparse.Namespace) -> Any:
     from .recipes import Knobs
 
     return Knobs(tp=args.tp, sequence_parallel=args.sp, checkpoint=args.checkpoint, stages=_stages(args),
-                 dp_mode=args.dp_mode if args.dp > 1 else None, kernels=args.kernels, compile=args.compile)
+                 dp_mode=_dp_mode(args), kernels=args.kernels, compile=args.compile)
+
+
+def _dp_mode(args: argparse.Namespace) -> Literal["fsdp", "ddp"] | None:
+    """The data-parallel mode of the recipe: ``--dp-mode`` where given, FSDP2 where ``--dp > 1``."""
+    mode: Literal["fsdp", "ddp"] | None = args.dp_mode
+    return mode if mode is not None else "fsdp" if args.dp > 1 else None
 
 
 def _stages(args: argparse.Namespace) -> int:
@@ -923,7 +940,7 @@ def _train(args: argparse.Namespace) -> int:
             print(f"loaded weights from {args.model}", flush=True)
     elif not args.resume and rank == 0:
         _say_random_init(args)
-    optimizer = t.adamw(model, lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = t.adamw(model, lr=args.lr, weight_decay=args.weight_decay, impl=args.optimizer_impl)
     torch.manual_seed(args.seed)  # dropout and other random ops of the steps, the same on every rank
     start = 0
     if args.resume:
@@ -1067,7 +1084,7 @@ def _explain(args: argparse.Namespace) -> int:
     world = _world(args)
     mesh = None
     started = False
-    if world > 1:
+    if _axes(args):
         axes = _axes(args)
         started = not dist.is_initialized()
         mesh = fake_mesh(*(s for _, s in axes), names=tuple(n for n, _ in axes))
@@ -1254,7 +1271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _check_inputs(args)  # bad input is refused here, once, before any process starts
         if args.command == "explain":
             return _explain(args)
-        if _world(args) > 1 and not _in_worker():
+        if _axes(args) and not _in_worker():  # several ranks, or a data-parallel job of one
             return _launch(args, argv)
         if args.command == "train":
             return _train(args)

@@ -52,6 +52,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import IO, Any, Literal, Protocol, TypeAlias, runtime_checkable
 
 import torch
@@ -70,6 +71,7 @@ from .schedule import Schedule
 from .state import CheckpointFallback, load, save
 
 __all__ = [
+    "ADAMW_IMPLS",
     "IGNORE_INDEX",
     "Batches",
     "Checkpointing",
@@ -215,24 +217,40 @@ def _targets(labels: torch.Tensor) -> int:
 
 
 # -- optimizer and precision -------------------------------------------------------------------
+#: AdamW's implementations (``adamw(impl=...)``): the keyword arguments of ``torch.optim.AdamW`` each stands for.
+ADAMW_IMPLS: Mapping[str, Mapping[str, bool]] = MappingProxyType({
+    "auto": MappingProxyType({}),  # torch's choice: foreach where every parameter is on a GPU, else the for-loop
+    "foreach": MappingProxyType({"foreach": True}),
+    "fused": MappingProxyType({"fused": True}),
+    "for-loop": MappingProxyType({"foreach": False}),
+})
+
+
 def adamw(model: Model, *, lr: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
-          eps: float = 1e-8) -> torch.optim.AdamW:
+          eps: float = 1e-8, impl: str = "auto") -> torch.optim.AdamW:
     """``torch.optim.AdamW`` over ``model``'s parameters, weight decay on the matrices
     only (parameters of two or more dimensions: weights of linear layers and embeddings;
-    not biases or norm scales), as GPT-style training does.
+    not biases or norm scales), as GPT-style training does. ``impl`` picks its kernels
+    (:data:`ADAMW_IMPLS`): ``"auto"`` (torch's default), ``"foreach"``, ``"fused"`` or
+    ``"for-loop"``.
 
-    >>> opt = adamw(nn.Linear(2, 2), lr=1e-3, weight_decay=0.1)
-    >>> [(len(g["params"]), g["weight_decay"]) for g in opt.param_groups]
-    [(1, 0.1), (1, 0.0)]
+    >>> opt = adamw(nn.Linear(2, 2), lr=1e-3, weight_decay=0.1, impl="fused")
+    >>> [(len(g["params"]), g["weight_decay"], g["fused"]) for g in opt.param_groups]
+    [(1, 0.1, True), (1, 0.0, True)]
     """
+    problems = []
     if not (math.isfinite(weight_decay) and weight_decay >= 0):
-        raise TrainError("adamw", [Problem("weight_decay", f"must be a number >= 0, got {weight_decay}",
-                                           "weight_decay=0.1 (or 0.0: none)")])
+        problems.append(Problem("weight_decay", f"must be a number >= 0, got {weight_decay}",
+                                "weight_decay=0.1 (or 0.0: none)"))
+    if impl not in ADAMW_IMPLS:
+        problems.append(Problem("impl", f"unknown AdamW implementation {impl!r}", f"one of {', '.join(ADAMW_IMPLS)}"))
+    if problems:
+        raise TrainError("adamw", problems)
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     rest = [p for p in params if p.dim() < 2]
     groups = [{"params": g, "weight_decay": wd} for g, wd in ((decay, weight_decay), (rest, 0.0)) if g]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **ADAMW_IMPLS[impl])
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

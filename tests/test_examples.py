@@ -45,8 +45,10 @@ def test_gpu_throughput_benchmark_logic_in_smoke_mode() -> None:
                             capture_output=True, text=True, timeout=230)
     assert result.returncode == 0, result.stderr[-3000:]
     figures = json.loads(result.stdout.strip().splitlines()[-1])
-    assert figures["hf_eager"]["last_loss"] == figures["recipe"]["last_loss"]  # same weights, same batches
-    assert figures["flops_per_token"] > 0 and figures["speedup"] > 0
+    for variant in ("recipe", "recipe_compile"):  # same weights, same batches; the chunked loss rounds otherwise
+        assert abs(figures[variant]["last_loss"] - figures["hf_eager"]["last_loss"]) < 1e-3
+        assert figures[variant]["speedup_vs_hf_eager"] > 0
+    assert figures["flops_per_token"] > 0
 
 
 @pytest.mark.slow
