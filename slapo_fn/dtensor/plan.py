@@ -130,6 +130,11 @@ class ModulePlan:
     #: states, whole on every rank), not the gathered one: it enters the region itself (an
     #: all-reduce of its input gradient)
     side_input: bool = False
+    #: a column whose caller enters the tensor-parallel region for it: the caller's first
+    #: argument reaches its columns over the axis alone (q/k/v on an attention's hidden
+    #: states), so the caller's forward enters it once (one all-reduce of its gradient, as
+    #: autograd sums the columns' partial ones first), decided here, not matched at run time
+    entered: bool = False
 
     @property
     def keeps_features(self) -> bool:
@@ -257,6 +262,7 @@ def _plan(sch: Schedule) -> Plan:
         out_sync = next((s for s in spec_syncs if s.mode == "fwd_post"), None)
         group = ""
         split_input = False
+        entered = False
         if role is not None:
             ax = role.mesh_axis
             if role.kind == "column":
@@ -264,6 +270,7 @@ def _plan(sch: Schedule) -> Plan:
                 pre = _moving(spec_syncs, "fwd_pre")
                 # a column that a sync hands a converted tensor enters the region with it alone
                 group = f"{_parent(path)} {ax} " + (_entry_key(sch, path) if pre is None else f"own {path}")
+                entered = seq is None and pre is None and _entered_by_caller(sch, path, ax)
                 leader = group not in fused
                 fused.add(group)
                 if in_seq and on_side:
@@ -406,7 +413,7 @@ def _plan(sch: Schedule) -> Plan:
         modules[path] = ModulePlan(path, role, seq, partnered, entry, exit_, spec_syncs, rngs.get(path), local,
                                    partners=partners.get(path, ()), entry_group=group,
                                    split_input=role is not None and role.kind == "row" and split_input,
-                                   shared_gather=shares, side_input=on_side)
+                                   shared_gather=shares, side_input=on_side, entered=entered)
     # modules with parameters inside a sequence-parallel chain (norms): replicated, Partial gradients;
     # not inside a parent that gathers the sequence (an unsharded q beside sharded k and v): they
     # run on all of it, so their gradients are whole, unless declared to run on this rank's heads
@@ -699,6 +706,26 @@ def _find_caller(sch: Schedule, path: str) -> tuple[str, str, Flow] | None:
         if fl is None and not uncalled(get_module(sch.module, here)):
             return None  # an untraced module between: what calls the path is unknown
     return None
+
+
+def _entered_by_caller(sch: Schedule, path: str, axis: str) -> bool:
+    """Whether the column ``path``'s caller can enter the region for it: it is called on the
+    caller's first argument, which reaches nothing in the caller's code but columns over
+    ``axis`` that no ``fwd_pre`` sync converts and no chain gathers (:attr:`ModulePlan.entered`)."""
+    found = _caller(sch, path)
+    if found is None or found[2].first.get(found[1]) != "a0" or _in_chain(sch, found[0], axis):
+        return False
+    caller, _, fl = found
+    users = fl.consumers(INPUT)
+    roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
+    syncs: dict[str, tuple[SyncSpec, ...]] = sch.annotations.of_kind(SYNC)
+    for name in users:
+        q = join(caller, name) if name != OUTPUT else ""
+        role = roles.get(q)
+        if (name == OUTPUT or not isinstance(role, Column) or role.mesh_axis != axis or _in_chain(sch, q, axis)
+                or any(s.mode == "fwd_pre" for s in syncs.get(q, ()))):
+            return False
+    return True
 
 
 def _entry_key(sch: Schedule, path: str) -> str:

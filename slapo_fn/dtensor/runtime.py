@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -124,11 +124,11 @@ class _Runtime:
         # Plan.grads_after_backward: the parameters whose Partial gradients the backward under
         # way made, by (module path, name), and the backward that reduces them at its end
         self.after = grads_after_backward
-        self.pending: dict[tuple[str, str], tuple[torch.Tensor, str]] = {}
+        #: the replicated parameters used on activation shards, with their mesh axis, in path
+        #: order: the ones whose gradients stay Partial through backward (grads_after_backward)
+        self.deferred: list[tuple[torch.Tensor, str]] = []
         self.queued: int | None = None
         self.entries: list[tuple[torch.Tensor, tuple[str, int | None, str, bool], torch.Tensor]] | None = None
-        # the other tensor arguments of parents that gathered their first one (see _gathering)
-        self.sides: list[torch.Tensor] = []
 
     def axis(self, name: str) -> C.Axis:
         return (self.mesh, self.dims.index(name))
@@ -136,16 +136,16 @@ class _Runtime:
     def size(self, name: str) -> int:
         return int(self.mesh.size(self.dims.index(name)))
 
-    def reduced_grads(self, name: str, owned: Mapping[tuple[str, str], torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def reduced_grads(self, name: str, ps: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The local values of one module's replicated parameters used on this rank's shard
-        of the activations (sequence positions, heads), keyed by (module path, name): their
+        of the activations (sequence positions, heads): their
         local gradients are partial sums over ``name``, all-reduced so that each parameter's
         gradient is ``Replicate`` like the parameter (an optimizer step or a norm then needs
         no collective). With :attr:`.plan.Plan.grads_after_backward`, the gradients are
         ``Partial`` through backward and :meth:`_reduce_pending` reduces them all at its
         end; else (and inside ``torch.func`` transforms) in this module's backward, in one
-        collective per dtype."""
-        ps = list(owned.values())
+        collective per dtype. Nothing here holds state of the pass: compiled, identical
+        blocks trace alike."""
         if _in_transform():
             return C.enter_all([_constant(p, local=True) for p in ps], self.axis(name))
         dts = [p for p in ps if isinstance(p, DTensor)]
@@ -153,30 +153,33 @@ class _Runtime:
         if not self.after:
             return C.enter_all([p.to_local(grad_placements=p.placements) for p in dts], self.axis(name))
         i = self.param_dims.index(name)
-        partial = [p.to_local(grad_placements=[Partial() if j == i else pl for j, pl in enumerate(p.placements)])
-                   for p in dts]
-        return _AfterBackward.apply(self, tuple(owned.items()), name, *partial)  # type: ignore[no-any-return]
+        return tuple(p.to_local(grad_placements=[Partial() if j == i else pl for j, pl in enumerate(p.placements)])
+                     for p in dts)
 
-    def defer(self, owned: tuple[tuple[tuple[str, str], torch.Tensor], ...], name: str) -> None:
-        """Notes ``owned``'s parameters for the reduction at the end of the backward under
-        way (queued once per backward)."""
-        for key, p in owned:
-            self.pending[key] = (p, name)
+    def defer_reductions(self) -> None:
+        """Hooks on the parameters of :attr:`deferred` that queue :meth:`_reduce_pending`
+        at the end of the backward that accumulates into them (once per backward).
+        Installed on the parameters, not in any forward: a compiler tracing the blocks sees
+        none of it."""
+        for p, _ in self.deferred:
+            p.register_post_accumulate_grad_hook(self._queue)
+
+    def _queue(self, _: torch.Tensor) -> None:
         task = int(torch._C._current_graph_task_id())
         if task != self.queued:
             self.queued = task
             torch.autograd.Variable._execution_engine.queue_callback(self._reduce_pending)
 
     def _reduce_pending(self) -> None:
-        """At the end of a backward: the ``Partial`` gradients of the parameters
-        :meth:`defer` noted, all-reduced in one collective per mesh axis and dtype
-        (flattened together, in the order of their paths, alike on every rank) and made
-        ``Replicate``. A gradient already reduced (``torch.autograd.grad`` leaves ``.grad``
-        as it was; accumulating into a ``Replicate`` one reduces on the spot) is left."""
-        pending, self.pending, self.queued = self.pending, {}, None
+        """At the end of a backward: the ``Partial`` gradients of the parameters used on
+        activation shards (:attr:`deferred`), all-reduced in one collective per mesh axis
+        and dtype (flattened together, in the order of their paths, alike on every rank)
+        and made ``Replicate``. A gradient already whole (``torch.autograd.grad`` leaves
+        ``.grad`` as it was; accumulating into a ``Replicate`` one reduces on the spot) is
+        left."""
+        self.queued = None
         groups: dict[tuple[str, torch.dtype], list[tuple[torch.Tensor, DTensor]]] = {}
-        for key in sorted(pending):
-            p, name = pending[key]
+        for p, name in self.deferred:
             g = p.grad
             if isinstance(g, DTensor) and isinstance(g.placements[self.param_dims.index(name)], Partial):
                 groups.setdefault((name, g.dtype), []).append((p, g))
@@ -202,7 +205,6 @@ class _Runtime:
                 return forward(*args, **kwargs)
             finally:
                 self.entries = None
-                self.sides = []
 
         return run
 
@@ -233,25 +235,6 @@ class _Runtime:
         return entered
 
 
-class _AfterBackward(torch.autograd.Function):
-    """Identity on the local values of replicated parameters whose gradients stay
-    ``Partial``; its backward notes them for the reduction at the end of backward
-    (:meth:`_Runtime.defer`)."""
-
-    @staticmethod
-    def forward(rt: _Runtime, owned: Any, name: str, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return tuple(x.view_as(x) for x in xs)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.rt, ctx.owned, ctx.name = inputs[:3]
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        ctx.rt.defer(ctx.owned, ctx.name)
-        return (None, None, None, *grads)
-
-
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``a is b``, or both whole-tensor aliases (``view_as``) of one base tensor."""
     if a is b:
@@ -267,7 +250,9 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _in_transform() -> bool:
-    return bool(torch._C._are_functorch_transforms_active())
+    """Whether a ``torch.func`` transform is under way (never asked while a compiler
+    traces: it cannot read functorch's state, and ``torch.func`` runs eagerly here)."""
+    return not torch.compiler.is_compiling() and bool(torch._C._are_functorch_transforms_active())
 
 
 class _ToLocal(torch.autograd.Function):
@@ -295,7 +280,7 @@ class _ToLocal(torch.autograd.Function):
 
 def _underlying(t: torch.Tensor) -> torch.Tensor:
     """The tensor under ``torch.func``'s wrappers (a DTensor parameter is wrapped, not a DTensor)."""
-    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+    while not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(t):
         t = torch._C._functorch.get_unwrapped(t)
     return t
 
@@ -351,11 +336,11 @@ def _column(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> Callabl
         else:
             if full_in is not None and x.shape[-1] != full_in:  # arrived sharded (a column chain)
                 x = C.gather(x, -1, rt.axis(ax))
-            if seq is None:  # with sequence parallelism the parent gathered the input (its own shape then fits)
-                x = rt.enter(x, ax, None, group)
+            if seq is None:  # outside a chain: it enters, unless its caller entered for it (ModulePlan.entered)
+                x = x if mp.entered else rt.enter(x, ax, None, group)
             elif member:
                 x = rt.enter(x, ax, seq, group)
-            elif mp.shared_gather or mp.side_input or any(_same_tensor(x, side) for side in rt.sides):
+            elif mp.shared_gather or mp.side_input:
                 # its parent gathered the input for more than its columns (its gradient sliced back),
                 # or this is the parent's other input (not gathered): the column enters itself
                 x = rt.enter(x, ax, None, group)
@@ -488,7 +473,7 @@ def _generic(rt: _Runtime, m: nn.Module, mp: ModulePlan, forward: Callable[..., 
 
     def run(*args: Any, **kwargs: Any) -> Any:
         params: dict[str, torch.Tensor] = {}
-        reduced: dict[tuple[str, str], torch.Tensor] = {}
+        reduced: dict[str, torch.Tensor] = {}
         for n in names:
             p = getattr(m, n)  # the module's, or torch.func.functional_call's tensor in its place
             inner = _underlying(p)
@@ -500,11 +485,11 @@ def _generic(rt: _Runtime, m: nn.Module, mp: ModulePlan, forward: Callable[..., 
                     else p.redistribute(placements=[Replicate()] * len(p.placements)).to_local()
                 )
             elif mp.local_params:
-                reduced[mp.path, n] = p
+                reduced[n] = p
             else:
                 params[n] = _local(p)  # type: ignore[assignment]
         if reduced:  # the module's replicated parameters, their gradients reduced together
-            params.update(zip((n for _, n in reduced), rt.reduced_grads(ax, reduced), strict=True))
+            params.update(zip(reduced, rt.reduced_grads(ax, list(reduced.values())), strict=True))
         with _reparametrize_module(m, params):
             return forward(*args, **kwargs)
 
@@ -612,11 +597,16 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
             forward = forked(forward, rt.mesh.get_local_rank(rt.dims.index(mp.rng.mesh_axis)))
         m.forward = forward  # type: ignore[method-assign]
     _localise_replicated(model, sch, p)
+    if p.grads_after_backward:
+        found = {id(param): (param, _local_axis(mp)) for mp in p.modules.values() if mp.local_params
+                 for param in get_module(model, mp.path).parameters(recurse=False) if isinstance(param, DTensor)}
+        rt.deferred = list(found.values())
+        rt.defer_reductions()
     # sequence parallel: a column group's parent (attention, MLP) all-gathers its input along the
     # sequence, so that model code reading the input's shape (HF attention's view) sees the full length
     for parent, (ax, seq_axis, shared) in _sp_parents(model, p, gathers_own).items():
         pm = get_module(model, parent)
-        pm.forward = _gathering(rt, pm.forward, ax, seq_axis, parent, shared)  # type: ignore[method-assign]
+        pm.forward = _gathering(pm.forward, rt.axis(ax), seq_axis, shared)  # type: ignore[method-assign]
     # a parent that runs on this rank's heads and fails on their shapes (a head count it takes
     # from its config, a fused projection it splits by full sizes) says so as a LayoutError
     heads_of = {caller_path(model, mp.path): mp.role.mesh_axis for mp in p.modules.values()
@@ -629,10 +619,17 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
         if operands and counts is not None:
             pm.forward = _per_head(rt, parent, pm, operands, heads_of[parent], *counts)  # type: ignore[method-assign]
         pm.forward = _explained(parent, pm.forward)  # type: ignore[method-assign]
-    # one pass per forward of the root, and of each parent of column modules (see _Runtime.scoped)
-    column_parents = {caller_path(model, mp.path) for mp in p.modules.values()
-                      if mp.role is not None and mp.role.kind == "column"}
-    for path in ("", *sorted(column_parents - {""})):
+    # a caller whose first argument reaches its columns alone enters the region for them, once
+    entering = {caller_path(model, mp.path): mp.role.mesh_axis for mp in p.modules.values()
+                if mp.entered and mp.role is not None}
+    for path, ax in sorted(entering.items()):
+        pm = get_module(model, path)
+        pm.forward = _entering(pm.forward, rt.axis(ax))  # type: ignore[method-assign]
+    # columns entering one by one share an entry per input tensor within one pass of the root,
+    # or of their parent (see _Runtime.scoped)
+    matched = {caller_path(model, mp.path) for mp in p.modules.values()
+               if mp.role is not None and mp.role.kind == "column" and not mp.entered}
+    for path in sorted(matched | ({""} if matched else set())):
         pm = get_module(model, path)
         pm.forward = rt.scoped(pm.forward)  # type: ignore[method-assign]
 
@@ -866,21 +863,28 @@ def _sp_parents(model: nn.Module, p: Plan, members: set[str]) -> dict[str, tuple
     return out
 
 
-def _gathering(rt: _Runtime, forward: Callable[..., Any], ax: str, seq_axis: int, parent: str,
-               shared: bool) -> Callable[..., Any]:
+def _gathering(forward: Callable[..., Any], axis: C.Axis, seq_axis: int, shared: bool) -> Callable[..., Any]:
     """The parent of columns inside a chain member gathers its first tensor input (the
-    hidden states) along the sequence (``shared``: for more than its columns, its gradient
-    then sliced back, see :attr:`.plan.ModulePlan.shared_gather`). Its other tensor inputs
-    (a cross-attention's encoder states) are noted: a column called on one of them enters
-    the region itself (see :func:`_column`), or its input gradient would stay a sum over
-    this rank's heads."""
+    hidden states) along the sequence, once per call (a reduce-scatter of its gradient;
+    ``shared``: it gathers for more than its columns, so its gradient, whole on every rank,
+    is sliced back, see :attr:`.plan.ModulePlan.shared_gather`). A column called on its
+    other input (a cross-attention's encoder states) enters the region itself
+    (:attr:`.plan.ModulePlan.side_input`)."""
+    gather = C.gather if shared else C.gather_rs
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        rt.sides += [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a is not first]
-        del rt.sides[:-_RECENT]
-        args, kwargs = _map_input(args, kwargs, functools.partial(rt.enter, name=ax, seq=seq_axis, group=parent,
-                                                                  sliced=shared))
+        args, kwargs = _map_input(args, kwargs, functools.partial(gather, dim=seq_axis, axis=axis))
+        return forward(*args, **kwargs)
+
+    return run
+
+
+def _entering(forward: Callable[..., Any], axis: C.Axis) -> Callable[..., Any]:
+    """``forward`` entering the tensor-parallel region with its first tensor argument
+    (identity forward; all-reduce of its gradient backward): its columns share it."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _map_input(args, kwargs, functools.partial(C.enter, axis=axis))
         return forward(*args, **kwargs)
 
     return run

@@ -1,0 +1,74 @@
+"""``torch.compile`` over tensor-parallel models, per block (torchtitan's way) and whole.
+
+The installed forwards hold nothing dynamo guards on per layer (no path strings, no state
+of the pass): identical blocks share one graph, with no graph break, so ``fullgraph=True``
+is accepted; a block of another shape (the first member of a sequence-parallel chain,
+which splits the sequence) has a graph of its own. Nothing recompiles after the first
+step, and the loss and every gradient equal the single-process model's. ``backend="eager"``
+keeps dynamo's tracing (what these tests are about) and skips inductor's code generation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from dist import mesh
+from models import tiny_llama
+from torch.distributed.tensor import DTensor
+
+import slapo_fn as sf
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+LAYERS = 3
+
+
+def _compiled(rank: int, world: int, sp: bool, where: str, dp: int) -> dict[str, Any]:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = tiny_llama(layers=LAYERS)
+    tp = world // dp
+    m = mesh((dp, tp), ("dp", "tp")) if dp > 1 else mesh((tp,), ("tp",))
+    sch = sf.recipes.for_model(model)(sf.create_schedule(model, mesh=m), tp=tp, sequence_parallel=sp,
+                                      **({"dp_mode": "fsdp"} if dp > 1 else {}))
+    built = sf.build(sf.compile(sch, where, backend="eager", fullgraph=True))
+    ref = sf.build(sf.create_schedule(model))
+    graphs, worst_loss = [], 0.0
+    for step in range(3):
+        ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(step * 10 + rank // tp))
+        loss = built(ids).logits.float().pow(2).mean()
+        loss.backward()
+        want = ref(ids).logits.float().pow(2).mean()
+        want.backward()
+        worst_loss = max(worst_loss, abs(loss.item() - want.item()))
+        graphs.append(counters["stats"]["unique_graphs"])
+    worst = 0.0
+    if dp == 1:  # with FSDP each rank's gradients are the dp mean: compared in the FSDP tests
+        grads = dict(ref.named_parameters())
+        for name, p in built.named_parameters():
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            worst = max(worst, (g - grads[name].grad).abs().max().item())
+    return {"graphs": graphs, "breaks": sum(counters["graph_break"].values()), "loss": worst_loss, "grad": worst}
+
+
+@pytest.mark.parametrize(("sp", "where", "shapes"), [
+    (False, "model.layers.*", 1), (True, "model.layers.*", 2), pytest.param(False, "", 1, marks=pytest.mark.slow),
+    (True, "", 1)], ids=["tp-per-block", "tp+sp-per-block", "tp-whole", "tp+sp-whole"])
+def test_identical_blocks_share_one_graph_with_no_break_and_the_numbers_of_eager(dist2, sp: bool, where: str,
+                                                                                 shapes: int) -> None:
+    for r in dist2.run(_compiled, sp, where, 1, timeout=240):
+        assert r["breaks"] == 0, r
+        assert r["graphs"] == [shapes] * 3, r  # one per block shape, none after the first step
+        assert r["loss"] < 1e-5 and r["grad"] < 1e-5, r
+
+
+@pytest.mark.slow
+def test_fsdp_over_tp_blocks_compile_alike(dist_pool) -> None:
+    for r in dist_pool(4).run(_compiled, False, "model.layers.*", 2, timeout=240):
+        assert r["breaks"] == 0 and r["graphs"] == [1, 1, 1], r
+        assert r["loss"] < 1e-5, r
