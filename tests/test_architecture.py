@@ -28,8 +28,8 @@ OPTIONAL = {
     "optuna": "the tune extra",
     "matplotlib": "the tune extra",
     "rich": "pretty tables where installed",
-    "datasets": "the hf extra: Hugging Face datasets saved on disk (data.py)",
-    "tokenizers": "comes with transformers (the hf extra): BPE trained on the fly (data.py)",
+    "datasets": "costly to import (about 1 s): data/ streams and reads datasets on use",
+    "tokenizers": "comes with transformers (the hf extra): BPE trained on the fly and prepare's workers (data/)",
     "torch.utils.tensorboard": "the tensorboard extra (it imports the tensorboard package)",
 }
 #: Modules allowed to import lazily, with why.
