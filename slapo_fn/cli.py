@@ -14,6 +14,9 @@
   ``--grad-clip``, ``--grad-accum``, ``--dtype``, ``--metrics``, ``--tensorboard``);
   ``--config run.toml`` gives any flag's value, flags override it; ``--nnodes
   --node-rank --master-addr --master-port`` make this machine one node of several.
+* ``slapo-fn prepare --data SRC --tokenizer T --out DIR`` tokenizes a corpus once, in
+  parallel worker processes, into a memory-mapped token folder that ``train --data DIR``
+  maps (:func:`slapo_fn.data.prepare`).
 * ``slapo-fn export CKPT OUT --model ...`` writes a checkpoint as a Hugging Face folder
   (one process, ``sf.load`` then ``sf.save_hf``); ``train --export-to OUT`` does it at the end.
 * ``slapo-fn explain --model llama-7b --tp 8 --pp 4 --dp 4`` prints the schedule, its
@@ -205,6 +208,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     verify.add_argument("--run-dir", default=None)
     _tune_args(sub.add_parser("tune", help="search the recipe's knobs for the fastest config that fits"))
 
+    _prepare_args(sub.add_parser("prepare", help="tokenize a corpus once into a memory-mapped folder that "
+                                                 "train --data reads (no job)"))
+
     export = sub.add_parser("export", help="write a training checkpoint as a Hugging Face folder (no job)")
     export.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="a --checkpoint-dir of slapo-fn train")
     export.add_argument("out", metavar="OUT_FOLDER", help="the Hugging Face folder to write")
@@ -213,6 +219,17 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     export.add_argument("--tokenizer", default=None, metavar="FOLDER",
                         help="tokenizer files to write beside the weights (default: the --model folder's, if any)")
     return parser, dict(sub.choices)
+
+
+def _prepare_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True, metavar="SRC",
+                   help="a .jsonl/.parquet/text file or a folder of them (JSON rows' --text-field is a document)")
+    p.add_argument("--tokenizer", required=True, metavar="FOLDER|bytes",
+                   help="a tokenizer folder (AutoTokenizer, with tokenizer.json), or 'bytes'")
+    p.add_argument("--out", required=True, metavar="FOLDER", help="a new (or empty) folder for the tokens")
+    p.add_argument("--workers", type=int, default=None, help="encoding processes (default: one per CPU)")
+    p.add_argument("--text-field", default="text", help="the field of JSON rows and parquet columns to read")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _tune_args(p: argparse.ArgumentParser) -> None:
@@ -630,7 +647,7 @@ def _data_problems(args: argparse.Namespace, config: Any) -> list[Problem]:
         return [Problem("--tokenizer" if args.tokenizer is not None else "--model", f"{first.path}: {first.reason}",
                         "a folder with tokenizer files (tokenizer.json, tokenizer_config.json), or --tokenizer bytes")]
     if codec.vocab <= vocab:
-        return []
+        return _prepared_problems(args, codec)
     where = "--tokenizer" if args.tokenizer is not None else "--model"
     return [Problem(where, f"the tokenizer {codec.name} has {codec.vocab} tokens; the model's vocabulary has only "
                            f"{vocab} (token ids would fall outside the embedding)",
@@ -638,18 +655,42 @@ def _data_problems(args: argparse.Namespace, config: Any) -> list[Problem]:
                     f"{codec.vocab}")]
 
 
+def _prepared_problems(args: argparse.Namespace, codec: Any) -> list[Problem]:
+    """A prepared ``--data`` folder: complete, and prepared with the run's tokenizer."""
+    from .data.manifest import Manifest, is_prepared
+    from .data.prepared import tokenizer_problems
+
+    folder = Path(args.data)
+    if not is_prepared(folder):
+        return []
+    try:
+        manifest = Manifest.read(folder)
+    except ScheduleError as e:
+        return [Problem("--data", f"{p.path}: {p.reason}", p.fix) for p in e.problems]
+    return [Problem("--tokenizer" if args.tokenizer is not None else "--data", f"{p.path} {p.reason}", p.fix)
+            for p in tokenizer_problems(manifest, codec, folder)]
+
+
 def _codec(args: argparse.Namespace) -> Any:
     """The tokenizer of ``--data`` as a :class:`slapo_fn.data.Codec`."""
     from .data import Codec
+    from .data.manifest import TOKENIZER, is_prepared
 
     source = _tokenizer_source(args)
+    if source is None and args.data is not None and is_prepared(Path(args.data)) \
+            and (Path(args.data) / TOKENIZER).is_dir():
+        source = str(Path(args.data) / TOKENIZER)  # the folder's own tokenizer
     return Codec.byte_level() if source in (None, "bytes") else Codec.of(Path(source))
 
 
 def _token_data(args: argparse.Namespace, codec: Any) -> Any:
     """``--data`` tokenized with ``codec`` and packed into rows of ``--seq`` tokens."""
-    from .data import TokenData, stdlib_corpus
+    from .data import PreparedData, TokenData, stdlib_corpus
+    from .data.manifest import is_prepared
 
+    if is_prepared(Path(args.data)):
+        return PreparedData.open(args.data, seq_len=args.seq, seed=args.seed, eval_fraction=_eval_fraction(args),
+                                 tokenizer=codec)
     if args.data.partition(":")[0] == STDLIB:
         return TokenData.from_texts(stdlib_corpus(max_bytes=_stdlib_bytes(args.data)), codec, seq_len=args.seq,
                                     seed=args.seed, eval_fraction=_eval_fraction(args))
@@ -1161,6 +1202,23 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare(args: argparse.Namespace) -> int:
+    """``slapo-fn prepare``: :func:`slapo_fn.data.prepare` in this process and its workers."""
+    from .data import prepare
+
+    began = time.perf_counter()
+    tokenizer = None if args.tokenizer == "bytes" else Path(args.tokenizer)
+    manifest = prepare(args.data, tokenizer, args.out, workers=args.workers, text_field=args.text_field,
+                       progress=not args.no_progress)
+    size = sum(s.bytes for s in manifest.sources)
+    seconds = time.perf_counter() - began
+    print(f"slapo-fn prepare: {args.out}: {manifest.tokens:,} tokens, {manifest.documents:,} documents from "
+          f"{len(manifest.sources)} file(s), {size / 2**20:,.1f} MiB in {seconds:.1f} s "
+          f"({size / 2**20 / max(seconds, 1e-9):,.1f} MiB/s), tokenizer {manifest.tokenizer.name}; "
+          f"train on it with --data {args.out}", flush=True)
+    return 0
+
+
 def _size(text: str) -> int:
     units = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
              "gb": 10**9, "tb": 10**12}
@@ -1264,6 +1322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _tune(args)
         if args.command == "export":
             return _export(args)
+        if args.command == "prepare":
+            return _prepare(args)
         problems = _argument_problems(args)
         if problems:
             raise CommandLineError(args.command, problems)

@@ -36,7 +36,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .codec import EOS_TOKEN, Codec, train_bpe
+    from .manifest import Manifest
     from .packed import IGNORE_INDEX, Batch, TokenData
+    from .prepared import PreparedData
+    from .preparing import prepare
     from .sources import read_documents, stdlib_corpus
     from .synthetic import Arithmetic, ByteText, Dataset
 
@@ -48,6 +51,9 @@ _EXPORTS: dict[str, str] = {
     "IGNORE_INDEX": ".packed",
     "Batch": ".packed",
     "TokenData": ".packed",
+    "Manifest": ".manifest",
+    "PreparedData": ".prepared",
+    "prepare": ".preparing",
     "read_documents": ".sources",
     "stdlib_corpus": ".sources",
     "Arithmetic": ".synthetic",
@@ -63,7 +69,10 @@ __all__ = [
     "ByteText",
     "Codec",
     "Dataset",
+    "Manifest",
+    "PreparedData",
     "TokenData",
+    "prepare",
     "read_documents",
     "stdlib_corpus",
     "train_bpe",

@@ -3,12 +3,16 @@ a byte-level BPE trained on the fly, offline, in seconds."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import Problem, ScheduleError
+from .encoder import Encoder
 from .problems import a as _a
 from .problems import error as _error
 
@@ -69,7 +73,9 @@ class Codec:
     Make one with :meth:`of` (from a model folder or a tokenizer object) or
     :meth:`byte_level` (UTF-8 bytes 0–255 and EOS 256, needs no library).
     ``tokenizer`` is the object it wraps (``None`` for bytes), e.g. to save it beside an
-    exported model.
+    exported model; ``encoder`` the same tokenizer as a picklable value for worker
+    processes (``None`` for a slow ``transformers`` tokenizer, which has no ``tokenizers``
+    backend), and :attr:`fingerprint` says whether two codecs encode alike.
 
     Example:
         >>> codec = Codec.byte_level()
@@ -85,6 +91,17 @@ class Codec:
     encode_batch: Callable[[Sequence[str]], list[list[int]]] = field(repr=False)
     decode: Callable[[Sequence[int]], str] = field(repr=False)
     tokenizer: Any = field(default=None, repr=False)
+    encoder: Encoder | None = field(default=None, repr=False)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A hash of the tokenizer (its ``tokenizers`` JSON, or its vocabulary where it has
+        none), EOS and vocabulary size: equal for tokenizers that encode alike."""
+        if self.encoder is not None:
+            return self.encoder.fingerprint
+        digest = hashlib.sha256(json.dumps(sorted(self.tokenizer.get_vocab().items())).encode())
+        digest.update(f"/{self.eos_id}/{self.vocab}".encode())
+        return digest.hexdigest()[:16]
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
@@ -97,7 +114,7 @@ class Codec:
         def decode(ids: Sequence[int]) -> str:
             return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
-        return Codec("bytes", 257, 256, encode_batch, decode)
+        return Codec("bytes", 257, 256, encode_batch, decode, encoder=Encoder.byte_level())
 
     @staticmethod
     def of(tokenizer: PreTrainedTokenizerBase | tokenizers.Tokenizer | Codec | str | Path | None) -> Codec:
@@ -147,7 +164,9 @@ def _transformers_codec(tok: PreTrainedTokenizerBase, name: str) -> Codec:
     def decode(ids: Sequence[int]) -> str:
         return str(tok.decode(list(ids)))
 
-    return Codec(name, len(tok), eos, encode_batch, decode, tok)
+    backend = getattr(tok, "backend_tokenizer", None)
+    encoder = Encoder(backend.to_str(), eos, len(tok)) if backend is not None else None
+    return Codec(name, len(tok), eos, encode_batch, decode, tok, encoder)
 
 
 def _tokenizers_codec(tok: tokenizers.Tokenizer) -> Codec:
@@ -162,5 +181,6 @@ def _tokenizers_codec(tok: tokenizers.Tokenizer) -> Codec:
     def decode(ids: Sequence[int]) -> str:
         return tok.decode(list(ids), skip_special_tokens=False)
 
-    return Codec("tokenizers.Tokenizer", tok.get_vocab_size(with_added_tokens=True), eos, encode_batch, decode, tok)
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    return Codec("tokenizers.Tokenizer", vocab, eos, encode_batch, decode, tok, Encoder(tok.to_str(), eos, vocab))
 

@@ -45,7 +45,7 @@ import functools
 import hashlib
 import math
 from array import array
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
@@ -54,6 +54,7 @@ import torch
 
 from ..errors import Problem
 from .codec import Codec
+from .order import PositionalRows
 from .problems import check_int as _check_int
 from .problems import error as _error
 from .problems import raise_all as _raise_all
@@ -79,7 +80,8 @@ class Batch(TypedDict):
     labels: torch.Tensor
 
 
-def _check_options(seq_len: object, seed: object, eval_fraction: object) -> None:
+def check_options(seq_len: object, seed: object, eval_fraction: object) -> None:
+    """Refuse a ``seq_len`` under 2, a negative ``seed`` or an ``eval_fraction`` outside [0, 1)."""
     problems = _check_int("seq_len", seq_len, 2, "seq_len=2 or more tokens per row (e.g. 128)")
     problems += _check_int("seed", seed, 0, "a non-negative int seed, e.g. seed=0")
     if isinstance(eval_fraction, bool) or not isinstance(eval_fraction, (int, float)) \
@@ -98,7 +100,7 @@ def _permutation(rows: int, seed: int, epoch: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True, eq=False)
-class TokenData:
+class TokenData(PositionalRows):
     """Tokenized text packed into rows of ``seq_len`` tokens: sharded, deterministic, resumable.
 
     Build it with :meth:`from_source`, :meth:`from_texts` or :meth:`from_token_ids`; ask it
@@ -115,6 +117,9 @@ class TokenData:
         >>> b = data.batch(5, batch_size=2, dp_rank=1, dp_size=2)["input_ids"]
         >>> torch.equal(torch.cat([a, b]), data.batch(5, batch_size=2)["input_ids"])
         True
+        >>> saved = data.state(step=3, batch_size=2)
+        >>> saved["position"], data.resume(saved, batch_size=2)
+        (6, 3)
     """
 
     rows: torch.Tensor = field(repr=False)
@@ -152,7 +157,7 @@ class TokenData:
             >>> data.rows[0].tolist(), data.eos_id
             ([104, 101, 108, 108], 256)
         """
-        _check_options(seq_len, seed, eval_fraction)
+        check_options(seq_len, seed, eval_fraction)
         codec = Codec.of(tokenizer)  # a bad tokenizer fails before a large corpus is read
         return cls.from_texts(read_documents(source, text_field=text_field), codec, seq_len=seq_len, seed=seed,
                               eval_fraction=eval_fraction)
@@ -163,7 +168,7 @@ class TokenData:
                    *, seq_len: int, seed: int = 0, eval_fraction: float = 0.0,
                    chunk: int = 512) -> TokenData:
         """Tokenize ``texts`` (documents, in order; empty ones left out) ``chunk`` at a time and pack them."""
-        _check_options(seq_len, seed, eval_fraction)
+        check_options(seq_len, seed, eval_fraction)
         codec = Codec.of(tokenizer)
         docs = [t for t in texts if t]
         if not docs:
@@ -183,7 +188,7 @@ class TokenData:
             >>> data.rows.tolist(), data.lengths.tolist()
             ([[1, 2, 3, 0], [4, 5, 0, 0]], [4, 3])
         """
-        _check_options(seq_len, seed, eval_fraction)
+        check_options(seq_len, seed, eval_fraction)
         problems = _check_int("vocab", vocab, 1, "the tokenizer's vocabulary size")
         if not problems and not (isinstance(eos_id, int) and 0 <= eos_id < vocab):
             problems.append(Problem("eos_id", f"{eos_id!r} is not a token id below vocab {vocab}",
@@ -225,10 +230,6 @@ class TokenData:
     def n_eval(self) -> int:
         return int(self.rows.shape[0]) - self.n_train
 
-    def steps_per_epoch(self, batch_size: int) -> int:
-        """Full global batches in one pass over the training rows (batches run on across epochs)."""
-        return self.n_train // batch_size
-
     @functools.cached_property
     def fingerprint(self) -> str:
         """A hash of the packed rows and the split: equal for the same corpus, tokenizer and ``seq_len``."""
@@ -237,103 +238,13 @@ class TokenData:
         digest.update(f"{self.n_train}/{self.eos_id}/{self.vocab}".encode())
         return digest.hexdigest()[:16]
 
-    # ----------------------------------------------------------------- batches
+    # ----------------------------------------------------------------- rows
 
-    def batch(self, step: int, batch_size: int, *, dp_rank: int = 0, dp_size: int = 1) -> Batch:
-        """Data-parallel rank ``dp_rank``'s ``batch_size // dp_size`` rows of global batch ``step``.
+    def _order(self, epoch: int, within: torch.Tensor) -> torch.Tensor:
+        return _permutation(self.n_train, self.seed, epoch)[within]
 
-        ``batch_size`` is the global batch (all ranks together). A pure function of its
-        arguments and the seed: call it with the step number, also after a resume.
-        """
-        problems = _check_int("step", step, 0, "the 0-based step number")
-        problems += self._check_dp(batch_size, dp_rank, dp_size)
-        _raise_all(problems)
-        local = batch_size // dp_size
-        start = step * batch_size + dp_rank * local
-        positions = torch.arange(start, start + local)
-        epochs, within = positions // self.n_train, positions % self.n_train
-        index = torch.empty_like(positions)
-        for epoch in epochs.unique().tolist():
-            chosen = epochs == epoch
-            index[chosen] = _permutation(self.n_train, self.seed, epoch)[within[chosen]]
-        return self._batch(index)
-
-    def eval_batches(self, batch_size: int, *, dp_rank: int = 0, dp_size: int = 1) -> Iterator[Batch]:
-        """The held-out rows in corpus order, ``n_eval // batch_size`` global batches (a
-        remainder smaller than one batch is left out), rank ``dp_rank``'s share of each.
-
-        Every rank gets the same number of batches, so a loop can all-reduce after each.
-        """
-        problems = self._check_dp(batch_size, dp_rank, dp_size)
-        if not problems and self.n_eval < batch_size:
-            problems.append(Problem("eval_fraction", f"holds out {self.n_eval} row(s), fewer than one batch of "
-                                    f"{batch_size}", "a larger eval_fraction, or a smaller eval batch"))
-        _raise_all(problems)
-        local = batch_size // dp_size
-        for b in range(self.n_eval // batch_size):
-            start = self.n_train + b * batch_size + dp_rank * local
-            yield self._batch(torch.arange(start, start + local))
-
-    def _check_dp(self, batch_size: int, dp_rank: int, dp_size: int) -> list[Problem]:
-        problems = _check_int("batch_size", batch_size, 1, "the global batch size, in rows")
-        problems += _check_int("dp_size", dp_size, 1, "the number of data-parallel ranks")
-        if not problems and batch_size % dp_size:
-            fit = dp_size * max(1, batch_size // dp_size)
-            problems.append(Problem("batch_size", f"{batch_size} rows do not split evenly over {dp_size} "
-                                    "data-parallel ranks", f"a multiple of {dp_size}, e.g. {fit}"))
-        if not problems and not (isinstance(dp_rank, int) and 0 <= dp_rank < dp_size):
-            problems.append(Problem("dp_rank", f"{dp_rank!r} is not a rank of {dp_size}", f"0 to {dp_size - 1}"))
-        return problems
-
-    def _batch(self, index: torch.Tensor) -> Batch:
+    def _rows(self, index: torch.Tensor) -> Batch:
         input_ids = self.rows[index].long()
         mask = torch.arange(self.seq_len) < self.lengths[index, None]
         return Batch(input_ids=input_ids, attention_mask=mask.long(),
                      labels=input_ids.masked_fill(~mask, IGNORE_INDEX))
-
-    # ----------------------------------------------------------------- resume
-
-    def state(self, step: int, batch_size: int) -> dict[str, int | str]:
-        """What a checkpoint saved after ``step`` steps stores about the data.
-
-        ``position`` counts the global rows consumed; the rest identifies the data, so
-        that :meth:`resume` can refuse a checkpoint of other data.
-
-        Example:
-            >>> data = TokenData.from_texts(["some text to train on"], seq_len=4)
-            >>> saved = data.state(step=3, batch_size=2)
-            >>> saved["position"], data.resume(saved, batch_size=2)
-            (6, 3)
-        """
-        _raise_all(_check_int("step", step, 0, "the number of steps done") +
-                   _check_int("batch_size", batch_size, 1, "the global batch size, in rows"))
-        position = step * batch_size
-        return {"position": position, "epoch": position // self.n_train, "seed": self.seed,
-                "seq_len": self.seq_len, "fingerprint": self.fingerprint}
-
-    def resume(self, state: Mapping[str, object], batch_size: int) -> int:
-        """The step to continue at after ``state`` (from :meth:`state`); the next batch
-        is ``batch(step, batch_size, …)``, the one the uninterrupted run would have seen.
-
-        Raises :class:`~slapo_fn.errors.ScheduleError` listing what differs if ``state``
-        was saved with another corpus, tokenizer, ``seq_len`` or seed, or at a position
-        ``batch_size`` does not divide.
-        """
-        problems = []
-        for key, mine in (("fingerprint", self.fingerprint), ("seq_len", self.seq_len), ("seed", self.seed)):
-            if state.get(key) != mine:
-                problems.append(Problem(f"state.{key}", f"the checkpoint's data has {key} "
-                                        f"{state.get(key)!r}, this data {mine!r}",
-                                        "resume with the corpus, tokenizer, seq_len, seed and eval_fraction "
-                                        "of the saved run"))
-        saved = state.get("position")
-        position = saved if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 0 else -1
-        problems += _check_int("batch_size", batch_size, 1, "the saved run's global batch size")
-        if position < 0:
-            problems.append(Problem("state.position", f"{saved!r} is not a row count",
-                                    "a state returned by TokenData.state"))
-        elif not problems and position % batch_size:
-            problems.append(Problem("batch_size", f"{batch_size} does not divide the {position} rows consumed",
-                                    "resume with the saved run's global batch size"))
-        _raise_all(problems)
-        return position // batch_size

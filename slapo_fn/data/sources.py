@@ -19,7 +19,7 @@ from .problems import raise_all as _raise_all
 if TYPE_CHECKING:
     import datasets
 
-__all__ = ["JSON_SUFFIXES", "read_documents", "stdlib_corpus", "walk"]
+__all__ = ["JSON_SUFFIXES", "read_documents", "read_file", "stdlib_corpus", "text_of", "walk"]
 
 JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
 """Suffixes of files read as JSON rows."""
@@ -58,7 +58,7 @@ def read_documents(source: str | Path | Sequence[str] | datasets.Dataset | datas
             raise _error(path, "no such file or folder",
                          "the path of a text file, a folder of them, a JSONL file with a 'text' field, or a "
                          "dataset saved with datasets' save_to_disk")
-        docs = _read_folder(path, text_field) if path.is_dir() else _read_file(path, text_field)
+        docs = _read_folder(path, text_field) if path.is_dir() else read_file(path, text_field)
         where: object = path
     elif isinstance(source, (list, tuple)):
         bad = [Problem(f"<documents>[{i}]", f"is {_a(type(d).__name__)}, not a string", "pass strings only")
@@ -77,7 +77,9 @@ def read_documents(source: str | Path | Sequence[str] | datasets.Dataset | datas
     return docs
 
 
-def _read_file(path: Path, text_field: str) -> list[str]:
+def read_file(path: Path, text_field: str) -> list[str]:
+    """The documents of one file: its ``text_field`` rows if JSON (``.jsonl``, ``.ndjson``,
+    ``.json``), else its whole text, one document."""
     text = _read_text(path)
     if path.suffix.lower() in JSON_SUFFIXES:
         return _json_rows(path, text, text_field)
@@ -115,26 +117,32 @@ def _json_rows(path: Path, text: str, text_field: str) -> list[str]:
     docs = []
     problems: list[Problem] = []
     for where, row in rows:
-        if isinstance(row, Problem):
-            problems.append(row)
-            continue
-        value = row.get(text_field) if isinstance(row, dict) else None
-        if isinstance(value, str):
-            docs.append(value)
-            continue
-        if not isinstance(row, dict):
-            reason = f"is {_a(type(row).__name__)} (JSON), not an object with a {text_field!r} field"
-        elif text_field not in row:
-            reason = f"has no {text_field!r} field (fields: {', '.join(map(str, row)) or 'none'})"
+        value = row if isinstance(row, Problem) else text_of(row, where, text_field)
+        if isinstance(value, Problem):
+            problems.append(value)
         else:
-            reason = f"its {text_field!r} is {_a(type(value).__name__)}, not a string"
-        fields = [k for k, v in row.items() if isinstance(v, str)] if isinstance(row, dict) else []
-        fix = f'give each row a "{text_field}" string'
-        if fields and text_field not in row:
-            fix += f", or read another field: text_field={fields[0]!r}"
-        problems.append(Problem(where, reason, fix))
+            docs.append(value)
     _raise_all(problems)
     return docs
+
+
+def text_of(row: Any, where: str, text_field: str) -> str | Problem:
+    """Row ``row``'s (a JSON value's) document, its ``text_field`` string, or the problem
+    at ``where`` (not an object, no such field, not a string), with the fix."""
+    value = row.get(text_field) if isinstance(row, dict) else None
+    if isinstance(value, str):
+        return value
+    if not isinstance(row, dict):
+        reason = f"is {_a(type(row).__name__)} (JSON), not an object with a {text_field!r} field"
+    elif text_field not in row:
+        reason = f"has no {text_field!r} field (fields: {', '.join(map(str, row)) or 'none'})"
+    else:
+        reason = f"its {text_field!r} is {_a(type(value).__name__)}, not a string"
+    fields = [k for k, v in row.items() if isinstance(v, str)] if isinstance(row, dict) else []
+    fix = f'give each row a "{text_field}" string'
+    if fields and text_field not in row:
+        fix += f", or read another field: text_field={fields[0]!r}"
+    return Problem(where, reason, fix)
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -152,7 +160,7 @@ def _read_folder(path: Path, text_field: str) -> list[str]:
         return _read_dataset(datasets.load_from_disk(str(path)), path, text_field)
     docs: list[str] = []
     for file in walk(path):
-        docs += _read_file(file, text_field)
+        docs += read_file(file, text_field)
     return docs
 
 
