@@ -155,9 +155,17 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
                                             "and a held-out split; without one, a plain text file is read as in "
                                             "earlier versions (random byte windows, 256 symbols)")
     data.add_argument("--data", default=None,
-                      help="a text file, a folder of text files, JSONL with a 'text' field, a `datasets` dataset "
-                           "saved on disk, or 'stdlib' (the Python standard library's sources, 2 MB; "
-                           "'stdlib:8MiB' or 'stdlib:all' for more); default: a synthetic task")
+                      help="a text file, a folder of text files, JSONL with a 'text' field (or chat 'messages'), "
+                           "parquet, a `datasets` dataset saved on disk, a folder of `slapo-fn prepare`, or 'stdlib' "
+                           "(the Python standard library's sources, 2 MB; 'stdlib:8MiB' or 'stdlib:all' for more); "
+                           "a mixture: 'a.jsonl:0.7,b/:0.3'; sources over 256 MiB, parquet and mixtures are "
+                           "streamed; default: a synthetic task")
+    data.add_argument("--stream", action="store_true",
+                      help="stream --data (datasets' iterable mode, packed on the fly) whatever its size")
+    data.add_argument("--data-format", choices=("auto", "text", "chat"), default="auto",
+                      help="rows of text (--text-field) or chat 'messages' (rendered with the tokenizer's chat "
+                           "template, loss on assistant turns); auto: as the first row says")
+    data.add_argument("--text-field", default="text", help="the field of JSON rows and parquet columns to read")
     data.add_argument("--tokenizer", default=None, metavar="FOLDER|bytes",
                       help="a tokenizer folder (AutoTokenizer), or 'bytes' (UTF-8 bytes + EOS: 257 symbols); "
                            "default: the --model folder's tokenizer if it has one")
@@ -294,7 +302,7 @@ def _config_values(file: Path, parser: argparse.ArgumentParser, command: str) ->
     actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
     flat: list[tuple[str, Any]] = []
     for key, value in table.items():
-        if isinstance(value, dict) and key.replace("-", "_") not in actions:  # a [section]
+        if isinstance(value, dict):  # a [section], also one named like a flag ([data] data = "...")
             flat += [(f"{key}.{k}", v) for k, v in value.items()]
         else:
             flat.append((key, value))
@@ -506,7 +514,7 @@ def _packed(args: argparse.Namespace) -> bool:
     earlier versions, kept for a plain text file when no tokenizer is given)."""
     if args.data is None:
         return False
-    if _tokenizer_source(args) is not None or args.data.partition(":")[0] == STDLIB:
+    if _tokenizer_source(args) is not None or args.data.partition(":")[0] == STDLIB or args.stream:
         return True
     path = Path(args.data)
     return not path.is_file() or path.suffix.lower() in (".jsonl", ".json")
@@ -521,6 +529,8 @@ def _data_argument_problems(args: argparse.Namespace) -> list[Problem]:
         except ValueError:
             problems.append(Problem("--data", f"{args.data!r}: the size after 'stdlib:' is not a size",
                                     "--data stdlib, --data stdlib:8MiB or --data stdlib:all"))
+    elif args.data is not None and _mixture_problems(args.data) is not None:
+        problems += _mixture_problems(args.data) or []
     elif args.data is not None:
         path, why = Path(args.data), ""
         if not path.exists():
@@ -560,6 +570,21 @@ def _data_argument_problems(args: argparse.Namespace) -> list[Problem]:
             problems.append(Problem("--eval-every", "--eval-fraction 0 holds out no rows to evaluate on",
                                     "--eval-fraction 0.05 (or leave it out: 0.05 with --eval-every)"))
     return problems
+
+
+def _mixture_problems(data: str) -> list[Problem] | None:
+    """``None`` where ``--data`` is one source without a weight; else the problems of its
+    weights and sources (without reading them)."""
+    from .data.spec import parse
+
+    try:
+        spec = parse(data)
+    except ScheduleError as e:
+        return list(e.problems)
+    if not spec.mixture:
+        return None
+    return [Problem("--data", f"{s.name}: no such file or folder", _DATA_FIX)
+            for s in spec.sources if not s.stdlib and not s.path.exists()]
 
 
 def _eval_fraction(args: argparse.Namespace) -> float:
@@ -647,7 +672,7 @@ def _data_problems(args: argparse.Namespace, config: Any) -> list[Problem]:
         return [Problem("--tokenizer" if args.tokenizer is not None else "--model", f"{first.path}: {first.reason}",
                         "a folder with tokenizer files (tokenizer.json, tokenizer_config.json), or --tokenizer bytes")]
     if codec.vocab <= vocab:
-        return _prepared_problems(args, codec)
+        return _source_problems(args, codec)
     where = "--tokenizer" if args.tokenizer is not None else "--model"
     return [Problem(where, f"the tokenizer {codec.name} has {codec.vocab} tokens; the model's vocabulary has only "
                            f"{vocab} (token ids would fall outside the embedding)",
@@ -655,20 +680,15 @@ def _data_problems(args: argparse.Namespace, config: Any) -> list[Problem]:
                     f"{codec.vocab}")]
 
 
-def _prepared_problems(args: argparse.Namespace, codec: Any) -> list[Problem]:
-    """A prepared ``--data`` folder: complete, and prepared with the run's tokenizer."""
-    from .data.manifest import Manifest, is_prepared
-    from .data.prepared import tokenizer_problems
+def _source_problems(args: argparse.Namespace, codec: Any) -> list[Problem]:
+    """What ``--data``'s sources hold, read as little as it takes (a prepared folder's
+    manifest, a stream's first row): :func:`slapo_fn.data.data_problems`."""
+    from .data import data_problems
 
-    folder = Path(args.data)
-    if not is_prepared(folder):
+    if args.data.partition(":")[0] == STDLIB:
         return []
-    try:
-        manifest = Manifest.read(folder)
-    except ScheduleError as e:
-        return [Problem("--data", f"{p.path}: {p.reason}", p.fix) for p in e.problems]
-    return [Problem("--tokenizer" if args.tokenizer is not None else "--data", f"{p.path} {p.reason}", p.fix)
-            for p in tokenizer_problems(manifest, codec, folder)]
+    return data_problems(args.data, codec, stream=args.stream, text_field=args.text_field,
+                         data_format=args.data_format, eval_every=bool(args.eval_every))
 
 
 def _codec(args: argparse.Namespace) -> Any:
@@ -684,18 +704,25 @@ def _codec(args: argparse.Namespace) -> Any:
 
 
 def _token_data(args: argparse.Namespace, codec: Any) -> Any:
-    """``--data`` tokenized with ``codec`` and packed into rows of ``--seq`` tokens."""
-    from .data import PreparedData, TokenData, stdlib_corpus
-    from .data.manifest import is_prepared
+    """``--data`` tokenized with ``codec`` and packed into rows of ``--seq`` tokens: in
+    memory, mapped from a prepared folder, streamed, or a mixture (:mod:`slapo_fn.data`)."""
+    from .data import TokenData, open_data, stdlib_corpus
+    from .data.attention import packing_for
 
-    if is_prepared(Path(args.data)):
-        return PreparedData.open(args.data, seq_len=args.seq, seed=args.seed, eval_fraction=_eval_fraction(args),
-                                 tokenizer=codec)
     if args.data.partition(":")[0] == STDLIB:
         return TokenData.from_texts(stdlib_corpus(max_bytes=_stdlib_bytes(args.data)), codec, seq_len=args.seq,
                                     seed=args.seed, eval_fraction=_eval_fraction(args))
-    return TokenData.from_source(Path(args.data), codec, seq_len=args.seq, seed=args.seed,
-                                 eval_fraction=_eval_fraction(args))
+    return open_data(args.data, codec, seq_len=args.seq, seed=args.seed, eval_fraction=_eval_fraction(args),
+                     stream=args.stream, text_field=args.text_field, data_format=args.data_format,
+                     chat_packing=lambda: packing_for(_config(args.model, args.command)))
+
+
+def _checkpointed(data: Any, batch_size: int) -> Any:
+    """Data as :func:`slapo_fn.train.train` checkpoints it: positional rows through
+    :class:`_Positioned`; streams and mixtures save their own position."""
+    from .data.order import PositionalRows
+
+    return _Positioned(data, batch_size) if isinstance(data, PositionalRows) else data
 
 
 class _Positioned:
@@ -943,6 +970,7 @@ def _train(args: argparse.Namespace) -> int:
     from . import build, build_pipeline, hf
     from . import train as t
     from .data import Arithmetic, ByteText
+    from .data.loading import packs_apart
     from .presets import tokenizer_of, weights_of
     from .weights import load_hf, save_hf
 
@@ -957,9 +985,9 @@ def _train(args: argparse.Namespace) -> int:
         codec = _codec(args)
         if codec.vocab > vocab:
             raise CommandLineError(args.command, _data_problems(args, sch.module.config))
-        data = _Positioned(_token_data(args, codec), args.batch)
+        data = _checkpointed(_token_data(args, codec), args.batch)
         if rank == 0:
-            print(f"data: {data.data}", flush=True)
+            print(f"data: {getattr(data, 'data', data)}", flush=True)
     else:
         source = ByteText.from_file(args.data, args.seed) if args.data else Arithmetic(vocab, args.seed)
         if source.vocab > vocab:
@@ -975,6 +1003,9 @@ def _train(args: argparse.Namespace) -> int:
                                     init=init, seed=args.seed, device=device)
     else:
         model = build(sch, init=init, seed=args.seed, device=device)
+    if packs_apart(data) and isinstance(model, torch.nn.Module):  # examples apart by position ids: no
+        # cache, which would turn the reading of packed position ids off
+        hf.train_without_cache(model)
     if init == "empty":
         load_hf(model, Path(args.model))
         if rank == 0:

@@ -28,6 +28,7 @@ OPTIONAL = {
     "optuna": "the tune extra",
     "matplotlib": "the tune extra",
     "rich": "pretty tables where installed",
+    "pyarrow": "costly to import (comes with datasets): read where a corpus has parquet files",
     "datasets": "costly to import (about 1 s): data/ streams and reads datasets on use",
     "tokenizers": "comes with transformers (the hf extra): BPE trained on the fly and prepare's workers (data/)",
     "torch.utils.tensorboard": "the tensorboard extra (it imports the tensorboard package)",

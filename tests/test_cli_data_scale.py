@@ -57,3 +57,29 @@ def test_prepare_once_then_train_on_the_map_at_hugging_faces_loss(files: dict[st
     other = refusal(run("train", "--model", str(files["model"]), "--data", str(out), "--tokenizer",
                         str(files["other-tok"]), "--steps", "1", "--no-progress"))
     assert "was prepared with tokenizer" in other and "this run's is" in other
+
+
+@pytest.mark.timeout(200)
+def test_bad_data_is_refused_by_the_parent_in_one_message_before_any_rank_starts(files: dict[str, Path],
+                                                                                 tmp_path: Path) -> None:
+    corpus, model = files["corpus"], str(files["model"])
+    weight = refusal(run("train", "--model", model, "--data", f"{corpus}/part0.jsonl:0.7,{corpus}/part1.jsonl:0",
+                         "--dp", "2", "--steps", "1", "--no-progress"))
+    assert "a mixture weight must be a positive number, got 0" in weight
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    empty = refusal(run("train", "--model", model, "--data", str(tmp_path / "empty.jsonl"), "--stream", "--dp", "2",
+                        "--steps", "1", "--no-progress"))
+    assert "has no rows: nothing to stream" in empty
+    chat = refusal(run("train", "--model", model, "--data", str(corpus), "--data-format", "chat", "--dp", "2",
+                       "--steps", "1", "--no-progress"))
+    assert "is read as chat, and its first row has no 'messages' list" in chat
+
+
+def test_a_mixture_is_the_same_string_in_a_toml_config(tmp_path: Path) -> None:
+    from slapo_fn.cli import _parse
+    from slapo_fn.data.spec import parse
+
+    (tmp_path / "run.toml").write_text('[data]\ndata = "web.jsonl:0.7,code/:0.3"\nstream = true\n')
+    args = _parse(["train", "--config", str(tmp_path / "run.toml")])
+    assert [(s.name, s.weight) for s in parse(args.data).sources] == [("web.jsonl", 0.7), ("code/", 0.3)]
+    assert args.stream

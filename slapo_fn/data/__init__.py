@@ -36,11 +36,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .codec import EOS_TOKEN, Codec, train_bpe
+    from .loading import data_problems, open_data
     from .manifest import Manifest
+    from .mixture import Cursor, Mixture
     from .packed import IGNORE_INDEX, Batch, TokenData
     from .prepared import PreparedData
     from .preparing import prepare
     from .sources import read_documents, stdlib_corpus
+    from .stream import StreamData, StreamSource
     from .synthetic import Arithmetic, ByteText, Dataset
 
 #: Where each public name lives.
@@ -52,6 +55,12 @@ _EXPORTS: dict[str, str] = {
     "Batch": ".packed",
     "TokenData": ".packed",
     "Manifest": ".manifest",
+    "Cursor": ".mixture",
+    "Mixture": ".mixture",
+    "StreamData": ".stream",
+    "StreamSource": ".stream",
+    "data_problems": ".loading",
+    "open_data": ".loading",
     "PreparedData": ".prepared",
     "prepare": ".preparing",
     "read_documents": ".sources",
@@ -68,10 +77,16 @@ __all__ = [
     "Batch",
     "ByteText",
     "Codec",
+    "Cursor",
     "Dataset",
     "Manifest",
+    "Mixture",
     "PreparedData",
+    "StreamData",
+    "StreamSource",
     "TokenData",
+    "data_problems",
+    "open_data",
     "prepare",
     "read_documents",
     "stdlib_corpus",

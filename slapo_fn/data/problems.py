@@ -34,3 +34,17 @@ def check_int(name: str, value: object, low: int, fix: str) -> list[Problem]:
     if isinstance(value, bool) or not isinstance(value, int):
         return [Problem(name, f"must be an int, got {type(value).__name__} {value!r}", fix)]
     return [] if value >= low else [Problem(name, f"must be at least {low}, got {value}", fix)]
+
+
+def in_order_problems(what: str, step: int, next_step: int | None, batch_size: int, dp_size: int) -> list[Problem]:
+    """The problems of asking data read in order (``what``: a stream, a mixture of them)
+    for ``step`` where ``next_step`` is next (``None``: any), with a global batch that
+    must split evenly over ``dp_size`` ranks."""
+    problems = check_int("batch_size", batch_size, 1, "the global batch size, in rows")
+    if not problems and batch_size % dp_size:
+        problems.append(Problem("batch_size", f"{batch_size} rows do not split evenly over {dp_size} "
+                                "data-parallel ranks", f"a multiple of {dp_size}"))
+    if next_step is not None and step != next_step:
+        problems.append(Problem("step", f"{what} is read in order: step {step} asked where step {next_step} is next",
+                                f"ask for step {next_step} (resume from a checkpoint to go back)"))
+    return problems

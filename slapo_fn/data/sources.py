@@ -19,7 +19,7 @@ from .problems import raise_all as _raise_all
 if TYPE_CHECKING:
     import datasets
 
-__all__ = ["JSON_SUFFIXES", "read_documents", "read_file", "stdlib_corpus", "text_of", "walk"]
+__all__ = ["JSON_SUFFIXES", "is_saved_dataset", "read_documents", "read_file", "stdlib_corpus", "text_of", "walk"]
 
 JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
 """Suffixes of files read as JSON rows."""
@@ -145,13 +145,14 @@ def text_of(row: Any, where: str, text_field: str) -> str | Problem:
     return Problem(where, reason, fix)
 
 
-def _is_saved_dataset(path: Path) -> bool:
+def is_saved_dataset(path: Path) -> bool:
+    """Whether ``path`` is a folder written by ``datasets``' ``save_to_disk``."""
     return (path / "dataset_dict.json").is_file() or (
         (path / "state.json").is_file() and (path / "dataset_info.json").is_file())
 
 
 def _read_folder(path: Path, text_field: str) -> list[str]:
-    if _is_saved_dataset(path):
+    if is_saved_dataset(path):
         try:
             import datasets
         except ImportError:
