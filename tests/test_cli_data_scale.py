@@ -83,3 +83,30 @@ def test_a_mixture_is_the_same_string_in_a_toml_config(tmp_path: Path) -> None:
     args = _parse(["train", "--config", str(tmp_path / "run.toml")])
     assert [(s.name, s.weight) for s in parse(args.data).sources] == [("web.jsonl", 0.7), ("code/", 0.3)]
     assert args.stream
+
+
+@pytest.mark.timeout(200)
+def test_fine_tune_on_chat_rows_packed_apart_at_hugging_faces_loss(tmp_path: Path) -> None:
+    from slapo_fn.data import Codec, StreamData, StreamSource
+
+    turns = [[{"role": "user", "content": f"What is {i} + {i}?"}, {"role": "assistant", "content": f"{2 * i}."}]
+             for i in range(40)]
+    tok = train_bpe([json.dumps(t) for t in turns], vocab_size=300)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.save_pretrained(tmp_path / "model")
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=True)  # the run turns it off
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    with (tmp_path / "chat.jsonl").open("w") as f:
+        f.writelines(json.dumps({"messages": t}) + "\n" for t in turns)
+    result = run("train", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "chat.jsonl"), "--steps", "1",
+                 "--batch", str(BATCH), "--seq", "64", "--log-every", "1", "--no-progress")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "chat packed apart" in result.stdout
+    rows = StreamData(StreamSource(tmp_path / "chat.jsonl"), Codec.of(tmp_path / "model"), seq_len=64).rows(BATCH)
+    with torch.no_grad():
+        want = float(AutoModelForCausalLM.from_pretrained(tmp_path / "model")(**rows, use_cache=False).loss)
+    assert losses(result.stdout)[1] == pytest.approx(want, abs=1e-4)
