@@ -529,8 +529,8 @@ def _data_argument_problems(args: argparse.Namespace) -> list[Problem]:
         except ValueError:
             problems.append(Problem("--data", f"{args.data!r}: the size after 'stdlib:' is not a size",
                                     "--data stdlib, --data stdlib:8MiB or --data stdlib:all"))
-    elif args.data is not None and _mixture_problems(args.data) is not None:
-        problems += _mixture_problems(args.data) or []
+    elif args.data is not None and (mixed := _mixture_problems(args.data)) is not None:
+        problems += mixed
     elif args.data is not None:
         path, why = Path(args.data), ""
         if not path.exists():

@@ -196,3 +196,19 @@ def test_prepared_and_in_memory_data_pack_the_same_stream(tmp_path: Path) -> Non
     assert read_documents(tmp_path / "c") == docs
     assert torch.equal(memory.rows[:full].long(), torch.from_numpy(
         np.asarray(prepared.tokens[: full * 32], dtype=np.int64)).view(full, 32))
+
+
+def test_prepares_workers_import_neither_torch_nor_transformers() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, slapo_fn.data.preparing; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_prepare_shows_its_progress_in_bytes_per_second(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _corpus(tmp_path / "c", files=1)
+    prepare(tmp_path / "c", None, tmp_path / "p", workers=0)
+    bar = capsys.readouterr().err
+    assert "prepare" in bar and "100%" in bar and "B/s" in bar
