@@ -67,12 +67,10 @@ def test_bad_data_is_refused_by_the_parent_in_one_message_before_any_rank_starts
                          "--dp", "2", "--steps", "1", "--no-progress"))
     assert "a mixture weight must be a positive number, got 0" in weight
     (tmp_path / "empty.jsonl").write_text("\n\n")
-    empty = refusal(run("train", "--model", model, "--data", str(tmp_path / "empty.jsonl"), "--stream", "--dp", "2",
-                        "--steps", "1", "--no-progress"))
-    assert "has no rows: nothing to stream" in empty
-    chat = refusal(run("train", "--model", model, "--data", str(corpus), "--data-format", "chat", "--dp", "2",
-                       "--steps", "1", "--no-progress"))
-    assert "is read as chat, and its first row has no 'messages' list" in chat
+    both = refusal(run("train", "--model", model, "--data", f"{tmp_path / 'empty.jsonl'}:1,{corpus}:1",
+                       "--data-format", "chat", "--dp", "2", "--steps", "1", "--no-progress"))
+    assert "2 problems" in both and "has no rows: nothing to stream" in both  # every problem, in one message
+    assert "is read as chat, and its first row has no 'messages' list" in both
 
 
 def test_a_mixture_is_the_same_string_in_a_toml_config(tmp_path: Path) -> None:
