@@ -14,6 +14,9 @@
   ``--grad-clip``, ``--grad-accum``, ``--dtype``, ``--metrics``, ``--tensorboard``);
   ``--config run.toml`` gives any flag's value, flags override it; ``--nnodes
   --node-rank --master-addr --master-port`` make this machine one node of several.
+* ``slapo-fn prepare --data SRC --tokenizer T --out DIR`` tokenizes a corpus once, in
+  parallel worker processes, into a memory-mapped token folder that ``train --data DIR``
+  maps (:func:`slapo_fn.data.prepare`).
 * ``slapo-fn export CKPT OUT --model ...`` writes a checkpoint as a Hugging Face folder
   (one process, ``sf.load`` then ``sf.save_hf``); ``train --export-to OUT`` does it at the end.
 * ``slapo-fn explain --model llama-7b --tp 8 --pp 4 --dp 4`` prints the schedule, its
@@ -152,9 +155,17 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
                                             "and a held-out split; without one, a plain text file is read as in "
                                             "earlier versions (random byte windows, 256 symbols)")
     data.add_argument("--data", default=None,
-                      help="a text file, a folder of text files, JSONL with a 'text' field, a `datasets` dataset "
-                           "saved on disk, or 'stdlib' (the Python standard library's sources, 2 MB; "
-                           "'stdlib:8MiB' or 'stdlib:all' for more); default: a synthetic task")
+                      help="a text file, a folder of text files, JSONL with a 'text' field (or chat 'messages'), "
+                           "parquet, a `datasets` dataset saved on disk, a folder of `slapo-fn prepare`, or 'stdlib' "
+                           "(the Python standard library's sources, 2 MB; 'stdlib:8MiB' or 'stdlib:all' for more); "
+                           "a mixture: 'a.jsonl:0.7,b/:0.3'; sources over 256 MiB, parquet and mixtures are "
+                           "streamed; default: a synthetic task")
+    data.add_argument("--stream", action="store_true",
+                      help="stream --data (datasets' iterable mode, packed on the fly) whatever its size")
+    data.add_argument("--data-format", choices=("auto", "text", "chat"), default="auto",
+                      help="rows of text (--text-field) or chat 'messages' (rendered with the tokenizer's chat "
+                           "template, loss on assistant turns); auto: as the first row says")
+    data.add_argument("--text-field", default="text", help="the field of JSON rows and parquet columns to read")
     data.add_argument("--tokenizer", default=None, metavar="FOLDER|bytes",
                       help="a tokenizer folder (AutoTokenizer), or 'bytes' (UTF-8 bytes + EOS: 257 symbols); "
                            "default: the --model folder's tokenizer if it has one")
@@ -205,6 +216,9 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     verify.add_argument("--run-dir", default=None)
     _tune_args(sub.add_parser("tune", help="search the recipe's knobs for the fastest config that fits"))
 
+    _prepare_args(sub.add_parser("prepare", help="tokenize a corpus once into a memory-mapped folder that "
+                                                 "train --data reads (no job)"))
+
     export = sub.add_parser("export", help="write a training checkpoint as a Hugging Face folder (no job)")
     export.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="a --checkpoint-dir of slapo-fn train")
     export.add_argument("out", metavar="OUT_FOLDER", help="the Hugging Face folder to write")
@@ -213,6 +227,17 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     export.add_argument("--tokenizer", default=None, metavar="FOLDER",
                         help="tokenizer files to write beside the weights (default: the --model folder's, if any)")
     return parser, dict(sub.choices)
+
+
+def _prepare_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", required=True, metavar="SRC",
+                   help="a .jsonl/.parquet/text file or a folder of them (JSON rows' --text-field is a document)")
+    p.add_argument("--tokenizer", required=True, metavar="FOLDER|bytes",
+                   help="a tokenizer folder (AutoTokenizer, with tokenizer.json), or 'bytes'")
+    p.add_argument("--out", required=True, metavar="FOLDER", help="a new (or empty) folder for the tokens")
+    p.add_argument("--workers", type=int, default=None, help="encoding processes (default: one per CPU)")
+    p.add_argument("--text-field", default="text", help="the field of JSON rows and parquet columns to read")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _tune_args(p: argparse.ArgumentParser) -> None:
@@ -277,7 +302,7 @@ def _config_values(file: Path, parser: argparse.ArgumentParser, command: str) ->
     actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
     flat: list[tuple[str, Any]] = []
     for key, value in table.items():
-        if isinstance(value, dict) and key.replace("-", "_") not in actions:  # a [section]
+        if isinstance(value, dict):  # a [section], also one named like a flag ([data] data = "...")
             flat += [(f"{key}.{k}", v) for k, v in value.items()]
         else:
             flat.append((key, value))
@@ -489,7 +514,7 @@ def _packed(args: argparse.Namespace) -> bool:
     earlier versions, kept for a plain text file when no tokenizer is given)."""
     if args.data is None:
         return False
-    if _tokenizer_source(args) is not None or args.data.partition(":")[0] == STDLIB:
+    if _tokenizer_source(args) is not None or args.data.partition(":")[0] == STDLIB or args.stream:
         return True
     path = Path(args.data)
     return not path.is_file() or path.suffix.lower() in (".jsonl", ".json")
@@ -504,6 +529,8 @@ def _data_argument_problems(args: argparse.Namespace) -> list[Problem]:
         except ValueError:
             problems.append(Problem("--data", f"{args.data!r}: the size after 'stdlib:' is not a size",
                                     "--data stdlib, --data stdlib:8MiB or --data stdlib:all"))
+    elif args.data is not None and (mixed := _mixture_problems(args.data)) is not None:
+        problems += mixed
     elif args.data is not None:
         path, why = Path(args.data), ""
         if not path.exists():
@@ -543,6 +570,21 @@ def _data_argument_problems(args: argparse.Namespace) -> list[Problem]:
             problems.append(Problem("--eval-every", "--eval-fraction 0 holds out no rows to evaluate on",
                                     "--eval-fraction 0.05 (or leave it out: 0.05 with --eval-every)"))
     return problems
+
+
+def _mixture_problems(data: str) -> list[Problem] | None:
+    """``None`` where ``--data`` is one source without a weight; else the problems of its
+    weights and sources (without reading them)."""
+    from .data.spec import parse
+
+    try:
+        spec = parse(data)
+    except ScheduleError as e:
+        return list(e.problems)
+    if not spec.mixture:
+        return None
+    return [Problem("--data", f"{s.name}: no such file or folder", _DATA_FIX)
+            for s in spec.sources if not s.stdlib and not s.path.exists()]
 
 
 def _eval_fraction(args: argparse.Namespace) -> float:
@@ -630,7 +672,7 @@ def _data_problems(args: argparse.Namespace, config: Any) -> list[Problem]:
         return [Problem("--tokenizer" if args.tokenizer is not None else "--model", f"{first.path}: {first.reason}",
                         "a folder with tokenizer files (tokenizer.json, tokenizer_config.json), or --tokenizer bytes")]
     if codec.vocab <= vocab:
-        return []
+        return _source_problems(args, codec)
     where = "--tokenizer" if args.tokenizer is not None else "--model"
     return [Problem(where, f"the tokenizer {codec.name} has {codec.vocab} tokens; the model's vocabulary has only "
                            f"{vocab} (token ids would fall outside the embedding)",
@@ -638,23 +680,49 @@ def _data_problems(args: argparse.Namespace, config: Any) -> list[Problem]:
                     f"{codec.vocab}")]
 
 
+def _source_problems(args: argparse.Namespace, codec: Any) -> list[Problem]:
+    """What ``--data``'s sources hold, read as little as it takes (a prepared folder's
+    manifest, a stream's first row): :func:`slapo_fn.data.data_problems`."""
+    from .data import data_problems
+
+    if args.data.partition(":")[0] == STDLIB:
+        return []
+    return data_problems(args.data, codec, stream=args.stream, text_field=args.text_field,
+                         data_format=args.data_format, eval_every=bool(args.eval_every))
+
+
 def _codec(args: argparse.Namespace) -> Any:
     """The tokenizer of ``--data`` as a :class:`slapo_fn.data.Codec`."""
     from .data import Codec
+    from .data.manifest import TOKENIZER, is_prepared
 
     source = _tokenizer_source(args)
+    if source is None and args.data is not None and is_prepared(Path(args.data)) \
+            and (Path(args.data) / TOKENIZER).is_dir():
+        source = str(Path(args.data) / TOKENIZER)  # the folder's own tokenizer
     return Codec.byte_level() if source in (None, "bytes") else Codec.of(Path(source))
 
 
 def _token_data(args: argparse.Namespace, codec: Any) -> Any:
-    """``--data`` tokenized with ``codec`` and packed into rows of ``--seq`` tokens."""
-    from .data import TokenData, stdlib_corpus
+    """``--data`` tokenized with ``codec`` and packed into rows of ``--seq`` tokens: in
+    memory, mapped from a prepared folder, streamed, or a mixture (:mod:`slapo_fn.data`)."""
+    from .data import TokenData, open_data, stdlib_corpus
+    from .data.attention import packing_for
 
     if args.data.partition(":")[0] == STDLIB:
         return TokenData.from_texts(stdlib_corpus(max_bytes=_stdlib_bytes(args.data)), codec, seq_len=args.seq,
                                     seed=args.seed, eval_fraction=_eval_fraction(args))
-    return TokenData.from_source(Path(args.data), codec, seq_len=args.seq, seed=args.seed,
-                                 eval_fraction=_eval_fraction(args))
+    return open_data(args.data, codec, seq_len=args.seq, seed=args.seed, eval_fraction=_eval_fraction(args),
+                     stream=args.stream, text_field=args.text_field, data_format=args.data_format,
+                     chat_packing=lambda: packing_for(_config(args.model, args.command)))
+
+
+def _checkpointed(data: Any, batch_size: int) -> Any:
+    """Data as :func:`slapo_fn.train.train` checkpoints it: positional rows through
+    :class:`_Positioned`; streams and mixtures save their own position."""
+    from .data.order import PositionalRows
+
+    return _Positioned(data, batch_size) if isinstance(data, PositionalRows) else data
 
 
 class _Positioned:
@@ -902,6 +970,7 @@ def _train(args: argparse.Namespace) -> int:
     from . import build, build_pipeline, hf
     from . import train as t
     from .data import Arithmetic, ByteText
+    from .data.loading import packs_apart
     from .presets import tokenizer_of, weights_of
     from .weights import load_hf, save_hf
 
@@ -916,9 +985,9 @@ def _train(args: argparse.Namespace) -> int:
         codec = _codec(args)
         if codec.vocab > vocab:
             raise CommandLineError(args.command, _data_problems(args, sch.module.config))
-        data = _Positioned(_token_data(args, codec), args.batch)
+        data = _checkpointed(_token_data(args, codec), args.batch)
         if rank == 0:
-            print(f"data: {data.data}", flush=True)
+            print(f"data: {getattr(data, 'data', data)}", flush=True)
     else:
         source = ByteText.from_file(args.data, args.seed) if args.data else Arithmetic(vocab, args.seed)
         if source.vocab > vocab:
@@ -934,6 +1003,9 @@ def _train(args: argparse.Namespace) -> int:
                                     init=init, seed=args.seed, device=device)
     else:
         model = build(sch, init=init, seed=args.seed, device=device)
+    if packs_apart(data) and isinstance(model, torch.nn.Module):  # examples apart by position ids: no
+        # cache, which would turn the reading of packed position ids off
+        hf.train_without_cache(model)
     if init == "empty":
         load_hf(model, Path(args.model))
         if rank == 0:
@@ -1161,6 +1233,23 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare(args: argparse.Namespace) -> int:
+    """``slapo-fn prepare``: :func:`slapo_fn.data.prepare` in this process and its workers."""
+    from .data import prepare
+
+    began = time.perf_counter()
+    tokenizer = None if args.tokenizer == "bytes" else Path(args.tokenizer)
+    manifest = prepare(args.data, tokenizer, args.out, workers=args.workers, text_field=args.text_field,
+                       progress=not args.no_progress)
+    size = sum(s.bytes for s in manifest.sources)
+    seconds = time.perf_counter() - began
+    print(f"slapo-fn prepare: {args.out}: {manifest.tokens:,} tokens, {manifest.documents:,} documents from "
+          f"{len(manifest.sources)} file(s), {size / 2**20:,.1f} MiB in {seconds:.1f} s "
+          f"({size / 2**20 / max(seconds, 1e-9):,.1f} MiB/s), tokenizer {manifest.tokenizer.name}; "
+          f"train on it with --data {args.out}", flush=True)
+    return 0
+
+
 def _size(text: str) -> int:
     units = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
              "gb": 10**9, "tb": 10**12}
@@ -1264,6 +1353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _tune(args)
         if args.command == "export":
             return _export(args)
+        if args.command == "prepare":
+            return _prepare(args)
         problems = _argument_problems(args)
         if problems:
             raise CommandLineError(args.command, problems)

@@ -151,7 +151,7 @@ def _permutation_of(data: TokenData, batch: Batch) -> list[int]:
 def test_packed_rows_have_seq_len_tokens_and_the_last_partial_row_is_padded_and_masked() -> None:
     data = TokenData.from_token_ids([[1, 2, 3], [4, 5]], eos_id=9, vocab=10, seq_len=4)
     assert data.rows.tolist() == [[1, 2, 3, 9], [4, 5, 9, 9]]
-    last = data._batch(torch.tensor([1]))
+    last = data._rows(torch.tensor([1]))
     assert last["attention_mask"].tolist() == [[1, 1, 1, 0]]
     assert last["labels"].tolist() == [[4, 5, 9, IGNORE_INDEX]]  # the EOS that ends a document is a label
 
@@ -161,7 +161,7 @@ def test_a_hugging_face_causal_lm_takes_a_batch_and_its_loss_ignores_padding() -
 
     model = tiny_llama(layers=1).eval()
     data = TokenData.from_token_ids([list(range(1, 12))], eos_id=0, vocab=128, seq_len=8)  # rows: 8 + 4 tokens
-    batch = data._batch(torch.tensor([0, 1]))
+    batch = data._rows(torch.tensor([0, 1]))
     with torch.no_grad():
         out = model(**batch)
         logits = out.logits[:, :-1].flatten(0, 1)
