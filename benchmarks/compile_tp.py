@@ -62,25 +62,35 @@ def _run(rank: int, world: int, layers: int, hidden: int, repeats: int, sp: bool
                 layer.compile(backend=backend)
         return built
 
+    torch._dynamo.reset()
+    counters.clear()
+    models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]] = {}
     out: dict[str, Any] = {}
+
+    def step(name: str) -> float:
+        built, opt = models[name]
+        torch.distributed.barrier()
+        t0 = time.perf_counter()
+        built(ids).logits.float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        return time.perf_counter() - t0
+
     for engine, make in (("slapo_fn", slapo), ("parallelize_module", torch_tp)):
         for variant, where in (("eager", None), ("per_block", "model.layers.*"), ("whole", "")):
-            torch._dynamo.reset()
-            counters.clear()
+            name = f"{engine}/{variant}"
+            graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
             built = make(where)
-            opt = torch.optim.SGD(built.parameters(), lr=1e-3)
-            times = []
-            for i in range(repeats + 2):  # two warm-up steps: the compile, then a check for recompiles
-                torch.distributed.barrier()
-                t0 = time.perf_counter()
-                built(ids).logits.float().pow(2).mean().backward()
-                opt.step()
-                opt.zero_grad()
-                if i >= 2:
-                    times.append(time.perf_counter() - t0)
-            out[f"{engine}/{variant}"] = {"step_s": statistics.median(times),
-                                          "graphs": counters["stats"]["unique_graphs"],
-                                          "breaks": sum(counters["graph_break"].values())}
+            models[name] = (built, torch.optim.SGD(built.parameters(), lr=1e-3))
+            for _ in range(2):  # the compile, then a check that nothing recompiles
+                step(name)
+            out[name] = {"graphs": counters["stats"]["unique_graphs"] - graphs,
+                         "breaks": sum(counters["graph_break"].values()) - breaks, "times": []}
+    for _ in range(repeats):  # interleaved: load from other processes hits every variant alike
+        for name in models:
+            out[name]["times"].append(step(name))
+    for entry in out.values():
+        entry["step_s"] = statistics.median(entry.pop("times"))
     return out
 
 

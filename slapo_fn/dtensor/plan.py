@@ -64,7 +64,7 @@ from .flow import INPUT, OUTPUT, SIDE, Flow, flow, own_layer, pointwise
 from .layout import Layout, shard_axes
 from .local import LOCAL
 from .rng import RNG, RngSpec
-from .roles import Column, Role
+from .roles import Column, Role, Row
 from .sequence import SEQ, SeqSpec
 from .shard import LAYOUT, ROLE, mesh_dims, tied_paths
 from .sync import SYNC, SyncSpec, collective_of
@@ -827,6 +827,59 @@ def _partners(sch: Schedule) -> dict[str, tuple[str, ...]]:
             fed_r = fed[r]
             if fed_r and fed_r <= keep:
                 out[names[r]] = tuple(sorted(names[c] for c in fed_r))
+    out.update(_partners_across(sch, roles, out))
+    return out
+
+
+def _partners_across(sch: Schedule, roles: Mapping[str, Role], paired: Mapping[str, tuple[str, ...]]
+                     ) -> dict[str, tuple[str, ...]]:
+    """Megatron pairs across parents, as BERT lays them out: ``attention.self`` calls q/k/v
+    and returns what its code makes of them alone, and its caller hands that result only to
+    the first argument of siblings (``attention.output``) whose first argument reaches a row
+    alone. The columns keep their outputs split (``attention.self``'s code then runs on this
+    rank's heads, checked as any parent's between a pair) and the row takes them so.
+    Outside sequence-parallel chains (:func:`_sequence_pairs_across` reads them inside)."""
+    seqs = sch.annotations.of_kind(SEQ)
+    syncs = sch.annotations.of_kind(SYNC)
+    by_caller: dict[tuple[str, str], list[str]] = {}
+    for path, role in roles.items():
+        if isinstance(role, Column) and path not in paired and not syncs.get(path) and not _in_chain(
+                sch, path, role.mesh_axis):
+            found = _caller(sch, path)
+            if found is not None:
+                by_caller.setdefault((found[0], role.mesh_axis), []).append(path)
+    out: dict[str, tuple[str, ...]] = {}
+    for (caller, axis), columns in by_caller.items():
+        fl, up = _flow_of(sch, caller), _caller(sch, caller)
+        if fl is None or up is None or caller in seqs or syncs.get(caller):
+            continue
+        through = _through(sch, caller)
+        names = {q[len(caller) + 1:] if caller else q: q for q in columns}
+        if not all(fl.consumers(n, through) == {OUTPUT} for n in names) or (
+                fl.reaching_output(through) - {SIDE} != set(names)):
+            continue
+        outer, name, ofl = up
+        othrough = _through(sch, outer)
+        rows = []
+        for user in ofl.consumers(name, othrough):
+            receiver = join(outer, user)
+            rfl = _flow_of(sch, receiver) if user != OUTPUT else None
+            if rfl is None or ofl.hidden_feeders(user, othrough) != {name} or syncs.get(receiver):
+                break
+            rthrough = _through(sch, receiver)
+            taken = rfl.consumers(INPUT, rthrough)
+            row = join(receiver, next(iter(taken))) if len(taken) == 1 and OUTPUT not in taken else ""
+            role = roles.get(row)
+            if (not isinstance(role, Row) or role.mesh_axis != axis or syncs.get(row)
+                    or rfl.hidden_feeders(next(iter(taken)), rthrough) != {INPUT}):
+                break
+            rows.append(row)
+        else:
+            if rows:
+                for q in columns:
+                    out[q] = tuple(sorted(rows))
+                for r in rows:
+                    out[r] = tuple(sorted(columns))
     return out
 
 

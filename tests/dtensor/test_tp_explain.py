@@ -129,8 +129,10 @@ def test_sync_origin_and_bytes_of_a_stated_boundary() -> None:
 
 
 def test_strict_build_names_every_implicit_boundary_and_sync_makes_it_pass() -> None:
-    # a column and a row Linear under different parents (no Megatron pair), and a LayerNorm
-    model = nn.Sequential(nn.Sequential(nn.Linear(8, 16)), nn.GELU(), nn.Sequential(nn.Linear(16, 8)), nn.LayerNorm(8))
+    # a column and a row Linear under different parents with a norm over the features between
+    # them (no Megatron pair: through an activation alone they would pair across parents)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 16)), nn.LayerNorm(16), nn.Sequential(nn.Linear(16, 8)),
+                          nn.LayerNorm(8))
     base = sf.shard(sf.shard(sf.create_schedule(model, mesh=fake_mesh(2)), "0.0", axis=0), "2.0", axis=1)
     sch = sf.shard(base, "3.weight", axis=0)  # a parameter sharded by path: gathered to run
     sf.build(sch)  # lenient by default

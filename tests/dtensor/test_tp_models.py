@@ -170,3 +170,28 @@ def test_two_d_mesh_leaves_dp_replicated(dist4) -> None:
         assert r["placements"]["fc2.weight"] == (str(Shard(1)),)
         assert r["placements"]["fc2.bias"] == (str(Replicate()),)
         assert r["fwd"] == {"all_reduce": 1} and r["bwd"] == {"all_reduce": 1}
+
+
+def _bert(rank: int, world: int) -> dict:
+    from models import tiny_bert
+
+    def megatron(s: sf.Schedule) -> sf.Schedule:
+        layer = "encoder.layer.*."
+        s = sf.shard(sf.shard(s, layer + "attention.self.{query,key,value}", axis=0), layer + "attention.output.dense",
+                     axis=1)
+        return sf.shard(sf.shard(s, layer + "intermediate.dense", axis=0), layer + "output.dense", axis=1)
+
+    torch.manual_seed(0)
+    return parity(tiny_bert(2), megatron, (token_ids(),), shape=(world,), tracker=False,
+                  loss=lambda out, _: out.last_hidden_state.float().pow(2).mean())
+
+
+def test_bert_pairs_its_columns_with_rows_in_sibling_modules(dist2) -> None:
+    """BERT keeps q/k/v in ``attention.self`` and their row in ``attention.output`` (and the
+    MLP's in ``intermediate`` and ``output``): paired across their parents, one all-reduce
+    forward and one backward per block, as Megatron-LM's BERT (was 20 collectives for 2
+    layers: every column's output gathered, every row's input split again)."""
+    for r in dist2.run(_bert, timeout=120):
+        assert not r["on_dtensors"]
+        assert r["fwd"] == {"all_reduce": 4} and r["bwd"] == {"all_reduce": 4}, r
+        assert r["predicted"] == {"forward": r["fwd"], "backward": r["bwd"]}
