@@ -218,7 +218,7 @@ def _factors(sch: Schedule) -> Callable[[str], float]:
     sharded_parents: dict[str, int] = {}
     for path, role in roles.items():
         parent = parent_path(path)
-        if role.kind in ("column", "row"):
+        if role.enters or role.splits_input:  # splits an activation's features
             sharded_parents[parent] = size.get(role.mesh_axis, 1)
     cache: dict[str, float] = {}
 
@@ -228,7 +228,7 @@ def _factors(sch: Schedule) -> Callable[[str], float]:
         role = roles.get(path)
         parent = parent_path(path)
         if role is not None:
-            out = 1 / size.get(role.mesh_axis, 1) if role.kind == "row" else 1.0
+            out = 1 / size.get(role.mesh_axis, 1) if role.splits_input else 1.0
         elif path in sharded_parents:
             out = 1 / sharded_parents[path]
         elif path and parent in sharded_parents:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from .build import _has_meta, build
 from .combinators import Rewrite
@@ -181,7 +182,7 @@ class _Ranks:
         #: Modules whose output is ``k`` fused chunks (GPT-2's ``c_attn``, ``packed=3``): their
         #: gathered features are put back in the reference's element order before comparing.
         self.packed = {p: r.packed for p, r in sch.annotations.of_kind(ROLE).items()
-                       if r.kind == "column" and r.packed > 1}
+                       if isinstance(r.gives(3), _StridedShard)}
         if not self.active or sch.mesh is None:
             return
         axes = {r.mesh_axis for r in sch.annotations.of_kind(ROLE).values()}

@@ -234,7 +234,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def _first_input(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> torch.Tensor | None:
     """The tensor the boundary runtime converts: the first tensor positional argument,
-    else the first tensor keyword argument (as ``runtime._map_input``)."""
+    else the first tensor keyword argument (as :func:`.region.map_input`)."""
     for a in args:
         if isinstance(a, torch.Tensor):
             return a
@@ -645,7 +645,7 @@ def loss_collectives(sch: Schedule, shapes: ActivationShapes | None) -> tuple[Co
     for path, role in sch.annotations.of_kind(ROLE).items():
         syncs: tuple[SyncSpec, ...] = sch.annotations.get(path, SYNC, ())
         kept = [s for s in syncs if s.mode == "fwd_post" and isinstance(s.layout, Shard) and s.layout.dim == -1]
-        if role.kind != "column" or not kept:
+        if not role.enters or not kept:  # a column's logits, kept split
             continue
         entry = shapes.outputs.get(path) if shapes is not None else None
         rows = None if entry is None else _numel(entry[0][:-1]) * _itemsize(torch.float32)

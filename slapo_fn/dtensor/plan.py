@@ -137,12 +137,18 @@ class ModulePlan:
     entered: bool = False
 
     @property
+    def enters(self) -> bool:
+        """Whether its role takes whole activations and splits its output's features (a
+        column): it enters the tensor-parallel region, whose gradient is all-reduced."""
+        return self.role is not None and not self.role.own_forward and isinstance(self.role.takes(3), Replicate)
+
+    @property
     def keeps_features(self) -> bool:
         """A column paired with rows whose output stays this rank's features for them: no
         ``fwd_post`` sync of its own gathers it (:func:`_gathers_output`). Its parent's code
         then runs on this rank's heads, and build makes the parent's head counts local."""
         role = self.role
-        return (self.partnered and role is not None and role.kind == "column"
+        return (self.partnered and role is not None and role.enters
                 and not _gathers_output(self.syncs, role.mesh_axis))
 
 
@@ -250,8 +256,8 @@ def _plan(sch: Schedule) -> Plan:
         seq = region(path)
         partnered = bool(partners.get(path))
         caller = caller_path(sch.module, path)
-        shares = role is not None and role.kind == "column" and path not in seqs and caller in shared
-        on_side = (role is not None and role.kind == "column" and path not in seqs and caller in gatherers
+        shares = role is not None and role.enters and path not in seqs and caller in shared
+        on_side = (role is not None and role.enters and path not in seqs and caller in gatherers
                    and _reads_side(sch, path))
         spec_syncs = _resolved_syncs(path, _restated(sch, path, _whole_syncs(syncs.get(path, ()), whole.get(path))),
                                      roles.get(path),
@@ -265,7 +271,7 @@ def _plan(sch: Schedule) -> Plan:
         entered = False
         if role is not None:
             ax = role.mesh_axis
-            if role.kind == "column":
+            if role.enters:
                 in_seq = seq is not None and seq.mesh_axis == ax
                 pre = _moving(spec_syncs, "fwd_pre")
                 # a column that a sync hands a converted tensor enters the region with it alone
@@ -311,7 +317,7 @@ def _plan(sch: Schedule) -> Plan:
                     bounds.append(Boundary(path, "output", out, _d(out_sync.layout), ax, fwd, bwd, True, "output"))
                 elif not partnered:
                     bounds.append(Boundary(path, "output", out, "R", ax, ("all_gather",), (), False, "output"))
-            elif role.kind == "row":
+            elif role.splits_input:
                 # the layout the last fwd_pre sync leaves is what the row takes (stacked syncs)
                 stated = next((s for s in reversed(spec_syncs) if s.mode == "fwd_pre"), None)
                 pre = _moving(spec_syncs, "fwd_pre")
@@ -331,9 +337,9 @@ def _plan(sch: Schedule) -> Plan:
                     split_input = True
                 # a fwd_pre sync to Shard(-1) is the input boundary itself (added with the syncs below)
                 bounds.append(_reduce_boundary(path, ax, seq, out_sync))
-            elif role.kind == "vocab":
+            elif (role.reads_ids and role.sums):
                 bounds.append(_reduce_boundary(path, ax, seq, out_sync))
-            elif role.kind == "embed_dim":
+            elif (role.reads_ids and role.splits_output):
                 if out_sync is not None:
                     fwd, bwd = collective_of(Shard(-1), out_sync.layout)
                     bounds.append(Boundary(path, "output", "S(-1)", _d(out_sync.layout), ax, fwd, bwd, True, "output"))
@@ -362,10 +368,10 @@ def _plan(sch: Schedule) -> Plan:
         if path in seqs:
             spec = seqs[path]
             same = [r for r in seq_roots if seqs[r].mesh_axis == spec.mesh_axis]
-            own = role.kind if role is not None and role.mesh_axis == spec.mesh_axis else None
+            own = role if role is not None and role.mesh_axis == spec.mesh_axis else None
             # a vocab embedding or a row layer first in the chain enters it by reduce-scattering its
             # partial output along the sequence; a column last leaves it by all-gathering its input
-            if path == same[0] and own not in ("vocab", "row") and not spec.sharded_input:
+            if path == same[0] and not (own is not None and own.sums) and not spec.sharded_input:
                 entry = spec
                 # the chain's entry and exit are what sequence_parallel states: explicit; token ids
                 # (an embedding first) have no gradient to gather back
@@ -374,7 +380,7 @@ def _plan(sch: Schedule) -> Plan:
                     Boundary(path, "input", "R", f"S({spec.seq_axis})", spec.mesh_axis, (),
                              () if ids else ("all_gather",), True)
                 )
-            if path == same[-1] and out_sync is None and own != "column":
+            if path == same[-1] and out_sync is None and not (own is not None and own.enters):
                 exit_ = spec
                 bounds.append(
                     Boundary(
@@ -382,7 +388,7 @@ def _plan(sch: Schedule) -> Plan:
                     )
                 )
         for s in spec_syncs:
-            if role is not None and s.mode == "fwd_post" and role.kind != "param":
+            if role is not None and s.mode == "fwd_post" and not role.own_forward:
                 continue  # folded into the role's output boundary above
             src = s.src or Replicate()  # resolved above, but for bwd_post
             fwd, bwd = collective_of(src, s.layout)
@@ -412,7 +418,7 @@ def _plan(sch: Schedule) -> Plan:
         )
         modules[path] = ModulePlan(path, role, seq, partnered, entry, exit_, spec_syncs, rngs.get(path), local,
                                    partners=partners.get(path, ()), entry_group=group,
-                                   split_input=role is not None and role.kind == "row" and split_input,
+                                   split_input=role is not None and role.splits_input and split_input,
                                    shared_gather=shares, side_input=on_side, entered=entered)
     # modules with parameters inside a sequence-parallel chain (norms): replicated, Partial gradients;
     # not inside a parent that gathers the sequence (an unsharded q beside sharded k and v): they
@@ -503,7 +509,7 @@ def _kept_columns(sch: Schedule, paired: Iterable[str]) -> frozenset[str]:
     theirs moves it off the split over the column's mesh axis. Before the plan is made;
     after, :attr:`ModulePlan.keeps_features` says the same of each module."""
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
-    return frozenset(q for q in paired if (r := roles.get(q)) is not None and r.kind == "column"
+    return frozenset(q for q in paired if (r := roles.get(q)) is not None and r.enters
                      and not _partner_gathered(sch, (q,), r.mesh_axis))
 
 
@@ -559,7 +565,7 @@ def _resolved_syncs(path: str, specs: tuple[SyncSpec, ...], role: Role | None, s
         if src is None and s.mode != "bwd_post":
             if key in last:
                 src = last[key]
-            elif (s.mode == "fwd_pre" and partnered and role is not None and role.kind == "row"
+            elif (s.mode == "fwd_pre" and partnered and role is not None and role.splits_input
                   and role.mesh_axis == s.mesh_axis):
                 src = Shard(-1)
             elif seq is not None and seq.mesh_axis == s.mesh_axis and not (s.mode == "fwd_pre" and whole_in):
@@ -806,8 +812,8 @@ def _partners(sch: Schedule) -> dict[str, tuple[str, ...]]:
         assert fl is not None
         names = {(p[len(parent) + 1:] if parent else p): p for p in paths}
         through = _through(sch, parent)
-        cols = {n for n, p in names.items() if roles[p].kind == "column"}
-        rows = {n for n, p in names.items() if roles[p].kind == "row"}
+        cols = {n for n, p in names.items() if roles[p].enters}
+        rows = {n for n, p in names.items() if roles[p].splits_input}
         keep = {c for c in cols if (users := fl.consumers(c, through)) and users <= rows}
         # side values (rotary cos/sin, masks) broadcast over the heads: they do not mix in; nor
         # does a sibling whose fwd_post sync states its output Shard(-1) (split like a column's),
@@ -869,8 +875,8 @@ def _partners_across(sch: Schedule, roles: Mapping[str, Role], paired: Mapping[s
             rthrough = _through(sch, receiver)
             taken = rfl.consumers(INPUT, rthrough)
             row = join(receiver, next(iter(taken))) if len(taken) == 1 and OUTPUT not in taken else ""
-            role = roles.get(row)
-            if (not isinstance(role, Row) or role.mesh_axis != axis or syncs.get(row)
+            found_role = roles.get(row)
+            if (not isinstance(found_role, Row) or found_role.mesh_axis != axis or syncs.get(row)
                     or rfl.hidden_feeders(next(iter(taken)), rthrough) != {INPUT}):
                 break
             rows.append(row)
@@ -889,11 +895,11 @@ def _pair_groups(sch: Schedule) -> dict[tuple[str, str], list[str]]:
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
     groups: dict[tuple[str, str], list[str]] = {}
     for path, role in roles.items():
-        if path and role.kind in ("column", "row"):
+        if path and (role.enters or role.splits_input):
             found = _caller(sch, path)
             groups.setdefault((found[0] if found is not None else _parent(path), role.mesh_axis), []).append(path)
     return {g: paths for g, paths in groups.items()
-            if {roles[q].kind for q in paths} == {"column", "row"}}
+            if any(roles[q].enters for q in paths) and any(roles[q].splits_input for q in paths)}
 
 
 def _by_module_order(sch: Schedule, parent: str, paths: list[str]) -> bool:
@@ -954,12 +960,12 @@ def _partners_in_module_order(sch: Schedule, paths: list[str], roles: Mapping[st
     ranked = sorted(paths, key=lambda p: order.get(p, 0))
     out: dict[str, tuple[str, ...]] = {}
     for i, p in enumerate(ranked):
-        if roles[p].kind == "column":
-            later = tuple(q for q in ranked[i + 1 :] if roles[q].kind == "row")
+        if roles[p].enters:
+            later = tuple(q for q in ranked[i + 1 :] if roles[q].splits_input)
             if later:
                 out[p] = later
         else:
-            earlier = tuple(q for q in ranked[:i] if roles[q].kind == "column")
+            earlier = tuple(q for q in ranked[:i] if roles[q].enters)
             if earlier:
                 out[p] = earlier
     return out
@@ -1094,7 +1100,7 @@ def _unsharded_twins(sch: Schedule, p: Plan) -> list[Problem]:
     roles = sch.annotations.of_kind(ROLE)
     problems = []
     for path, mp in p.modules.items():
-        if mp.role is None or mp.role.kind != "column" or not mp.partnered or mp.role.packed > 1:
+        if mp.role is None or not mp.role.enters or not mp.partnered or mp.role.packed > 1:
             continue
         if _caller(sch, path) is not None:
             continue  # the data flow paired it: nothing unsharded meets its output (see _partners)
@@ -1352,7 +1358,7 @@ def _gathers_inside_chains(sch: Schedule, p: Plan) -> list[Problem]:
         for s in mp.syncs:
             role = roles.get(path)
             member = (spec := seqs.get(path)) is not None and spec.mesh_axis == s.mesh_axis
-            if (s.mode == "fwd_pre" and s.src != s.layout and role is not None and role.kind == "column"
+            if (s.mode == "fwd_pre" and s.src != s.layout and role is not None and role.enters
                     and role.mesh_axis == s.mesh_axis and (member or (
                         _last_dim(s.layout) and _in_chain(sch, path, s.mesh_axis)))):
                 # a column inside a member (a gated MLP's up) reads what its parent gathered and entered
@@ -1374,9 +1380,9 @@ def _gathers_inside_chains(sch: Schedule, p: Plan) -> list[Problem]:
             if chain is None:
                 continue
             exit_ = s.mode == "fwd_post" and path == members[-1] and not token
-            if s.mode == "fwd_post" and role is not None and role.kind != "param":
-                natural = (role.kind in ("column", "embed_dim") and not token) or (
-                    role.kind in ("row", "vocab") and isinstance(s.layout, Shard) and s.layout.dim == chain.seq_axis)
+            if s.mode == "fwd_post" and role is not None and not role.own_forward:
+                natural = (role.splits_output and not token) or (
+                    role.sums and isinstance(s.layout, Shard) and s.layout.dim == chain.seq_axis)
                 if natural or exit_:
                     continue
             elif s.src == s.layout or exit_:
@@ -1412,7 +1418,7 @@ def _ungathered_chain_members(sch: Schedule) -> list[Problem]:
         module = get_module(sch.module, path)
         if not any(True for _ in module.children()):
             continue
-        if any(r.mesh_axis == spec.mesh_axis and r.kind in ("column", "embed_dim") and (q == path or contains(path, q))
+        if any(r.mesh_axis == spec.mesh_axis and r.splits_output and (q == path or contains(path, q))
                for q, r in roles.items()):
             continue
         linear = next((join(path, q) for q, m in walk(module) if q and linear_features(m) is not None),
@@ -1892,13 +1898,13 @@ def _packed_outputs_read_whole(sch: Schedule, p: Plan) -> list[Problem]:
     problems = []
     for path, mp in p.modules.items():
         role = mp.role
-        if role is None or role.kind != "column" or role.packed == 1:
+        if role is None or not role.enters or role.packed == 1:
             continue
         width = _out_features(get_module(sch.module, path))
         if mp.partnered:
             for q in mp.partners:
                 other = p.modules.get(q)
-                if other is None or other.role is None or other.role.kind != "row":
+                if other is None or other.role is None or not other.role.splits_input:
                     continue
                 if other.role.mesh_axis != role.mesh_axis or other.role.packed == role.packed:
                     continue
@@ -1931,7 +1937,7 @@ def _chains_inside_pairs(sch: Schedule, p: Plan) -> list[Problem]:
     seqs = sch.annotations.of_kind(SEQ)
     problems = []
     for path, mp in p.modules.items():
-        if mp.role is None or mp.role.kind != "column" or not mp.partnered:
+        if mp.role is None or not mp.role.enters or not mp.partnered:
             continue
         siblings = _siblings(sch.module, path)
         later = siblings[siblings.index(path) + 1 :]
@@ -1963,7 +1969,7 @@ def _attention_on_sequence_shards(sch: Schedule) -> list[Problem]:
     whole = _whole_in_chains(sch)
     problems = []
     for member, spec in sch.annotations.of_kind(SEQ).items():
-        if not any(r.mesh_axis == spec.mesh_axis and r.kind == "column" and (q == member or contains(member, q))
+        if not any(r.mesh_axis == spec.mesh_axis and r.enters and (q == member or contains(member, q))
                    for q, r in roles.items()):
             continue  # nothing in it gathers the sequence: _ungathered_chain_members names the member
         for path, module in walk(get_module(sch.module, member), member):
@@ -1971,7 +1977,7 @@ def _attention_on_sequence_shards(sch: Schedule) -> list[Problem]:
                 continue  # runs on the whole sequence
             if not (mixes_tokens(module) or ((fl := _flow_of(sch, path)) is not None and fl.attends)):
                 continue
-            gathered = any(r.mesh_axis == spec.mesh_axis and r.kind == "column" and contains(path, q)
+            gathered = any(r.mesh_axis == spec.mesh_axis and r.enters and contains(path, q)
                            for q, r in roles.items())
             if path == member and gathered and _attention(module):
                 problems.append(Problem(
@@ -2041,13 +2047,13 @@ def _member_over_sequence(sch: Schedule, member: str, spec: SeqSpec, merged: dic
     """:func:`_over_sequence` of a sequence-parallel chain member (``merged`` as there)."""
     if spec.seq_axis not in (0, 1):
         return None
-    columns = {q for q, r in sch.annotations.of_kind(ROLE).items() if r.kind == "column"
+    columns = {q for q, r in sch.annotations.of_kind(ROLE).items() if r.enters
                and r.mesh_axis == spec.mesh_axis and (q == member or contains(member, q))}
     # as the runtime does: a column called by the member's own code gathers its own input, one
     # deeper has its caller (attention) gather it
     callers = {caller_path(sch.module, q) for q in columns}
     whole = {q for q in _whole_in_chains(sch) if contains(member, q)}
-    rows = {q for q, r in sch.annotations.of_kind(ROLE).items() if r.kind in ("row", "vocab")
+    rows = {q for q, r in sch.annotations.of_kind(ROLE).items() if r.sums
             and r.mesh_axis == spec.mesh_axis and contains(member, q)}
     return _over_sequence(sch, member, spec.seq_axis, columns,
                           {c for c in callers if c != member and contains(member, c)}, merged,
@@ -2184,7 +2190,7 @@ def _lone_columns_in_chains(sch: Schedule, p: Plan) -> list[Problem]:
         if _whole_in_parent(sch, p, path):
             continue
         members = sorted((q for q, s in seqs.items() if s.mesh_axis == seq.mesh_axis), key=lambda q: order.get(q, 0))
-        if role.kind == "embed_dim":
+        if (role.reads_ids and role.splits_output):
             problems.append(Problem(
                 path,
                 f"is an embedding sharded by features (axis=1) inside the sequence_parallel chain over "
@@ -2194,17 +2200,17 @@ def _lone_columns_in_chains(sch: Schedule, p: Plan) -> list[Problem]:
                 "the chain",
             ))
             continue
-        if role.kind in ("row", "vocab") and path != members[0]:
+        if role.sums and path != members[0]:
             problems.append(Problem(
                 path,
-                f"is {role.kind}-parallel inside the sequence_parallel chain over {seq.mesh_axis!r}, but no "
+                f"is {role.name}-parallel inside the sequence_parallel chain over {seq.mesh_axis!r}, but no "
                 "column-parallel layer feeds it: it takes the chain's sequence shard and would reduce-scatter "
                 "the sequence a second time",
                 "shard the layer before it as its column partner (axis=0), or leave it unsharded, or make it the "
                 "chain's first member",
             ))
             continue
-        if role.kind != "column" or path == members[-1]:
+        if not role.enters or path == members[-1]:
             continue
         norms = _norms_between(sch, path)
         problems.append(Problem(
@@ -2250,12 +2256,12 @@ def _whole_in_parent(sch: Schedule, p: Plan, path: str) -> bool:
         full = join(caller, q)
         return not any(a == full or contains(full, a) for a in laid)
 
-    def lone(q: str, kind: str) -> bool:  # no syncs, but a column's gather of its output (colwise_gather_output)
+    def lone(q: str, row: bool) -> bool:  # no syncs, but a column's gather of its output (colwise_gather_output)
         m = p.modules.get(join(caller, q))
-        if (m is None or m.role is None or m.role.kind != kind or m.role.mesh_axis != axis or m.partnered
-                or m.seq is None or m.seq.mesh_axis != axis):
+        if (m is None or m.role is None or (m.role.splits_input if row else m.role.enters) is False
+                or m.role.mesh_axis != axis or m.partnered or m.seq is None or m.seq.mesh_axis != axis):
             return False
-        if kind == "row":
+        if row:
             return not m.syncs
         return all(s.mode == "fwd_post" and s.mesh_axis == axis and isinstance(s.layout, Replicate)
                    for s in m.syncs) and not per_head(q)
@@ -2269,13 +2275,13 @@ def _whole_in_parent(sch: Schedule, p: Plan, path: str) -> bool:
 
     def row(q: str) -> bool:
         sources = fl.feeders(q, whole)
-        return (lone(q, "row") and any(lone(s, "column") for s in sources)
-                and all(s == SIDE or lone(s, "column") for s in sources) and fl.consumers(q, whole) <= {OUTPUT})
+        return (lone(q, True) and any(lone(s, False) for s in sources)
+                and all(s == SIDE or lone(s, False) for s in sources) and fl.consumers(q, whole) <= {OUTPUT})
 
-    if mp.role.kind == "row":
+    if mp.role.splits_input:
         return row(name)
     users = fl.consumers(name, whole)
-    return mp.role.kind == "column" and lone(name, "column") and bool(users) and all(
+    return mp.role.enters and lone(name, False) and bool(users) and all(
         u != OUTPUT and row(u) for u in users)
 
 
@@ -2309,7 +2315,7 @@ def _sequence_pairs_across(sch: Schedule, p: Plan) -> frozenset[str]:
     out: set[str] = set()
     for path, mp in p.modules.items():
         role, seq = mp.role, mp.seq
-        if (role is None or role.kind != "column" or seq is None or seq.mesh_axis != role.mesh_axis
+        if (role is None or not role.enters or seq is None or seq.mesh_axis != role.mesh_axis
                 or mp.partnered or path in seqs):
             continue
         rows = _rows_across(sch, p, path, role.mesh_axis, seqs)
@@ -2343,7 +2349,7 @@ def _rows_across(sch: Schedule, p: Plan, column: str, axis: str, seqs: Mapping[s
             return frozenset()
         row = join(receiver, next(iter(taken)))
         mp = p.modules.get(row)
-        if mp is None or mp.role is None or mp.role.kind != "row" or mp.role.mesh_axis != axis or mp.seq is None:
+        if mp is None or mp.role is None or not mp.role.splits_input or mp.role.mesh_axis != axis or mp.seq is None:
             return frozenset()
         rows.add(row)
     return frozenset(rows)
@@ -2364,10 +2370,10 @@ def _split_input_into_reducers(sch: Schedule, p: Plan) -> list[Problem]:
         role = mp.role if mp is not None else None
         if path != min(same, key=lambda q: order.get(q, 0)) or role is None or role.mesh_axis != spec.mesh_axis:
             continue
-        if role.kind in ("row", "vocab"):
+        if role.sums:
             problems.append(Problem(
                 path,
-                f"is {role.kind}-parallel and first in a sequence_parallel chain stated to receive its input split "
+                f"is {role.name}-parallel and first in a sequence_parallel chain stated to receive its input split "
                 f"(input_layout=Shard({spec.seq_axis})): it enters the chain by reduce-scattering its own partial "
                 "output, which would split the sequence twice",
                 "leave input_layout out (its reduce-scatter splits the sequence), or start the chain at a module "
@@ -2441,7 +2447,7 @@ def _feature_syncs(sch: Schedule, p: Plan) -> list[Problem]:
             what = f"the {s.mode} sync of {path or '<root>'!r} to Shard(-1) over {s.mesh_axis!r}"
             module = get_module(sch.module, path)
             if s.mode == "fwd_pre":
-                if role is not None and role.kind in ("row", "column"):
+                if role is not None and (role.enters or role.splits_input):
                     continue
                 states_output = any(o.mode == "fwd_post" for o in specs)
                 if role is not None or _has_params(module) or not (pointwise(module) or states_output):
@@ -2452,7 +2458,7 @@ def _feature_syncs(sch: Schedule, p: Plan) -> list[Problem]:
                     continue
                 if states_output:
                     continue  # a hand-written module on this rank's features, whose output the user states
-            elif role is not None and role.kind == "column":
+            elif role is not None and role.enters:
                 if meets_whole(path, what, None, s.mesh_axis, "keeps its output split"):
                     continue
                 users, taker = _reach(sch, path)
@@ -2467,7 +2473,7 @@ def _feature_syncs(sch: Schedule, p: Plan) -> list[Problem]:
                 # kept split for rows: its own, or ones inside the modules it reaches (BERT's attention
                 # output); where it is the result (vocab-parallel logits) or an installed module takes it, trusted
                 reached = users or []
-                rows = [q for q, r in roles.items() if r.kind == "row" and r.mesh_axis == s.mesh_axis]
+                rows = [q for q, r in roles.items() if r.splits_input and r.mesh_axis == s.mesh_axis]
                 bad = [q for q in reached if not _takes_split(sch, q, set(rows))]
                 if bad:
                     problems.append(Problem(
@@ -2496,7 +2502,8 @@ def _feature_syncs(sch: Schedule, p: Plan) -> list[Problem]:
             elif not users:
                 named = "the model's result, combined with other values"
             else:
-                bad = [q for q in users if (r := roles.get(q)) is None or r.kind != "row" or r.mesh_axis != s.mesh_axis]
+                bad = [q for q in users
+                       if (r := roles.get(q)) is None or not r.splits_input or r.mesh_axis != s.mesh_axis]
                 named = ", ".join(repr(q) for q in bad)
                 # every consumer in its parent, the parent's result included (a(x) + b(x) with b whole)
                 if not named and meets_whole(path, what, None, s.mesh_axis, "splits its output"):
@@ -2516,7 +2523,7 @@ def _half_gathered_pairs(sch: Schedule, p: Plan) -> list[Problem]:
     Refused, naming the row and both groups."""
     problems = []
     for path, mp in p.modules.items():
-        if mp.role is None or mp.role.kind != "row" or not mp.partners:
+        if mp.role is None or not mp.role.splits_input or not mp.partners:
             continue
         ax = mp.role.mesh_axis
         gathered = [c for c in mp.partners if _partner_gathered(sch, (c,), ax)]
@@ -2750,7 +2757,7 @@ def _gathering_parents(sch: Schedule) -> dict[str, set[str]]:
     columns_of: dict[str, set[str]] = {}
     for q, r in roles.items():
         member = next((m for m, spec in seqs.items() if contains(m, q) and spec.mesh_axis == r.mesh_axis), None)
-        if r.kind != "column" or member is None or _inside_any(whole, q):
+        if not r.enters or member is None or _inside_any(whole, q):
             continue
         parent = caller_path(sch.module, q)
         if contains(member, parent):  # not the member's own code: each such column gathers its own input
@@ -2873,7 +2880,7 @@ def _enters_chain_whole(path: str, role: Role | None, seqs: Mapping[str, SeqSpec
     makes the chain's sequence shard itself (a reduce-scatter), where any other member
     takes that shard."""
     seq = seqs.get(path)
-    if seq is None or role is None or role.kind not in ("row", "vocab") or role.mesh_axis != seq.mesh_axis:
+    if seq is None or role is None or not role.sums or role.mesh_axis != seq.mesh_axis:
         return False
     return entries.get(seq.mesh_axis) == path
 
@@ -2956,7 +2963,7 @@ def _unsourced(sch: Schedule) -> list[Problem]:
                 continue
             role = roles.get(path)
             if role is not None and (s.mode == "fwd_post" or (
-                    role.kind == "row" and role.mesh_axis == s.mesh_axis and _last_dim(src))):
+                    role.splits_input and role.mesh_axis == s.mesh_axis and _last_dim(src))):
                 continue  # the role's own output; a row's stated split input is _contradicted_sources's
             others = [o for q, o in stated if o is not s and o.mesh_axis == s.mesh_axis]
             if isinstance(src, Partial):
@@ -3007,19 +3014,19 @@ def _role_output_syncs(sch: Schedule) -> list[Problem]:
     problems = []
     syncs: dict[str, tuple[SyncSpec, ...]] = sch.annotations.of_kind(SYNC)
     for path, role in sch.annotations.of_kind(ROLE).items():
-        if role.kind == "param":
+        if role.own_forward:
             continue
         posts = [s for s in syncs.get(path, ()) if s.mode == "fwd_post"]
-        own: Placement = Shard(-1) if role.kind in ("column", "embed_dim") else Partial()
+        own: Placement = Shard(-1) if role.splits_output else Partial()
         if len(posts) > 1:
             problems.append(Problem(
-                path, f"is {role.kind}-parallel with {len(posts)} fwd_post syncs: its output boundary converts its "
+                path, f"is {role.name}-parallel with {len(posts)} fwd_post syncs: its output boundary converts its "
                 f"own {_code(own)} once",
                 f"keep one fwd_post sync on {path!r}, to the layout its output should have",
             ))
         elif posts and posts[0].src is not None and posts[0].src != own:
             problems.append(Problem(
-                path, f"is {role.kind}-parallel, so its output is {_code(own)}, but its fwd_post sync states "
+                path, f"is {role.name}-parallel, so its output is {_code(own)}, but its fwd_post sync states "
                 f"src={_code(posts[0].src)}",
                 f"drop src= (or state src={_code(own)})",
             ))
@@ -3115,15 +3122,15 @@ class _Features:
         if path in self.own:
             return None
         role = self.roles.get(path)
-        column = role is not None and role.kind == "column" and role.mesh_axis == self.axis
+        column = role is not None and role.enters and role.mesh_axis == self.axis
         if _in_chain(self.sch, path, self.axis) and not column:  # a column gathers the sequence itself
             # the chain's exit gathers the last member's output; anything else in it is a shard
             return Replicate() if path == self.exit else None
-        if role is not None and role.kind != "param":
+        if role is not None and not role.own_forward:
             if role.mesh_axis != self.axis or (self.inside(path) is None and not isinstance(
                     get_module(self.sch.module, path), nn.Embedding)):
                 return None  # fed a token shard, or what the flow cannot tell: its output is that too
-            return Shard(-1) if role.kind == "column" and path in self.kept else Replicate()
+            return Shard(-1) if role.enters and path in self.kept else Replicate()
         module = get_module(self.sch.module, path)
         if not module._modules:
             # whole in, whole out; this rank's features stay so only through pointwise code (a
@@ -3194,7 +3201,7 @@ def _contradicted_sources(sch: Schedule, partners: Mapping[str, tuple[str, ...]]
         elif pre is not None and pre.src is not None:
             inside_chain = _in_chain(sch, path, pre.mesh_axis)
             have: Placement | None = None if inside_chain else know(pre.mesh_axis).arriving(path)
-            cols = partners.get(path, ()) if role is not None and role.kind == "row" else ()
+            cols = partners.get(path, ()) if role is not None and role.splits_input else ()
             if have is None and cols:  # a pair in a chain member, or paired by module order (fx cannot trace)
                 have = Replicate() if _partner_gathered(sch, cols, pre.mesh_axis) else Shard(-1)
             own = know(pre.mesh_axis).own  # the user's own code: installed, tp_local, experts
@@ -3379,7 +3386,7 @@ def _features_reach_code(sch: Schedule) -> Callable[[SyncSpec], bool]:
                 continue  # a sync from a layout to itself moves nothing
             if o.mode == "fwd_post" and (not q or _model_output(sch, q)):
                 continue  # a split of the model's result reaches no module's code
-            own = role is not None and role.mesh_axis == o.mesh_axis and role.kind != "param"
+            own = role is not None and role.mesh_axis == o.mesh_axis and not role.own_forward
             if not own or o.mode == "fwd_post":  # a role's output kept split leaves it
                 splitting.setdefault(o.mesh_axis, []).append(o)
     return lambda besides: any(o is not besides for o in splitting.get(besides.mesh_axis, ()))

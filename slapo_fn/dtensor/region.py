@@ -45,6 +45,49 @@ from .roles import Role
 __all__ = ["Activations", "OnDTensors", "region"]
 
 
+def output_slot(value: Any) -> int | str | None:
+    """Where in a module's output ``value`` the tensor it stands for sits: ``-1`` for the
+    value itself, the index of a tuple's first tensor (Hugging Face layers return
+    ``(hidden, weights)``), the key of a mapping's first tensor field other than ``loss``
+    (a ``ModelOutput``'s ``logits`` or ``last_hidden_state``; its loss is computed from
+    them); ``None`` where it holds none."""
+    if isinstance(value, torch.Tensor):
+        return -1
+    if isinstance(value, tuple | list):
+        return next((i for i, v in enumerate(value) if isinstance(v, torch.Tensor)), None)
+    if isinstance(value, Mapping):
+        return next((k for k, v in value.items() if isinstance(v, torch.Tensor) and k != "loss"), None)
+    return None
+
+
+def map_first_output(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with ``fn`` applied to the tensor at its :func:`output_slot`, in a new object;
+    ``value`` itself where it holds none."""
+    slot = output_slot(value)
+    if slot is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return type(value)(**{**value, slot: fn(value[slot])})
+    assert isinstance(slot, int)
+    items = list(value)
+    items[slot] = fn(items[slot])
+    return type(value)(items) if isinstance(value, list) else tuple(items)
+
+
+def map_input(
+    args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            return (*args[:i], fn(a), *args[i + 1 :]), kwargs
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            return args, {**kwargs, k: fn(v)}
+    return args, kwargs
+
+
 class Activations:
     """How activations are DTensors in one build: the mesh and mesh-dimension names of the
     parameters (:func:`.plan.param_dims`), placements written per mesh-axis name."""

@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -51,6 +52,11 @@ def local_value(p: torch.Tensor | None) -> torch.Tensor | None:
     return p.to_local() if isinstance(p, DTensor) else p
 
 
+#: How a local forward reads a parameter's shard (inside ``torch.func`` transforms the
+#: runtime reads it without DTensor's own ``to_local``).
+Local = Callable[[torch.Tensor | None], torch.Tensor | None]
+
+
 @dataclass(frozen=True)
 class Role:
     """How a sharded module computes over ``mesh_axis`` (``packed``: the number of fused
@@ -64,9 +70,34 @@ class Role:
     #: instead of :meth:`local_forward`.
     own_forward: ClassVar[bool] = False
 
+    # What the planner asks of a role, answered from its transfer (no caller names a role):
+
     @property
-    def kind(self) -> str:
-        return self.name
+    def enters(self) -> bool:
+        """Takes whole activations and splits its output's features (a column): entering
+        the tensor-parallel region, its input's gradient is all-reduced."""
+        return not self.own_forward and isinstance(self.takes(3), Replicate)
+
+    @property
+    def splits_input(self) -> bool:
+        """Takes this rank's features of an activation (a row)."""
+        return not self.own_forward and isinstance(self.takes(3), Shard)
+
+    @property
+    def sums(self) -> bool:
+        """Gives a partial sum, reduced after it (a row, a vocabulary embedding)."""
+        return not self.own_forward and isinstance(self.gives(3), Partial)
+
+    @property
+    def splits_output(self) -> bool:
+        """Gives this rank's features (a column, packed or not; an embedding split by its
+        dimension)."""
+        return not self.own_forward and isinstance(self.gives(3), Shard | _StridedShard)
+
+    @property
+    def reads_ids(self) -> bool:
+        """Takes token ids (an embedding), with no gradient of its input."""
+        return not self.own_forward and self.takes(3) is None
 
     def __str__(self) -> str:
         return f"{self.name}@{self.mesh_axis}" + (f"×{self.packed}" if self.packed > 1 else "")
@@ -84,9 +115,10 @@ class Role:
         """The layout of what :meth:`local_forward` returns."""
         return Replicate()
 
-    def local_forward(self, module: nn.Module, x: torch.Tensor, rank: int) -> torch.Tensor:
+    def local_forward(self, module: nn.Module, x: torch.Tensor, rank: int, local: Local = local_value
+                      ) -> torch.Tensor:
         """The module's computation on this rank's shards (``rank`` on :attr:`mesh_axis`),
-        with no collective."""
+        with no collective; ``local`` reads a parameter's shard."""
         raise NotImplementedError(f"{self} runs its module's own forward")
 
     def bias_after(self, module: nn.Module) -> torch.Tensor | None:
@@ -94,9 +126,9 @@ class Role:
         return None
 
 
-def _linear(module: nn.Module, x: torch.Tensor, bias: bool) -> torch.Tensor:
-    w = local_value(module.weight)  # type: ignore[arg-type]
-    b = local_value(module.bias) if bias else None  # type: ignore[arg-type]
+def _linear(module: nn.Module, x: torch.Tensor, bias: bool, local: Local) -> torch.Tensor:
+    w = local(module.weight)  # type: ignore[arg-type]
+    b = local(module.bias) if bias else None  # type: ignore[arg-type]
     assert w is not None
     if is_conv1d(module):  # Hugging Face's Conv1D stores its weight (in, out)
         flat = x.reshape(-1, x.shape[-1])
@@ -122,8 +154,9 @@ class Column(Role):
     def gives(self, ndim: int) -> Placement:
         return Shard(ndim - 1) if self.packed == 1 else _StridedShard(ndim - 1, split_factor=self.packed)
 
-    def local_forward(self, module: nn.Module, x: torch.Tensor, rank: int) -> torch.Tensor:
-        return _linear(module, x, bias=True)
+    def local_forward(self, module: nn.Module, x: torch.Tensor, rank: int, local: Local = local_value
+                      ) -> torch.Tensor:
+        return _linear(module, x, True, local)
 
 
 @dataclass(frozen=True)
@@ -142,8 +175,9 @@ class Row(Role):
     def gives(self, ndim: int) -> Placement:
         return Partial()
 
-    def local_forward(self, module: nn.Module, x: torch.Tensor, rank: int) -> torch.Tensor:
-        return _linear(module, x, bias=False)
+    def local_forward(self, module: nn.Module, x: torch.Tensor, rank: int, local: Local = local_value
+                      ) -> torch.Tensor:
+        return _linear(module, x, False, local)
 
     def bias_after(self, module: nn.Module) -> torch.Tensor | None:
         return module._parameters.get("bias")
@@ -162,8 +196,9 @@ class VocabEmbed(Role):
     def gives(self, ndim: int) -> Placement:
         return Partial()
 
-    def local_forward(self, module: nn.Module, x: torch.Tensor, rank: int) -> torch.Tensor:
-        w = local_value(module.weight)  # type: ignore[arg-type]
+    def local_forward(self, module: nn.Module, x: torch.Tensor, rank: int, local: Local = local_value
+                      ) -> torch.Tensor:
+        w = local(module.weight)  # type: ignore[arg-type]
         assert w is not None and isinstance(module, nn.Embedding)
         rows = w.shape[0]
         lo = rank * rows
@@ -186,8 +221,9 @@ class EmbedDim(Role):
     def gives(self, ndim: int) -> Placement:
         return Shard(ndim - 1)
 
-    def local_forward(self, module: nn.Module, x: torch.Tensor, rank: int) -> torch.Tensor:
-        w = local_value(module.weight)  # type: ignore[arg-type]
+    def local_forward(self, module: nn.Module, x: torch.Tensor, rank: int, local: Local = local_value
+                      ) -> torch.Tensor:
+        w = local(module.weight)  # type: ignore[arg-type]
         assert w is not None and isinstance(module, nn.Embedding)
         return F.embedding(x, w, module.padding_idx, module.max_norm, module.norm_type, module.scale_grad_by_freq,
                            module.sparse)

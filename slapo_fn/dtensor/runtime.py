@@ -16,7 +16,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -25,16 +24,17 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from ..errors import LayoutError, Problem
 from ..hf import EXPERT_COUNT_ATTRS as _EXPERT_COUNTS
-from ..hf import QUERY_HEAD_ATTRS, is_conv1d
+from ..hf import QUERY_HEAD_ATTRS
 from ..rewrites._common import contains
 from ..schedule import Key, Schedule, path_exists
-from ..tree import caller_path, get_module, join, parent_path, split, uncalled, walk
+from ..tree import caller_path, get_module, join, split, uncalled
 from . import collectives as C
 from .data_parallel import DATA_PARALLEL
 from .experts import EXPERTS, experts_forward
 from .features import ASSUMED_RANK, Meets
 from .layout import Layout
 from .local import LOCAL
+from .on_dtensors import install_on_dtensors
 from .plan import (
     ModulePlan,
     Plan,
@@ -43,66 +43,21 @@ from .plan import (
     _out_features,
     _parent,
     _sharded_output,
-    chain_entries_given_split,
     heads_made_local,
     implicit,
     param_dims,
     per_head_operands,
     plan,
     refusals,
-    stated_model_output,
 )
-from .region import Activations, island, normalized, reduce_partial_grads, region, relayout, role_on_dtensors
+from .region import Activations, map_first_output, map_input, output_slot
 from .rng import RNG, forked
 from .roles import Role
-from .sequence import SEQ, SeqSpec
+from .sequence import SEQ
 from .shard import LAYOUT, ROLE, mesh_dims
 from .sync import SYNC, SyncSpec
 
 __all__ = ["apply_tensor_parallel"]
-
-
-def _slot(value: Any) -> int | str | None:
-    """Where in a module's output ``value`` the tensor it stands for sits: ``-1`` for the
-    value itself, the index of a tuple's first tensor (Hugging Face layers return
-    ``(hidden, weights)``), the key of a mapping's first tensor field other than ``loss``
-    (a ``ModelOutput``'s ``logits`` or ``last_hidden_state``; its loss is computed from
-    them); ``None`` where it holds none."""
-    if isinstance(value, torch.Tensor):
-        return -1
-    if isinstance(value, tuple | list):
-        return next((i for i, v in enumerate(value) if isinstance(v, torch.Tensor)), None)
-    if isinstance(value, Mapping):
-        return next((k for k, v in value.items() if isinstance(v, torch.Tensor) and k != "loss"), None)
-    return None
-
-
-def _first_tensor(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``value`` with ``fn`` applied to the tensor at its :func:`_slot`, in a new object;
-    ``value`` itself where it holds none."""
-    slot = _slot(value)
-    if slot is None:
-        return value
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, Mapping):
-        return type(value)(**{**value, slot: fn(value[slot])})
-    assert isinstance(slot, int)
-    items = list(value)
-    items[slot] = fn(items[slot])
-    return type(value)(items) if isinstance(value, list) else tuple(items)
-
-
-def _map_input(
-    args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[[torch.Tensor], torch.Tensor]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            return (*args[:i], fn(a), *args[i + 1 :]), kwargs
-    for k, v in kwargs.items():
-        if isinstance(v, torch.Tensor):
-            return args, {**kwargs, k: fn(v)}
-    return args, kwargs
 
 
 #: How many recent entries a forward pass remembers (siblings read their input in a row).
@@ -318,49 +273,81 @@ def _local(p: torch.Tensor | None) -> torch.Tensor | None:
     return _constant(p, local=True) if _in_transform() else p.to_local()  # type: ignore[attr-defined]
 
 
-def _column(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> Callable[..., Any]:
-    """``member``: the column is itself a member of a sequence-parallel chain, so it
-    all-gathers its own input along the sequence (otherwise its parent does)."""
+def _role_forward(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> Callable[..., Any]:
+    """A sharded module's forward on local tensors, read off its role's transfer:
+
+    * what it takes: whole features (a column) enter the region (the all-reduce of their
+      gradient; gathered first where they arrive split), unless its caller entered for it
+      (:attr:`ModulePlan.entered`) or a chain's parent gathered the sequence for it
+      (``member``: the module is itself a chain member and gathers its own input); this
+      rank's features (a row) are split from a whole input, which a row the plan takes to
+      be fed them (:attr:`ModulePlan.split_input`) refuses instead; token ids pass;
+    * what it gives: this rank's features stay so for the rows they pair with, else are
+      gathered (a packed column's chunks put back in order) or moved to what a
+      ``fwd_post`` sync states; a partial sum is reduced (scattered along the sequence in
+      a chain, or moved to a stated layout), its bias added once after the sum.
+    """
     role = mp.role
     assert role is not None
-    ax, seq = role.mesh_axis, (mp.seq.seq_axis if mp.seq is not None and mp.seq.mesh_axis == role.mesh_axis else None)
-    conv, emb = is_conv1d(m), isinstance(m, nn.Embedding)
+    ax = role.mesh_axis
+    axis, size, rank = rt.axis(ax), rt.size(ax), rt.mesh.get_local_rank(rt.dims.index(ax))
+    seq = mp.seq.seq_axis if mp.seq is not None and mp.seq.mesh_axis == ax else None
     full_in = _in_features(m)
     out_sync = next((s for s in mp.syncs if s.mode == "fwd_post"), None)
-    packed = role.packed
     group = mp.entry_group or _parent(mp.path)  # columns of one group handed one tensor enter once
+    scatter = None if seq is None else _sequence_split(
+        mp.path, seq, functools.partial(C.reduce_scatter, dim=seq, axis=axis))
+
+    def whole_in(x: torch.Tensor) -> torch.Tensor:
+        if full_in is not None and x.shape[-1] != full_in:  # arrived sharded (a column chain)
+            x = C.gather(x, -1, axis)
+        if seq is None:  # outside a chain: it enters, unless its caller entered for it
+            return x if mp.entered else rt.enter(x, ax, None, group)
+        if member:
+            return rt.enter(x, ax, seq, group)
+        if mp.shared_gather or mp.side_input:
+            # its parent gathered the input for more than its columns (its gradient sliced back),
+            # or this is the parent's other input (not gathered): the column enters itself
+            return rt.enter(x, ax, None, group)
+        return x  # its parent gathered the sequence for it
+
+    def split_in(x: torch.Tensor) -> torch.Tensor:
+        if full_in is not None and size > 1 and x.shape[-1] == full_in:  # arrived replicated
+            if mp.split_input:
+                raise LayoutError("tensor parallel forward", [_whole_input_problem(mp, full_in, size)])
+            x = C.split(x, -1, axis)
+        return x
+
+    def reduce(y: torch.Tensor) -> torch.Tensor:
+        if out_sync is not None:
+            return C.redistribute(y, Partial(), out_sync.layout, axis)
+        return C.reduce(y, axis) if scatter is None else scatter(y)
+
+    def summed(y: torch.Tensor) -> torch.Tensor:
+        b = _local(role.bias_after(m))
+        if b is not None and _sharded_output(seq, out_sync):
+            # each rank adds its share before the reduce-scatter, which adds the bias once; its
+            # gradient is then the whole one on every rank (see _BiasShare): no collective
+            return reduce(y + _BiasShare.apply(b, size))
+        y = reduce(y)
+        return y if b is None else y + b
+
+    def features(y: torch.Tensor, ids: bool) -> torch.Tensor:
+        kept_local = out_sync is None and mp.partnered and not ids
+        if role.packed > 1 and not kept_local and not _is_last_dim_shard(out_sync, y.dim()):
+            # this rank's output is [Q_r|K_r|V_r]: gathered, the chunks are put back in order
+            full = C.unpack(C.gather(y, -1, axis), role.packed, size)
+            return full if out_sync is None else C.redistribute(full, Replicate(), out_sync.layout, axis)
+        if out_sync is not None:
+            return C.redistribute(y, Shard(y.dim() - 1), out_sync.layout, axis)
+        return y if kept_local else C.gather(y, -1, axis)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if emb:
-            y = F.embedding(x, _local(m.weight), m.padding_idx, m.max_norm, m.norm_type, m.scale_grad_by_freq, m.sparse)  # type: ignore[arg-type]
-        else:
-            if full_in is not None and x.shape[-1] != full_in:  # arrived sharded (a column chain)
-                x = C.gather(x, -1, rt.axis(ax))
-            if seq is None:  # outside a chain: it enters, unless its caller entered for it (ModulePlan.entered)
-                x = x if mp.entered else rt.enter(x, ax, None, group)
-            elif member:
-                x = rt.enter(x, ax, seq, group)
-            elif mp.shared_gather or mp.side_input:
-                # its parent gathered the input for more than its columns (its gradient sliced back),
-                # or this is the parent's other input (not gathered): the column enters itself
-                x = rt.enter(x, ax, None, group)
-            w, b = _local(m.weight), _local(m.bias)  # type: ignore[arg-type]
-            if conv:
-                assert w is not None
-                flat = x.reshape(-1, x.shape[-1])
-                y = (torch.addmm(b, flat, w) if b is not None else flat @ w).view(*x.shape[:-1], w.shape[1])
-            else:
-                y = F.linear(x, w, b)  # type: ignore[arg-type]
-        kept_local = out_sync is None and mp.partnered and not emb
-        if packed > 1 and not kept_local and not _is_last_dim_shard(out_sync, y.dim()):
-            # this rank's output is [Q_r|K_r|V_r]: gathered, the chunks are put back in order
-            full = C.unpack(C.gather(y, -1, rt.axis(ax)), packed, rt.size(ax))
-            return full if out_sync is None else C.redistribute(full, Replicate(), out_sync.layout, rt.axis(ax))
-        if out_sync is not None:
-            return C.redistribute(y, Shard(y.dim() - 1), out_sync.layout, rt.axis(ax))
-        if kept_local:
-            return y
-        return C.gather(y, -1, rt.axis(ax))
+        takes = role.takes(x.dim())
+        if takes is not None:
+            x = split_in(x) if isinstance(takes, Shard) else whole_in(x)
+        y = role.local_forward(m, x, rank, _local)
+        return summed(y) if isinstance(role.gives(y.dim()), Partial) else features(y, takes is None)
 
     return forward
 
@@ -388,63 +375,6 @@ def _whole_input_problem(mp: ModulePlan, full_in: int, size: int) -> Problem:
         "what the sync converts would not be what runs",
         f"state what arrives: sf.sync(sch, {mp.path!r}, 'fwd_pre', Shard(-1), src=Replicate()), or drop the sync",
     )
-
-
-def _row(rt: _Runtime, m: nn.Module, mp: ModulePlan) -> Callable[..., Any]:
-    """A row-parallel layer. Where the plan takes its input as this rank's features
-    (:attr:`ModulePlan.split_input`), a whole-width input is refused rather than split here:
-    the plan counted no such split, and what made that input is not what it was told."""
-    role = mp.role
-    assert role is not None
-    ax = role.mesh_axis
-    seq = mp.seq.seq_axis if mp.seq is not None and mp.seq.mesh_axis == ax else None
-    conv, emb = is_conv1d(m), isinstance(m, nn.Embedding)
-    full_in = _in_features(m)
-    out_sync = next((s for s in mp.syncs if s.mode == "fwd_post"), None)
-    sharded_out = _sharded_output(seq, out_sync)
-    size = rt.size(ax)
-    scatter = None if seq is None else _sequence_split(
-        mp.path, seq, functools.partial(C.reduce_scatter, dim=seq, axis=rt.axis(ax)))
-
-    def reduce(y: torch.Tensor) -> torch.Tensor:
-        if out_sync is not None:
-            return C.redistribute(y, Partial(), out_sync.layout, rt.axis(ax))
-        return C.reduce(y, rt.axis(ax)) if scatter is None else scatter(y)
-
-    def bias() -> torch.Tensor | None:
-        b = m._parameters.get("bias")
-        return None if b is None else _local(b)
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        w = _local(m.weight)  # type: ignore[arg-type]
-        assert w is not None
-        if emb:
-            v = w.shape[0]
-            lo = rt.mesh.get_local_rank(rt.dims.index(ax)) * v
-            outside = (x < lo) | (x >= lo + v)
-            ids = (x - lo).masked_fill(outside, 0)
-            pidx = getattr(m, "padding_idx", None)
-            pad = pidx - lo if isinstance(pidx, int) and lo <= pidx < lo + v else None
-            y = F.embedding(ids, w, pad).masked_fill(outside.unsqueeze(-1), 0.0)
-            return reduce(y)
-        if full_in is not None and size > 1 and x.shape[-1] == full_in:  # arrived replicated
-            if mp.split_input:
-                raise LayoutError("tensor parallel forward", [_whole_input_problem(mp, full_in, size)])
-            x = C.split(x, -1, rt.axis(ax))
-        if conv:
-            flat = x.reshape(-1, x.shape[-1])
-            y = (flat @ w).view(*x.shape[:-1], w.shape[1])
-        else:
-            y = F.linear(x, w)
-        b = bias()
-        if b is not None and sharded_out:
-            # each rank adds its share before the reduce-scatter, which adds the bias once; its
-            # gradient is then the whole one on every rank (see _BiasShare): no collective
-            return reduce(y + _BiasShare.apply(b, size))
-        y = reduce(y)
-        return y if b is None else y + b
-
-    return forward
 
 
 class _BiasShare(torch.autograd.Function):
@@ -561,7 +491,10 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
             raise LayoutError("build(strict=True)", problems)
     rt = _Runtime(sch, p.grads_after_backward)
     if p.on_dtensors:
-        _install_on_dtensors(model, sch, p, rt)
+        _distribute(model, sch, rt)
+        install_on_dtensors(model, sch, p, Activations(rt.param_mesh, rt.param_dims),
+                            lambda ax: rt.mesh.get_local_rank(rt.dims.index(ax)),
+                            functools.partial(_experts_on_dtensors, rt))
         return
     seq_roots = set(sch.annotations.of_kind(SEQ))
     # a column whose caller is strictly inside a chain member (attention, MLP) has its input
@@ -580,15 +513,13 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
             forward = experts_forward(m, mp.experts, axes, forward, _local_value)
             if ep is not None:
                 _adjust_expert_count(m, mp.experts.num_experts, mp.experts.local_experts(rt.size(ep)))
-        elif mp.role is not None and mp.role.kind in ("column", "embed_dim"):
-            forward = _column(rt, m, mp, path in gathers_own)
+        elif mp.role is not None and not mp.role.own_forward:
+            forward = _role_forward(rt, m, mp, path in gathers_own)
             if mp.keeps_features:  # not where the output is gathered: the parent then sees all of it
                 if mp.role.packed > 1:
                     _adjust_packed_parent(model, path, mp.role, rt)
                 _adjust_head_counts(model, sch, path, mp.role, rt, adjusted)
-        elif mp.role is not None and mp.role.kind in ("row", "vocab"):
-            forward = _row(rt, m, mp)
-        elif (mp.role is not None and mp.role.kind == "param") or mp.local_params:
+        elif (mp.role is not None and mp.role.own_forward) or mp.local_params:
             forward = _generic(rt, m, mp, forward)
         forward = _wrap_boundaries(rt, mp, forward, ids=isinstance(m, nn.Embedding))
         if mp.read_as_3d:
@@ -612,7 +543,7 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
     heads_of = {caller_path(model, mp.path): mp.role.mesh_axis for mp in p.modules.values()
                 if mp.keeps_features and mp.role is not None}
     for parent in sorted({caller_path(model, mp.path) for mp in p.modules.values()
-                          if mp.role is not None and mp.role.kind == "column" and mp.partnered}):
+                          if mp.enters and mp.partnered}):
         pm = get_module(model, parent)
         operands = per_head_operands(sch, parent) if parent in heads_of else {}
         counts = _head_counts(get_module(sch.module, parent), pm, rt.size(heads_of[parent])) if operands else None
@@ -628,13 +559,10 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
     # columns entering one by one share an entry per input tensor within one pass of the root,
     # or of their parent (see _Runtime.scoped)
     matched = {caller_path(model, mp.path) for mp in p.modules.values()
-               if mp.role is not None and mp.role.kind == "column" and not mp.entered}
+               if mp.enters and not mp.entered}
     for path in sorted(matched | ({""} if matched else set())):
         pm = get_module(model, path)
         pm.forward = rt.scoped(pm.forward)  # type: ignore[method-assign]
-
-
-_OWN_FORWARDS = ("column", "embed_dim", "row", "vocab")
 
 
 def _local_value(p: torch.Tensor) -> torch.Tensor:
@@ -704,7 +632,7 @@ def _localise_replicated(model: nn.Module, sch: Schedule, p: Plan) -> None:
         own = mp is None or not (
             mp.local_params
             or mp.experts is not None
-            or (mp.role is not None and mp.role.kind in (*_OWN_FORWARDS, "param"))
+            or mp.role is not None
         )
         if uncalled(m):
             continue
@@ -740,7 +668,7 @@ def _read_as_3d(mp: ModulePlan, forward: Callable[..., Any]) -> Callable[..., An
 
     def run(*args: Any, **kwargs: Any) -> Any:
         out = forward(*args, **kwargs)
-        slot = _slot(out)
+        slot = output_slot(out)
         first = out if slot == -1 else None if slot is None else out[slot]
         if isinstance(first, torch.Tensor) and first.dim() != ASSUMED_RANK:
             raise LayoutError("tensor parallel forward", [Problem(
@@ -858,7 +786,7 @@ def _sp_parents(model: nn.Module, p: Plan, members: set[str]) -> dict[str, tuple
         role, seq = mp.role, mp.seq
         if mp.path in members:
             continue  # a chain member gathers its own input
-        if role is not None and role.kind == "column" and seq is not None and seq.mesh_axis == role.mesh_axis:
+        if role is not None and mp.enters and seq is not None and seq.mesh_axis == role.mesh_axis:
             out.setdefault(caller_path(model, mp.path), (role.mesh_axis, seq.seq_axis, mp.shared_gather))
     return out
 
@@ -873,7 +801,7 @@ def _gathering(forward: Callable[..., Any], axis: C.Axis, seq_axis: int, shared:
     gather = C.gather if shared else C.gather_rs
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = _map_input(args, kwargs, functools.partial(gather, dim=seq_axis, axis=axis))
+        args, kwargs = map_input(args, kwargs, functools.partial(gather, dim=seq_axis, axis=axis))
         return forward(*args, **kwargs)
 
     return run
@@ -884,7 +812,7 @@ def _entering(forward: Callable[..., Any], axis: C.Axis) -> Callable[..., Any]:
     (identity forward; all-reduce of its gradient backward): its columns share it."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = _map_input(args, kwargs, functools.partial(C.enter, axis=axis))
+        args, kwargs = map_input(args, kwargs, functools.partial(C.enter, axis=axis))
         return forward(*args, **kwargs)
 
     return run
@@ -916,7 +844,7 @@ def _wrap_boundaries(rt: _Runtime, mp: ModulePlan, forward: Callable[..., Any], 
     (``ids``: the module takes token ids, whose last dimension is the sequence)."""
     pre = [s for s in mp.syncs if s.mode == "fwd_pre"]
     bwd = [s for s in mp.syncs if s.mode == "bwd_post"]
-    post = [s for s in mp.syncs if s.mode == "fwd_post"] if mp.role is None or mp.role.kind == "param" else []
+    post = [s for s in mp.syncs if s.mode == "fwd_post"] if mp.role is None or mp.role.own_forward else []
     if not (pre or bwd or post or mp.entry or mp.exit):
         return forward
 
@@ -927,14 +855,14 @@ def _wrap_boundaries(rt: _Runtime, mp: ModulePlan, forward: Callable[..., Any], 
         if mp.entry is not None:
             e = mp.entry
             split = convert(Replicate(), Shard(e.seq_axis), e.mesh_axis)
-            args, kwargs = _map_input(args, kwargs, split if ids else _sequence_split(mp.path, e.seq_axis, split))
+            args, kwargs = map_input(args, kwargs, split if ids else _sequence_split(mp.path, e.seq_axis, split))
         for s in pre:
-            args, kwargs = _map_input(args, kwargs, convert(s.src or Replicate(), s.layout, s.mesh_axis))
+            args, kwargs = map_input(args, kwargs, convert(s.src or Replicate(), s.layout, s.mesh_axis))
         for s in bwd:  # sync validated these: Partial → Replicate (all-reduce) or nothing to do
             if isinstance(s.src, Partial):
-                args, kwargs = _map_input(args, kwargs, functools.partial(C.enter, axis=rt.axis(s.mesh_axis)))
+                args, kwargs = map_input(args, kwargs, functools.partial(C.enter, axis=rt.axis(s.mesh_axis)))
         out = forward(*args, **kwargs)
-        if (post or mp.exit is not None) and _slot(out) is None:
+        if (post or mp.exit is not None) and output_slot(out) is None:
             what = "a fwd_post sync" if post else "the sequence_parallel chain's exit"
             raise LayoutError("tensor parallel forward", [Problem(
                 mp.path or "<root>",
@@ -943,46 +871,13 @@ def _wrap_boundaries(rt: _Runtime, mp: ModulePlan, forward: Callable[..., Any], 
                 "sync a module that returns its activation as a tensor (a child of this one), or drop the sync",
             )])
         for s in post:  # the plan filled in each sync's src (plan._resolved_syncs)
-            out = _first_tensor(out, convert(s.src or Replicate(), s.layout, s.mesh_axis))
+            out = map_first_output(out, convert(s.src or Replicate(), s.layout, s.mesh_axis))
         if mp.exit is not None and not post:
             x = mp.exit
-            out = _first_tensor(out, convert(Shard(x.seq_axis), Replicate(), x.mesh_axis))
+            out = map_first_output(out, convert(Shard(x.seq_axis), Replicate(), x.mesh_axis))
         return out
 
     return run
-
-
-def _install_on_dtensors(model: nn.Module, sch: Schedule, p: Plan, rt: _Runtime) -> None:
-    """The whole model as one DTensor region (:mod:`.region`): every parameter a DTensor,
-    each planned module's forward on DTensor activations, the root entered and left with
-    whole (replicated) values."""
-    acts = Activations(rt.param_mesh, rt.param_dims)
-    _distribute(model, sch, rt)
-    given = chain_entries_given_split(sch)
-    for path, mp in p.modules.items():
-        m = get_module(model, path)
-        forward: Callable[..., Any] = m.forward
-        role = mp.role
-        if mp.experts is not None:
-            forward = _experts_on_dtensors(rt, acts, m, mp, forward)
-        elif role is not None and not role.own_forward:
-            stated = next((s.layout for s in mp.syncs if s.mode == "fwd_post"), None)
-            # in a chain, a partial sum goes on as this rank's tokens (a reduce-scatter)
-            in_chain = mp.seq is not None and mp.seq.mesh_axis == role.mesh_axis and isinstance(role.gives(3), Partial)
-            out = stated if stated is not None else Shard(mp.seq.seq_axis) if in_chain and mp.seq else None
-            forward = role_on_dtensors(acts, m, role, out)
-        forward = _boundaries_on_dtensors(acts, mp, forward, given.get(path))
-        if mp.rng is not None:
-            forward = forked(forward, rt.mesh.get_local_rank(rt.dims.index(mp.rng.mesh_axis)))
-        m.forward = forward  # type: ignore[method-assign]
-    planned = set(p.modules)
-    on_the_way = {join(*split(q)[:i]) for q in planned for i in range(len(split(q)) + 1)}
-    for path, m in walk(model):
-        parent = parent_path(path) if path else None
-        if path not in on_the_way and parent in on_the_way and not uncalled(m):
-            m.forward = island(acts, m, m.forward)  # type: ignore[method-assign]
-    model.forward = region(acts, model.forward, stated_model_output(sch))  # type: ignore[method-assign]
-    reduce_partial_grads(model)
 
 
 def _experts_on_dtensors(rt: _Runtime, acts: Activations, m: nn.Module, mp: ModulePlan,
@@ -999,52 +894,5 @@ def _experts_on_dtensors(rt: _Runtime, acts: Activations, m: nn.Module, mp: Modu
     def run(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = acts.locals_of((args, kwargs))
         return acts.to_dtensor(local(*args, **kwargs))
-
-    return run
-
-
-def _boundaries_on_dtensors(acts: Activations, mp: ModulePlan, forward: Callable[..., Any],
-                            given: SeqSpec | None) -> Callable[..., Any]:
-    """``mp``'s syncs and sequence-parallel entry and exit inside a region: each moves the
-    DTensor it acts on to the layout it states (DTensor knows where it comes from: a
-    stated ``src`` is checked by the plan, and a ``bwd_post`` sync is what DTensor's own
-    backward already does). ``given``: the chain ``mp`` enters first was told its input
-    arrives split, so a plain (local) tensor handed to it is taken as this rank's shard."""
-    # a sync from a layout to itself moves nothing and asserts nothing (a plain tensor handed on
-    # through it keeps the meaning the next statement gives it)
-    pre = [s for s in mp.syncs if s.mode == "fwd_pre" and s.src != s.layout]
-    post = [s for s in mp.syncs if s.mode == "fwd_post" and s.src != s.layout] if (
-        mp.role is None or mp.role.own_forward) else []
-    if not (pre or post or mp.entry or mp.exit or given):
-        return forward
-
-    def shard_of(x: torch.Tensor) -> torch.Tensor:
-        assert given is not None
-        places = acts.placements(**{given.mesh_axis: Shard(given.seq_axis % x.dim())})
-        return x if isinstance(x, DTensor) else DTensor.from_local(x, acts.mesh, places, run_check=False)
-
-    def move(axis: str, layout: Placement, src: Placement | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
-        """To ``layout``: a DTensor from where it is; a plain (local) tensor, handed in by
-        the caller, from ``src``, the layout the plan resolved for it."""
-        def run(x: torch.Tensor) -> torch.Tensor:
-            if not isinstance(x, DTensor) and isinstance(src, Shard):
-                places = acts.placements(**{axis: normalized(src, x.dim())})
-                x = DTensor.from_local(x, acts.mesh, places, run_check=False)
-            return relayout(acts, x, axis, layout)
-        return run
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if given is not None:
-            args, kwargs = _map_input(args, kwargs, shard_of)
-        if mp.entry is not None:
-            args, kwargs = _map_input(args, kwargs, move(mp.entry.mesh_axis, Shard(mp.entry.seq_axis)))
-        for s in pre:
-            args, kwargs = _map_input(args, kwargs, move(s.mesh_axis, s.layout, s.src))
-        out = forward(*args, **kwargs)
-        for s in post:
-            out = _first_tensor(out, move(s.mesh_axis, s.layout))
-        if mp.exit is not None and not post:
-            out = _first_tensor(out, move(mp.exit.mesh_axis, Replicate()))
-        return out
 
     return run

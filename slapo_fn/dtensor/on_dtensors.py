@@ -1,0 +1,114 @@
+"""The build on DTensor activations: where the plan cannot prove a model right on local
+shards (:attr:`.plan.Plan.on_dtensors`), every planned module's forward is installed to
+run on DTensors (:mod:`.region`), with each sync and sequence-parallel boundary moving
+the DTensor it acts on to the layout it states."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from ..schedule import Schedule
+from ..tree import get_module, join, parent_path, split, uncalled, walk
+from .plan import ModulePlan, Plan, chain_entries_given_split, stated_model_output
+from .region import (
+    Activations,
+    island,
+    map_first_output,
+    map_input,
+    normalized,
+    reduce_partial_grads,
+    region,
+    relayout,
+    role_on_dtensors,
+)
+from .rng import forked
+from .sequence import SeqSpec
+
+__all__ = ["install_on_dtensors"]
+
+
+def install_on_dtensors(model: nn.Module, sch: Schedule, p: Plan, acts: Activations, rank_of: Callable[[str], int],
+                        experts: Callable[[Activations, nn.Module, ModulePlan, Callable[..., Any]], Callable[..., Any]]
+                        ) -> None:
+    """The whole model as one DTensor region (:mod:`.region`): every parameter a DTensor,
+    each planned module's forward on DTensor activations, the root entered and left with
+    whole (replicated) values. The parameters are DTensors already; ``rank_of(axis)`` is
+    this rank's index on a mesh axis, ``experts`` installs an experts module's forward."""
+    given = chain_entries_given_split(sch)
+    for path, mp in p.modules.items():
+        m = get_module(model, path)
+        forward: Callable[..., Any] = m.forward
+        role = mp.role
+        if mp.experts is not None:
+            forward = experts(acts, m, mp, forward)
+        elif role is not None and not role.own_forward:
+            stated = next((s.layout for s in mp.syncs if s.mode == "fwd_post"), None)
+            # in a chain, a partial sum goes on as this rank's tokens (a reduce-scatter)
+            in_chain = mp.seq is not None and mp.seq.mesh_axis == role.mesh_axis and isinstance(role.gives(3), Partial)
+            out = stated if stated is not None else Shard(mp.seq.seq_axis) if in_chain and mp.seq else None
+            forward = role_on_dtensors(acts, m, role, out)
+        forward = _boundaries_on_dtensors(acts, mp, forward, given.get(path))
+        if mp.rng is not None:
+            forward = forked(forward, rank_of(mp.rng.mesh_axis))
+        m.forward = forward  # type: ignore[method-assign]
+    planned = set(p.modules)
+    on_the_way = {join(*split(q)[:i]) for q in planned for i in range(len(split(q)) + 1)}
+    for path, m in walk(model):
+        parent = parent_path(path) if path else None
+        if path not in on_the_way and parent in on_the_way and not uncalled(m):
+            m.forward = island(acts, m, m.forward)  # type: ignore[method-assign]
+    model.forward = region(acts, model.forward, stated_model_output(sch))  # type: ignore[method-assign]
+    reduce_partial_grads(model)
+
+
+def _boundaries_on_dtensors(acts: Activations, mp: ModulePlan, forward: Callable[..., Any],
+                            given: SeqSpec | None) -> Callable[..., Any]:
+    """``mp``'s syncs and sequence-parallel entry and exit inside a region: each moves the
+    DTensor it acts on to the layout it states (DTensor knows where it comes from: a
+    stated ``src`` is checked by the plan, and a ``bwd_post`` sync is what DTensor's own
+    backward already does). ``given``: the chain ``mp`` enters first was told its input
+    arrives split, so a plain (local) tensor handed to it is taken as this rank's shard."""
+    # a sync from a layout to itself moves nothing and asserts nothing (a plain tensor handed on
+    # through it keeps the meaning the next statement gives it)
+    pre = [s for s in mp.syncs if s.mode == "fwd_pre" and s.src != s.layout]
+    post = [s for s in mp.syncs if s.mode == "fwd_post" and s.src != s.layout] if (
+        mp.role is None or mp.role.own_forward) else []
+    if not (pre or post or mp.entry or mp.exit or given):
+        return forward
+
+    def shard_of(x: torch.Tensor) -> torch.Tensor:
+        assert given is not None
+        places = acts.placements(**{given.mesh_axis: Shard(given.seq_axis % x.dim())})
+        return x if isinstance(x, DTensor) else DTensor.from_local(x, acts.mesh, places, run_check=False)
+
+    def move(axis: str, layout: Placement, src: Placement | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """To ``layout``: a DTensor from where it is; a plain (local) tensor, handed in by
+        the caller, from ``src``, the layout the plan resolved for it."""
+        def run(x: torch.Tensor) -> torch.Tensor:
+            if not isinstance(x, DTensor) and isinstance(src, Shard):
+                places = acts.placements(**{axis: normalized(src, x.dim())})
+                x = DTensor.from_local(x, acts.mesh, places, run_check=False)
+            return relayout(acts, x, axis, layout)
+        return run
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if given is not None:
+            args, kwargs = map_input(args, kwargs, shard_of)
+        if mp.entry is not None:
+            args, kwargs = map_input(args, kwargs, move(mp.entry.mesh_axis, Shard(mp.entry.seq_axis)))
+        for s in pre:
+            args, kwargs = map_input(args, kwargs, move(s.mesh_axis, s.layout, s.src))
+        out = forward(*args, **kwargs)
+        for s in post:
+            out = map_first_output(out, move(s.mesh_axis, s.layout))
+        if mp.exit is not None and not post:
+            out = map_first_output(out, move(mp.exit.mesh_axis, Replicate()))
+        return out
+
+    return run
