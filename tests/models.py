@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
@@ -40,6 +41,20 @@ def tiny_bert(layers: int = 2) -> nn.Module:
     cfg = BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                      intermediate_size=128, max_position_embeddings=32)
     return BertModel(cfg)
+
+
+def tiny_bart(**overrides: object) -> nn.Module:
+    """``BartModel`` (encoder-decoder, 2 + 2 layers, eager attention, no dropout); its inputs
+    are ``(input_ids, attention_mask, decoder_input_ids)``."""
+    from transformers import BartConfig, BartModel
+
+    torch.manual_seed(0)
+    options: dict[str, object] = {
+        "vocab_size": VOCAB, "d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
+        "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "max_position_embeddings": 32,
+        "dropout": 0.0, "attention_dropout": 0.0, "activation_dropout": 0.0, "use_cache": False,
+        "attn_implementation": "eager"}
+    return BartModel(BartConfig(**{**options, **overrides}))
 
 
 def token_ids(batch: int = 2, seq: int = 8, seed: int = 0) -> torch.Tensor:
@@ -95,6 +110,68 @@ class Net(nn.Module):
         return self.head(x)
 
 
+class NanoAttention(nn.Module):
+    """nanoGPT's causal self-attention, as written there: q/k/v split off ``c_attn`` by
+    ``self.n_embd`` (a size of the whole width) and viewed by ``C // self.n_head``."""
+
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.n_head, self.n_embd = n_head, n_embd
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class NanoChunkAttention(NanoAttention):
+    """The same with ``chunk(3)`` in place of the split by ``n_embd``: the blocks are then
+    this rank's, but each is still viewed into ``self.n_head`` heads of the whole width."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.size()
+        q, k, v = self.c_attn(x).chunk(3, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, attention: type[NanoAttention] = NanoAttention) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
+        self.attn = attention(n_embd, n_head)
+        self.mlp = nn.ModuleDict({"c_fc": nn.Linear(n_embd, 4 * n_embd), "c_proj": nn.Linear(4 * n_embd, n_embd)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x))))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's model at 2 layers: learned positions, the head tied to the embedding."""
+
+    def __init__(self, n_embd: int = 32, n_head: int = 4, attention: type[NanoAttention] = NanoAttention,
+                 vocab: int = VOCAB) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(vocab, n_embd), "wpe": nn.Embedding(16, n_embd),
+            "h": nn.ModuleList([NanoBlock(n_embd, n_head, attention) for _ in range(2)]),
+            "ln_f": nn.LayerNorm(n_embd)})
+        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.shape[1]))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))  # type: ignore[no-any-return]
+
+
 def train(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, steps: int) -> list[float]:
     """``steps`` language-model steps on ``ids`` (labels = inputs); the losses."""
     losses = []
@@ -116,3 +193,26 @@ def megatron_llama(sch: sf.Schedule, layers: str = "model.layers.*") -> sf.Sched
     attn = attn >> sf.shard.at("o_proj", axis=1)
     mlp = sf.shard.at("gate_proj", axis=0) >> sf.shard.at("up_proj", axis=0) >> sf.shard.at("down_proj", axis=1)
     return sf.foreach(layers, sf.scope("self_attn", attn) >> sf.scope("mlp", mlp))(sch)
+
+
+def torch_transformer_layer() -> sf.Rewrite:
+    """One decoder layer of PyTorch's test ``Transformer`` (``common_dtensor``) sharded as its
+    ``Transformer.parallelize`` shards it: q/k/v and w1 column-parallel (axis 0 of an
+    nn.Linear weight), wo and w2 row-parallel."""
+    import slapo_fn as sf
+
+    return (sf.shard.at("attention.wq", axis=0) >> sf.shard.at("attention.wk", axis=0)
+            >> sf.shard.at("attention.wv", axis=0) >> sf.shard.at("attention.wo", axis=1)
+            >> sf.shard.at("feed_forward.w1", axis=0) >> sf.shard.at("feed_forward.w2", axis=1))
+
+
+def megatron_torch_transformer(sch: sf.Schedule) -> sf.Schedule:
+    """``Transformer.parallelize``'s plan in slapo_fn (its sequence parallelism apart): both
+    embeddings vocab-parallel (``RowwiseParallel`` on an nn.Embedding is ``Shard(0)``), every
+    layer Megatron, the head column-parallel (tied: the same ``Shard(0)`` as tok_embeddings)."""
+    import slapo_fn as sf
+
+    sch = sf.shard(sch, ["tok_embeddings", "pos_embeddings"], axis=0)
+    sch = sf.foreach("layers.*", torch_transformer_layer())(sch)
+    return sf.shard(sch, "output", axis=0)
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,13 +27,20 @@ def counts(mode: CommDebugMode | CountCollectives) -> dict[str, int]:
 
 class CountCollectives(TorchDispatchMode):
     """Counts functional collectives like CommDebugMode, without its module tracker (which
-    fails on models that call one module from two parents, e.g. T5's shared embedding)."""
+    fails on models that call one module from two parents, e.g. T5's shared embedding).
+
+    An op on DTensors is handed back to DTensor (``NotImplemented``, as CommDebugMode does):
+    a mode runs before tensor subclasses, so otherwise the collectives DTensor's sharding
+    propagation issues inside that op's dispatch would run with this mode switched off and
+    go uncounted; DTensor then re-dispatches the local ops and collectives, seen here."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen: dict[str, int] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
         op = func.__name__.split(".")[0]
         if func.namespace == "_c10d_functional" and op != "wait_tensor" and not op.startswith("_"):
             name = func.__name__.split(".")[0].replace("_into_tensor", "").replace("_tensor", "")
@@ -55,6 +63,42 @@ def _activation(out: Any) -> torch.Tensor | None:
     return out if isinstance(out, torch.Tensor) and out.is_floating_point() else None
 
 
+def _default_loss(out: Any, _: sf.Schedule) -> torch.Tensor:
+    return (out if isinstance(out, torch.Tensor) else out.logits).float().pow(2).mean()
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The single-process run :func:`parity` compares with: the loss, the output's
+    activation, the inputs' gradients (``None`` for integer inputs) and every parameter's
+    (by name; ``None`` where the loss does not reach it)."""
+
+    loss: torch.Tensor
+    activation: torch.Tensor | None
+    input_grads: tuple[torch.Tensor | None, ...]
+    grads: dict[str, torch.Tensor | None]
+
+
+def single_process(
+    model: nn.Module, inputs: tuple[Any, ...], loss: Callable[[Any, sf.Schedule], torch.Tensor] | None = None
+) -> Reference:
+    """``model`` built unsharded (a private copy), one forward and backward of ``loss``."""
+    loss = loss or _default_loss
+    ref = sf.build(sf.create_schedule(model))
+    ref.eval()
+    ref_in = tuple(t.clone().requires_grad_(True) if t.is_floating_point() else t for t in inputs)
+    out = ref(*ref_in)
+    value = loss(out, sf.create_schedule(model))
+    value.backward()
+    act = _activation(out)
+    return Reference(
+        loss=value.detach(),
+        activation=None if act is None else act.detach(),
+        input_grads=tuple(t.grad if t.is_floating_point() else None for t in ref_in),
+        grads={n: p.grad for n, p in ref.named_parameters()},
+    )
+
+
 def parity(
     model: nn.Module,
     rewrite: Callable[[sf.Schedule], sf.Schedule],
@@ -65,40 +109,39 @@ def parity(
     loss: Callable[[Any, sf.Schedule], torch.Tensor] | None = None,
     atol: float = 1e-5,
     tracker: bool = True,
+    reference: Reference | None = None,
+    predict: bool = True,
 ) -> dict[str, Any]:
     """Build ``rewrite(sch)`` and the unsharded model from the same weights; compare the
-    forward output, every gradient, and return collective counts (fwd/bwd) + explain's."""
+    forward output, every gradient, and return collective counts (fwd/bwd) + explain's
+    (``predicted``; ``None`` without ``predict``). ``reference``: the unsharded run, where
+    the caller keeps one per model and loss (:func:`reference`), else made here."""
     m = mesh(shape, names)
     sch = rewrite(sf.create_schedule(model, mesh=m))
     built = sf.build(sch)
-    ref = sf.build(sf.create_schedule(model))
     built.eval()
-    ref.eval()
-    loss = loss or (lambda out, _: (out if isinstance(out, torch.Tensor) else out.logits).float().pow(2).mean())
-    ref_in = tuple(t.clone().requires_grad_(True) if t.is_floating_point() else t for t in inputs)
+    loss = loss or _default_loss
+    ref = reference or single_process(model, inputs, loss)
     inputs = tuple(t.clone().requires_grad_(True) if t.is_floating_point() else t for t in inputs)
-    out_ref = ref(*ref_in)
-    loss_ref = loss(out_ref, sf.create_schedule(model))
-    loss_ref.backward()
     mode = CommDebugMode if tracker else CountCollectives
     with mode() as fwd:
         out = built(*inputs)
         value = loss(out, sch)
     with mode() as bwd:
         value.backward()
-    torch.testing.assert_close(value.detach(), loss_ref.detach(), atol=atol, rtol=1e-4)
+    torch.testing.assert_close(value.detach(), ref.loss, atol=atol, rtol=1e-4)
     # the output itself, where it is a whole tensor: a loss symmetric in the tokens would not
     # see them permuted (each rank's rows gathered in another order)
-    got, want = _activation(out), _activation(out_ref)
+    got, want = _activation(out), ref.activation
     if got is not None and want is not None and not isinstance(got, DTensor) and got.shape == want.shape:
-        torch.testing.assert_close(got.detach(), want.detach(), atol=atol, rtol=1e-4, msg=lambda s: f"output: {s}")
-    for a, b in zip(ref_in, inputs, strict=True):
-        if a.is_floating_point():
-            torch.testing.assert_close(b.grad, a.grad, atol=atol, rtol=1e-4, msg=lambda s: f"input grad: {s}")
-    grads = dict(ref.named_parameters())
+        torch.testing.assert_close(got.detach(), want, atol=atol, rtol=1e-4, msg=lambda s: f"output: {s}")
+    for a, b in zip(ref.input_grads, inputs, strict=True):
+        if b.is_floating_point():
+            torch.testing.assert_close(b.grad, a, atol=atol, rtol=1e-4, msg=lambda s: f"input grad: {s}")
+    grads = ref.grads
     checked = 0
     for name, p in built.named_parameters():
-        g_ref = grads[name].grad
+        g_ref = grads[name]
         if g_ref is None:  # not in the loss (a pooler): no gradient on either side
             assert p.grad is None, f"{name}: a gradient where the reference has none"
             continue
@@ -107,8 +150,9 @@ def parity(
         checked += 1
     # a plan run on DTensor activations: DTensor's own collectives, counted by explain's fake run
     # (None where the model cannot run on fake tensors: explain then says the counts are unknown)
-    on_dtensors = bool(plan(sch).on_dtensors)
-    predicted = _fake_counts(sch, inputs) if on_dtensors else plan(sch).counts()
+    the_plan = plan(sch)
+    on_dtensors = bool(the_plan.on_dtensors)
+    predicted = None if not predict else _fake_counts(sch, inputs) if on_dtensors else the_plan.counts()
     return {
         "fwd": counts(fwd),
         "bwd": counts(bwd),

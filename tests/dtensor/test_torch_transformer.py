@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist import mesh
+from models import megatron_torch_transformer, torch_transformer_layer
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
@@ -38,18 +39,6 @@ STEPS = 3
 LR = 1e-2
 WEIGHT_DECAY = 0.1
 
-#: slapo_fn's sharding of every decoder layer, as ``Transformer.parallelize`` shards it:
-#: q/k/v and w1 column-parallel (axis 0 of an nn.Linear weight), wo and w2 row-parallel.
-LAYER = (
-    sf.shard.at("attention.wq", axis=0)
-    >> sf.shard.at("attention.wk", axis=0)
-    >> sf.shard.at("attention.wv", axis=0)
-    >> sf.shard.at("attention.wo", axis=1)
-    >> sf.shard.at("feed_forward.w1", axis=0)
-    >> sf.shard.at("feed_forward.w2", axis=1)
-)
-
-
 def _model(tie: bool) -> Transformer:
     torch.manual_seed(0)
     args = ModelArgs(n_layers=2, vocab_size=VOCAB, max_seq_len=SEQ, dim=16, n_heads=4, dropout_p=0.0, weight_tying=tie)
@@ -66,10 +55,7 @@ def _schedule(model: nn.Module, sp: bool, lp: bool) -> sf.Schedule:
     """PyTorch's plan in slapo_fn: both embeddings vocab-parallel (RowwiseParallel on an
     nn.Embedding is Shard(0)), Megatron layers, the LM head column-parallel (vocab rows),
     its logits gathered — or kept sharded for the parallel loss."""
-    sch = sf.create_schedule(model, mesh=mesh((2,), ("tp",)))
-    sch = sf.shard(sch, ["tok_embeddings", "pos_embeddings"], axis=0)
-    sch = sf.foreach("layers.*", LAYER)(sch)
-    sch = sf.shard(sch, "output", axis=0)  # tied: the same Shard(0) as tok_embeddings
+    sch = megatron_torch_transformer(sf.create_schedule(model, mesh=mesh((2,), ("tp",))))
     if lp:
         sch = sf.sync(sch, "output", "fwd_post", Shard(-1))
     if sp:
@@ -236,7 +222,7 @@ def _tie_unsharded(rank: int, world: int, sp: bool) -> dict[str, Any]:
     ids, labels = _batch()
     reference = copy.deepcopy(model)
     sch = sf.shard(sf.create_schedule(model, mesh=mesh((2,), ("tp",))), "pos_embeddings", axis=0)
-    sch = sf.foreach("layers.*", LAYER)(sch)
+    sch = sf.foreach("layers.*", torch_transformer_layer())(sch)
     if sp:
         sch = sf.sequence_parallel(sch, ["layers.*", "norm"])
     built = sf.build(sch)

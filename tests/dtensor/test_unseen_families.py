@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from models import NanoAttention, NanoChunkAttention, NanoGPT, tiny_bart
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from tp_checks import parity
@@ -153,14 +154,8 @@ def _seq2seq_plan() -> Plan:
 
 
 def _bart() -> tuple[nn.Module, tuple[Any, ...], Plan]:
-    from transformers import BartConfig, BartModel
-
-    cfg = BartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-                     decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=32,
-                     dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, use_cache=False,
-                     attn_implementation="eager")
     ids = _ids()
-    return BartModel(cfg), (ids, torch.ones_like(ids), _ids(seed=1)), _seq2seq_plan()
+    return tiny_bart(), (ids, torch.ones_like(ids), _ids(seed=1)), _seq2seq_plan()
 
 
 class _Whisper(nn.Module):
@@ -401,67 +396,6 @@ def _persimmon(gathered: bool) -> Callable[[], tuple[nn.Module, tuple[Any, ...],
     return make
 
 
-class _NanoAttention(nn.Module):
-    """nanoGPT's causal self-attention, as written there: q/k/v split off ``c_attn`` by
-    ``self.n_embd`` (a size of the whole width) and viewed by ``C // self.n_head``."""
-
-    def __init__(self, n_embd: int, n_head: int) -> None:
-        super().__init__()
-        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
-        self.c_proj = nn.Linear(n_embd, n_embd)
-        self.n_head, self.n_embd = n_head, n_embd
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
-
-
-class _NanoChunkAttention(_NanoAttention):
-    """The same with ``chunk(3)`` in place of the split by ``n_embd``: the blocks are then
-    this rank's, but each is still viewed into ``self.n_head`` heads of the whole width."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.size()
-        q, k, v = self.c_attn(x).chunk(3, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, c))
-
-
-class _NanoBlock(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, attention: type[_NanoAttention] = _NanoAttention) -> None:
-        super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(n_embd), nn.LayerNorm(n_embd)
-        self.attn = attention(n_embd, n_head)
-        self.mlp = nn.ModuleDict({"c_fc": nn.Linear(n_embd, 4 * n_embd), "c_proj": nn.Linear(4 * n_embd, n_embd)})
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x))))
-
-
-class _NanoGPT(nn.Module):
-    """nanoGPT's model at 2 layers: learned positions, the head tied to the embedding."""
-
-    def __init__(self, n_embd: int = 32, n_head: int = 4, attention: type[_NanoAttention] = _NanoAttention) -> None:
-        super().__init__()
-        self.transformer = nn.ModuleDict({
-            "wte": nn.Embedding(VOCAB, n_embd), "wpe": nn.Embedding(16, n_embd),
-            "h": nn.ModuleList([_NanoBlock(n_embd, n_head, attention) for _ in range(2)]),
-            "ln_f": nn.LayerNorm(n_embd)})
-        self.lm_head = nn.Linear(n_embd, VOCAB, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.shape[1]))
-        for block in self.transformer.h:
-            x = block(x)
-        return self.lm_head(self.transformer.ln_f(x))  # type: ignore[no-any-return]
-
-
 def _nanogpt(gathered: bool, chunk: bool = False) -> Callable[[], tuple[nn.Module, tuple[Any, ...], Plan]]:
     """nanoGPT with GPT-2's Megatron plan (``c_attn`` packed=3): its split by ``n_embd``,
     a size build does not make this rank's, cut this rank's share into the wrong blocks (a
@@ -474,7 +408,7 @@ def _nanogpt(gathered: bool, chunk: bool = False) -> Callable[[], tuple[nn.Modul
             attn = attn >> sf.sync.at("c_attn", "fwd_post", Replicate())
         plan = sf.foreach("transformer.h.*", sf.scope("attn", attn) >> sf.scope("mlp", _column("c_fc")
                                                                                >> _row("c_proj")))
-        return _NanoGPT(attention=_NanoChunkAttention if chunk else _NanoAttention), (_ids(),), plan
+        return NanoGPT(attention=NanoChunkAttention if chunk else NanoAttention), (_ids(),), plan
 
     return make
 
@@ -1075,7 +1009,12 @@ def _family(rank: int, world: int, name: str) -> dict[str, str]:
 # head for all). BLOOM and Falcon were refused until their groups of heads ([q|k|v] per head,
 # [q q|k|v] per kv head) were read from the traced view, and their ALiBi bias, built for every
 # head and merged with the batch, cut to this rank's heads.
+_FAKE_RUN = ("runs equal on DTensor activations, but explain's fake run (slapo_fn/dtensor/dryrun.py) misses the "
+             "collectives DTensor issues inside an op, so its counts fall short of the run's ({})")
 XFAIL: dict[str, str] = {
+    "torch-encoder-out-replicated+sp": _FAKE_RUN.format("forward all-gathers: 3 predicted, 11 ran"),
+    "mlp-mixer+sp": _FAKE_RUN.format("forward all-reduces: 0 predicted, 2 ran"),
+    "fnet+sp": _FAKE_RUN.format("forward all-gathers: 3 predicted, 5 ran"),
 }
 
 
