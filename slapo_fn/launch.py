@@ -21,7 +21,9 @@ a ``SignalException`` traceback it leaves one line in the run folder, e.g. ``ran
 refuses its input records the message there too (:func:`slapo_fn.processes.record_error`),
 so that the launcher prints it once rather than once per rank.
 
-This module imports torch (torchrun); ``slapo_fn.cli`` imports it only to start a job.
+:func:`run` is the launch of ``slapo-fn train`` and ``verify`` on several processes: it says
+how a failed job ended in one line. This module imports torch (torchrun); ``slapo_fn.cli``
+imports it only to start a job.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from .processes import (
+    LAUNCHER_ENV,
+    RUN_DIR_ENV,
+    WORKER_ENV,
     clear_run_dir,
     descendants,
     die_with_parent,
@@ -54,7 +59,7 @@ from .processes import (
     worker_pids,
 )
 
-__all__ = ["STOP_SIGNALS", "Nodes", "Outcome", "agent", "describe", "launch", "root_cause"]
+__all__ = ["STOP_SIGNALS", "Nodes", "Outcome", "agent", "describe", "launch", "root_cause", "run"]
 
 #: The signals that stop a job when its launcher gets them (Ctrl-C, ``kill``, a closed terminal).
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -62,8 +67,6 @@ STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signa
 STOP_TIMEOUT_S = 10.0
 #: The file in the run folder where the agent says which rank failed first and how.
 FAILURE_FILE = "failure"
-#: Environment variables: the run folder, the launcher's PID (the agent dies with it).
-RUN_DIR_ENV, LAUNCHER_ENV = "SLAPO_FN_RUN_DIR", "SLAPO_FN_LAUNCHER_PID"
 #: torchrun's loggers: the agent's warnings and errors repeat what the outcome says.
 _TORCHRUN_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
 
@@ -123,8 +126,8 @@ def launch(argv: Sequence[str], nproc: int, run_dir: str | os.PathLike[str] | No
     cmd = [sys.executable, "-m", "slapo_fn.launch", *(nodes or Nodes()).torchrun_args(), f"--nproc-per-node={nproc}",
            "--max-restarts=0", "--monitor-interval=0.5", "-m", "slapo_fn.cli", *argv]
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
-    env = dict(os.environ, SLAPO_FN_WORKER="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads),
-               **{RUN_DIR_ENV: str(folder), LAUNCHER_ENV: str(os.getpid())})
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads),
+               **{WORKER_ENV: "1", RUN_DIR_ENV: str(folder), LAUNCHER_ENV: str(os.getpid())})
     env.setdefault("PYTHONUNBUFFERED", "1")
     job = _Job()
     try:
@@ -143,6 +146,23 @@ def launch(argv: Sequence[str], nproc: int, run_dir: str | os.PathLike[str] | No
     finally:
         if own_dir:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def run(command: str, argv: Sequence[str], nproc: int, run_dir: str | os.PathLike[str] | None = None, *,
+        nodes: Nodes | None = None) -> int:
+    """``slapo-fn COMMAND`` on ``nproc`` local processes (:func:`launch`); says how it
+    ended if it failed, once, on stderr: the ranks' refusal of their input (exit code 2),
+    the first failed rank, or the signal that stopped the launcher. Returns the exit code."""
+    outcome = launch(argv, nproc, run_dir, nodes=nodes)
+    if outcome.stopped_by is not None:
+        print(f"slapo-fn {command}: stopped by {outcome.stopped_by.name}; every worker is stopped",
+              file=sys.stderr, flush=True)
+    elif outcome.errors:
+        print("\n".join(outcome.errors), file=sys.stderr, flush=True)
+        return 2
+    elif outcome.code and outcome.failure:
+        print(f"slapo-fn {command}: {outcome.failure}; the other ranks were stopped", file=sys.stderr, flush=True)
+    return outcome.code
 
 
 class _Job:

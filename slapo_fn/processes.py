@@ -4,7 +4,9 @@ torchrun starts its workers in sessions of their own, so killing the launcher's 
 group does not reach them. Workers write their PIDs to ``pid-<rank>`` files in the run
 folder, and parent links in ``/proc`` find the rest. A worker that refuses its input
 writes the message to ``error-<rank>`` there instead of printing it, so that the
-launcher says it once (:func:`record_error`, :func:`recorded_errors`).
+launcher says it once (:func:`record_error`, :func:`recorded_errors`). The launcher tells
+its workers where that folder is, and that they are workers, through the environment
+(:data:`RUN_DIR_ENV`, :func:`in_worker`).
 
 >>> import os
 >>> alive(os.getpid())
@@ -23,12 +25,16 @@ from collections.abc import Iterable
 from pathlib import Path
 
 __all__ = [
+    "LAUNCHER_ENV",
+    "RUN_DIR_ENV",
     "alive",
     "clear_run_dir",
     "descendants",
     "die_with_parent",
+    "in_worker",
     "kill",
     "record_error",
+    "record_pid",
     "recorded_errors",
     "wait_gone",
     "worker_pids",
@@ -37,6 +43,14 @@ __all__ = [
 #: Files a run leaves in its run folder: worker PIDs and refused-input messages, by rank.
 _PID, _ERROR = "pid-", "error-"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+#: Environment variables a launcher sets for its processes: the run folder, the launcher's
+#: PID (its agent dies with it), and that a process is a worker of a launch.
+RUN_DIR_ENV, LAUNCHER_ENV, WORKER_ENV = "SLAPO_FN_RUN_DIR", "SLAPO_FN_LAUNCHER_PID", "SLAPO_FN_WORKER"
+
+
+def in_worker() -> bool:
+    """Whether this process is a rank of a job (started by torchrun, or by a launch)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get(WORKER_ENV) == "1"
 
 
 def alive(pid: int) -> bool:
@@ -115,6 +129,11 @@ def clear_run_dir(run_dir: Path) -> None:
         for stale in run_dir.glob(pattern):
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
+
+
+def record_pid(run_dir: Path, rank: int) -> None:
+    """Leave this process's PID for the launcher, which kills it if it outlives the job."""
+    Path(run_dir, f"{_PID}{rank}").write_text(str(os.getpid()))
 
 
 def record_error(run_dir: Path, rank: int, message: str) -> None:

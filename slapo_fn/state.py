@@ -72,7 +72,16 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .errors import Problem, ScheduleError
 
-__all__ = ["CheckpointFallback", "checkpoints", "full_state_dict", "latest", "load", "loadable", "save"]
+__all__ = [
+    "CheckpointFallback",
+    "checkpoints",
+    "full_state_dict",
+    "latest",
+    "load",
+    "loadable",
+    "save",
+    "step_of",
+]
 
 _LATEST = "LATEST"
 
@@ -394,9 +403,9 @@ def checkpoints(path: str | os.PathLike[str]) -> list[Path]:
     if found is None or found == Path(path):
         return [] if found is None else [found]
     root = Path(path)
-    newest = _step_of(found)
+    newest = step_of(found)
     older = sorted((d for d in root.iterdir() if d.is_dir() and d.name.startswith("step-") and d != found
-                    and _step_of(d) < newest), key=_step_of, reverse=True) if root.is_dir() else []
+                    and step_of(d) < newest), key=step_of, reverse=True) if root.is_dir() else []
     return [found, *older]
 
 
@@ -412,8 +421,13 @@ def loadable(path: str | os.PathLike[str]) -> Path | None:
     return next((c for c in checkpoints(path) if not _unreadable(c, Path(path))), None)
 
 
-def _step_of(checkpoint: Path) -> int:
-    """The step of a checkpoint directory (``step-00000012``: 12; another name: 0)."""
+def step_of(checkpoint: Path) -> int:
+    """The step of a checkpoint directory (``step-00000012``: 12; another name: 0, as
+    :func:`load` counts it).
+
+    >>> step_of(Path("ckpt/step-00000012")), step_of(Path("ckpt"))
+    (12, 0)
+    """
     kind, _, number = checkpoint.name.partition("-")
     return int(number) if kind == "step" and number.isdigit() else 0
 
@@ -496,7 +510,7 @@ def _load_from(model: object, optimizer: OptimizerState, found: Path) -> int:
         prefixed = {f"{owner[k]}.{k}": v for k, v in state["model"].items() if k in owner}
         optim = _map_optim(state["optim"], lambda k: f"{owner[k]}.{k}")
         set_state_dict(nn.ModuleList(modules), optimizer, model_state_dict=prefixed, optim_state_dict=optim)
-    return _step_of(found)
+    return step_of(found)
 
 
 def _fresh(tree: Any) -> Any:

@@ -154,7 +154,7 @@ def test_peak_memory_of_a_worker_is_its_own_not_its_launchers() -> None:
         launcher = (
             "import subprocess, sys, torch\n"
             f"held = torch.ones({held_floats})\n"  # touched, so resident
-            "code = 'from slapo_fn.cli import _peak_memory; print(_peak_memory(None))'\n"
+            "code = 'from slapo_fn.train import peak_memory; print(peak_memory(None))'\n"
             "print(subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout)\n"
             "print(float(held.sum()))\n"
         )

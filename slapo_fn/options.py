@@ -1,0 +1,107 @@
+"""What the options of a ``slapo-fn`` run mean, read without torch.
+
+The command line checks its arguments before torch loads, and the ranks it starts read
+the same options again; both read them here: the mesh axes of ``--dp/--pp/--tp``, sizes
+written ``80GiB``, the ``stdlib[:SIZE]`` data source, the held-out share of ``--data``
+and the ``--fault KIND:STEP`` a test injects.
+
+>>> axes(dp=2, tp=4, pp=1)
+[('dp', 2), ('tp', 4)]
+>>> parse_size("512MiB") == 512 * 2**20
+True
+>>> parse_fault("exit:3")
+Fault(kind='exit', step=3)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "EVAL_FRACTION",
+    "FAULTS",
+    "STDLIB",
+    "STDLIB_BYTES",
+    "Fault",
+    "axes",
+    "eval_fraction",
+    "is_stdlib",
+    "parse_fault",
+    "parse_size",
+    "stdlib_bytes",
+]
+
+#: ``--data stdlib``: the Python standard library's sources as a corpus.
+STDLIB = "stdlib"
+#: Bytes of the standard library's sources that ``--data stdlib`` reads (``stdlib:SIZE``: another amount).
+STDLIB_BYTES = 2_000_000
+#: The held-out share of ``--data`` with ``--eval-every`` and no ``--eval-fraction``.
+EVAL_FRACTION = 0.05
+#: What ``--fault KIND:STEP`` injects on the last rank at STEP: ``exit`` exits with code 3,
+#: ``hang`` stops answering (the others wait on the next collective).
+FAULTS = ("exit", "hang")
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
+          "gb": 10**9, "tb": 10**12}
+
+
+def axes(*, dp: int, tp: int, pp: int) -> list[tuple[str, int]]:
+    """The mesh axes of ``dp/tp/pp`` larger than one, in mesh order (``dp``, ``pp``, ``tp``)."""
+    return [(n, s) for n, s in (("dp", dp), ("pp", pp), ("tp", tp)) if s > 1]
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size written ``512MiB``, ``80GiB``, ``2MB`` or a number; ``ValueError`` else.
+
+    >>> parse_size("2MB"), parse_size("1.5KiB")
+    (2000000, 1536)
+    """
+    number = text.strip().rstrip("bBiIkKmMgGtT")
+    unit = text.strip()[len(number):].lower()
+    try:
+        return int(float(number) * _UNITS[unit])
+    except (KeyError, ValueError):
+        raise ValueError(f"size {text!r}: use e.g. 512MiB, 80GiB or a number of bytes") from None
+
+
+def is_stdlib(data: str | None) -> bool:
+    """Whether ``--data`` names the standard library's sources (``stdlib`` or ``stdlib:SIZE``)."""
+    return data is not None and data.partition(":")[0] == STDLIB
+
+
+def stdlib_bytes(data: str) -> int | None:
+    """The byte cap of ``--data stdlib[:SIZE]`` (``None``: all of it); ``ValueError`` for a bad SIZE.
+
+    >>> stdlib_bytes("stdlib"), stdlib_bytes("stdlib:all"), stdlib_bytes("stdlib:1KiB")
+    (2000000, None, 1024)
+    """
+    _, _, size = data.partition(":")
+    if not size:
+        return STDLIB_BYTES
+    return None if size == "all" else parse_size(size)
+
+
+def eval_fraction(fraction: float | None, eval_every: int) -> float:
+    """The share of ``--data`` held out: ``--eval-fraction`` if given, else
+    :data:`EVAL_FRACTION` with ``--eval-every`` and nothing without."""
+    if fraction is not None:
+        return float(fraction)
+    return EVAL_FRACTION if eval_every else 0.0
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A failure a test injects on the last rank after optimizer step ``step``."""
+
+    kind: str
+    step: int
+
+
+def parse_fault(spec: str | None) -> Fault | None:
+    """``--fault KIND:STEP`` as a :class:`Fault` (``None`` for none); ``ValueError`` for another spec."""
+    if spec is None:
+        return None
+    kind, _, step = spec.partition(":")
+    if kind not in FAULTS or not step.isdigit():
+        raise ValueError(f"--fault {spec!r}: use {' or '.join(f'{k}:STEP' for k in FAULTS)}")
+    return Fault(kind, int(step))
