@@ -138,6 +138,11 @@ def _train_args(train: argparse.ArgumentParser) -> None:
     loop.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                       help="compute dtype: bf16 is FSDP2 mixed precision with --dp > 1, autocast otherwise; "
                            "weights, optimizer and gradient reductions stay float32")
+    loop.add_argument("--nonfinite", choices=("stop", "skip"), default="stop",
+                      help="a step whose loss, grad norm or learning rate is not finite: stop the run before its "
+                           "update, or skip the step")
+    loop.add_argument("--max-skipped", type=int, default=10, metavar="N",
+                      help="with --nonfinite skip: stop after more than N skipped steps")
     loop.add_argument("--eval-every", type=int, default=0, metavar="N",
                       help="an eval loss every N steps, where the data has a held-out split (0: never)")
     loop.add_argument("--eval-batches", type=int, default=None, metavar="N", help="at most N eval batches")
@@ -157,17 +162,27 @@ def _train_args(train: argparse.ArgumentParser) -> None:
                            "else 0)")
     train.add_argument("--export-to", default=None, metavar="FOLDER",
                        help="at the end, write the trained model (and the tokenizer) as a Hugging Face folder")
-    train.add_argument("--checkpoint-dir", default=None, help="where distributed checkpoints go")
+    train.add_argument("--checkpoint-dir", default=None,
+                       help="where distributed checkpoints go (one run at a time: the run holds a lock on it)")
     train.add_argument("--save-every", type=int, default=0, help="save every N steps (and at the end)")
-    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    train.add_argument("--keep", type=int, default=2, metavar="N",
+                       help="checkpoints to keep (the newest; when the disk is short, older ones go first)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the newest checkpoint that verifies (its files against their digests)")
     train.add_argument("--log-every", type=int, default=5)
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
-    train.add_argument("--run-dir", default=None, help="where worker PIDs are written (default: a temp dir)")
+    train.add_argument("--run-dir", default=None,
+                       help="where worker PIDs and each rank's output (rank-N.log) go (default: a temporary folder, "
+                            "kept when the job fails)")
+    train.add_argument("--collective-timeout", type=float, default=300.0, metavar="S",
+                       help="a collective waiting longer for a rank fails the job, naming the rank that did not "
+                            "arrive")
     train.add_argument("--metrics", default=None, help="write per-step figures as JSON lines to this file "
                        "(with the peak memory of the most loaded rank)")
     train.add_argument("--fault", default=None, metavar="KIND:STEP",
-                       help="inject a failure on the last rank at STEP: 'exit:3' exits non-zero, 'hang:3' stops "
-                            "answering (tests the launcher's and the tuner's failure handling)")
+                       help="inject a failure at STEP (tests of failure handling): 'exit:3' the last rank exits "
+                            "non-zero, 'hang:3' it stops answering, 'nan:3' the learning rate turns NaN, "
+                            "'full-disk:3' saves find no free space")
     train.add_argument("--tensorboard", default=None, metavar="DIR",
                        help="TensorBoard scalars (loss, lr, grad norm, tokens/s, peak memory) in DIR; needs the "
                             "tensorboard package (pip install 'slapo_fn[tensorboard]')")
@@ -198,7 +213,10 @@ def _verify_args(verify: argparse.ArgumentParser) -> None:
     verify.add_argument("--rtol", type=float, default=None,
                         help="relative to each tensor's largest value (default: by dtype, 1e-5 for float32)")
     verify.add_argument("--atol", type=float, default=None, help="absolute (default: by dtype, 1e-5 for float32)")
-    verify.add_argument("--run-dir", default=None)
+    verify.add_argument("--run-dir", default=None,
+                        help="where worker PIDs and each rank's output go (default: a temporary folder)")
+    verify.add_argument("--collective-timeout", type=float, default=300.0, metavar="S",
+                        help="a collective waiting longer for a rank fails the job")
 
 
 def _export_args(export: argparse.ArgumentParser) -> None:
@@ -352,9 +370,13 @@ def _argument_problems(args: argparse.Namespace) -> list[Problem]:
         at_least("--grad-accum", 1, "micro-steps per optimizer step", "--grad-accum 1 (no accumulation)")
         at_least("--eval-every", 0, "steps between eval losses; 0: never", "--eval-every 0")
         at_least("--eval-batches", 1, "eval batches per evaluation", "leave out --eval-batches for all of them")
+        at_least("--keep", 1, "checkpoints kept", "--keep 2")
+        at_least("--max-skipped", 0, "non-finite steps skipped before the run stops", "--max-skipped 10")
         at_least("--nnodes", 1, "nodes of the job", "--nnodes 1 (this machine only)")
         at_least("--node-rank", 0, "this node's rank", "--node-rank 0 on the first node, 1 on the next, ...")
         problems += _loop_problems(args)
+    if args.command in ("train", "verify"):
+        at_least("--collective-timeout", 1, "seconds a collective waits", "--collective-timeout 300")
     if args.command == "verify":
         at_least("--rtol", 0, "relative tolerance", "--rtol 1e-4")
         at_least("--atol", 0, "absolute tolerance", "--atol 1e-5")
@@ -443,7 +465,7 @@ def _train_argument_problems(args: argparse.Namespace) -> list[Problem]:
     try:
         parse_fault(args.fault)
     except ValueError:
-        problems.append(Problem("--fault", f"{args.fault!r} is not KIND:STEP (KIND {' or '.join(FAULTS)}, STEP a "
+        problems.append(Problem("--fault", f"{args.fault!r} is not KIND:STEP (KIND {', '.join(FAULTS)}; STEP a "
                                            "step number)", "--fault exit:3 or --fault hang:3"))
     return problems
 

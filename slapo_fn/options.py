@@ -37,9 +37,11 @@ STDLIB = "stdlib"
 STDLIB_BYTES = 2_000_000
 #: The held-out share of ``--data`` with ``--eval-every`` and no ``--eval-fraction``.
 EVAL_FRACTION = 0.05
-#: What ``--fault KIND:STEP`` injects on the last rank at STEP: ``exit`` exits with code 3,
-#: ``hang`` stops answering (the others wait on the next collective).
-FAULTS = ("exit", "hang")
+#: What ``--fault KIND:STEP`` injects at STEP: ``exit`` (the last rank exits with code 3),
+#: ``hang`` (the last rank stops answering: the others wait on the next collective),
+#: ``nan`` (the learning rate is NaN from STEP on), ``full-disk`` (the free-space probe
+#: of checkpoint saves finds no room from STEP on).
+FAULTS = ("exit", "hang", "nan", "full-disk")
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
           "gb": 10**9, "tb": 10**12}
@@ -91,7 +93,7 @@ def eval_fraction(fraction: float | None, eval_every: int) -> float:
 
 @dataclass(frozen=True)
 class Fault:
-    """A failure a test injects on the last rank after optimizer step ``step``."""
+    """A failure a test injects at optimizer step ``step`` (see :data:`FAULTS`)."""
 
     kind: str
     step: int

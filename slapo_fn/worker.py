@@ -11,39 +11,53 @@ model its options build (:mod:`slapo_fn.job`), then the work.
 The launcher (:mod:`slapo_fn.launch`) starts these processes and the command line
 (:mod:`slapo_fn.cli`) calls the function of its command in each; a single-process run
 calls it in the command's own process.
+
+A rank of a launch writes its output to ``rank-<rank>.log`` in the run folder (rank 0's
+loss lines and progress bar still reach the console), and a rank that fails leaves one
+line there for the launcher: the first line of its error. A collective that waits longer
+than ``--collective-timeout`` fails; the ranks that waited then find out through the
+process group's store (PyTorch's c10d store, hosted by torchrun's agent, which outlives
+any rank) which ranks did not arrive, and the lowest of them that did says which.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from . import hf, job
 from . import train as loop
 from .build import build
+from .checkpoint_dir import free_bytes
 from .errors import CommandLineError, Problem
 from .options import Fault, axes, parse_fault
 from .pipelines import build_pipeline
 from .presets import PRESETS, WEIGHT_FILES, tokenizer_of, weights_of
-from .processes import RUN_DIR_ENV, record_pid
+from .processes import RUN_DIR_ENV, rank_log, record_failure, record_pid
+from .state import CheckpointSpaceError, CheckpointWriteError
 from .verify import VerificationError
 from .verify import verify as verify_schedule
 from .weights import load_hf, save_hf
 
-__all__ = ["PG_TIMEOUT_S", "setup", "teardown", "train", "verify"]
-
-#: Seconds a collective waits for the other ranks before the process group fails it.
-PG_TIMEOUT_S = 60
+__all__ = ["setup", "teardown", "train", "verify"]
 
 Options = job.Options
+#: Seconds the ranks that reached a failed collective wait for the others to say so.
+ARRIVAL_GRACE_S = 3.0
+#: Failures said in their own words, without a traceback (a single process).
+_EXPECTED = (FloatingPointError, CheckpointSpaceError, CheckpointWriteError)
 
 
 def setup(options: Options) -> tuple[torch.device, DeviceMesh | None]:
@@ -63,7 +77,7 @@ def setup(options: Options) -> tuple[torch.device, DeviceMesh | None]:
             f"start {job.world(options)} processes, or let slapo-fn start them (run it without torchrun)")])
     if rank_count == 1:
         return device, None
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=options.collective_timeout))
     mesh_axes = axes(dp=options.dp, tp=options.tp, pp=options.pp)
     mesh = init_device_mesh(device.type, tuple(s for _, s in mesh_axes), mesh_dim_names=tuple(n for n, _ in mesh_axes))
     return device, mesh
@@ -79,6 +93,93 @@ def teardown() -> None:
 def train(options: Options) -> int:
     """One rank of ``slapo-fn train``: the schedule, the model, the data, then
     :func:`slapo_fn.train.train`. Returns the exit code."""
+    return _as_rank(_train, options)
+
+
+def verify(options: Options) -> int:
+    """One rank of ``slapo-fn verify``: the recipe's schedule against the unscheduled
+    model on the same random batch; the report (or the failure) on rank 0. Returns the
+    exit code: 1 where they differ."""
+    return _as_rank(_verify, options)
+
+
+def _as_rank(work: Callable[[Options, IO[str]], int], options: Options) -> int:
+    """``work(options, console)`` as one rank: its output to its log file where a launch
+    started it, a failure said in one line (refusals of bad input are the command line's
+    to say: they pass through). Returns the exit code."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    rank = int(os.environ.get("RANK", "0"))
+    console = _output_to_log(rank_log(Path(run_dir), rank), keep_stdout=rank == 0) if run_dir else sys.stderr
+    try:
+        return work(options, console)
+    except (ValueError, KeyError):
+        raise
+    except Exception as e:
+        line, first = _said(e, options)
+        if run_dir:
+            traceback.print_exc()  # into the log
+            record_failure(Path(run_dir), rank, line)
+            if not first:
+                time.sleep(ARRIVAL_GRACE_S)  # the rank that says who did not arrive exits first
+        else:
+            if not isinstance(e, _EXPECTED):
+                traceback.print_exc()
+            print(f"slapo-fn {options.command}: {line}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _output_to_log(log: Path, *, keep_stdout: bool) -> IO[str]:
+    """Send this process's stderr (and stdout unless ``keep_stdout``) to ``log``, from the
+    file descriptors down (C++ warnings included); returns a stream to the console's
+    stderr, for a progress bar."""
+    console = os.fdopen(os.dup(2), "w", buffering=1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    if not keep_stdout:
+        os.dup2(fd, 1)
+    os.close(fd)
+    return console
+
+
+def _collective(e: BaseException) -> bool:
+    """Whether ``e`` is a collective that failed: timed out, or lost a peer."""
+    return isinstance(e, dist.DistError) or "Timed out" in str(e) or "Connection closed by peer" in str(e)
+
+
+def _said(e: BaseException, options: Options) -> tuple[str, bool]:
+    """The one line that says why this rank failed — a collective's missing ranks where
+    it failed waiting for them, else the first line of the error — and whether this rank
+    is the one to say it first (the lowest rank that reached the collective)."""
+    if dist.is_initialized() and _collective(e):
+        missing, arrived = _arrivals(ARRIVAL_GRACE_S)
+        if missing:
+            who = ", ".join(map(str, missing))
+            return (f"rank{'s' if len(missing) > 1 else ''} {who} did not arrive at a collective within "
+                    f"{options.collective_timeout:g} s (--collective-timeout): stopped, hung or gone",
+                    dist.get_rank() == min(arrived))
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+    return (f"{type(e).__name__}: {first}" if not isinstance(e, _EXPECTED) else first), True
+
+
+def _arrivals(grace: float) -> tuple[list[int], list[int]]:
+    """The ranks that have not reached a failed collective, and those that have: each
+    rank that did says so in the process group's store, and waits up to ``grace``
+    seconds for the others."""
+    store = c10d._get_default_store()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    key = "slapo_fn/arrived/{}".format
+    store.set(key(rank), "1")
+    deadline = time.monotonic() + grace
+    while True:
+        missing = [r for r in range(world) if not store.check([key(r)])]
+        if not missing or time.monotonic() >= deadline:
+            return missing, [r for r in range(world) if r not in missing]
+        time.sleep(0.1)
+
+
+def _train(options: Options, console: IO[str]) -> int:
     fault = parse_fault(options.fault)
     device, mesh = setup(options)
     rank = int(os.environ.get("RANK", "0"))
@@ -109,24 +210,29 @@ def train(options: Options) -> int:
         start = _resume(options, model, optimizer, data)
         if rank == 0:
             print(f"resumed from step {start}", flush=True)
+    console_log = loop.ConsoleLog(every=options.log_every, start=start, total=options.steps,
+                                  progress=not options.no_progress, bar_to=console) if rank == 0 else None
     loggers: list[Any] = []
     if rank == 0:
-        loggers.append(loop.ConsoleLog(every=options.log_every, start=start, total=options.steps,
-                                       progress=not options.no_progress))
+        loggers.append(console_log)
         if options.metrics:
             loggers.append(loop.JsonlLog(options.metrics))
         if options.tensorboard:
             loggers.append(loop.TensorBoardLog(options.tensorboard))
+    injected = _Injected(fault)
     try:
         loop.train(model, optimizer, data, steps=options.steps, batch_size=options.batch, mesh=mesh, start_step=start,
-                   lr_schedule=loop.LRSchedule(options.lr, warmup=options.warmup, decay=options.decay,
-                                               min_lr=options.min_lr, total=options.steps),
+                   lr_schedule=injected.lr(loop.LRSchedule(options.lr, warmup=options.warmup, decay=options.decay,
+                                                           min_lr=options.min_lr, total=options.steps)),
                    grad_clip=options.grad_clip, grad_accum=options.grad_accum, autocast=autocast,
                    eval_every=options.eval_every, eval_batches=options.eval_batches,
-                   checkpoint=loop.Checkpointing(options.checkpoint_dir, every=options.save_every)
+                   checkpoint=loop.Checkpointing(options.checkpoint_dir, every=options.save_every, keep=options.keep,
+                                                 free_space=injected.free_space)
                    if options.checkpoint_dir else None,
-                   log=loggers, memory=bool(options.metrics or options.tensorboard),
-                   on_step=None if fault is None else lambda step: _inject(fault, step))
+                   log=loggers, memory=bool(options.metrics or options.tensorboard), on_step=injected.step,
+                   nonfinite=options.nonfinite, max_skipped=options.max_skipped, say=_say)
+        if console_log is not None:
+            console_log.finish()
     finally:
         for logger in loggers:
             logger.close()
@@ -140,10 +246,13 @@ def train(options: Options) -> int:
     return 0
 
 
+def _say(text: str) -> None:
+    print(f"slapo-fn train: {text}", flush=True)
+
+
 def _resume(options: Options, model: Any, optimizer: torch.optim.Optimizer, data: object) -> int:
-    """The step the newest loadable checkpoint continues at, its state loaded."""
-    start = loop.resume(model, optimizer, options.checkpoint_dir, data=data,
-                        say=lambda text: print(f"slapo-fn train: {text}", flush=True))
+    """The step the newest checkpoint that verifies continues at, its state loaded."""
+    start = loop.resume(model, optimizer, options.checkpoint_dir, data=data, say=_say)
     if start >= options.steps:  # checked before the launch; here for a job started by torchrun itself
         raise CommandLineError(options.command, job.resume_problems(options))
     if isinstance(data, job.Positioned) and data.resumed_at not in (None, start):
@@ -160,22 +269,39 @@ def _say_random_init(options: Options) -> None:
               f"({' or '.join(WEIGHT_FILES)}): training from random initialization (seed {options.seed})", flush=True)
 
 
-def _inject(fault: Fault, step: int) -> None:
-    """``--fault``: fail as ``fault`` says after its step, on the last rank."""
-    rank = int(os.environ.get("RANK", "0"))
-    if step != fault.step or rank != int(os.environ.get("WORLD_SIZE", "1")) - 1:
-        return
-    print(f"slapo-fn: injected fault {fault.kind!r} on rank {rank}", file=sys.stderr, flush=True)
-    if fault.kind == "exit":
-        os._exit(3)
-    while True:  # hang: the others wait on the next collective until they time out or are killed
-        time.sleep(3600)
+class _Injected:
+    """``--fault``: the failure a test asks for, at its step. ``exit`` and ``hang`` act on
+    the last rank after the step; ``nan`` turns the learning rate of the step and those
+    after it to NaN; ``full-disk`` has every save from the step on find no free space."""
+
+    def __init__(self, fault: Fault | None) -> None:
+        self.fault, self.done = fault, 0
+
+    def step(self, step: int) -> None:
+        self.done = step
+        fault, rank = self.fault, int(os.environ.get("RANK", "0"))
+        if fault is None or fault.kind not in ("exit", "hang") or step != fault.step \
+                or rank != int(os.environ.get("WORLD_SIZE", "1")) - 1:
+            return
+        print(f"slapo-fn: injected fault {fault.kind!r} on rank {rank}", file=sys.stderr, flush=True)
+        if fault.kind == "exit":
+            os._exit(3)
+        while True:  # hang: the others wait on the next collective until they time out or are killed
+            time.sleep(3600)
+
+    def lr(self, schedule: Callable[[int], float]) -> Callable[[int], float]:
+        fault = self.fault
+        if fault is None or fault.kind != "nan":
+            return schedule
+        return lambda step: math.nan if step + 1 >= fault.step else schedule(step)
+
+    def free_space(self, path: Path) -> int:
+        fault = self.fault
+        full = fault is not None and fault.kind == "full-disk" and self.done >= fault.step
+        return 0 if full else free_bytes(path)
 
 
-def verify(options: Options) -> int:
-    """One rank of ``slapo-fn verify``: the recipe's schedule against the unscheduled
-    model on the same random batch; the report (or the failure) on rank 0. Returns the
-    exit code: 1 where they differ."""
+def _verify(options: Options, console: IO[str]) -> int:
     _device, mesh = setup(options)
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(0)  # the model's random initialisation
