@@ -48,6 +48,7 @@ __all__ = [
     "PARTIAL",
     "RANK_STATE",
     "checkpoints",
+    "complete",
     "digests",
     "free_bytes",
     "latest",
@@ -116,6 +117,12 @@ def checkpoints(path: str | os.PathLike[str]) -> list[Path]:
     older = sorted((d for d in root.iterdir() if d.is_dir() and d.name.startswith("step-") and d != found
                     and step_of(d) < newest), key=step_of, reverse=True) if root.is_dir() else []
     return [found, *older]
+
+
+def complete(path: str | os.PathLike[str]) -> Path | None:
+    """The newest checkpoint under ``path`` whose files are all there, of the sizes its
+    manifest gives (digests are not read: cheap), or ``None``."""
+    return next((c for c in checkpoints(path) if not manifest_problems(c, digest=False)), None)
 
 
 def partials(path: str | os.PathLike[str]) -> list[Path]:

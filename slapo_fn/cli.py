@@ -46,18 +46,20 @@ and bad arguments are answered before torch loads.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib.util
 import math
 import os
+import shutil
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .errors import CommandLineError, Problem
-from .options import FAULTS, axes, is_stdlib, parse_fault, parse_size, stdlib_bytes
+from .options import FAULTS, axes, is_stdlib, parse_fault, parse_size, stdlib_bytes, world
 from .processes import RUN_DIR_ENV, in_worker, record_error
 
 if sys.version_info >= (3, 11):
@@ -543,22 +545,51 @@ def _refuse(command: str, error: BaseException) -> None:
 
 # -- running the commands -------------------------------------------------------------------------
 def _world(args: argparse.Namespace) -> int:
-    return int(args.dp * args.tp * args.pp)
+    return world(dp=args.dp, tp=args.tp, pp=args.pp)
 
 
-def _checked(args: argparse.Namespace) -> Any:
+def _checked(args: argparse.Namespace, *, inputs: bool = True) -> Any:
     """Refuse the arguments of a job's command once, before any work starts: their own
-    problems, then (in the launcher, not in every rank again) what reading the model,
-    data and checkpoints shows (:func:`slapo_fn.job.check_inputs`). Returns the model's
-    config where it was read."""
+    problems, then (with ``inputs``, in the launcher, not in every rank again) what
+    reading the model, data and checkpoints shows (:func:`slapo_fn.job.check_inputs`).
+    Returns the model's config where it was read."""
     problems = _argument_problems(args)
     if problems:
         raise CommandLineError(args.command, problems)
-    if in_worker():
+    if in_worker() or not inputs:
         return None
-    from . import job
+    from .inputs import check_inputs
 
-    return job.check_inputs(args)
+    config = check_inputs(args)  # the files first: fast, without the layout engine
+    from .job import check_schedule
+
+    check_schedule(args, config)
+    return config
+
+
+@contextlib.contextmanager
+def _writer(args: argparse.Namespace) -> Iterator[None]:
+    """Hold ``--checkpoint-dir``'s lock for the run (one writer per directory), in the
+    launcher of node 0 (or the run's one process): a second run is refused, naming the
+    holder; a dead holder's lock is taken over, and saves it left half-done are removed,
+    each said in a line."""
+    if args.checkpoint_dir is None or in_worker() or getattr(args, "node_rank", 0) != 0:
+        yield
+        return
+    from .checkpoint_dir import partials
+    from .lock import acquire
+
+    with acquire(args.checkpoint_dir) as held:
+        if held.took_over is not None:
+            print(f"slapo-fn {args.command}: took over the lock of {args.checkpoint_dir} from {held.took_over}, "
+                  "which no longer runs", flush=True)
+        left = partials(args.checkpoint_dir)
+        for folder in left:
+            shutil.rmtree(folder, ignore_errors=True)
+        if left:
+            print(f"slapo-fn {args.command}: removed what {len(left)} interrupted save(s) left in "
+                  f"{args.checkpoint_dir}: {', '.join(f.name for f in left)}", flush=True)
+        yield
 
 
 def _on_ranks(args: argparse.Namespace, argv: Sequence[str], work: Callable[[argparse.Namespace], int]) -> int:
@@ -574,11 +605,14 @@ def _on_ranks(args: argparse.Namespace, argv: Sequence[str], work: Callable[[arg
 
 
 def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """``slapo-fn train``: :func:`slapo_fn.worker.train` on every rank."""
-    _checked(args)
-    from . import worker
+    """``slapo-fn train``: :func:`slapo_fn.worker.train` on every rank, the checkpoint
+    directory locked for it."""
+    _checked(args, inputs=False)
+    with _writer(args):
+        _checked(args)
+        from . import worker
 
-    return _on_ranks(args, argv, worker.train)
+        return _on_ranks(args, argv, worker.train)
 
 
 def _verify(args: argparse.Namespace, argv: Sequence[str]) -> int:
@@ -599,9 +633,10 @@ def _explain(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from . import job
     from .dtensor.testing import fake_mesh
     from .explain import explain
+    from .inputs import default_seq
 
     if args.seq is None:
-        args.seq = job.default_seq(config)
+        args.seq = default_seq(config)
     world = _world(args)
     mesh_axes = axes(dp=args.dp, tp=args.tp, pp=args.pp)
     mesh = None
@@ -666,12 +701,13 @@ def _export(args: argparse.Namespace, argv: Sequence[str]) -> int:
     problems = _export_problems(args)
     if problems:
         raise CommandLineError(args.command, problems)
-    from . import build, create_schedule, job, load
+    from . import build, create_schedule, load
     from .hf import recompute_buffers
+    from .inputs import config
     from .presets import build_model, tokenizer_of
     from .weights import save_hf
 
-    job.config(args.model, args.command)
+    config(args.model, args.command)
     model = build(create_schedule(build_model(args.model, meta=True)), init="empty")
     step = load(model, None, args.checkpoint_dir)
     recompute_buffers(model)  # rotary inv_freq and other buffers a checkpoint does not hold

@@ -1,5 +1,5 @@
-"""What the options of ``slapo-fn train``, ``verify`` and ``explain`` build, and the checks
-that refuse them before any rank starts.
+"""What the options of ``slapo-fn train``, ``verify`` and ``explain`` build, and the check
+of the schedule before any rank starts.
 
 A job's options (the parsed flags, an ``argparse.Namespace``) name a model, its recipe's
 knobs and a mesh (``--dp/--tp/--pp``), and for ``train`` its data and checkpoints. Every
@@ -10,11 +10,11 @@ any:
   by its family's recipe for the knobs, or by its own ``base_model_tp_plan``;
 * :func:`run_data`: the synthetic task, byte windows of a text file, or ``--data``
   tokenized and packed (:class:`Positioned`, which the training loop checkpoints);
-* :func:`check_inputs`: everything the launcher refuses once, before spawning: an unknown
-  pipeline schedule, a model config that is no causal LM, ``--seq`` past its positions,
-  a tokenizer that does not fit the vocabulary, nothing to resume, and whatever the
-  schedule itself refuses, built on the meta device over a fake process group of the
-  job's size, as every rank would build it.
+* :func:`check_schedule`: what the launcher refuses once, after the inputs
+  (:mod:`slapo_fn.inputs`) and before spawning: an unknown pipeline schedule, a model
+  without a recipe or a plan for the knobs, and whatever the schedule itself refuses,
+  built on the meta device over a fake process group of the job's size, as every rank
+  would build it.
 """
 
 from __future__ import annotations
@@ -28,38 +28,20 @@ from typing import Any
 from . import hf, recipes
 from .data import Arithmetic, ByteText, Codec, TokenData, stdlib_corpus
 from .dtensor.testing import fake_mesh, fake_world
-from .errors import CommandLineError, Problem, ScheduleError
-from .options import axes, eval_fraction, is_stdlib, stdlib_bytes
+from .errors import CommandLineError, Problem
+from .inputs import codec, data_problems, packed
+from .options import axes, eval_fraction, is_stdlib, stdlib_bytes, world
 from .pipelines import SCHEDULES, split_stages
-from .presets import build_model, config_for, tokenizer_of
+from .presets import build_model
 from .schedule import Schedule, create_schedule
-from .state import latest, loadable, step_of
 from .train import TokenBatches
 
-__all__ = [
-    "Positioned",
-    "check_inputs",
-    "codec",
-    "config",
-    "data_problems",
-    "knobs",
-    "packed",
-    "resume_problems",
-    "run_data",
-    "schedule_for",
-    "stages",
-    "world",
-]
+__all__ = ["Positioned", "check_schedule", "knobs", "run_data", "schedule_for", "stages"]
 
 Options = argparse.Namespace
 
 
 # -- the schedule ---------------------------------------------------------------------------
-def world(options: Options) -> int:
-    """Ranks of the job: ``dp * tp * pp``."""
-    return int(options.dp * options.tp * options.pp)
-
-
 def stages(options: Options) -> int:
     """Pipeline stages for ``--pp`` ranks: one per rank, or as many per rank as
     ``--schedule`` places (``zbv``: two, in a V)."""
@@ -111,33 +93,6 @@ def fallback_plan(model: Any, options: Options) -> dict[str, str] | None:
 
 
 # -- the data -------------------------------------------------------------------------------
-def tokenizer_source(options: Options) -> str | None:
-    """What tokenizes ``--data``: ``--tokenizer`` (a folder, or ``"bytes"``), else the
-    ``--model`` folder's own tokenizer, else ``None``."""
-    if options.tokenizer is not None:
-        return str(options.tokenizer)
-    found = tokenizer_of(options.model)
-    return None if found is None else str(found)
-
-
-def packed(options: Options) -> bool:
-    """Whether ``--data`` is tokenized and packed (:class:`slapo_fn.data.TokenData`: masks,
-    a held-out split, resumable) rather than read as random byte windows (the behaviour of
-    earlier versions, kept for a plain text file when no tokenizer is given)."""
-    if options.data is None:
-        return False
-    if tokenizer_source(options) is not None or is_stdlib(options.data):
-        return True
-    path = Path(options.data)
-    return not path.is_file() or path.suffix.lower() in (".jsonl", ".json")
-
-
-def codec(options: Options) -> Codec:
-    """The tokenizer of ``--data`` as a :class:`slapo_fn.data.Codec`."""
-    source = tokenizer_source(options)
-    return Codec.byte_level() if source in (None, "bytes") else Codec.of(Path(source))
-
-
 def token_data(options: Options, tokens: Codec) -> TokenData:
     """``--data`` tokenized with ``tokens`` and packed into rows of ``--seq`` tokens."""
     fraction = eval_fraction(options.eval_fraction, options.eval_every)
@@ -196,127 +151,25 @@ def run_data(options: Options, model: Any) -> tuple[Positioned | TokenBatches, C
 
 
 # -- the checks before any rank starts --------------------------------------------------------
-def check_inputs(options: Options) -> Any:
-    """Refuse, before any process starts, what the arguments alone do not show: an
-    unknown pipeline schedule, a model config that cannot be read or is no causal LM, a
-    recipe the knobs do not fit, data or a checkpoint that does not fit the run — and, for
-    a job on several processes, anything the schedule itself refuses (heads that do not
-    split over ``--tp``, too few microbatches for the stages), found by building it on
-    the meta device over a fake process group, as every rank would. Returns the model's
-    config."""
+def check_schedule(options: Options, config: Any) -> None:
+    """Refuse, before any rank starts, a schedule the ranks would refuse: an unknown
+    pipeline schedule, a model (``config``) with neither a recipe nor a plan for the
+    knobs, and — for a job of several ranks (``explain`` builds its schedule itself) —
+    whatever building it refuses (heads that do not split over ``--tp``, a microbatch
+    short per stage), built on the meta device over a fake process group of the job's
+    size, as every rank would."""
     if options.schedule not in SCHEDULES:
         close = difflib.get_close_matches(options.schedule, list(SCHEDULES), n=1)
         raise CommandLineError(options.command, [Problem(
             "--schedule", f"unknown pipeline schedule {options.schedule!r}"
                           + (f"; did you mean {close[0]!r}?" if close else ""),
             f"one of {', '.join(SCHEDULES)}")])
-    model_config = config(options.model, options.command)
-    fallback_plan(model_config, options)
-    _check_sequence_length(model_config, options)
-    if options.command == "train":
-        problems = _eval_problems(options) or data_problems(options, model_config) + resume_problems(options)
-        if problems:
-            raise CommandLineError(options.command, problems)
-    if world(options) > 1 and options.command != "explain":  # explain builds the schedule in its process anyway
-        _check_schedule(options)
-    return model_config
-
-
-def config(model: str, command: str) -> Any:
-    """The Hugging Face config of ``--model`` (a preset or a config.json), or a
-    :class:`CommandLineError` naming the file: not JSON, no or an unknown ``model_type``
-    (with close matches, not the list of every type), no causal LM for it."""
-    try:
-        return config_for(model, causal=True)
-    except ScheduleError as e:
-        raise CommandLineError(command, e.problems) from None
-
-
-def default_seq(config: Any) -> int:
-    """``explain``'s sequence length when ``--seq`` is left out: 2048, or the model's
-    positions where fewer."""
-    return min(2048, hf.position_limit(config))
-
-
-def _check_sequence_length(config: Any, options: Options) -> None:
-    """``--seq`` against the positions ``config``'s model covers: a longer one is refused
-    before any work (the model's position table would fail on it, deep inside a rank)."""
-    limit = hf.position_limit(config)
-    seq = getattr(options, "seq", None)
-    if seq is not None and seq > limit:
-        raise CommandLineError(options.command, [Problem(
-            "--seq", f"{seq} is longer than the {limit} positions {options.model!r} covers (its config's "
-                     "max_position_embeddings or n_positions)", f"--seq {limit}")])
-
-
-def _eval_problems(options: Options) -> list[Problem]:
-    """``--eval-every`` needs data with a held-out split."""
-    if not options.eval_every:
-        return []
-    if options.data is None or not packed(options):
-        what = "the synthetic task" if options.data is None else \
-            f"{options.data}, read as byte windows (no tokenizer given),"
-        return [Problem("--eval-every", f"{what} has no held-out split",
-                        "--data FILE with --tokenizer FOLDER (or --tokenizer bytes), or leave out --eval-every")]
-    if options.eval_fraction == 0:
-        return [Problem("--eval-every", "--eval-fraction 0 holds out no rows to evaluate on",
-                        "--eval-fraction 0.05 (or leave it out: 0.05 with --eval-every)")]
-    return []
-
-
-def data_problems(options: Options, config: Any) -> list[Problem]:
-    """``--data``'s symbols against the model's vocabulary: the tokenizer's (loaded here,
-    not the data), or 256 for byte windows."""
-    vocab = hf.config_value(config, "vocab_size", default=None)
-    if options.data is None or vocab is None:
-        return []
-    if not packed(options):
-        symbols = ByteText(b"").vocab  # byte-level text: one token per byte value
-        if symbols <= vocab:
-            return []
-        return [Problem("--data", f"{options.data} is read as bytes ({symbols} symbols); the model's vocabulary has "
-                                  f"only {vocab}",
-                        "a model with vocab_size >= 256, a --tokenizer FOLDER whose vocabulary fits, or no --data "
-                        "(the synthetic task fits any vocabulary)")]
-    try:
-        tokens = codec(options)
-    except ScheduleError as e:
-        first = e.problems[0] if e.problems else Problem("", str(e), "")
-        return [Problem("--tokenizer" if options.tokenizer is not None else "--model", f"{first.path}: {first.reason}",
-                        "a folder with tokenizer files (tokenizer.json, tokenizer_config.json), or --tokenizer bytes")]
-    if tokens.vocab <= vocab:
-        return []
-    where = "--tokenizer" if options.tokenizer is not None else "--model"
-    return [Problem(where, f"the tokenizer {tokens.name} has {tokens.vocab} tokens; the model's vocabulary has only "
-                           f"{vocab} (token ids would fall outside the embedding)",
-                    "a tokenizer with at most vocab_size tokens, or a model whose config.json has vocab_size >= "
-                    f"{tokens.vocab}")]
-
-
-def resume_problems(options: Options) -> list[Problem]:
-    """With ``--resume``: a checkpoint to resume from, before step ``--steps``."""
-    if not options.resume:
-        return []
-    found = loadable(options.checkpoint_dir) or latest(options.checkpoint_dir)  # load falls back past a broken one
-    if found is None or not found.is_dir():
-        what = "no checkpoint to resume from (no LATEST file, no .metadata)" if found is None else \
-            f"its LATEST names {found.name}, which is missing"
-        return [Problem("--checkpoint-dir", f"{options.checkpoint_dir}: {what}",
-                        "drop --resume to start at step 0, or pass the --checkpoint-dir of an earlier run")]
-    step = step_of(found)
-    if step < options.steps:
-        return []
-    return [Problem("--steps", f"the checkpoint in {options.checkpoint_dir} is at step {step}, and --steps "
-                               f"{options.steps} is the step to train up to: nothing is left to train",
-                    f"--steps {step + 1} or more (the total, not the steps to add), or drop --resume")]
-
-
-def _check_schedule(options: Options) -> None:
-    """Build the schedule every rank will build, on the meta device over a fake process
-    group of the job's size: what it refuses is refused here, once. A pipeline also
-    needs a microbatch per stage."""
+    fallback_plan(config, options)
+    count = world(dp=options.dp, tp=options.tp, pp=options.pp)
+    if count == 1 or options.command == "explain":
+        return
     mesh_axes = axes(dp=options.dp, tp=options.tp, pp=options.pp)
-    with fake_world(world(options)):
+    with fake_world(count):
         mesh = fake_mesh(*(s for _, s in mesh_axes), names=tuple(n for n, _ in mesh_axes))
         sch = schedule_for(options, mesh, meta=True, say=False)
     if options.command == "train" and options.pp > 1:

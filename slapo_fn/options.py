@@ -29,6 +29,7 @@ __all__ = [
     "parse_fault",
     "parse_size",
     "stdlib_bytes",
+    "world",
 ]
 
 #: ``--data stdlib``: the Python standard library's sources as a corpus.
@@ -50,6 +51,11 @@ _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 def axes(*, dp: int, tp: int, pp: int) -> list[tuple[str, int]]:
     """The mesh axes of ``dp/tp/pp`` larger than one, in mesh order (``dp``, ``pp``, ``tp``)."""
     return [(n, s) for n, s in (("dp", dp), ("pp", pp), ("tp", tp)) if s > 1]
+
+
+def world(*, dp: int, tp: int, pp: int) -> int:
+    """Ranks of a job of ``dp x tp x pp``."""
+    return dp * tp * pp
 
 
 def parse_size(text: str) -> int:

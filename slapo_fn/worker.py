@@ -42,7 +42,8 @@ from . import train as loop
 from .build import build
 from .checkpoint_dir import free_bytes
 from .errors import CommandLineError, Problem
-from .options import Fault, axes, parse_fault
+from .inputs import resume_problems
+from .options import Fault, axes, parse_fault, world
 from .pipelines import build_pipeline
 from .presets import PRESETS, WEIGHT_FILES, tokenizer_of, weights_of
 from .processes import RUN_DIR_ENV, rank_log, record_failure, record_pid
@@ -71,10 +72,11 @@ def setup(options: Options) -> tuple[torch.device, DeviceMesh | None]:
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}") if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if rank_count != job.world(options):
+    ranks = world(dp=options.dp, tp=options.tp, pp=options.pp)
+    if rank_count != ranks:
         raise CommandLineError(options.command, [Problem(
-            "--dp/--tp/--pp", f"{rank_count} processes started for dp*tp*pp = {job.world(options)} ranks",
-            f"start {job.world(options)} processes, or let slapo-fn start them (run it without torchrun)")])
+            "--dp/--tp/--pp", f"{rank_count} processes started for dp*tp*pp = {ranks} ranks",
+            f"start {ranks} processes, or let slapo-fn start them (run it without torchrun)")])
     if rank_count == 1:
         return device, None
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=options.collective_timeout))
@@ -254,7 +256,7 @@ def _resume(options: Options, model: Any, optimizer: torch.optim.Optimizer, data
     """The step the newest checkpoint that verifies continues at, its state loaded."""
     start = loop.resume(model, optimizer, options.checkpoint_dir, data=data, say=_say)
     if start >= options.steps:  # checked before the launch; here for a job started by torchrun itself
-        raise CommandLineError(options.command, job.resume_problems(options))
+        raise CommandLineError(options.command, resume_problems(options))
     if isinstance(data, job.Positioned) and data.resumed_at not in (None, start):
         raise CommandLineError(options.command, [Problem(
             "--batch", f"the checkpoint at step {start} has consumed {data.resumed_at} batches of --batch "

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
+from slapo_fn.checkpoint_dir import write_manifest
 from slapo_fn.cli import MAX_MESSAGE_LINES, CommandLineError, _say
 from slapo_fn.errors import Problem
 from slapo_fn.launch import describe, launch, root_cause
@@ -55,9 +56,11 @@ def _files(tmp: Path) -> dict[str, str]:
     AutoConfig.for_model("llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, max_position_embeddings=16).save_pretrained(tmp / "short")
     (tmp / "text.txt").write_text("some text to train on\n" * 10)
-    # a checkpoint folder as slapo_fn.save leaves it: LATEST names the newest step; the
-    # refusal comes before anything is loaded, so the step's files are not needed
+    # a checkpoint folder as slapo_fn.save leaves it: LATEST names the newest step, whose
+    # manifest lists its files; the refusal comes before anything is loaded, so no data
+    # files are needed
     (tmp / "ckpt" / "step-00000004").mkdir(parents=True)
+    write_manifest(tmp / "ckpt" / "step-00000004", {}, step=4)
     (tmp / "ckpt" / "LATEST").write_text("step-00000004\n")
     (tmp / "empty").mkdir()
     return {"broken": str(tmp / "broken.json"), "typo": str(tmp / "typo.json"), "vit": str(tmp / "vit"),
