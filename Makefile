@@ -61,6 +61,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/recipe_speed.py
 	$(BIN)/python benchmarks/moe.py
 	$(BIN)/python benchmarks/explain_scale.py
+	$(BIN)/python benchmarks/checkpoint_digest.py
 
 clean:
 	rm -rf $(VENV) $(DEMO) *.egg-info .pytest_cache .mypy_cache .ruff_cache

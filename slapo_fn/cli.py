@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CommandLineError, Problem
-from .options import FAULTS, axes, is_stdlib, parse_fault, parse_size, stdlib_bytes, world
+from .options import FAULTS, axes, is_stdlib, parse_faults, parse_size, stdlib_bytes, world
 from .processes import RUN_DIR_ENV, in_worker, record_error
 
 if sys.version_info >= (3, 11):
@@ -182,9 +182,9 @@ def _train_args(train: argparse.ArgumentParser) -> None:
     train.add_argument("--metrics", default=None, help="write per-step figures as JSON lines to this file "
                        "(with the peak memory of the most loaded rank)")
     train.add_argument("--fault", default=None, metavar="KIND:STEP",
-                       help="inject a failure at STEP (tests of failure handling): 'exit:3' the last rank exits "
-                            "non-zero, 'hang:3' it stops answering, 'nan:3' the learning rate turns NaN, "
-                            "'full-disk:3' saves find no free space")
+                       help="inject failures (tests of failure handling), several separated by commas: 'exit:3' "
+                            "the last rank exits non-zero after step 3, 'hang:3' it stops answering, 'nan:3' the "
+                            "learning rate turns NaN from step 3, 'full-disk:3' saves after step 3 find no room")
     train.add_argument("--tensorboard", default=None, metavar="DIR",
                        help="TensorBoard scalars (loss, lr, grad norm, tokens/s, peak memory) in DIR; needs the "
                             "tensorboard package (pip install 'slapo_fn[tensorboard]')")
@@ -465,7 +465,7 @@ def _train_argument_problems(args: argparse.Namespace) -> list[Problem]:
         problems.append(Problem("--export-to", f"{args.export_to}: is a file, not a folder",
                                 "--export-to FOLDER (created if missing)"))
     try:
-        parse_fault(args.fault)
+        parse_faults(args.fault)
     except ValueError:
         problems.append(Problem("--fault", f"{args.fault!r} is not KIND:STEP (KIND {', '.join(FAULTS)}; STEP a "
                                            "step number)", "--fault exit:3 or --fault hang:3"))
@@ -577,9 +577,14 @@ def _writer(args: argparse.Namespace) -> Iterator[None]:
         yield
         return
     from .checkpoint_dir import partials
-    from .lock import acquire
+    from .lock import LockedError, acquire
 
-    with acquire(args.checkpoint_dir) as held:
+    try:
+        held = acquire(args.checkpoint_dir)
+    except LockedError as e:
+        raise CommandLineError(args.command, [Problem("--checkpoint-dir", f"{p.path}: {p.reason}", p.fix)
+                                              for p in e.problems]) from None
+    with held:
         if held.took_over is not None:
             print(f"slapo-fn {args.command}: took over the lock of {args.checkpoint_dir} from {held.took_over}, "
                   "which no longer runs", flush=True)

@@ -9,8 +9,8 @@ and the ``--fault KIND:STEP`` a test injects.
 [('dp', 2), ('tp', 4)]
 >>> parse_size("512MiB") == 512 * 2**20
 True
->>> parse_fault("exit:3")
-Fault(kind='exit', step=3)
+>>> parse_faults("exit:3")
+(Fault(kind='exit', step=3),)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ __all__ = [
     "axes",
     "eval_fraction",
     "is_stdlib",
-    "parse_fault",
+    "parse_faults",
     "parse_size",
     "stdlib_bytes",
     "world",
@@ -105,11 +105,20 @@ class Fault:
     step: int
 
 
-def parse_fault(spec: str | None) -> Fault | None:
-    """``--fault KIND:STEP`` as a :class:`Fault` (``None`` for none); ``ValueError`` for another spec."""
+def parse_faults(spec: str | None) -> tuple[Fault, ...]:
+    """``--fault KIND:STEP[,KIND:STEP...]`` as :class:`Fault` values (none for ``None``);
+    ``ValueError`` for another spec.
+
+    >>> parse_faults("full-disk:3,nan:6")
+    (Fault(kind='full-disk', step=3), Fault(kind='nan', step=6))
+    """
     if spec is None:
-        return None
-    kind, _, step = spec.partition(":")
-    if kind not in FAULTS or not step.isdigit():
-        raise ValueError(f"--fault {spec!r}: use {' or '.join(f'{k}:STEP' for k in FAULTS)}")
-    return Fault(kind, int(step))
+        return ()
+    faults = []
+    for one in spec.split(","):
+        kind, _, step = one.strip().partition(":")
+        if kind not in FAULTS or not step.isdigit():
+            raise ValueError(f"--fault {spec!r}: use {' or '.join(f'{k}:STEP' for k in FAULTS)}, or several "
+                             "separated by commas")
+        faults.append(Fault(kind, int(step)))
+    return tuple(faults)

@@ -43,7 +43,7 @@ from .build import build
 from .checkpoint_dir import free_bytes
 from .errors import CommandLineError, Problem
 from .inputs import resume_problems
-from .options import Fault, axes, parse_fault, world
+from .options import Fault, axes, parse_faults, world
 from .pipelines import build_pipeline
 from .presets import PRESETS, WEIGHT_FILES, tokenizer_of, weights_of
 from .processes import RUN_DIR_ENV, rank_log, record_failure, record_pid
@@ -161,7 +161,8 @@ def _said(e: BaseException, options: Options) -> tuple[str, bool]:
             return (f"rank{'s' if len(missing) > 1 else ''} {who} did not arrive at a collective within "
                     f"{options.collective_timeout:g} s (--collective-timeout): stopped, hung or gone",
                     dist.get_rank() == min(arrived))
-    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+    text = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    first = text.strip().splitlines()[0][:300] if text.strip() else ""
     return (f"{type(e).__name__}: {first}" if not isinstance(e, _EXPECTED) else first), True
 
 
@@ -182,7 +183,7 @@ def _arrivals(grace: float) -> tuple[list[int], list[int]]:
 
 
 def _train(options: Options, console: IO[str]) -> int:
-    fault = parse_fault(options.fault)
+    faults = parse_faults(options.fault)
     device, mesh = setup(options)
     rank = int(os.environ.get("RANK", "0"))
     sch = job.schedule_for(options, mesh, meta=True)
@@ -221,7 +222,7 @@ def _train(options: Options, console: IO[str]) -> int:
             loggers.append(loop.JsonlLog(options.metrics))
         if options.tensorboard:
             loggers.append(loop.TensorBoardLog(options.tensorboard))
-    injected = _Injected(fault)
+    injected = _Injected(faults)
     try:
         loop.train(model, optimizer, data, steps=options.steps, batch_size=options.batch, mesh=mesh, start_step=start,
                    lr_schedule=injected.lr(loop.LRSchedule(options.lr, warmup=options.warmup, decay=options.decay,
@@ -272,35 +273,34 @@ def _say_random_init(options: Options) -> None:
 
 
 class _Injected:
-    """``--fault``: the failure a test asks for, at its step. ``exit`` and ``hang`` act on
-    the last rank after the step; ``nan`` turns the learning rate of the step and those
-    after it to NaN; ``full-disk`` has every save from the step on find no free space."""
+    """``--fault``: the failures a test asks for, at their steps. ``exit`` and ``hang`` act
+    on the last rank after the step; ``nan`` turns the learning rate of the step and those
+    after it to NaN; ``full-disk`` has every save after the step find no free space."""
 
-    def __init__(self, fault: Fault | None) -> None:
-        self.fault, self.done = fault, 0
+    def __init__(self, faults: tuple[Fault, ...]) -> None:
+        self.faults, self.done = {f.kind: f.step for f in faults}, 0
 
     def step(self, step: int) -> None:
         self.done = step
-        fault, rank = self.fault, int(os.environ.get("RANK", "0"))
-        if fault is None or fault.kind not in ("exit", "hang") or step != fault.step \
-                or rank != int(os.environ.get("WORLD_SIZE", "1")) - 1:
+        rank = int(os.environ.get("RANK", "0"))
+        kind = next((k for k in ("exit", "hang") if self.faults.get(k) == step), None)
+        if kind is None or rank != int(os.environ.get("WORLD_SIZE", "1")) - 1:
             return
-        print(f"slapo-fn: injected fault {fault.kind!r} on rank {rank}", file=sys.stderr, flush=True)
-        if fault.kind == "exit":
+        print(f"slapo-fn: injected fault {kind!r} on rank {rank}", file=sys.stderr, flush=True)
+        if kind == "exit":
             os._exit(3)
         while True:  # hang: the others wait on the next collective until they time out or are killed
             time.sleep(3600)
 
     def lr(self, schedule: Callable[[int], float]) -> Callable[[int], float]:
-        fault = self.fault
-        if fault is None or fault.kind != "nan":
+        bad = self.faults.get("nan")
+        if bad is None:
             return schedule
-        return lambda step: math.nan if step + 1 >= fault.step else schedule(step)
+        return lambda step: math.nan if step + 1 >= bad else schedule(step)
 
     def free_space(self, path: Path) -> int:
-        fault = self.fault
-        full = fault is not None and fault.kind == "full-disk" and self.done >= fault.step
-        return 0 if full else free_bytes(path)
+        full = self.faults.get("full-disk")
+        return 0 if full is not None and self.done >= full else free_bytes(path)
 
 
 def _verify(options: Options, console: IO[str]) -> int:

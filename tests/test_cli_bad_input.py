@@ -55,7 +55,15 @@ def _files(tmp: Path) -> dict[str, str]:
                          num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp / "vocab128")
     AutoConfig.for_model("llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, max_position_embeddings=16).save_pretrained(tmp / "short")
+    AutoConfig.for_model("llama", vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp / "vocab320")
     (tmp / "text.txt").write_text("some text to train on\n" * 10)
+    # data the ranks would refuse, found on a sample before they start: a row without its
+    # text field in a JSONL file, and a Latin-1 file among UTF-8 ones
+    (tmp / "rows.jsonl").write_text('{"text": "one"}\n' * 40 + '{"txt": "two"}\n' + '{"text": "three"}\n' * 40)
+    (tmp / "corpus").mkdir()
+    (tmp / "corpus" / "a.txt").write_text("plain text\n" * 20)
+    (tmp / "corpus" / "b.txt").write_bytes("caf\u00e9 na\u00efve\n".encode("latin-1") * 20)
     # a checkpoint folder as slapo_fn.save leaves it: LATEST names the newest step, whose
     # manifest lists its files; the refusal comes before anything is loaded, so no data
     # files are needed
@@ -65,7 +73,8 @@ def _files(tmp: Path) -> dict[str, str]:
     (tmp / "empty").mkdir()
     return {"broken": str(tmp / "broken.json"), "typo": str(tmp / "typo.json"), "vit": str(tmp / "vit"),
             "vocab128": str(tmp / "vocab128"), "short": str(tmp / "short"), "text": str(tmp / "text.txt"),
-            "ckpt": str(tmp / "ckpt"),
+            "ckpt": str(tmp / "ckpt"), "vocab320": str(tmp / "vocab320"), "rows": str(tmp / "rows.jsonl"),
+            "corpus": str(tmp / "corpus"),
             "empty": str(tmp / "empty"), "missing": str(tmp / "no-such-file.txt")}
 
 
@@ -102,6 +111,10 @@ CASES = [
     pytest.param(["train", "--resume", "--checkpoint-dir", "{empty}"],
                  ["'--checkpoint-dir'", "{empty}", "no checkpoint"], id="resume-from-nothing", marks=SLOW),
     pytest.param(["train", "--data", "{missing}"], ["'--data'", "{missing}", "no such file"], id="data-missing"),
+    pytest.param(["train", "--model", "{vocab320}", "--data", "{rows}", "--tokenizer", "bytes", "--dp", "2"],
+                 ["'{rows}:41'", "has no 'text' field (fields: txt)", "text_field='txt'"], id="data-row-without-text"),
+    pytest.param(["train", "--model", "{vocab320}", "--data", "{corpus}", "--tokenizer", "bytes"],
+                 ["b.txt'", "is not UTF-8 text"], id="data-not-utf8", marks=SLOW),
     pytest.param(["train", "--model", "{vocab128}", "--data", "{text}"],
                  ["'--data'", "{text}", "256 symbols", "only 128"], id="data-beyond-vocab", marks=SLOW),
     pytest.param(["explain", "--model", "{broken}"], ["{broken}", "not valid JSON", "line 2"], id="config-not-json"),
