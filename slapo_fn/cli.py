@@ -206,6 +206,9 @@ def _explain_args(explain: argparse.ArgumentParser) -> None:
     explain.add_argument("--hardware", default="h100", metavar="NAME|FILE.toml",
                          help="hardware profile of the step-time estimate: h100, h200, a100, cpu, or a TOML file "
                               "(see slapo_fn/hardware/h100.toml); 'none' for no estimate")
+    explain.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                         help="compute dtype of the estimate, as train's --dtype (default: the config's dtype where "
+                              "it is bf16, else fp32)")
 
 
 def _verify_args(verify: argparse.ArgumentParser) -> None:
@@ -639,6 +642,7 @@ def _explain(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from .dtensor.testing import fake_mesh
     from .explain import explain
     from .inputs import default_seq
+    from .train import parse_dtype
 
     if args.seq is None:
         args.seq = default_seq(config)
@@ -654,20 +658,23 @@ def _explain(args: argparse.Namespace, argv: Sequence[str]) -> int:
         shape = (args.batch // args.dp, args.seq)  # one data-parallel rank's batch: the bytes of its collectives
         micro = (args.microbatches or 2 * args.pp) if args.pp > 1 else 1
         hardware = None if args.hardware == "none" else args.hardware
+        dtype, dtype_from = _explain_dtype(args, config)
         info = explain(sch, torch.zeros(shape, dtype=torch.long, device="meta"), microbatches=micro,
-                       pipeline_schedule=args.schedule, hardware=hardware)
+                       pipeline_schedule=args.schedule, hardware=hardware, dtype=parse_dtype(dtype))
         axes_text = " x ".join(f"{n}{s}" for n, s in mesh_axes)
         if args.json:
             import json
 
             print(json.dumps({"model": args.model, "mesh": dict(mesh_axes), "ranks": world,
-                              "batch": args.batch, "seq": args.seq, "microbatches": micro,
-                              "knobs": str(job.knobs(args)), **info.as_dict(), "by_axis": info.by_axis()}))
+                              "batch": args.batch, "seq": args.seq, "microbatches": micro, "dtype": dtype,
+                              "hardware": args.hardware, "knobs": str(job.knobs(args)), **info.as_dict(),
+                              "by_axis": info.by_axis()}))
             return 0
         print(f"{args.model}: {info.total_parameters:,} parameters; {axes_text or 'one process'} "
               f"({world} ranks); recipe knobs: {job.knobs(args)}")
         print(f"assumed: global batch {args.batch} × seq {args.seq} ({shape[0]} sequences per data-parallel rank"
-              + (f", {micro} microbatches, {args.schedule}" if args.pp > 1 else "") + ")")
+              + (f", {micro} microbatches, {args.schedule}" if args.pp > 1 else "") + f"); compute dtype {dtype} "
+              f"({dtype_from}); hardware {args.hardware}")
         text = str(info)
         if not args.tree:
             text = text.split("\n\n", 1)[-1]  # everything after the tree
@@ -676,6 +683,17 @@ def _explain(args: argparse.Namespace, argv: Sequence[str]) -> int:
         if started and dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _explain_dtype(args: argparse.Namespace, config: Any) -> tuple[str, str]:
+    """``explain``'s compute dtype and where it comes from: ``--dtype``, else the config's
+    ``dtype`` (``torch_dtype``) where it is bf16, else fp32."""
+    if args.dtype is not None:
+        return args.dtype, "--dtype"
+    named = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "")
+    if named.removeprefix("torch.") in ("bfloat16", "bf16"):
+        return "bf16", "the config's dtype"
+    return "fp32", "the default; --dtype bf16 for mixed precision"
 
 
 def _export_problems(args: argparse.Namespace) -> list[Problem]:

@@ -39,8 +39,8 @@ from .schedule import Schedule
 from .tree import walk
 from .verify import check_inputs
 
-__all__ = ["Explanation", "ModuleRow", "explain", "format_bytes", "format_dtype", "format_param", "model_flops",
-           "render_tree", "step_time"]
+__all__ = ["Explanation", "ModuleRow", "compute_dtype", "explain", "format_bytes", "format_dtype", "format_param",
+           "model_flops", "render_tree", "step_time"]
 
 @dataclass(frozen=True)
 class ModuleRow:
@@ -191,6 +191,7 @@ def explain(
     pipeline_schedule: str = "1f1b",
     hardware: HardwareProfile | str | None = None,
     expert_imbalance: float = 1.0,
+    dtype: torch.dtype | None = None,
 ) -> Explanation:
     """Explain ``sch``: the folded tree, parameter counts and bytes per module (tied
     parameters counted once), annotations and the rewrite history; with a mesh, the
@@ -204,7 +205,8 @@ def explain(
     (:func:`slapo_fn.hardware.load_profile`: "h100", "cpu", … or a TOML path) and inputs,
     ``.time`` estimates the step (:func:`step_time`). ``expert_imbalance`` (≥ 1) scales
     the all-to-all bytes of expert-parallel blocks, sized for even routing, by the busiest
-    rank's excess.
+    rank's excess. ``dtype``: the compute dtype the estimate assumes (``torch.bfloat16``:
+    mixed precision); default: FSDP2's ``param_dtype``, else the parameters' dtype.
 
     >>> import torch.nn as nn, slapo_fn as sf
     >>> sch = sf.checkpoint(sf.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))), "0")
@@ -251,7 +253,8 @@ def explain(
     time = None
     if profile is not None and inputs:
         time = step_time(sch, inputs, collectives, profile, microbatches=microbatches,
-                         pipeline_schedule=pipeline_schedule, calls=len(shapes.order) if shapes is not None else 0)
+                         pipeline_schedule=pipeline_schedule, calls=len(shapes.order) if shapes is not None else 0,
+                         dtype=dtype)
     return Explanation(
         tree=render_tree(sch.module, "", sch.annotations),
         rows=tuple(rows),
@@ -364,6 +367,7 @@ def step_time(
     microbatches: int = 1,
     pipeline_schedule: str = "1f1b",
     calls: int = 0,
+    dtype: torch.dtype | None = None,
 ) -> StepTime:
     """Estimate one step of ``sch`` on one rank (:func:`slapo_fn.hardware.estimate_step`):
     ``inputs[0]`` is one data-parallel rank's batch (``(batch, seq)``), its FLOPs
@@ -372,7 +376,8 @@ def step_time(
     overlapped; TP ones issued once per microbatch under a pipeline). ``calls`` is the
     number of modules one forward calls (all stages): each costs the profile's
     per-call overhead forward and twice backward, per microbatch, on one stage's share,
-    and again forward when checkpointed."""
+    and again forward when checkpointed. ``dtype``: the compute dtype (:func:`compute_dtype`
+    when ``None``)."""
     first = inputs[0]
     shape = tuple(first.shape) if isinstance(first, torch.Tensor) else (1, 1)
     batch, seq = (int(shape[0]), int(shape[1])) if len(shape) > 1 else (1, int(shape[0]))
@@ -401,10 +406,21 @@ def step_time(
     ckpts = tuple(sch.annotations.of_kind(CHECKPOINT))
     again = sum(1 for path, _ in walk(sch.module) if any(path == c or path.startswith(c + ".") for c in ckpts))
     per_rank_calls = (3 * calls + again) * micro // max(1, pp)
-    param = next((p.dtype for p in sch.module.parameters()), torch.float32)
-    dtype = spec.param_dtype if spec is not None and spec.param_dtype is not None else param
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype or compute_dtype(sch), "fp32")
     return estimate_step(profile, flops=flops / shard_ranks, recompute_flops=recompute / shard_ranks, dtype=name,
                          comm=critical, axis_sizes=sizes, overlapped=hidden, stages=stages if stages > 1 else 1,
                          microbatches=micro, stages_per_rank=max(1, stages // max(1, pp)),
                          tokens=batch * seq / shard_ranks, calls=per_rank_calls)
+
+
+def compute_dtype(sch: Schedule) -> torch.dtype:
+    """The dtype ``sch`` computes in: FSDP2's ``param_dtype`` where its data parallelism
+    casts, else its parameters' dtype.
+
+    >>> import torch.nn as nn, slapo_fn as sf
+    >>> compute_dtype(sf.create_schedule(nn.Linear(2, 2)))
+    torch.float32
+    """
+    spec = sch.annotations.get("", DATA_PARALLEL)
+    param = next((p.dtype for p in sch.module.parameters()), torch.float32)
+    return spec.param_dtype if spec is not None and spec.param_dtype is not None else param
