@@ -765,7 +765,7 @@ def _tune(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from rich.console import Console
 
     from . import tune as t
-    from .tune.report import plot, row, table, write_json
+    from .tune.report import plot, print_table, row, write_json
 
     names = ("dp", "tp", "pp", "sp", "checkpoint", "microbatches", "batch", "dp_mode", "kernels", "compile",
              "schedule")
@@ -802,7 +802,7 @@ def _tune(args: argparse.Namespace, argv: Sequence[str]) -> int:
                     time_budget=args.time_budget, trial_timeout=args.trial_timeout, folder=out / "trials",
                     faults=faults, on_trial=progress)
     write_json(result, out / "trials.json")
-    console.print(table(result))
+    print_table(console, result)
     if not args.no_plot:
         try:
             console.print(f"plot: {plot(result, out / 'throughput.png')}")

@@ -369,7 +369,7 @@ def save(
     optimizer: OptimizerState,
     path: str | os.PathLike[str],
     *,
-    step: int = 0,
+    step: int | None = None,
     keep: int = 2,
     rank_state: Mapping[str, Any] | None = None,
     free_space: FreeSpace = free_bytes,
@@ -382,6 +382,10 @@ def save(
     ``rank_state``: this rank's own state (RNG, data position: tensors and plain values),
     saved beside the shards and verified with them (:func:`rank_state` reads it back).
 
+    ``step`` names the checkpoint (the training step); a save of a step that is there
+    already replaces it. Without ``step`` the checkpoint is step 0, and a step 0 already
+    there is an error rather than overwritten.
+
     Keys are the original model's FQNs, so the checkpoint loads under any other layout.
     Every file gets a digest in the checkpoint's manifest. With less free space than the
     checkpoint needs (``free_space(path)`` on rank 0, against the previous checkpoint's
@@ -391,6 +395,12 @@ def save(
     """
     _check_save_target(path)
     root = Path(path)
+    if step is None:
+        if (root / step_name(0)).exists():
+            raise ScheduleError("save", [Problem(str(root / step_name(0)), "is there already, and a save without "
+                                                 "step= would overwrite it", "pass the training step: "
+                                                 "sf.save(model, optimizer, path, step=N) (step=0 replaces it)")])
+        step = 0
     name = step_name(step)
     final, partial = root / name, root / f"{PARTIAL}{name}"
     states = _states(model, optimizer)

@@ -22,11 +22,13 @@ any rank) which ranks did not arrive, and the lowest of them that did says which
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -59,6 +61,12 @@ Options = job.Options
 ARRIVAL_GRACE_S = 3.0
 #: Failures said in their own words, without a traceback (a single process).
 _EXPECTED = (FloatingPointError, CheckpointSpaceError, CheckpointWriteError)
+#: Warnings of PyTorch that are harmless in what a rank of slapo-fn does, by message:
+#: FSDP2 warns that a root module returned a view (an in-place op on it would skip an
+#: all-gather; the loop applies none), and DTensor that a packed (``_StridedShard``)
+#: tensor is gathered in several steps (checkpoints gather packed tensors so, once).
+HARMLESS_WARNINGS = (r"FSDP2-wrapped module \(.*\) returned a view tensor",)
+HARMLESS_LOGS = {"torch.distributed.tensor._redistribute": "_StridedShard"}
 
 
 def setup(options: Options) -> tuple[torch.device, DeviceMesh | None]:
@@ -112,6 +120,7 @@ def _as_rank(work: Callable[[Options, IO[str]], int], options: Options) -> int:
     run_dir = os.environ.get(RUN_DIR_ENV)
     rank = int(os.environ.get("RANK", "0"))
     console = _output_to_log(rank_log(Path(run_dir), rank), keep_stdout=rank == 0) if run_dir else sys.stderr
+    _quiet_harmless()
     try:
         return work(options, console)
     except (ValueError, KeyError):
@@ -128,6 +137,25 @@ def _as_rank(work: Callable[[Options, IO[str]], int], options: Options) -> int:
                 traceback.print_exc()
             print(f"slapo-fn {options.command}: {line}", file=sys.stderr, flush=True)
         return 1
+
+
+def _quiet_harmless() -> None:
+    """Keep :data:`HARMLESS_WARNINGS` and :data:`HARMLESS_LOGS` out of this rank's output."""
+    for message in HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    for name, needle in HARMLESS_LOGS.items():
+        logging.getLogger(name).addFilter(_Without(needle))
+
+
+class _Without(logging.Filter):
+    """Drops the log records whose message holds ``needle``."""
+
+    def __init__(self, needle: str) -> None:
+        super().__init__()
+        self.needle = needle
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.needle not in record.getMessage()
 
 
 def _output_to_log(log: Path, *, keep_stdout: bool) -> IO[str]:

@@ -184,3 +184,12 @@ def test_a_checkpoint_corrupted_inside_is_one_short_error_or_falls_back(tmp_path
     with pytest.raises(sf.ScheduleError, match=r"step-00000002': cannot be read: CheckpointException") as info:
         sf.load(nn.Linear(16, 16), None, tmp_path, fallback=False, verify=False)  # DCP's own read fails
     assert len(str(info.value).splitlines()) <= 3
+
+
+def test_a_save_without_a_step_does_not_overwrite_one(tmp_path: Path) -> None:
+    model = nn.Linear(2, 2)
+    assert sf.save(model, None, tmp_path).name == "step-00000000"
+    with pytest.raises(sf.ScheduleError, match=r"step-00000000': is there already, and a save without step= would "
+                                               r"overwrite it\n      fix: pass the training step"):
+        sf.save(model, None, tmp_path)
+    assert sf.save(model, None, tmp_path, step=0).name == "step-00000000"  # asked for: replaced

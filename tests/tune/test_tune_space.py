@@ -4,9 +4,11 @@ the search loop (with a simulated objective in place of real trials)."""
 from __future__ import annotations
 
 import importlib.util
+import io
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from slapo_fn.dtensor.testing import fake_world
 from slapo_fn.errors import ScheduleError
@@ -28,7 +30,7 @@ from slapo_fn.tune import (
     tune,
 )
 from slapo_fn.tune.cost import ModelShape, activation_bytes
-from slapo_fn.tune.report import table, to_json
+from slapo_fn.tune.report import print_table, table, to_json
 from slapo_fn.tune.space import batch_divides, heads_divisible, microbatches_at_least_pp
 from slapo_fn.tune.trial import _reason
 
@@ -158,6 +160,10 @@ def test_failed_trials_are_recorded_and_the_search_goes_on() -> None:
     assert report["summary"]["failed"] == 2 and report["best"]["config"] == {"tp": 1, "batch": 4}
     assert report["trials"][2]["reason"] == "exit 3: boom"
     assert table(result).row_count == 4
+    piped = io.StringIO()
+    print_table(Console(file=piped, width=60), result)  # not a terminal: 80 columns or fewer
+    header = next(line for line in piped.getvalue().splitlines() if "status" in line)
+    assert all(name in header for name in ("tp", "batch", "status", "tokens/s", "train mem", "estimate", "reason"))
 
 
 def test_tpe_needs_optuna_or_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
