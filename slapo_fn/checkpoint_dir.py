@@ -36,6 +36,7 @@ import os
 import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -52,6 +53,7 @@ __all__ = [
     "digests",
     "free_bytes",
     "latest",
+    "manifest_meta",
     "manifest_problems",
     "partials",
     "prune",
@@ -146,16 +148,28 @@ def digests(folder: Path, names: Iterable[str]) -> dict[str, dict[str, int | str
     return {name: {"bytes": (folder / name).stat().st_size, DIGEST: _digest(folder / name)} for name in names}
 
 
-def write_manifest(folder: Path, files: Mapping[str, Mapping[str, int | str]], *, step: int) -> None:
-    """Write ``folder``'s manifest of ``files`` (name -> size and digest), whole or not at
-    all (a temporary file renamed)."""
-    body = {"format": 1, "step": step, "digest": DIGEST, "files": dict(sorted(files.items()))}
+def write_manifest(folder: Path, files: Mapping[str, Mapping[str, int | str]], *, step: int,
+                   meta: Mapping[str, Any] | None = None) -> None:
+    """Write ``folder``'s manifest of ``files`` (name -> size and digest) and ``meta`` (JSON
+    data of the caller's: the options of the run that saved it), whole or not at all (a
+    temporary file renamed)."""
+    body = {"format": 1, "step": step, "digest": DIGEST, "meta": dict(meta or {}),
+            "files": dict(sorted(files.items()))}
     tmp = folder / f".{MANIFEST}.tmp"
     with open(tmp, "w") as f:
         json.dump(body, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, folder / MANIFEST)
+
+
+def manifest_meta(folder: Path) -> dict[str, Any]:
+    """The ``meta`` a checkpoint's manifest carries (``{}`` where it has none)."""
+    try:
+        meta = json.loads((folder / MANIFEST).read_text()).get("meta")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return dict(meta) if isinstance(meta, dict) else {}
 
 
 def _manifest(folder: Path) -> dict[str, dict[str, int | str]] | Problem:

@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CommandLineError, Problem
-from .options import FAULTS, axes, is_stdlib, parse_faults, parse_size, stdlib_bytes, world
+from .options import EVAL_FRACTION, FAULTS, axes, is_stdlib, parse_faults, parse_size, stdlib_bytes, world
 from .processes import RUN_DIR_ENV, in_worker, record_error
 
 if sys.version_info >= (3, 11):
@@ -83,7 +83,8 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree (mesh axis 'dp')")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (mesh axis 'tp')")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages, one per rank (mesh axis 'pp')")
-    p.add_argument("--dp-mode", choices=("fsdp", "ddp"), default="fsdp")
+    p.add_argument("--dp-mode", choices=("fsdp", "ddp"), default="fsdp",
+                   help="data parallelism with --dp > 1: FSDP2 (parameters sharded) or DDP (replicated)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
     p.add_argument("--checkpoint", type=float, default=None, metavar="RATIO",
                    help="activation checkpointing of the first RATIO of the layers (1.0 = all)")
@@ -111,7 +112,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     parser = argparse.ArgumentParser(prog="slapo-fn", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
-        command.arguments(sub.add_parser(command.name, help=command.help))
+        command.arguments(sub.add_parser(command.name, help=command.help, description=command.help,
+                                         formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     return parser, dict(sub.choices)
 
 
@@ -124,7 +126,8 @@ def _train_args(train: argparse.ArgumentParser) -> None:
     train.add_argument("--batch", type=int, default=8, help="global batch (sequences per optimizer step, over "
                                                             "data-parallel ranks and --grad-accum micro-steps)")
     train.add_argument("--seq", type=int, default=64, help="sequence length")
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--seed", type=int, default=0,
+                       help="random initialisation, dropout and the order of --data's rows")
     loop = train.add_argument_group("optimization")
     loop.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     loop.add_argument("--warmup", type=int, default=0, help="steps of linear warmup to --lr")
@@ -159,9 +162,11 @@ def _train_args(train: argparse.ArgumentParser) -> None:
     data.add_argument("--tokenizer", default=None, metavar="FOLDER|bytes",
                       help="a tokenizer folder (AutoTokenizer), or 'bytes' (UTF-8 bytes + EOS: 257 symbols); "
                            "default: the --model folder's tokenizer if it has one")
-    data.add_argument("--eval-fraction", type=float, default=None, metavar="F",
-                      help="the share of --data's rows held out for --eval-every (default: 0.05 with --eval-every, "
-                           "else 0)")
+    data.add_argument("--eval-fraction", type=float, default=EVAL_FRACTION, metavar="F",
+                      help="the share of --data's rows held out for --eval-every, the same with --eval-every or "
+                           "without (the rows a run trains on do not depend on whether it evaluates)")
+    data.add_argument("--text-field", default="text", metavar="NAME",
+                      help="the field of JSONL rows (and the column of a saved dataset) that holds the text")
     train.add_argument("--export-to", default=None, metavar="FOLDER",
                        help="at the end, write the trained model (and the tokenizer) as a Hugging Face folder")
     train.add_argument("--checkpoint-dir", default=None,
@@ -171,7 +176,7 @@ def _train_args(train: argparse.ArgumentParser) -> None:
                        help="checkpoints to keep (the newest; when the disk is short, older ones go first)")
     train.add_argument("--resume", action="store_true",
                        help="continue from the newest checkpoint that verifies (its files against their digests)")
-    train.add_argument("--log-every", type=int, default=5)
+    train.add_argument("--log-every", type=int, default=5, metavar="N", help="a loss line every N steps")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--run-dir", default=None,
                        help="where worker PIDs and each rank's output (rank-N.log) go (default: a temporary folder, "
@@ -213,8 +218,8 @@ def _explain_args(explain: argparse.ArgumentParser) -> None:
 
 def _verify_args(verify: argparse.ArgumentParser) -> None:
     _parallel_args(verify)
-    verify.add_argument("--seq", type=int, default=16)
-    verify.add_argument("--batch", type=int, default=2)
+    verify.add_argument("--seq", type=int, default=16, help="sequence length of the random batch compared")
+    verify.add_argument("--batch", type=int, default=2, help="sequences of the random batch compared")
     verify.add_argument("--rtol", type=float, default=None,
                         help="relative to each tensor's largest value (default: by dtype, 1e-5 for float32)")
     verify.add_argument("--atol", type=float, default=None, help="absolute (default: by dtype, 1e-5 for float32)")
@@ -246,11 +251,12 @@ def _tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=64, help="sequence length of every trial")
     p.add_argument("--steps", type=int, default=4, help="measured steps per trial (after --warmup)")
     p.add_argument("--warmup", type=int, default=2, help="steps per trial before measuring")
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None, help="every trial's --lr (default: train's)")
+    p.add_argument("--seed", type=int, default=None, help="every trial's --seed, and the search's (default: 0)")
     p.add_argument("--strategy", choices=("auto", "grid", "random", "tpe"), default="auto",
                    help="auto: grid for spaces of at most --grid-max candidates, else TPE (optuna) or random")
-    p.add_argument("--grid-max", type=int, default=16)
+    p.add_argument("--grid-max", type=int, default=16, metavar="N",
+                   help="the most candidates --strategy auto searches by grid")
     p.add_argument("--trials", type=int, default=None, help="at most this many trials")
     p.add_argument("--patience", type=int, default=None, help="stop when the best has not improved for N trials")
     p.add_argument("--time-budget", type=float, default=None, metavar="S", help="start no trial after S seconds")
@@ -259,7 +265,7 @@ def _tune_args(p: argparse.ArgumentParser) -> None:
                    help="per-rank memory for the training state, e.g. 80GiB or 300MiB: configs estimated above it "
                         "are pruned without running")
     p.add_argument("--out", default="tune-out", help="folder for trials.json, throughput.png and each trial's log")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="no throughput.png")
     p.add_argument("--fault", action="append", default=[], metavar="KNOB=V[,KNOB=V]@KIND:STEP",
                    help="inject a fault (see train --fault) into the trials matching these knob values (tests)")
 
@@ -515,7 +521,7 @@ def _data_argument_problems(args: argparse.Namespace) -> list[Problem]:
     fraction = args.eval_fraction
     if fraction is not None and not (math.isfinite(fraction) and 0 <= fraction < 1):
         problems.append(Problem("--eval-fraction", f"must be in [0, 1), got {fraction}", "--eval-fraction 0.05"))
-    elif fraction is not None and args.data is None:
+    elif fraction != EVAL_FRACTION and args.data is None:
         problems.append(Problem("--eval-fraction", "holds out rows of --data, and there is none",
                                 "--data FILE --eval-fraction 0.05, or leave out --eval-fraction"))
     return problems

@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from . import hf
-from .checkpoint_dir import complete, latest, manifest_problems, step_of
+from .checkpoint_dir import complete, latest, manifest_meta, manifest_problems, step_of
 from .data import ByteText, Codec, read_documents
 from .errors import CommandLineError, Problem, ScheduleError
-from .options import is_stdlib
+from .options import EVAL_FRACTION, is_stdlib
 from .presets import config_for, tokenizer_of
 
 __all__ = [
+    "RESUMED_OPTIONS",
     "SAMPLE_BYTES",
     "SAMPLE_FILES",
     "check_inputs",
@@ -38,6 +39,7 @@ __all__ = [
     "default_seq",
     "packed",
     "resume_problems",
+    "resumed_options",
     "sample_problems",
     "tokenizer_source",
 ]
@@ -130,7 +132,7 @@ def _eval_problems(options: Options) -> list[Problem]:
                         "--data FILE with --tokenizer FOLDER (or --tokenizer bytes), or leave out --eval-every")]
     if options.eval_fraction == 0:
         return [Problem("--eval-every", "--eval-fraction 0 holds out no rows to evaluate on",
-                        "--eval-fraction 0.05 (or leave it out: 0.05 with --eval-every)")]
+                        f"--eval-fraction {EVAL_FRACTION} (or leave it out: {EVAL_FRACTION})")]
     return []
 
 
@@ -161,6 +163,25 @@ def data_problems(options: Options, config: Any, tokens: Codec | None = None) ->
                            f"{vocab} (token ids would fall outside the embedding)",
                     "a tokenizer with at most vocab_size tokens, or a model whose config.json has vocab_size >= "
                     f"{tokens.vocab}")]
+
+
+#: The options a resumed run must share with the run that saved its checkpoint: they
+#: decide which rows each step trains on.
+RESUMED_OPTIONS = ("data", "tokenizer", "text_field", "seq", "batch", "seed", "eval_fraction")
+
+
+def resumed_options(options: Options) -> dict[str, Any]:
+    """The values of :data:`RESUMED_OPTIONS` in ``options`` (JSON data: a checkpoint's
+    manifest keeps them)."""
+    return {k: getattr(options, k, None) for k in RESUMED_OPTIONS}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _shown(value: Any) -> str:
+    return "(none)" if value is None else str(value)
 
 
 def _codec_or_none(options: Options) -> Codec | None:
@@ -203,7 +224,7 @@ def sample_problems(options: Options, tokens: Codec) -> list[Problem]:
             copy = Path(folder, f"sample{file.suffix}")
             copy.write_bytes(sample)
             try:
-                docs = read_documents(copy)
+                docs = read_documents(copy, text_field=options.text_field)
             except ScheduleError as e:
                 # a file whose head has no text is fine as long as the corpus has some
                 problems += [Problem(p.path.replace(str(copy), str(file)), p.reason, p.fix) for p in e.problems
@@ -293,6 +314,16 @@ def resume_problems(options: Options) -> list[Problem]:
         return [Problem("--checkpoint-dir", f"{options.checkpoint_dir}: {what}",
                         "drop --resume to start at step 0, or pass the --checkpoint-dir of an earlier run")]
     step = step_of(found)
+    saved = manifest_meta(found).get("options")
+    if isinstance(saved, dict):
+        mine = resumed_options(options)
+        differ = [k for k in mine if k in saved and saved[k] != mine[k]]
+        if differ:
+            said = "; ".join(f"{_flag(k)} {_shown(saved[k])} (this run: {_shown(mine[k])})" for k in differ)
+            return [Problem("--resume", f"the checkpoint at step {step} in {options.checkpoint_dir} was saved by a run "
+                                        f"with other data: {said}",
+                            "resume with the saved run's " + ", ".join(_flag(k) for k in differ)
+                            + ", or train from step 0 into another --checkpoint-dir")]
     if step < options.steps:
         return []
     return [Problem("--steps", f"the checkpoint in {options.checkpoint_dir} is at step {step}, and --steps "

@@ -95,12 +95,12 @@ def fallback_plan(model: Any, options: Options) -> dict[str, str] | None:
 # -- the data -------------------------------------------------------------------------------
 def token_data(options: Options, tokens: Codec) -> TokenData:
     """``--data`` tokenized with ``tokens`` and packed into rows of ``--seq`` tokens."""
-    fraction = eval_fraction(options.eval_fraction, options.eval_every)
+    fraction = eval_fraction(options.eval_fraction)
     if is_stdlib(options.data):
         return TokenData.from_texts(stdlib_corpus(max_bytes=stdlib_bytes(options.data)), tokens,
                                     seq_len=options.seq, seed=options.seed, eval_fraction=fraction)
     return TokenData.from_source(Path(options.data), tokens, seq_len=options.seq, seed=options.seed,
-                                 eval_fraction=fraction)
+                                 eval_fraction=fraction, text_field=options.text_field)
 
 
 class Positioned:

@@ -36,7 +36,8 @@ __all__ = [
 STDLIB = "stdlib"
 #: Bytes of the standard library's sources that ``--data stdlib`` reads (``stdlib:SIZE``: another amount).
 STDLIB_BYTES = 2_000_000
-#: The held-out share of ``--data`` with ``--eval-every`` and no ``--eval-fraction``.
+#: The held-out share of ``--data`` without ``--eval-fraction``, with ``--eval-every`` or
+#: not: the training rows of a run do not depend on whether it evaluates.
 EVAL_FRACTION = 0.05
 #: What ``--fault KIND:STEP`` injects at STEP: ``exit`` (the last rank exits with code 3),
 #: ``hang`` (the last rank stops answering: the others wait on the next collective),
@@ -89,12 +90,11 @@ def stdlib_bytes(data: str) -> int | None:
     return None if size == "all" else parse_size(size)
 
 
-def eval_fraction(fraction: float | None, eval_every: int) -> float:
+def eval_fraction(fraction: float | None) -> float:
     """The share of ``--data`` held out: ``--eval-fraction`` if given, else
-    :data:`EVAL_FRACTION` with ``--eval-every`` and nothing without."""
-    if fraction is not None:
-        return float(fraction)
-    return EVAL_FRACTION if eval_every else 0.0
+    :data:`EVAL_FRACTION` (whether or not the run evaluates, so that ``--eval-every``
+    never changes the rows it trains on)."""
+    return EVAL_FRACTION if fraction is None else float(fraction)
 
 
 @dataclass(frozen=True)

@@ -373,6 +373,7 @@ def save(
     keep: int = 2,
     rank_state: Mapping[str, Any] | None = None,
     free_space: FreeSpace = free_bytes,
+    meta: Mapping[str, Any] | None = None,
 ) -> Path:
     """Save model (and optimizer) state as checkpoint ``step`` under ``path``; every rank
     calls it. Keeps the newest ``keep`` checkpoints. Returns the checkpoint's directory.
@@ -381,6 +382,8 @@ def save(
     (:mod:`slapo_fn.optim`: a pytree of tensors keyed by FQNs), or ``None``.
     ``rank_state``: this rank's own state (RNG, data position: tensors and plain values),
     saved beside the shards and verified with them (:func:`rank_state` reads it back).
+    ``meta``: JSON data kept in the manifest (the options of the run that saved it;
+    :func:`slapo_fn.checkpoint_dir.manifest_meta` reads it without torch).
 
     ``step`` names the checkpoint (the training step); a save of a step that is there
     already replaces it. Without ``step`` the checkpoint is step 0, and a step 0 already
@@ -424,7 +427,7 @@ def save(
         raise CheckpointWriteError(_errno(e), f"saving step {step} to {root} failed ({_reason(e)}); its partial "
                                               "folder is removed, LATEST is unchanged") from e
     if _rank() == 0:
-        write_manifest(partial, files, step=step)
+        write_manifest(partial, files, step=step, meta=meta)
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)

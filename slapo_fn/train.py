@@ -54,7 +54,7 @@ import resource
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
@@ -295,12 +295,14 @@ class Checkpointing:
     end) and after the last step, into ``directory`` (``sf.save``), keeping the newest
     ``keep`` (two by default, so that a corrupted newest one has one to fall back to).
     ``free_space(directory)`` gives the free bytes a save checks first
-    (:func:`slapo_fn.checkpoint_dir.free_bytes`)."""
+    (:func:`slapo_fn.checkpoint_dir.free_bytes`); ``meta`` is kept in each checkpoint's
+    manifest (the command line keeps the options a resume must match)."""
 
     directory: str | os.PathLike[str]
     every: int = 0
     keep: int = 2
     free_space: Callable[[Path], int] = free_bytes
+    meta: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         problems = []
@@ -328,7 +330,7 @@ def _save(model: Model, optimizer: torch.optim.Optimizer, data: object, checkpoi
         state["data"] = data.state_dict()  # type: ignore[attr-defined]
     try:
         return save(model, optimizer, checkpointing.directory, step=step, keep=checkpointing.keep, rank_state=state,
-                    free_space=checkpointing.free_space)
+                    free_space=checkpointing.free_space, meta=checkpointing.meta)
     except (CheckpointSpaceError, CheckpointWriteError) as e:
         if last:
             raise

@@ -44,7 +44,7 @@ from . import train as loop
 from .build import build
 from .checkpoint_dir import free_bytes
 from .errors import CommandLineError, Problem
-from .inputs import resume_problems
+from .inputs import resume_problems, resumed_options
 from .options import Fault, axes, parse_faults, world
 from .pipelines import build_pipeline
 from .presets import PRESETS, WEIGHT_FILES, tokenizer_of, weights_of
@@ -258,7 +258,8 @@ def _train(options: Options, console: IO[str]) -> int:
                    grad_clip=options.grad_clip, grad_accum=options.grad_accum, autocast=autocast,
                    eval_every=options.eval_every, eval_batches=options.eval_batches,
                    checkpoint=loop.Checkpointing(options.checkpoint_dir, every=options.save_every, keep=options.keep,
-                                                 free_space=injected.free_space)
+                                                 free_space=injected.free_space,
+                                                 meta={"options": resumed_options(options)})
                    if options.checkpoint_dir else None,
                    log=loggers, memory=bool(options.metrics or options.tensorboard), on_step=injected.step,
                    nonfinite=options.nonfinite, max_skipped=options.max_skipped, say=_say)
