@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CommandLineError, Problem
-from .options import EVAL_FRACTION, FAULTS, axes, is_stdlib, parse_faults, parse_size, stdlib_bytes, world
+from .options import EVAL_FRACTION, FAULTS, Split, axes, is_stdlib, parse_faults, parse_size, stdlib_bytes, world
 from .processes import RUN_DIR_ENV, in_worker, record_error
 
 if sys.version_info >= (3, 11):
@@ -205,7 +205,9 @@ def _explain_args(explain: argparse.ArgumentParser) -> None:
     _parallel_args(explain)
     explain.add_argument("--tree", action="store_true", help="print the whole (folded) module tree too")
     explain.add_argument("--json", action="store_true", help="print everything as one JSON object (for scripts)")
-    explain.add_argument("--batch", type=int, default=8, help="global batch, for the bytes of each collective")
+    explain.add_argument("--batch", type=int, default=None,
+                         help="global batch, for the bytes of each collective (default: 8, or the smallest batch "
+                              "above that splits over --dp and the pipeline's microbatches)")
     explain.add_argument("--seq", type=int, default=None, help="sequence length, for the bytes of each collective "
                          "(default: 2048, or the model's positions where fewer)")
     explain.add_argument("--hardware", default="h100", metavar="NAME|FILE.toml",
@@ -397,32 +399,11 @@ def _argument_problems(args: argparse.Namespace) -> list[Problem]:
                                     "drop --pp (pipelines are verified by their tests); use --tp/--dp"))
     if problems:  # the checks below divide by these sizes
         return problems
-    accum = args.grad_accum if train else 1
-    if args.command in ("train", "explain") and args.batch % (args.dp * accum):
-        even = math.ceil(args.batch / (args.dp * accum)) * args.dp * accum
-        over = f"--dp {args.dp} data-parallel ranks" + (f" x --grad-accum {accum} micro-steps" if accum > 1 else "")
-        problems.append(Problem("--batch", f"a global batch of {args.batch} sequences does not split evenly "
-                                           f"over {over}",
-                                f"--batch {even} (a multiple of --dp{' x --grad-accum' if accum > 1 else ''})"))
-    elif train and args.pp > 1:
-        local, micro = args.batch // (args.dp * accum), args.microbatches or 2 * args.pp
-        if local % micro:
-            divisors = [str(d) for d in range(args.pp, local + 1) if local % d == 0]  # at least one per stage
-            default = "" if args.microbatches else " (the default: 2 x --pp)"
-            per = f"--batch {args.batch} / --dp {args.dp}" + (f" / --grad-accum {accum}" if accum > 1 else "")
-            problems.append(Problem("--microbatches" if args.microbatches else "--batch",
-                                    f"{local} sequences per data-parallel rank and micro-step ({per}) do not "
-                                    f"split into {micro} microbatches{default}",
-                                    f"--batch {micro * args.dp * accum * math.ceil(local / micro)}"
-                                    + (f", or --microbatches among {', '.join(divisors)}" if divisors else "")))
-    if (args.command in ("train", "verify", "explain") and args.sp is True and args.tp > 1 and args.seq is not None
-            and args.seq % args.tp):
-        down = args.seq - args.seq % args.tp
-        up = down + args.tp
-        problems.append(Problem("--seq", f"{args.seq} tokens per sequence do not split evenly over the --tp "
-                                         f"{args.tp} ranks that --sp splits each sequence over",
-                                f"--seq {up}" + (f" or {down}" if down else "")
-                                + " (a multiple of --tp), or drop --sp"))
+    if args.command in ("train", "explain", "verify"):  # verify runs one batch whole on every rank
+        whole = args.command == "verify"
+        problems += Split(batch=args.batch, dp=1 if whole else args.dp, grad_accum=args.grad_accum if train else 1,
+                          pp=1 if whole else args.pp, microbatches=args.microbatches, seq=args.seq, tp=args.tp,
+                          sp=args.sp).problems()
     if train and args.nnodes > 1 and _world(args) % args.nnodes:
         problems.append(Problem("--nnodes", f"{_world(args)} ranks (--dp {args.dp} x --tp {args.tp} x --pp "
                                             f"{args.pp}) do not split evenly over {args.nnodes} nodes",
@@ -640,6 +621,8 @@ def _verify(args: argparse.Namespace, argv: Sequence[str]) -> int:
 def _explain(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """``slapo-fn explain``: the schedule of the job the flags describe, built in this
     process on the meta device over a fake process group, explained."""
+    if args.batch is None:  # the smallest batch of at least 8 that train would take
+        args.batch = Split.default_batch(dp=max(args.dp, 1), pp=max(args.pp, 1), microbatches=args.microbatches)
     config = _checked(args)
     import torch
     import torch.distributed as dist

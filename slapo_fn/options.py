@@ -15,14 +15,20 @@ True
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from .errors import Problem
 
 __all__ = [
     "EVAL_FRACTION",
     "FAULTS",
+    "FLAGS",
     "STDLIB",
     "STDLIB_BYTES",
     "Fault",
+    "Split",
     "axes",
     "eval_fraction",
     "is_stdlib",
@@ -122,3 +128,93 @@ def parse_faults(spec: str | None) -> tuple[Fault, ...]:
                              "separated by commas")
         faults.append(Fault(kind, int(step)))
     return tuple(faults)
+
+
+#: How :class:`Split` names the sizes in its problems: the command line's flags.
+FLAGS: Mapping[str, str] = {"batch": "--batch", "dp": "--dp", "grad_accum": "--grad-accum", "pp": "--pp",
+                            "microbatches": "--microbatches", "seq": "--seq", "tp": "--tp", "sp": "--sp"}
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a step's global batch of ``batch`` sequences is divided — over ``dp``
+    data-parallel ranks, ``grad_accum`` micro-steps and (with ``pp`` > 1) ``microbatches``
+    pipeline microbatches (default ``2 * pp``), and with sequence parallelism (``sp``)
+    each sequence of ``seq`` tokens over ``tp`` ranks — and whether it divides evenly:
+    the one check ``explain``, ``train`` and ``tune`` share, so that none of them shows
+    or tries a split another refuses.
+
+    >>> Split(batch=8, dp=4, pp=4).problems()[0].reason
+    '2 sequences per data-parallel rank and micro-step (--batch 8 / --dp 4) do not split into 8 microbatches \
+(the default: 2 x --pp)'
+    >>> Split(batch=32, dp=4, pp=4).per_microbatch
+    1
+    """
+
+    batch: int
+    dp: int = 1
+    grad_accum: int = 1
+    pp: int = 1
+    microbatches: int | None = None
+    seq: int | None = None
+    tp: int = 1
+    sp: bool = False
+
+    @property
+    def micro(self) -> int:
+        """Pipeline microbatches of a micro-step (1 without a pipeline)."""
+        return (self.microbatches or 2 * self.pp) if self.pp > 1 else 1
+
+    @property
+    def per_rank(self) -> int:
+        """Sequences per data-parallel rank and micro-step."""
+        return self.batch // (self.dp * self.grad_accum)
+
+    @property
+    def per_microbatch(self) -> int:
+        """Sequences per pipeline microbatch (per data-parallel rank and micro-step)."""
+        return self.per_rank // self.micro
+
+    @staticmethod
+    def default_batch(*, dp: int, pp: int, microbatches: int | None = None, at_least: int = 8) -> int:
+        """The smallest global batch of at least ``at_least`` sequences that splits evenly
+        over ``dp`` ranks and the pipeline's microbatches.
+
+        >>> Split.default_batch(dp=4, pp=4), Split.default_batch(dp=2, pp=1)
+        (32, 8)
+        """
+        unit = dp * Split(batch=1, pp=pp, microbatches=microbatches).micro
+        return unit * math.ceil(at_least / unit)
+
+    def problems(self, names: Mapping[str, str] = FLAGS) -> list[Problem]:
+        """Every way this split is uneven, each naming the size at fault (by ``names``)."""
+        n = names
+        problems = []
+        accum = self.grad_accum
+        if self.batch % (self.dp * accum):
+            even = math.ceil(self.batch / (self.dp * accum)) * self.dp * accum
+            over = f"{n['dp']} {self.dp} data-parallel ranks" + (f" x {n['grad_accum']} {accum} micro-steps"
+                                                                   if accum > 1 else "")
+            problems.append(Problem(n["batch"], f"a global batch of {self.batch} sequences does not split evenly "
+                                                f"over {over}",
+                                    f"{n['batch']} {even} (a multiple of {n['dp']}"
+                                    + (f" x {n['grad_accum']}" if accum > 1 else "") + ")"))
+        elif self.pp > 1 and self.per_rank % self.micro:
+            local, micro = self.per_rank, self.micro
+            divisors = [str(d) for d in range(self.pp, local + 1) if local % d == 0]  # at least one per stage
+            default = "" if self.microbatches else f" (the default: 2 x {n['pp']})"
+            per = f"{n['batch']} {self.batch} / {n['dp']} {self.dp}" + (f" / {n['grad_accum']} {accum}"
+                                                                       if accum > 1 else "")
+            problems.append(Problem(n["microbatches"] if self.microbatches else n["batch"],
+                                    f"{local} sequences per data-parallel rank and micro-step ({per}) do not split "
+                                    f"into {micro} microbatches{default}",
+                                    f"{n['batch']} {micro * self.dp * accum * math.ceil(local / micro)}"
+                                    + (f", or {n['microbatches']} among {', '.join(divisors)}" if divisors else "")))
+        if self.sp and self.tp > 1 and self.seq is not None and self.seq % self.tp:
+            down = self.seq - self.seq % self.tp
+            up = down + self.tp
+            problems.append(Problem(n["seq"], f"{self.seq} tokens per sequence do not split evenly over the "
+                                              f"{n['tp']} {self.tp} ranks that {n['sp']} splits each sequence over",
+                                    f"{n['seq']} {up}" + (f" or {down}" if down else "")
+                                    + f" (a multiple of {n['tp']}), or drop {n['sp']}"))
+        return problems

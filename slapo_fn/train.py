@@ -70,6 +70,7 @@ from .dtensor.data_parallel import DATA_PARALLEL, DataParallelSpec
 from .errors import Problem, ScheduleError
 from .func import clip_grad_norm_, global_norm
 from .loggers import ConsoleLog, JsonlLog, StepRecord, TensorBoardLog
+from .options import Split
 from .pipelines import Pipeline
 from .schedule import Schedule
 from .state import CheckpointFallback, CheckpointSpaceError, CheckpointWriteError, load, rank_state, save
@@ -482,15 +483,12 @@ def _check(model: Model, optimizer: object, data: object, steps: int, batch_size
                                 "the step resume() returned, below steps"))
     if not grad_accum >= 1:
         problems.append(Problem("grad_accum", f"must be at least 1, got {grad_accum}", "grad_accum=1"))
-    elif not batch_size >= 1 or batch_size % (dp_size * grad_accum):
-        problems.append(Problem("batch_size", f"a global batch of {batch_size} does not split into {dp_size} "
-                                              f"data-parallel ranks x {grad_accum} micro-steps",
-                                f"a multiple of {dp_size * grad_accum}"))
-    elif isinstance(model, Pipeline) and (batch_size // (dp_size * grad_accum)) % model.microbatches:
-        micro = batch_size // (dp_size * grad_accum)
-        problems.append(Problem("batch_size", f"a micro-step of {micro} sequences per data-parallel rank does not "
-                                              f"split into the pipeline's {model.microbatches} microbatches",
-                                f"a multiple of {dp_size * grad_accum * model.microbatches}"))
+    elif not batch_size >= 1:
+        problems.append(Problem("batch_size", f"must be at least 1, got {batch_size}", "batch_size=8"))
+    else:  # the command line's own check (slapo_fn.options.Split), in the names of this function's arguments
+        pp, micro = (len(set(model.placement)), model.microbatches) if isinstance(model, Pipeline) else (1, None)
+        problems += Split(batch=batch_size, dp=dp_size, grad_accum=grad_accum, pp=pp,
+                          microbatches=micro).problems(_SPLIT_NAMES)
     if grad_clip is not None and not (math.isfinite(grad_clip) and grad_clip > 0):
         problems.append(Problem("grad_clip", f"must be a positive number, got {grad_clip}", "grad_clip=1.0"))
     if not eval_every >= 0:
@@ -505,6 +503,11 @@ def _check(model: Model, optimizer: object, data: object, steps: int, batch_size
         problems.append(Problem("max_skipped", f"must be at least 0, got {max_skipped}", "max_skipped=10"))
     if problems:
         raise TrainError("train", problems)
+
+
+#: How :func:`train`'s refusals of an uneven split name its sizes.
+_SPLIT_NAMES = {"batch": "batch_size", "dp": "dp", "grad_accum": "grad_accum", "pp": "pp",
+                "microbatches": "microbatches", "seq": "seq", "tp": "tp", "sp": "sp"}
 
 
 def train(

@@ -135,6 +135,8 @@ def test_explain_7b_lists_per_rank_memory_within_one_percent(capsys: pytest.Capt
     for stage, count in exact.items():
         assert abs(stated[stage] - count) <= 0.01 * count, (stage, stated[stage], count)
     assert "dp4 x pp4 x tp8 (128 ranks)" in out
+    # the default batch is the smallest that train takes: one sequence per microbatch
+    assert "assumed: global batch 32 × seq 2048 (8 sequences per data-parallel rank, 8 microbatches, 1f1b)" in out
     assert "model.layers.*.mlp.down_proj output P→R@tp  fwd all_reduce" in out
 
 

@@ -104,6 +104,10 @@ CASES = [
                  id="save-every-without-dir", marks=SLOW),
     pytest.param(["train", "--fault", "boom"], ["'--fault'", "KIND:STEP"], id="fault", marks=SLOW),
     pytest.param(["explain", "--batch", "0"], ["'--batch'", "got 0"], id="explain-batch-0"),
+    # explain refuses what train refuses: one check of the split (slapo_fn.options.Split)
+    pytest.param(["explain", "--model", "llama-7b", "--tp", "8", "--pp", "4", "--dp", "4", "--batch", "8"],
+                 ["'--batch'", "2 sequences per data-parallel rank and micro-step (--batch 8 / --dp 4) do not split "
+                  "into 8 microbatches (the default: 2 x --pp)", "fix: --batch 32"], id="explain-uneven-microbatches"),
     pytest.param(["explain", "--seq", "0"], ["'--seq'", "got 0"], id="explain-seq-0"),
     pytest.param(["train", "--resume", "--steps", "2", "--checkpoint-dir", "{ckpt}"],
                  ["'--steps'", "at step 4", "nothing is left to train", "--steps 5"], id="resume-past-the-end"),
