@@ -190,6 +190,9 @@ def _train_args(train: argparse.ArgumentParser) -> None:
                        help="inject failures (tests of failure handling), several separated by commas: 'exit:3' "
                             "the last rank exits non-zero after step 3, 'hang:3' it stops answering, 'nan:3' the "
                             "learning rate turns NaN from step 3, 'full-disk:3' saves after step 3 find no room")
+    train.add_argument("--hardware", default="auto", metavar="NAME|FILE.toml",
+                       help="hardware profile of the MFU in the logs: auto (the GPU's by its name, or cpu), h100, "
+                            "h200, a100, cpu, or a TOML file")
     train.add_argument("--tensorboard", default=None, metavar="DIR",
                        help="TensorBoard scalars (loss, lr, grad norm, tokens/s, peak memory) in DIR; needs the "
                             "tensorboard package (pip install 'slapo_fn[tensorboard]')")

@@ -29,7 +29,13 @@ class StepRecord:
     """What one optimizer step did. ``step`` counts steps done (1 after the first);
     ``loss`` is the mean over the global batch's target tokens (all data-parallel ranks
     and micro-steps); ``grad_norm`` the global norm before clipping; ``tokens`` the
-    input tokens of the global batch; ``eval_loss`` the held-out loss where evaluated."""
+    input tokens of the global batch; ``seconds`` the step's own time (forward, backward,
+    update), ``tokens_per_s`` the global batch's tokens over it; ``first`` marks the
+    first step of a run (compilation, allocation); ``eval_seconds`` and ``save_seconds``
+    time its evaluation and checkpoint apart; ``tflops`` and ``mfu`` are one rank's
+    achieved FLOP/s and its share of the hardware's peak; ``peak_mem_bytes`` the most
+    loaded rank's peak memory and ``peak_mem_by_rank`` every rank's; ``eval_loss`` the
+    held-out loss where evaluated."""
 
     step: int
     loss: float
@@ -43,6 +49,12 @@ class StepRecord:
     mem_kind: str | None = None
     eval_loss: float | None = None
     skipped: bool = False
+    first: bool = False
+    eval_seconds: float | None = None
+    save_seconds: float | None = None
+    tflops: float | None = None
+    mfu: float | None = None
+    peak_mem_by_rank: tuple[int, ...] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The record as JSON-ready fields: those that are ``None`` (not measured) and
@@ -53,8 +65,8 @@ class StepRecord:
         {'step': 6, 'loss': None, 'lr': 10000.0, 'grad_norm': None, 'tokens': 64, 'seconds': 0.1, \
 'tokens_per_s': 640.0, 'skipped': True}
         """
-        return {k: None if isinstance(v, float) and not math.isfinite(v) else v
-                for k, v in asdict(self).items() if v is not None and not (k == "skipped" and not v)}
+        return {k: None if isinstance(v, float) and not math.isfinite(v) else list(v) if isinstance(v, tuple) else v
+                for k, v in asdict(self).items() if v is not None and not (k in ("skipped", "first") and not v)}
 
 
 class ConsoleLog:
@@ -72,6 +84,9 @@ class ConsoleLog:
                         file=bar_to if bar_to is not None else sys.stderr) if progress else None
         self.first: float | None = None
         self.last: float | None = None
+        self.steps: list[float] = []  # the steps' own seconds, the first step apart
+        self.firsts: list[float] = []
+        self.eval_s = self.save_s = 0.0
 
     def __call__(self, r: StepRecord) -> None:
         self.last = r.loss
@@ -79,9 +94,17 @@ class ConsoleLog:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{r.loss:.4f}", tok_s=f"{r.tokens_per_s:,.0f}")
             self.bar.update(1)
+        if not r.skipped:
+            (self.firsts if r.first else self.steps).append(r.seconds)
+            self.eval_s += r.eval_seconds or 0.0
+            self.save_s += r.save_seconds or 0.0
         if r.step % self.every == 0 or r.step == self.start + 1 or r.step == self.total or r.skipped:
+            rate = f" TFLOP/s {r.tflops:.3g}" if r.tflops is not None else ""
+            rate += f" MFU {100 * r.mfu:.1f}%" if r.mfu is not None else ""
+            mem = f" peak_mem {r.peak_mem_bytes / 2**30:.2f} GiB" if r.peak_mem_bytes is not None else ""
             print(f"step {r.step} loss {r.loss:.6f} tokens/s {r.tokens_per_s:.0f} lr {r.lr:.3e} "
-                  f"grad_norm {r.grad_norm:.4g}" + (" skipped" if r.skipped else ""), file=self.out, flush=True)
+                  f"grad_norm {r.grad_norm:.4g}" + rate + mem + (" skipped" if r.skipped else ""), file=self.out,
+                  flush=True)
         if r.eval_loss is not None:
             print(f"step {r.step} eval_loss {r.eval_loss:.6f}", file=self.out, flush=True)
 
@@ -89,8 +112,12 @@ class ConsoleLog:
         """Close the bar and say how the loss went: the run reached its last step."""
         self.close()
         if self.first is not None and self.last is not None:
-            print(f"done: loss {self.first:.4f} -> {self.last:.4f} over steps {self.start + 1}..{self.total}",
-                  file=self.out, flush=True)
+            times = f"; step {sum(self.steps) / len(self.steps):.3f} s" if self.steps else ""
+            apart = [f"first step {sum(self.firsts):.2f} s"] if self.firsts else []
+            apart += [f"{what} {seconds:.2f} s" for what, seconds in (("eval", self.eval_s), ("saves", self.save_s))
+                      if seconds]
+            print(f"done: loss {self.first:.4f} -> {self.last:.4f} over steps {self.start + 1}..{self.total}{times}"
+                  + (f" ({', '.join(apart)} apart)" if apart else ""), file=self.out, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -131,7 +158,7 @@ class TensorBoardLog:
     def __call__(self, r: StepRecord) -> None:
         scalars = {"train/loss": r.loss, "train/lr": r.lr, "train/grad_norm": r.grad_norm,
                    "train/tokens_per_s": r.tokens_per_s, "train/peak_mem_bytes": r.peak_mem_bytes,
-                   "eval/loss": r.eval_loss}
+                   "train/step_s": r.seconds, "train/tflops": r.tflops, "train/mfu": r.mfu, "eval/loss": r.eval_loss}
         for tag, value in scalars.items():
             if value is not None and math.isfinite(value):
                 self.writer.add_scalar(tag, value, r.step)

@@ -395,16 +395,20 @@ def peak_memory(device: torch.device | None) -> int:
 
 
 def _step_memory(device: torch.device, base: int) -> dict[str, Any]:
-    """The peak memory of the most loaded rank so far (``peak_mem_bytes``) and its growth
-    since training started (``train_mem_bytes``: on CPU the peak RSS less ``base``; on a
-    GPU the same as the peak), reduced over ranks with MAX (a collective)."""
+    """Every rank's peak memory so far (``peak_mem_by_rank``), the most loaded one's
+    (``peak_mem_bytes``) and its growth since training started (``train_mem_bytes``: on
+    CPU the peak RSS less ``base``; on a GPU the same as the peak): one all-gather."""
     peak = peak_memory(device)
     grown = peak - (0 if device.type == "cuda" else base)
+    peaks, growths = [peak], [grown]
     if dist.is_initialized():
         both = torch.tensor([peak, grown], dtype=torch.float64, device=device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        peak, grown = (int(v) for v in both.tolist())
-    return {"peak_mem_bytes": peak, "train_mem_bytes": grown, "mem_kind": device.type}
+        every = torch.empty(dist.get_world_size() * 2, dtype=torch.float64, device=device)
+        dist.all_gather_into_tensor(every, both)
+        values = [int(v) for v in every.tolist()]
+        peaks, growths = values[0::2], values[1::2]
+    return {"peak_mem_bytes": max(peaks), "train_mem_bytes": max(growths), "mem_kind": device.type,
+            "peak_mem_by_rank": tuple(peaks)}
 
 
 # -- the loop ---------------------------------------------------------------------------------
@@ -533,6 +537,8 @@ def train(
     nonfinite: Literal["stop", "skip"] = "stop",
     max_skipped: int = 10,
     say: Callable[[str], None] | None = None,
+    flops: float | None = None,
+    peak_flops: float | None = None,
 ) -> list[StepRecord]:
     """Train ``model`` (``sf.build``) or a pipeline (``sf.build_pipeline``) from step
     ``start_step`` up to step ``steps``; every rank calls it. Returns the records of the
@@ -563,6 +569,14 @@ def train(
       on, the record marked ``skipped``; more than ``max_skipped`` skipped steps stop it.
     * ``say``: one-line notices on rank 0 (a skipped step, a save skipped for lack of
       room); default: :func:`warnings.warn`.
+    * ``flops``: the FLOPs of one step on one rank (:func:`slapo_fn.explain.model_flops`
+      over the ranks), ``peak_flops`` one rank's peak FLOP/s (a hardware profile's, at
+      the compute dtype): each record then has the rank's TFLOP/s and MFU.
+
+    A record's ``seconds`` is the step's own time — forward, backward and the optimizer
+    update — with its evaluation and its checkpoint save timed apart (``eval_seconds``,
+    ``save_seconds``); the first step of the call (``first``: compilation, allocation)
+    is marked, so that summaries can leave it out.
     """
     mesh = mesh if mesh is not None else _mesh_of(model)
     dp_rank, dp_size, dp_group = _dp(mesh, dp_axis)
@@ -570,7 +584,7 @@ def train(
            nonfinite, max_skipped)
     loggers = list(log) if _rank() == 0 else []
     tell = (say if say is not None else _warn) if _rank() == 0 else (lambda _: None)
-    saved, skipped = (start_step or None), 0
+    saved, skipped, first = (start_step or None), 0, True
     modules = _modules(model)
     device = _device(model)
     pipeline = model if isinstance(model, Pipeline) else None
@@ -601,11 +615,12 @@ def train(
         if finite:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - began  # the step's own time: eval and saves are timed apart
+        tokens = int(batch["input_ids"].numel()) * dp_size
         if not finite:
             skipped += 1
-            record = StepRecord(step=step + 1, loss=loss, lr=lr, grad_norm=float(norm),
-                                tokens=int(batch["input_ids"].numel()) * dp_size,
-                                seconds=time.perf_counter() - began, tokens_per_s=0.0, skipped=True)
+            record = StepRecord(step=step + 1, loss=loss, lr=lr, grad_norm=float(norm), tokens=tokens,
+                                seconds=seconds, tokens_per_s=0.0, skipped=True, first=first)
             records.append(record)
             for logger in loggers:
                 logger(record)
@@ -619,24 +634,32 @@ def train(
             tell(f"step {step + 1} skipped: {values} is not finite ({skipped} of at most {max_skipped} skipped)")
         if on_step is not None:
             on_step(step + 1)
-        eval_loss = None
+        eval_loss = eval_seconds = save_seconds = None
         if eval_every and (step + 1) % eval_every == 0:
+            began = time.perf_counter()
             eval_loss = _evaluate(model, data, batch_size, dp_rank, dp_size, dp_group, autocast, device,
                                   eval_batches)
-        seconds = time.perf_counter() - began
-        tokens = int(batch["input_ids"].numel()) * dp_size
+            eval_seconds = time.perf_counter() - began
         mem = _step_memory(device, base_memory) if memory else {}
-        if finite:
-            record = StepRecord(step=step + 1, loss=loss, lr=lr, grad_norm=float(norm), tokens=tokens,
-                                seconds=seconds, tokens_per_s=tokens / seconds, eval_loss=eval_loss, **mem)
-            records.append(record)
-            for logger in loggers:
-                logger(record)
-        due = checkpoint is not None and ((checkpoint.every and (step + 1) % checkpoint.every == 0)
-                                          or step + 1 == steps)
-        if due and _save(model, optimizer, data, checkpoint, step + 1, tell,  # type: ignore[arg-type]
-                         last=step + 1 == steps) is not None:
-            saved = step + 1
+        try:
+            if checkpoint is not None and ((checkpoint.every and (step + 1) % checkpoint.every == 0)
+                                           or step + 1 == steps):
+                began = time.perf_counter()
+                if _save(model, optimizer, data, checkpoint, step + 1, tell, last=step + 1 == steps) is not None:
+                    saved = step + 1
+                save_seconds = time.perf_counter() - began
+        finally:  # the step's record even where its save fails
+            if finite:
+                achieved = flops / seconds if flops is not None else None
+                record = StepRecord(step=step + 1, loss=loss, lr=lr, grad_norm=float(norm), tokens=tokens,
+                                    seconds=seconds, tokens_per_s=tokens / seconds, eval_loss=eval_loss,
+                                    first=first, eval_seconds=eval_seconds, save_seconds=save_seconds,
+                                    tflops=None if achieved is None else achieved / 1e12,
+                                    mfu=None if achieved is None or not peak_flops else achieved / peak_flops, **mem)
+                records.append(record)
+                for logger in loggers:
+                    logger(record)
+        first = False
     return records
 
 

@@ -44,6 +44,8 @@ from . import train as loop
 from .build import build
 from .checkpoint_dir import free_bytes
 from .errors import CommandLineError, Problem
+from .explain import model_flops
+from .hardware import PROFILES, load_profile
 from .inputs import resume_problems, resumed_options
 from .options import Fault, axes, parse_faults, world
 from .pipelines import build_pipeline
@@ -251,6 +253,7 @@ def _train(options: Options, console: IO[str]) -> int:
         if options.tensorboard:
             loggers.append(loop.TensorBoardLog(options.tensorboard))
     injected = _Injected(faults)
+    flops, peak = _flops(options, sch, device)
     try:
         loop.train(model, optimizer, data, steps=options.steps, batch_size=options.batch, mesh=mesh, start_step=start,
                    lr_schedule=injected.lr(loop.LRSchedule(options.lr, warmup=options.warmup, decay=options.decay,
@@ -262,7 +265,8 @@ def _train(options: Options, console: IO[str]) -> int:
                                                  meta={"options": resumed_options(options)})
                    if options.checkpoint_dir else None,
                    log=loggers, memory=bool(options.metrics or options.tensorboard), on_step=injected.step,
-                   nonfinite=options.nonfinite, max_skipped=options.max_skipped, say=_say)
+                   nonfinite=options.nonfinite, max_skipped=options.max_skipped, say=_say, flops=flops,
+                   peak_flops=peak)
         if console_log is not None:
             console_log.finish()
     finally:
@@ -276,6 +280,19 @@ def _train(options: Options, console: IO[str]) -> int:
             print(f"exported to {options.export_to}", flush=True)
     teardown()
     return 0
+
+
+def _flops(options: Options, sch: Any, device: torch.device) -> tuple[float, float | None]:
+    """FLOPs of one step on one rank (``explain``'s count for the global batch, over the
+    ranks) and one rank's peak FLOP/s at the run's dtype (``--hardware``; ``auto``: the
+    GPU's profile by its name, the CPU's without one; ``None`` for a GPU without one)."""
+    total, _recompute = model_flops(sch, tokens=options.batch * options.seq, seq=options.seq)
+    ranks = world(dp=options.dp, tp=options.tp, pp=options.pp)
+    name = options.hardware
+    if name == "auto":
+        gpu = torch.cuda.get_device_name(device).lower() if device.type == "cuda" else ""
+        name = "cpu" if not gpu else next((p for p in PROFILES if p != "cpu" and p in gpu), "")
+    return total / ranks, load_profile(name).peak(options.dtype) if name else None
 
 
 def _say(text: str) -> None:
