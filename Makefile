@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: any other spec would pull a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[hf,dev,tune,tensorboard]"
+	$(BIN)/python -m pip install -q -e ".[hf,dev,tune,tensorboard,wandb]"
 	touch $(STAMP)
 
 # The lifecycle, in under 3 minutes on 2 CPU cores: (a) a BPE tokenizer trained on the fly on the

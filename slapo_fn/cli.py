@@ -190,6 +190,22 @@ def _train_args(train: argparse.ArgumentParser) -> None:
                        help="inject failures (tests of failure handling), several separated by commas: 'exit:3' "
                             "the last rank exits non-zero after step 3, 'hang:3' it stops answering, 'nan:3' the "
                             "learning rate turns NaN from step 3, 'full-disk:3' saves after step 3 find no room")
+    train.add_argument("--wandb", default=None, metavar="PROJECT",
+                       help="log each step to a Weights & Biases run of PROJECT, written under --wandb-dir; needs "
+                            "the wandb package (pip install 'slapo_fn[wandb]')")
+    train.add_argument("--wandb-dir", default=".", metavar="DIR", help="where --wandb writes its runs")
+    train.add_argument("--wandb-mode", choices=("offline", "online"), default="offline",
+                       help="offline: no network, upload later with `wandb sync`; online: stream to the service")
+    debug = train.add_argument_group("debugging")
+    debug.add_argument("--profile-every", type=int, default=0, metavar="N",
+                       help="a torch.profiler trace of every Nth step, one file per rank "
+                            "(--profile-dir/rank-R-step-S.json, opens in Perfetto or chrome://tracing); 0: none")
+    debug.add_argument("--memory-snapshot", action="store_true",
+                       help="record the CUDA allocator's history and dump its snapshot per rank at the end, or on "
+                            "running out of memory, into --profile-dir (open it at pytorch.org/memory_viz); "
+                            "CUDA only")
+    debug.add_argument("--profile-dir", default="profile-traces", metavar="DIR",
+                       help="where --profile-every and --memory-snapshot write")
     train.add_argument("--hardware", default="auto", metavar="NAME|FILE.toml",
                        help="hardware profile of the MFU in the logs: auto (the GPU's by its name, or cpu), h100, "
                             "h200, a100, cpu, or a TOML file")
@@ -388,6 +404,7 @@ def _argument_problems(args: argparse.Namespace) -> list[Problem]:
         at_least("--eval-batches", 1, "eval batches per evaluation", "leave out --eval-batches for all of them")
         at_least("--keep", 1, "checkpoints kept", "--keep 2")
         at_least("--max-skipped", 0, "non-finite steps skipped before the run stops", "--max-skipped 10")
+        at_least("--profile-every", 0, "steps between profiler traces; 0: none", "--profile-every 10")
         at_least("--nnodes", 1, "nodes of the job", "--nnodes 1 (this machine only)")
         at_least("--node-rank", 0, "this node's rank", "--node-rank 0 on the first node, 1 on the next, ...")
         problems += _loop_problems(args)
@@ -444,6 +461,9 @@ def _loop_problems(args: argparse.Namespace) -> list[Problem]:
 
 def _train_argument_problems(args: argparse.Namespace) -> list[Problem]:
     problems = _data_argument_problems(args)
+    if args.wandb is not None and importlib.util.find_spec("wandb") is None:
+        problems.append(Problem("--wandb", "needs the wandb package, which is not installed",
+                                "pip install 'slapo_fn[wandb]' (or: pip install wandb), or leave out --wandb"))
     if args.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
         problems.append(Problem("--tensorboard", "needs the tensorboard package, which is not installed",
                                 "pip install 'slapo_fn[tensorboard]' (or: pip install tensorboard), or leave out "

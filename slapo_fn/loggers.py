@@ -5,7 +5,9 @@
   when the run reached its last step;
 * :class:`JsonlLog`: one JSON line per step (``--metrics``), always valid JSON: a value
   that is not finite is ``null``;
-* :class:`TensorBoardLog`: scalars for TensorBoard (the ``tensorboard`` extra).
+* :class:`TensorBoardLog`: scalars for TensorBoard (the ``tensorboard`` extra);
+* :class:`WandbLog`: a Weights & Biases run (the ``wandb`` extra), offline unless asked:
+  written under a local folder, no network; ``wandb sync`` uploads it later.
 """
 
 from __future__ import annotations
@@ -14,14 +16,15 @@ import json
 import math
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 from tqdm import tqdm
 
 from .errors import Problem, ScheduleError
 
-__all__ = ["ConsoleLog", "JsonlLog", "StepRecord", "TensorBoardLog"]
+__all__ = ["ConsoleLog", "JsonlLog", "StepRecord", "TensorBoardLog", "WandbLog"]
 
 
 @dataclass(frozen=True)
@@ -165,3 +168,32 @@ class TensorBoardLog:
 
     def close(self) -> None:
         self.writer.close()
+
+
+class WandbLog:
+    """Each record as a step of a Weights & Biases run of ``project``: every figure of
+    :meth:`StepRecord.as_dict` that is a number (non-finite ones left out), with
+    ``config`` (the run's options). ``mode="offline"`` (the default) needs no network or
+    account: the run is written under ``directory`` (``wandb/offline-run-…``) and
+    ``wandb sync`` uploads it later. Needs the ``wandb`` package (``pip install
+    'slapo_fn[wandb]'``); without it, a :class:`~slapo_fn.ScheduleError` saying so."""
+
+    def __init__(self, project: str, directory: str | os.PathLike[str] = ".", *,
+                 config: Mapping[str, Any] | None = None, mode: Literal["offline", "online"] = "offline") -> None:
+        try:
+            import wandb  # the wandb extra
+        except ImportError as e:
+            raise ScheduleError("wandb", [Problem(project, f"Weights & Biases logging needs the wandb package ({e})",
+                                                  "pip install 'slapo_fn[wandb]' (or: pip install wandb), or leave "
+                                                  "out --wandb")]) from None
+        os.makedirs(directory, exist_ok=True)
+        self.run = wandb.init(project=project, dir=str(directory), mode=mode, config=dict(config or {}),
+                              settings=wandb.Settings(silent=True))
+
+    def __call__(self, r: StepRecord) -> None:
+        figures = {k: v for k, v in r.as_dict().items()
+                   if isinstance(v, int | float) and not isinstance(v, bool) and k != "step"}
+        self.run.log(figures, step=r.step)
+
+    def close(self) -> None:
+        self.run.finish()

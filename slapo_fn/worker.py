@@ -47,6 +47,7 @@ from .errors import CommandLineError, Problem
 from .explain import model_flops
 from .hardware import PROFILES, load_profile
 from .inputs import resume_problems, resumed_options
+from .loggers import WandbLog
 from .options import Fault, axes, parse_faults, world
 from .pipelines import build_pipeline
 from .presets import PRESETS, WEIGHT_FILES, tokenizer_of, weights_of
@@ -65,9 +66,11 @@ ARRIVAL_GRACE_S = 3.0
 _EXPECTED = (FloatingPointError, CheckpointSpaceError, CheckpointWriteError)
 #: Warnings of PyTorch that are harmless in what a rank of slapo-fn does, by message:
 #: FSDP2 warns that a root module returned a view (an in-place op on it would skip an
-#: all-gather; the loop applies none), and DTensor that a packed (``_StridedShard``)
-#: tensor is gathered in several steps (checkpoints gather packed tensors so, once).
-HARMLESS_WARNINGS = (r"FSDP2-wrapped module \(.*\) returned a view tensor",)
+#: all-gather; the loop applies none), DTensor that a packed (``_StridedShard``) tensor
+#: is gathered in several steps (checkpoints gather packed tensors so, once), and the
+#: profiler that each ``--profile-every`` trace holds its own step only (as asked).
+HARMLESS_WARNINGS = (r"FSDP2-wrapped module \(.*\) returned a view tensor",
+                     r"Warning: Profiler clears events at the end of each cycle")
 HARMLESS_LOGS = {"torch.distributed.tensor._redistribute": "_StridedShard"}
 
 
@@ -252,9 +255,19 @@ def _train(options: Options, console: IO[str]) -> int:
             loggers.append(loop.JsonlLog(options.metrics))
         if options.tensorboard:
             loggers.append(loop.TensorBoardLog(options.tensorboard))
+    if options.wandb and rank == 0:
+        loggers.append(WandbLog(options.wandb, options.wandb_dir, mode=options.wandb_mode,
+                                config={k: v for k, v in vars(options).items() if isinstance(v, str | int | float)}))
     injected = _Injected(faults)
     flops, peak = _flops(options, sch, device)
+    probes = _Probes(options, rank, device)
+
+    def on_step(step: int) -> None:
+        injected.step(step)
+        probes.step(step)
+
     try:
+        probes.start()
         loop.train(model, optimizer, data, steps=options.steps, batch_size=options.batch, mesh=mesh, start_step=start,
                    lr_schedule=injected.lr(loop.LRSchedule(options.lr, warmup=options.warmup, decay=options.decay,
                                                            min_lr=options.min_lr, total=options.steps)),
@@ -264,12 +277,13 @@ def _train(options: Options, console: IO[str]) -> int:
                                                  free_space=injected.free_space,
                                                  meta={"options": resumed_options(options)})
                    if options.checkpoint_dir else None,
-                   log=loggers, memory=bool(options.metrics or options.tensorboard), on_step=injected.step,
+                   log=loggers, memory=bool(options.metrics or options.tensorboard), on_step=on_step,
                    nonfinite=options.nonfinite, max_skipped=options.max_skipped, say=_say, flops=flops,
                    peak_flops=peak)
         if console_log is not None:
             console_log.finish()
     finally:
+        probes.stop()
         for logger in loggers:
             logger.close()
     if options.export_to:
@@ -316,6 +330,56 @@ def _say_random_init(options: Options) -> None:
     if Path(options.model, "config.json").is_file() and options.model not in PRESETS:
         print(f"slapo-fn {options.command}: {options.model} has config.json but no weights "
               f"({' or '.join(WEIGHT_FILES)}): training from random initialization (seed {options.seed})", flush=True)
+
+
+class _Probes:
+    """``--profile-every N``: a ``torch.profiler`` trace of every Nth step, one Chrome
+    trace file per rank and step (Perfetto opens it); ``--memory-snapshot``: the CUDA
+    allocator's history recorded from the start and its snapshot dumped per rank when the
+    run ends, however it ends (out of memory included). Both write to ``--profile-dir``."""
+
+    def __init__(self, options: Options, rank: int, device: torch.device) -> None:
+        self.folder, self.rank, self.done = Path(options.profile_dir), rank, 0
+        self.snapshot = bool(options.memory_snapshot) and device.type == "cuda"
+        if options.memory_snapshot and device.type != "cuda" and rank == 0:
+            print("slapo-fn train: --memory-snapshot is CUDA-only (the CUDA caching allocator's history): no snapshot "
+                  "on CPU", flush=True)
+        self.profiler: torch.profiler.profile | None = None
+        every = int(options.profile_every)
+        if every:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            warmup = 1 if every > 1 else 0
+            self.profiler = torch.profiler.profile(
+                activities=activities, on_trace_ready=self._export, record_shapes=False,
+                schedule=torch.profiler.schedule(wait=every - 1 - warmup, warmup=warmup, active=1))
+
+    def start(self) -> None:
+        if self.profiler is not None or self.snapshot:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        if self.snapshot:
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+        if self.profiler is not None:
+            self.profiler.start()
+
+    def step(self, step: int) -> None:
+        self.done = step
+        if self.profiler is not None:
+            self.profiler.step()
+
+    def stop(self) -> None:
+        if self.profiler is not None:
+            self.done += 1  # a trace stopped short is the step under way: the one that failed
+            self.profiler.stop()
+            self.profiler = None
+        if self.snapshot:
+            torch.cuda.memory._dump_snapshot(str(self.folder / f"memory-rank-{self.rank}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            self.snapshot = False
+
+    def _export(self, profiler: torch.profiler.profile) -> None:
+        profiler.export_chrome_trace(str(self.folder / f"rank-{self.rank}-step-{self.done}.json"))
 
 
 class _Injected:

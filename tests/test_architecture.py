@@ -31,6 +31,7 @@ OPTIONAL = {
     "datasets": "the hf extra: Hugging Face datasets saved on disk (data.py)",
     "tokenizers": "comes with transformers (the hf extra): BPE trained on the fly (data.py)",
     "torch.utils.tensorboard": "the tensorboard extra (it imports the tensorboard package)",
+    "wandb": "the wandb extra",
 }
 #: Modules allowed to import lazily, with why.
 LAZY_MODULES = {

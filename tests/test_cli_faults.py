@@ -64,9 +64,13 @@ def latest(ckpt: Path) -> str:
 
 @pytest.mark.timeout(240)
 def test_a_full_disk_skips_a_save_and_a_nan_learning_rate_stops_the_job_in_one_line(tmp_path: Path) -> None:
-    ckpt, runs, log = tmp_path / "ckpt", tmp_path / "run", tmp_path / "m.jsonl"
+    """Also the debugging tools on the same run: profiler traces of every 3rd step per
+    rank, an offline Weights & Biases run, and --memory-snapshot saying it is CUDA-only."""
+    ckpt, runs, log, traces = tmp_path / "ckpt", tmp_path / "run", tmp_path / "m.jsonl", tmp_path / "traces"
     result = run("train", *TINY, "--dp", "2", "--steps", "8", "--save-every", "2", "--checkpoint-dir", str(ckpt),
-                 "--run-dir", str(runs), "--metrics", str(log), "--fault", "full-disk:3,nan:6")
+                 "--run-dir", str(runs), "--metrics", str(log), "--fault", "full-disk:3,nan:6",
+                 "--profile-every", "3", "--profile-dir", str(traces), "--memory-snapshot", "--wandb", "faults",
+                 "--wandb-dir", str(tmp_path / "wandb"))
     assert result.returncode == 1, result.stderr[-3000:]
     assert f"slapo-fn train: step 4 not saved: 0.0 MiB free at {ckpt}, the checkpoint needs about " in result.stdout
     assert "; step-00000002 stays the newest" in result.stdout and "done:" not in result.stdout
@@ -81,6 +85,11 @@ def test_a_full_disk_skips_a_save_and_a_nan_learning_rate_stops_the_job_in_one_l
     assert [c.name for c in checkpoints(ckpt)] == ["step-00000002"] and not partials(ckpt)
     assert not (ckpt / LOCK).exists()  # released
     assert "NonFiniteError" in (runs / "rank-0.log").read_text()  # the traceback is in the rank's log
+    # every 3rd step's trace, and the failed step's, stopped short (the 6th: in the profiler's window)
+    assert sorted(f.name for f in traces.iterdir()) == [f"rank-{r}-step-{s}.json" for r in (0, 1) for s in (3, 6)]
+    assert json.loads((traces / "rank-1-step-3.json").read_text())["traceEvents"]  # Chrome trace: Perfetto opens it
+    assert "slapo-fn train: --memory-snapshot is CUDA-only" in result.stdout
+    assert len(list((tmp_path / "wandb").glob("wandb/offline-run-*/run-*.wandb"))) == 1
 
 
 @pytest.mark.timeout(400)
