@@ -95,6 +95,7 @@ from .checkpoint_dir import (
     write_manifest,
 )
 from .errors import Problem, ScheduleError
+from .ranks import every_rank
 
 __all__ = [
     "CheckpointFallback",
@@ -397,6 +398,7 @@ def save(
     :class:`CheckpointWriteError`.
     """
     _check_save_target(path)
+    every_rank("sf.save")
     root = Path(path)
     if step is None:
         if (root / step_name(0)).exists():
@@ -578,6 +580,7 @@ def load(model: object, optimizer: OptimizerState, path: str | os.PathLike[str],
     A functional optimizer's state (:mod:`slapo_fn.optim`) is loaded in place into the
     tensors of the tree given, which ``init(params)`` made in the current layout."""
     root = Path(path)
+    every_rank("sf.load")
     if root.is_file():
         raise ScheduleError("load", [Problem(str(root), "is a file, not a checkpoint directory",
                                              "pass the directory given to sf.save")])
