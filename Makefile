@@ -62,6 +62,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/moe.py
 	$(BIN)/python benchmarks/explain_scale.py
 	$(BIN)/python benchmarks/checkpoint_digest.py
+	$(BIN)/python benchmarks/start_time.py
 
 clean:
 	rm -rf $(VENV) $(DEMO) *.egg-info .pytest_cache .mypy_cache .ruff_cache
