@@ -54,7 +54,8 @@ def test_constraints_reject_impossible_points_with_reasons() -> None:
     assert heads_divisible(4, 2).why_not(Config.of({"tp": 4})) == "kv_heads=2 is not divisible by tp=4"
     assert microbatches_at_least_pp().why_not(Config.of({"pp": 4, "microbatches": 2})) is not None
     assert microbatches_at_least_pp().why_not(Config.of({"pp": 2, "microbatches": 2})) is None
-    assert batch_divides().why_not(Config.of({"batch": 6, "dp": 4})) == "batch=6 is not divisible by dp=4"
+    assert batch_divides().why_not(Config.of({"batch": 6, "dp": 4})) == ("a global batch of 6 sequences does not split "
+                                                                          "evenly over dp 4 data-parallel ranks")
     space = space_for("llama-tiny", 4, tp=[1, 2, 4], pp=[1, 2], microbatches=[1, 2, 4], batch=[4, 8])
     for config in space.valid():
         assert config.num("dp") * config.num("tp") * config.num("pp") == 4
