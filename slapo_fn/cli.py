@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CommandLineError, Problem
-from .options import EVAL_FRACTION, FAULTS, Split, axes, is_stdlib, parse_faults, parse_size, stdlib_bytes, world
+from .options import EVAL_FRACTION, FAULTS, Split, is_stdlib, parse_faults, parse_size, stdlib_bytes, world
 from .processes import RUN_DIR_ENV, in_worker, record_error
 
 if sys.version_info >= (3, 11):
@@ -83,8 +83,11 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree (mesh axis 'dp')")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (mesh axis 'tp')")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages, one per rank (mesh axis 'pp')")
-    p.add_argument("--dp-mode", choices=("fsdp", "ddp"), default="fsdp",
-                   help="data parallelism with --dp > 1: FSDP2 (parameters sharded) or DDP (replicated)")
+    p.add_argument("--dp-mode", choices=("fsdp", "ddp", "hsdp"), default="fsdp",
+                   help="data parallelism with --dp > 1: FSDP2 (parameters sharded over the --dp ranks), DDP "
+                        "(replicated), or HSDP (sharded over --dp-shard ranks, replicated over --dp / --dp-shard)")
+    p.add_argument("--dp-shard", type=int, default=None, metavar="N",
+                   help="with --dp-mode hsdp: the ranks each replica shards the parameters over (a divisor of --dp)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
     p.add_argument("--checkpoint", type=float, default=None, metavar="RATIO",
                    help="activation checkpointing of the first RATIO of the layers (1.0 = all)")
@@ -419,6 +422,13 @@ def _argument_problems(args: argparse.Namespace) -> list[Problem]:
                                     "drop --pp (pipelines are verified by their tests); use --tp/--dp"))
     if problems:  # the checks below divide by these sizes
         return problems
+    if getattr(args, "dp_mode", None) == "hsdp" and not (args.dp_shard and 1 < args.dp_shard < args.dp
+                                                         and args.dp % args.dp_shard == 0):
+        problems.append(Problem("--dp-shard", f"--dp-mode hsdp shards over --dp-shard ranks and replicates over the "
+                                              f"rest of --dp {args.dp}: --dp-shard must divide it, above 1 and below "
+                                              f"it, got {args.dp_shard}",
+                                f"--dp-shard {next((d for d in range(2, args.dp) if args.dp % d == 0), 2)} (with "
+                                "--dp 4 or more), or --dp-mode fsdp"))
     if args.command in ("train", "explain", "verify"):  # verify runs one batch whole on every rank
         whole = args.command == "verify"
         problems += Split(batch=args.batch, dp=1 if whole else args.dp, grad_accum=args.grad_accum if train else 1,
@@ -659,7 +669,7 @@ def _explain(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.seq is None:
         args.seq = default_seq(config)
     world = _world(args)
-    mesh_axes = axes(dp=args.dp, tp=args.tp, pp=args.pp)
+    mesh_axes = job.mesh_axes(args)
     mesh = None
     started = False
     if world > 1:
@@ -702,7 +712,7 @@ def _explain_dtype(args: argparse.Namespace, config: Any) -> tuple[str, str]:
     ``dtype`` (``torch_dtype``) where it is bf16, else fp32."""
     if args.dtype is not None:
         return args.dtype, "--dtype"
-    named = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "")
+    named = str(getattr(config, "dtype", None) or "")  # transformers 5 reads an older torch_dtype into it
     if named.removeprefix("torch.") in ("bfloat16", "bf16"):
         return "bf16", "the config's dtype"
     return "fp32", "the default; --dtype bf16 for mixed precision"

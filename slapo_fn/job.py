@@ -33,15 +33,29 @@ from .inputs import codec, data_problems, packed
 from .options import axes, eval_fraction, is_stdlib, stdlib_bytes, world
 from .pipelines import SCHEDULES, split_stages
 from .presets import build_model
+from .recipes import HSDP_AXES
 from .schedule import Schedule, create_schedule
 from .train import TokenBatches
 
-__all__ = ["Positioned", "check_schedule", "knobs", "run_data", "schedule_for", "stages"]
+__all__ = ["Positioned", "check_schedule", "data_axes", "knobs", "mesh_axes", "run_data", "schedule_for", "stages"]
 
 Options = argparse.Namespace
 
 
 # -- the schedule ---------------------------------------------------------------------------
+def mesh_axes(options: Options) -> list[tuple[str, int]]:
+    """The job's mesh axes (:func:`slapo_fn.options.axes`): with ``--dp-mode hsdp``, the
+    replicas of ``--dp-shard`` ranks apart (``dp_replicate``, ``dp``)."""
+    hsdp = getattr(options, "dp_mode", None) == "hsdp"
+    return axes(dp=options.dp, tp=options.tp, pp=options.pp, dp_shard=options.dp_shard if hsdp else None)
+
+
+def data_axes(options: Options) -> str | tuple[str, str]:
+    """The mesh axes a step's batch is split over: ``dp``, or both HSDP axes."""
+    return HSDP_AXES if getattr(options, "dp_mode", None) == "hsdp" else "dp"
+
+
+
 def stages(options: Options) -> int:
     """Pipeline stages for ``--pp`` ranks: one per rank, or as many per rank as
     ``--schedule`` places (``zbv``: two, in a V)."""
@@ -168,9 +182,9 @@ def check_schedule(options: Options, config: Any) -> None:
     count = world(dp=options.dp, tp=options.tp, pp=options.pp)
     if count == 1 or options.command == "explain":
         return
-    mesh_axes = axes(dp=options.dp, tp=options.tp, pp=options.pp)
+    named = mesh_axes(options)
     with fake_world(count):
-        mesh = fake_mesh(*(s for _, s in mesh_axes), names=tuple(n for n, _ in mesh_axes))
+        mesh = fake_mesh(*(s for _, s in named), names=tuple(n for n, _ in named))
         sch = schedule_for(options, mesh, meta=True, say=False)
     if options.command == "train" and options.pp > 1:
         count, micro = len(split_stages(sch)), options.microbatches or 2 * options.pp

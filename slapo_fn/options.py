@@ -55,9 +55,16 @@ _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "gb": 10**9, "tb": 10**12}
 
 
-def axes(*, dp: int, tp: int, pp: int) -> list[tuple[str, int]]:
-    """The mesh axes of ``dp/tp/pp`` larger than one, in mesh order (``dp``, ``pp``, ``tp``)."""
-    return [(n, s) for n, s in (("dp", dp), ("pp", pp), ("tp", tp)) if s > 1]
+def axes(*, dp: int, tp: int, pp: int, dp_shard: int | None = None) -> list[tuple[str, int]]:
+    """The mesh axes of ``dp/tp/pp`` larger than one, in mesh order (``dp``, ``pp``, ``tp``).
+    With ``dp_shard`` (HSDP), the ``dp`` ranks are ``dp // dp_shard`` replicas
+    (``dp_replicate``) of ``dp_shard`` ranks that shard the parameters (``dp``).
+
+    >>> axes(dp=4, tp=2, pp=1, dp_shard=2)
+    [('dp_replicate', 2), ('dp', 2), ('tp', 2)]
+    """
+    data = [("dp_replicate", dp // dp_shard), ("dp", dp_shard)] if dp_shard else [("dp", dp)]
+    return [(n, s) for n, s in (*data, ("pp", pp), ("tp", tp)) if s > 1]
 
 
 def world(*, dp: int, tp: int, pp: int) -> int:

@@ -423,12 +423,17 @@ def _device(model: Model) -> torch.device:
     return torch.device("cpu")
 
 
-def _dp(mesh: DeviceMesh | None, axis: str) -> tuple[int, int, dist.ProcessGroup | None]:
-    """This rank's data-parallel rank, the data-parallel size and group."""
+def _dp(mesh: DeviceMesh | None, axis: str | tuple[str, ...]) -> tuple[int, int, dist.ProcessGroup | None]:
+    """This rank's data-parallel rank, the data-parallel size and group, over one mesh
+    axis or several (HSDP's replicas and shards: flattened into one, every rank calling)."""
     names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
-    if mesh is None or axis not in names or mesh.size(names.index(axis)) == 1:
+    wanted = (axis,) if isinstance(axis, str) else tuple(axis)
+    if mesh is None or not all(a in names for a in wanted):
         return 0, 1, None
-    return mesh.get_local_rank(axis), mesh.size(names.index(axis)), mesh.get_group(axis)
+    data = mesh[wanted[0]] if len(wanted) == 1 else mesh[wanted]._flatten("_".join(wanted))
+    if data.size() == 1:
+        return 0, 1, None
+    return data.get_local_rank(), data.size(), data.get_group()
 
 
 @contextlib.contextmanager
@@ -526,7 +531,7 @@ def train(
     grad_accum: int = 1,
     autocast: torch.dtype | None = None,
     mesh: DeviceMesh | None = None,
-    dp_axis: str = "dp",
+    dp_axis: str | tuple[str, ...] = "dp",
     start_step: int = 0,
     eval_every: int = 0,
     eval_batches: int | None = None,

@@ -48,7 +48,7 @@ from .explain import model_flops
 from .hardware import PROFILES, load_profile
 from .inputs import resume_problems, resumed_options
 from .loggers import WandbLog
-from .options import Fault, axes, parse_faults, world
+from .options import Fault, parse_faults, world
 from .pipelines import build_pipeline
 from .presets import PRESETS, WEIGHT_FILES, tokenizer_of, weights_of
 from .processes import RUN_DIR_ENV, rank_log, record_failure, record_pid
@@ -93,8 +93,8 @@ def setup(options: Options) -> tuple[torch.device, DeviceMesh | None]:
     if rank_count == 1:
         return device, None
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=options.collective_timeout))
-    mesh_axes = axes(dp=options.dp, tp=options.tp, pp=options.pp)
-    mesh = init_device_mesh(device.type, tuple(s for _, s in mesh_axes), mesh_dim_names=tuple(n for n, _ in mesh_axes))
+    named = job.mesh_axes(options)
+    mesh = init_device_mesh(device.type, tuple(s for _, s in named), mesh_dim_names=tuple(n for n, _ in named))
     return device, mesh
 
 
@@ -269,6 +269,7 @@ def _train(options: Options, console: IO[str]) -> int:
     try:
         probes.start()
         loop.train(model, optimizer, data, steps=options.steps, batch_size=options.batch, mesh=mesh, start_step=start,
+                   dp_axis=job.data_axes(options),
                    lr_schedule=injected.lr(loop.LRSchedule(options.lr, warmup=options.warmup, decay=options.decay,
                                                            min_lr=options.min_lr, total=options.steps)),
                    grad_clip=options.grad_clip, grad_accum=options.grad_accum, autocast=autocast,

@@ -64,3 +64,16 @@ def test_help_has_text_and_the_default_of_every_flag(command: str) -> None:
         if action.option_strings and action.default is not None and action.default is not False:
             shown = f"(default: {action.default})"
             assert shown in " ".join(text.split()), f"{command} {action.option_strings[0]}: {shown} not shown"
+
+
+def test_explain_hsdp_replicates_over_one_axis_and_shards_over_the_other(capsys: pytest.CaptureFixture[str]) -> None:
+    from slapo_fn.cli import main
+
+    assert main(["explain", "--model", "llama-tiny", "--dp", "4", "--dp-mode", "hsdp", "--dp-shard", "2", "--seq",
+                 "32", "--hardware", "none", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["mesh"] == {"dp_replicate": 2, "dp": 2}
+    assert set(d["by_axis"]["dp"]) == {"all_gather", "reduce_scatter"} and set(d["by_axis"]["dp_replicate"]) == {
+        "all_reduce"}
+    assert main(["explain", "--dp", "4", "--dp-mode", "hsdp"]) == 2
+    assert "'--dp-shard': --dp-mode hsdp shards over --dp-shard ranks" in capsys.readouterr().err
