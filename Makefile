@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: any other spec would pull a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[hf,dev,tune,tensorboard]"
+	$(BIN)/python -m pip install -q -e ".[hf,dev,tune,tensorboard,wandb]"
 	touch $(STAMP)
 
 # The lifecycle, in under 3 minutes on 2 CPU cores: (a) a BPE tokenizer trained on the fly on the
@@ -61,6 +61,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/recipe_speed.py
 	$(BIN)/python benchmarks/moe.py
 	$(BIN)/python benchmarks/explain_scale.py
+	$(BIN)/python benchmarks/checkpoint_digest.py
+	$(BIN)/python benchmarks/start_time.py
 
 # GPU figures in one call of the lent GPU machine (benchmarks/gpu_check.sh says how): run there as
 # `bash benchmarks/gpu_check.sh OUT` or `make gpu-check OUT=folder`; `--smoke` runs it on CPU here.

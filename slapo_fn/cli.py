@@ -1,4 +1,4 @@
-"""The ``slapo-fn`` command: ``train``, ``export``, ``explain``, ``verify``, ``tune``.
+"""The ``slapo-fn`` command: ``train``, ``prepare``, ``export``, ``explain``, ``verify``, ``tune``.
 
 * ``slapo-fn train --model llama-small --dp 2 --tp 2 --steps 40`` builds the model from a
   named config (or a local Hugging Face ``config.json``), schedules it with its family's
@@ -28,67 +28,57 @@
   searches the recipe's knobs (constraints, then a memory estimate, then short ``train``
   trials) and prints the ``train`` command of the fastest config (slapo_fn.tune).
 
-Bad input gets one answer, before any work starts: the arguments are checked first
-(sizes, an even split of the batch, files), then the model's config, the checkpoint to
-resume and — for a job on several processes — the whole schedule, built on the meta
-device over a fake process group. Each refusal is a :class:`CommandLineError` (or
-another typed ``ValueError``/``KeyError`` of slapo_fn) printed once, in a few lines,
-without a traceback, with exit code 2.
+This module only turns arguments into calls. Each command is a :class:`Command` of
+:data:`COMMANDS`: its flags and the function that runs it. Bad input gets one answer,
+before any work starts: the arguments are checked here first (sizes, an even split of
+the batch, files), then :func:`slapo_fn.job.check_inputs` checks the model's config, the
+data, the checkpoint to resume and — for a job on several processes — the whole
+schedule, built on the meta device over a fake process group. Each refusal is a
+:class:`~slapo_fn.errors.CommandLineError` (or another typed ``ValueError``/``KeyError``
+of slapo_fn) printed once, in a few lines, without a traceback, with exit code 2.
 
-A multi-process run is started by :func:`slapo_fn.launch.launch`: torchrun's agent in a
-session of its own, its workers writing their PIDs under ``--run-dir``. Whatever way the
-run ends (success, a failed or killed rank, Ctrl-C, SIGTERM, SIGHUP) no worker is left
-running; a rank that refuses its input leaves its message for the launcher, which says it
-once, and a failed rank is one line, not torchrun's ``ChildFailedError``.
+A job on several processes is started by :func:`slapo_fn.launch.run`, which re-runs this
+command in each rank (:func:`slapo_fn.processes.in_worker`); a rank runs
+:mod:`slapo_fn.worker`. Whatever way the run ends no worker is left running, and a
+failure is said once (see :mod:`slapo_fn.launch`).
 
-Imports of torch and of the rest of the package are made inside the commands, on use.
+torch and the rest of the package are imported inside the commands, on use: ``--help``
+and bad arguments are answered before torch loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib.util
 import math
 import os
+import shutil
 import sys
 import time
-from collections.abc import Sequence
-from datetime import timedelta
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from .errors import Problem, ScheduleError
+from .errors import CommandLineError, Problem, ScheduleError
+from .options import EVAL_FRACTION, FAULTS, Split, is_stdlib, parse_faults, parse_size, stdlib_bytes, world
+from .processes import RUN_DIR_ENV, in_worker, record_error
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["CommandLineError", "main"]
+__all__ = ["COMMANDS", "Command", "CommandLineError", "main"]
 
-PG_TIMEOUT_S = 60
 #: Learning-rate decays of ``--decay`` (``slapo_fn.train.DECAYS``, named here without importing torch).
 DECAYS = ("cosine", "linear", "constant")
 #: AdamW implementations of ``--optimizer-impl`` (``slapo_fn.train.adamw``'s ``impl``).
 OPTIMIZER_IMPLS = ("auto", "foreach", "fused", "for-loop")
 #: The most lines a refusal takes; a longer one is cut, saying how many lines are left out.
 MAX_MESSAGE_LINES = 10
-
-
-class CommandLineError(ScheduleError):
-    """Arguments, files or a model config that ``slapo-fn`` refuses before any work
-    starts. Each problem's ``path`` is the flag (``"--steps"``) or the file at fault; all
-    problems found are reported at once. A ``ValueError``, like every bad-input error of
-    slapo_fn.
-
-    >>> print(CommandLineError("train", [Problem("--steps", "must be at least 1, got 0", "--steps 40")]))
-    slapo-fn train: '--steps': must be at least 1, got 0
-          fix: --steps 40
-    """
-
-    def __init__(self, command: str, problems: Sequence[Problem]) -> None:
-        super().__init__(f"slapo-fn {command}", problems)
 
 
 # -- arguments --------------------------------------------------------------------------
@@ -99,9 +89,13 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree (mesh axis 'dp')")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (mesh axis 'tp')")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages, one per rank (mesh axis 'pp')")
-    p.add_argument("--dp-mode", choices=("fsdp", "ddp"), default=None,
-                   help="data parallelism over --dp: FSDP2 (the default when --dp > 1) or DDP; given with --dp 1, "
-                        "one rank runs the data-parallel job of one (a process group and a one-rank mesh)")
+    p.add_argument("--dp-mode", choices=("fsdp", "ddp", "hsdp"), default=None,
+                   help="data parallelism over --dp: FSDP2 (parameters sharded over the --dp ranks; the default "
+                        "with --dp > 1), DDP (replicated), or HSDP (sharded over --dp-shard ranks, replicated over "
+                        "--dp / --dp-shard); given with --dp 1, one rank runs the data-parallel job of one (a "
+                        "process group and a one-rank mesh)")
+    p.add_argument("--dp-shard", type=int, default=None, metavar="N",
+                   help="with --dp-mode hsdp: the ranks each replica shards the parameters over (a divisor of --dp)")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp > 1)")
     p.add_argument("--checkpoint", type=float, default=None, metavar="RATIO",
                    help="activation checkpointing of the first RATIO of the layers (1.0 = all)")
@@ -111,16 +105,30 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved, zero-bubble, zbv")
 
 
-def _parser() -> argparse.ArgumentParser:
-    return _parsers()[0]
+# -- the commands -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Command:
+    """A command of ``slapo-fn``: its name and one-line help, the function that adds its
+    flags to its parser, and the function that runs it on the parsed flags and the
+    command line (``argv``, which a launch hands to every rank); it returns the exit code."""
+
+    name: str
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace, Sequence[str]], int]
 
 
 def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The ``slapo-fn`` parser and its commands' parsers, by name."""
     parser = argparse.ArgumentParser(prog="slapo-fn", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.arguments(sub.add_parser(command.name, help=command.help, description=command.help,
+                                         formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    return parser, dict(sub.choices)
 
-    train = sub.add_parser("train", help="train a model with a recipe on local processes (or several nodes)")
+
+def _train_args(train: argparse.ArgumentParser) -> None:
     train.add_argument("--config", default=None, metavar="FILE.toml",
                        help="a TOML file whose keys are these flags' names (e.g. lr = 3e-4, grad-accum = 2; in "
                             "[sections] or not); flags given on the command line override it")
@@ -129,7 +137,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     train.add_argument("--batch", type=int, default=8, help="global batch (sequences per optimizer step, over "
                                                             "data-parallel ranks and --grad-accum micro-steps)")
     train.add_argument("--seq", type=int, default=64, help="sequence length")
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--seed", type=int, default=0,
+                       help="random initialisation, dropout and the order of --data's rows")
     loop = train.add_argument_group("optimization")
     loop.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     loop.add_argument("--warmup", type=int, default=0, help="steps of linear warmup to --lr")
@@ -147,6 +156,11 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     loop.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                       help="compute dtype: bf16 is FSDP2 mixed precision with --dp > 1, autocast otherwise; "
                            "weights, optimizer and gradient reductions stay float32")
+    loop.add_argument("--nonfinite", choices=("stop", "skip"), default="stop",
+                      help="a step whose loss, grad norm or learning rate is not finite: stop the run before its "
+                           "update, or skip the step")
+    loop.add_argument("--max-skipped", type=int, default=10, metavar="N",
+                      help="with --nonfinite skip: stop after more than N skipped steps")
     loop.add_argument("--eval-every", type=int, default=0, metavar="N",
                       help="an eval loss every N steps, where the data has a held-out split (0: never)")
     loop.add_argument("--eval-batches", type=int, default=None, metavar="N", help="at most N eval batches")
@@ -165,26 +179,57 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     data.add_argument("--data-format", choices=("auto", "text", "chat"), default="auto",
                       help="rows of text (--text-field) or chat 'messages' (rendered with the tokenizer's chat "
                            "template, loss on assistant turns); auto: as the first row says")
-    data.add_argument("--text-field", default="text", help="the field of JSON rows and parquet columns to read")
     data.add_argument("--tokenizer", default=None, metavar="FOLDER|bytes",
                       help="a tokenizer folder (AutoTokenizer), or 'bytes' (UTF-8 bytes + EOS: 257 symbols); "
                            "default: the --model folder's tokenizer if it has one")
-    data.add_argument("--eval-fraction", type=float, default=None, metavar="F",
-                      help="the share of --data's rows held out for --eval-every (default: 0.05 with --eval-every, "
-                           "else 0)")
+    data.add_argument("--eval-fraction", type=float, default=EVAL_FRACTION, metavar="F",
+                      help="the share of --data's rows held out for --eval-every, the same with --eval-every or "
+                           "without (the rows a run trains on do not depend on whether it evaluates)")
+    data.add_argument("--text-field", default="text", metavar="NAME",
+                      help="the field of JSON rows (and the column of parquet files and saved datasets) that holds "
+                           "the text")
     train.add_argument("--export-to", default=None, metavar="FOLDER",
                        help="at the end, write the trained model (and the tokenizer) as a Hugging Face folder")
-    train.add_argument("--checkpoint-dir", default=None, help="where distributed checkpoints go")
+    train.add_argument("--checkpoint-dir", default=None,
+                       help="where distributed checkpoints go (one run at a time: the run holds a lock on it)")
     train.add_argument("--save-every", type=int, default=0, help="save every N steps (and at the end)")
-    train.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
-    train.add_argument("--log-every", type=int, default=5)
+    train.add_argument("--keep", type=int, default=2, metavar="N",
+                       help="checkpoints to keep (the newest; when the disk is short, older ones go first)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the newest checkpoint that verifies (its files against their digests)")
+    train.add_argument("--log-every", type=int, default=5, metavar="N", help="a loss line every N steps")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
-    train.add_argument("--run-dir", default=None, help="where worker PIDs are written (default: a temp dir)")
+    train.add_argument("--run-dir", default=None,
+                       help="where worker PIDs and each rank's output (rank-N.log) go (default: a temporary folder, "
+                            "kept when the job fails)")
+    train.add_argument("--collective-timeout", type=float, default=300.0, metavar="S",
+                       help="a collective waiting longer for a rank fails the job, naming the rank that did not "
+                            "arrive")
     train.add_argument("--metrics", default=None, help="write per-step figures as JSON lines to this file "
                        "(with the peak memory of the most loaded rank)")
     train.add_argument("--fault", default=None, metavar="KIND:STEP",
-                       help="inject a failure on the last rank at STEP: 'exit:3' exits non-zero, 'hang:3' stops "
-                            "answering (tests the launcher's and the tuner's failure handling)")
+                       help="inject failures (tests of failure handling), several separated by commas: 'exit:3' "
+                            "the last rank exits non-zero after step 3, 'hang:3' it stops answering, 'nan:3' the "
+                            "learning rate turns NaN from step 3, 'full-disk:3' saves after step 3 find no room")
+    train.add_argument("--wandb", default=None, metavar="PROJECT",
+                       help="log each step to a Weights & Biases run of PROJECT, written under --wandb-dir; needs "
+                            "the wandb package (pip install 'slapo_fn[wandb]')")
+    train.add_argument("--wandb-dir", default=".", metavar="DIR", help="where --wandb writes its runs")
+    train.add_argument("--wandb-mode", choices=("offline", "online"), default="offline",
+                       help="offline: no network, upload later with `wandb sync`; online: stream to the service")
+    debug = train.add_argument_group("debugging")
+    debug.add_argument("--profile-every", type=int, default=0, metavar="N",
+                       help="a torch.profiler trace of every Nth step, one file per rank "
+                            "(--profile-dir/rank-R-step-S.json, opens in Perfetto or chrome://tracing); 0: none")
+    debug.add_argument("--memory-snapshot", action="store_true",
+                       help="record the CUDA allocator's history and dump its snapshot per rank at the end, or on "
+                            "running out of memory, into --profile-dir (open it at pytorch.org/memory_viz); "
+                            "CUDA only")
+    debug.add_argument("--profile-dir", default="profile-traces", metavar="DIR",
+                       help="where --profile-every and --memory-snapshot write")
+    train.add_argument("--hardware", default="auto", metavar="NAME|FILE.toml",
+                       help="hardware profile of the MFU in the logs: auto (the GPU's by its name, or cpu), h100, "
+                            "h200, a100, cpu, or a TOML file")
     train.add_argument("--tensorboard", default=None, metavar="DIR",
                        help="TensorBoard scalars (loss, lr, grad norm, tokens/s, peak memory) in DIR; needs the "
                             "tensorboard package (pip install 'slapo_fn[tensorboard]')")
@@ -195,38 +240,44 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     nodes.add_argument("--master-addr", default=None, metavar="HOST", help="address of node 0 (with --nnodes > 1)")
     nodes.add_argument("--master-port", type=int, default=29500, metavar="PORT", help="a free port on node 0")
 
-    explain = sub.add_parser("explain", help="explain the schedule of a model and parallel config (no job)")
+
+def _explain_args(explain: argparse.ArgumentParser) -> None:
     _parallel_args(explain)
     explain.add_argument("--tree", action="store_true", help="print the whole (folded) module tree too")
     explain.add_argument("--json", action="store_true", help="print everything as one JSON object (for scripts)")
-    explain.add_argument("--batch", type=int, default=8, help="global batch, for the bytes of each collective")
+    explain.add_argument("--batch", type=int, default=None,
+                         help="global batch, for the bytes of each collective (default: 8, or the smallest batch "
+                              "above that splits over --dp and the pipeline's microbatches)")
     explain.add_argument("--seq", type=int, default=None, help="sequence length, for the bytes of each collective "
                          "(default: 2048, or the model's positions where fewer)")
     explain.add_argument("--hardware", default="h100", metavar="NAME|FILE.toml",
                          help="hardware profile of the step-time estimate: h100, h200, a100, cpu, or a TOML file "
                               "(see slapo_fn/hardware/h100.toml); 'none' for no estimate")
+    explain.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                         help="compute dtype of the estimate, as train's --dtype (default: the config's dtype where "
+                              "it is bf16, else fp32)")
 
-    verify = sub.add_parser("verify", help="check a recipe against the unscheduled model")
+
+def _verify_args(verify: argparse.ArgumentParser) -> None:
     _parallel_args(verify)
-    verify.add_argument("--seq", type=int, default=16)
-    verify.add_argument("--batch", type=int, default=2)
+    verify.add_argument("--seq", type=int, default=16, help="sequence length of the random batch compared")
+    verify.add_argument("--batch", type=int, default=2, help="sequences of the random batch compared")
     verify.add_argument("--rtol", type=float, default=None,
                         help="relative to each tensor's largest value (default: by dtype, 1e-5 for float32)")
     verify.add_argument("--atol", type=float, default=None, help="absolute (default: by dtype, 1e-5 for float32)")
-    verify.add_argument("--run-dir", default=None)
-    _tune_args(sub.add_parser("tune", help="search the recipe's knobs for the fastest config that fits"))
+    verify.add_argument("--run-dir", default=None,
+                        help="where worker PIDs and each rank's output go (default: a temporary folder)")
+    verify.add_argument("--collective-timeout", type=float, default=300.0, metavar="S",
+                        help="a collective waiting longer for a rank fails the job")
 
-    _prepare_args(sub.add_parser("prepare", help="tokenize a corpus once into a memory-mapped folder that "
-                                                 "train --data reads (no job)"))
 
-    export = sub.add_parser("export", help="write a training checkpoint as a Hugging Face folder (no job)")
+def _export_args(export: argparse.ArgumentParser) -> None:
     export.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR", help="a --checkpoint-dir of slapo-fn train")
     export.add_argument("out", metavar="OUT_FOLDER", help="the Hugging Face folder to write")
     export.add_argument("--model", required=True,
                         help="the model the checkpoint was trained as (a preset, config.json or folder)")
     export.add_argument("--tokenizer", default=None, metavar="FOLDER",
                         help="tokenizer files to write beside the weights (default: the --model folder's, if any)")
-    return parser, dict(sub.choices)
 
 
 def _prepare_args(p: argparse.ArgumentParser) -> None:
@@ -253,11 +304,12 @@ def _tune_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=64, help="sequence length of every trial")
     p.add_argument("--steps", type=int, default=4, help="measured steps per trial (after --warmup)")
     p.add_argument("--warmup", type=int, default=2, help="steps per trial before measuring")
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None, help="every trial's --lr (default: train's)")
+    p.add_argument("--seed", type=int, default=None, help="every trial's --seed, and the search's (default: 0)")
     p.add_argument("--strategy", choices=("auto", "grid", "random", "tpe"), default="auto",
                    help="auto: grid for spaces of at most --grid-max candidates, else TPE (optuna) or random")
-    p.add_argument("--grid-max", type=int, default=16)
+    p.add_argument("--grid-max", type=int, default=16, metavar="N",
+                   help="the most candidates --strategy auto searches by grid")
     p.add_argument("--trials", type=int, default=None, help="at most this many trials")
     p.add_argument("--patience", type=int, default=None, help="stop when the best has not improved for N trials")
     p.add_argument("--time-budget", type=float, default=None, metavar="S", help="start no trial after S seconds")
@@ -266,9 +318,10 @@ def _tune_args(p: argparse.ArgumentParser) -> None:
                    help="per-rank memory for the training state, e.g. 80GiB or 300MiB: configs estimated above it "
                         "are pruned without running")
     p.add_argument("--out", default="tune-out", help="folder for trials.json, throughput.png and each trial's log")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="no throughput.png")
     p.add_argument("--fault", action="append", default=[], metavar="KNOB=V[,KNOB=V]@KIND:STEP",
                    help="inject a fault (see train --fault) into the trials matching these knob values (tests)")
+
 
 
 # -- a TOML config file: defaults for the flags, which override it ---------------------------------
@@ -381,9 +434,14 @@ def _argument_problems(args: argparse.Namespace) -> list[Problem]:
         at_least("--grad-accum", 1, "micro-steps per optimizer step", "--grad-accum 1 (no accumulation)")
         at_least("--eval-every", 0, "steps between eval losses; 0: never", "--eval-every 0")
         at_least("--eval-batches", 1, "eval batches per evaluation", "leave out --eval-batches for all of them")
+        at_least("--keep", 1, "checkpoints kept", "--keep 2")
+        at_least("--max-skipped", 0, "non-finite steps skipped before the run stops", "--max-skipped 10")
+        at_least("--profile-every", 0, "steps between profiler traces; 0: none", "--profile-every 10")
         at_least("--nnodes", 1, "nodes of the job", "--nnodes 1 (this machine only)")
         at_least("--node-rank", 0, "this node's rank", "--node-rank 0 on the first node, 1 on the next, ...")
         problems += _loop_problems(args)
+    if args.command in ("train", "verify"):
+        at_least("--collective-timeout", 1, "seconds a collective waits", "--collective-timeout 300")
     if args.command == "verify":
         at_least("--rtol", 0, "relative tolerance", "--rtol 1e-4")
         at_least("--atol", 0, "absolute tolerance", "--atol 1e-5")
@@ -393,32 +451,18 @@ def _argument_problems(args: argparse.Namespace) -> list[Problem]:
                                     "drop --pp (pipelines are verified by their tests); use --tp/--dp"))
     if problems:  # the checks below divide by these sizes
         return problems
-    accum = args.grad_accum if train else 1
-    if args.command in ("train", "explain") and args.batch % (args.dp * accum):
-        even = math.ceil(args.batch / (args.dp * accum)) * args.dp * accum
-        over = f"--dp {args.dp} data-parallel ranks" + (f" x --grad-accum {accum} micro-steps" if accum > 1 else "")
-        problems.append(Problem("--batch", f"a global batch of {args.batch} sequences does not split evenly "
-                                           f"over {over}",
-                                f"--batch {even} (a multiple of --dp{' x --grad-accum' if accum > 1 else ''})"))
-    elif train and args.pp > 1:
-        local, micro = args.batch // (args.dp * accum), args.microbatches or 2 * args.pp
-        if local % micro:
-            divisors = [str(d) for d in range(args.pp, local + 1) if local % d == 0]  # at least one per stage
-            default = "" if args.microbatches else " (the default: 2 x --pp)"
-            per = f"--batch {args.batch} / --dp {args.dp}" + (f" / --grad-accum {accum}" if accum > 1 else "")
-            problems.append(Problem("--microbatches" if args.microbatches else "--batch",
-                                    f"{local} sequences per data-parallel rank and micro-step ({per}) do not "
-                                    f"split into {micro} microbatches{default}",
-                                    f"--batch {micro * args.dp * accum * math.ceil(local / micro)}"
-                                    + (f", or --microbatches among {', '.join(divisors)}" if divisors else "")))
-    if (args.command in ("train", "verify", "explain") and args.sp is True and args.tp > 1 and args.seq is not None
-            and args.seq % args.tp):
-        down = args.seq - args.seq % args.tp
-        up = down + args.tp
-        problems.append(Problem("--seq", f"{args.seq} tokens per sequence do not split evenly over the --tp "
-                                         f"{args.tp} ranks that --sp splits each sequence over",
-                                f"--seq {up}" + (f" or {down}" if down else "")
-                                + " (a multiple of --tp), or drop --sp"))
+    if getattr(args, "dp_mode", None) == "hsdp" and not (args.dp_shard and 1 < args.dp_shard < args.dp
+                                                         and args.dp % args.dp_shard == 0):
+        problems.append(Problem("--dp-shard", f"--dp-mode hsdp shards over --dp-shard ranks and replicates over the "
+                                              f"rest of --dp {args.dp}: --dp-shard must divide it, above 1 and below "
+                                              f"it, got {args.dp_shard}",
+                                f"--dp-shard {next((d for d in range(2, args.dp) if args.dp % d == 0), 2)} (with "
+                                "--dp 4 or more), or --dp-mode fsdp"))
+    if args.command in ("train", "explain", "verify"):  # verify runs one batch whole on every rank
+        whole = args.command == "verify"
+        problems += Split(batch=args.batch, dp=1 if whole else args.dp, grad_accum=args.grad_accum if train else 1,
+                          pp=1 if whole else args.pp, microbatches=args.microbatches, seq=args.seq, tp=args.tp,
+                          sp=args.sp).problems()
     if train and args.nnodes > 1 and _world(args) % args.nnodes:
         problems.append(Problem("--nnodes", f"{_world(args)} ranks (--dp {args.dp} x --tp {args.tp} x --pp "
                                             f"{args.pp}) do not split evenly over {args.nnodes} nodes",
@@ -456,6 +500,9 @@ def _loop_problems(args: argparse.Namespace) -> list[Problem]:
 
 def _train_argument_problems(args: argparse.Namespace) -> list[Problem]:
     problems = _data_argument_problems(args)
+    if args.wandb is not None and importlib.util.find_spec("wandb") is None:
+        problems.append(Problem("--wandb", "needs the wandb package, which is not installed",
+                                "pip install 'slapo_fn[wandb]' (or: pip install wandb), or leave out --wandb"))
     if args.tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
         problems.append(Problem("--tensorboard", "needs the tensorboard package, which is not installed",
                                 "pip install 'slapo_fn[tensorboard]' (or: pip install tensorboard), or leave out "
@@ -473,59 +520,25 @@ def _train_argument_problems(args: argparse.Namespace) -> list[Problem]:
         problems.append(Problem("--export-to", f"{args.export_to}: is a file, not a folder",
                                 "--export-to FOLDER (created if missing)"))
     try:
-        _fault(args.fault)
+        parse_faults(args.fault)
     except ValueError:
-        problems.append(Problem("--fault", f"{args.fault!r} is not KIND:STEP (KIND exit or hang, STEP a step number)",
-                                "--fault exit:3 or --fault hang:3"))
+        problems.append(Problem("--fault", f"{args.fault!r} is not KIND:STEP (KIND {', '.join(FAULTS)}; STEP a "
+                                           "step number)", "--fault exit:3 or --fault hang:3"))
     return problems
 
 
-STDLIB = "stdlib"
-#: Bytes of the standard library's sources that ``--data stdlib`` reads (``stdlib:SIZE``: another amount).
-STDLIB_BYTES = 2_000_000
-#: The held-out share of ``--data`` with ``--eval-every`` and no ``--eval-fraction``.
-EVAL_FRACTION = 0.05
+
 _DATA_FIX = ("a text file, a folder of them, a .jsonl file with a 'text' field, a `datasets` dataset saved with "
              "save_to_disk, or stdlib")
 
-
-def _stdlib_bytes(data: str) -> int | None:
-    """The byte cap of ``--data stdlib[:SIZE]`` (``None``: all of it); ``ValueError`` for a bad SIZE."""
-    _, _, size = data.partition(":")
-    if not size:
-        return STDLIB_BYTES
-    return None if size == "all" else _size(size)
-
-
-def _tokenizer_source(args: argparse.Namespace) -> str | None:
-    """What tokenizes ``--data``: ``--tokenizer`` (a folder, or ``"bytes"``), else the
-    ``--model`` folder's own tokenizer, else ``None``."""
-    from .presets import tokenizer_of
-
-    if args.tokenizer is not None:
-        return str(args.tokenizer)
-    found = tokenizer_of(args.model)
-    return None if found is None else str(found)
-
-
-def _packed(args: argparse.Namespace) -> bool:
-    """Whether ``--data`` is tokenized and packed (:class:`slapo_fn.data.TokenData`: masks,
-    a held-out split, resumable) rather than read as random byte windows (the behaviour of
-    earlier versions, kept for a plain text file when no tokenizer is given)."""
-    if args.data is None:
-        return False
-    if _tokenizer_source(args) is not None or args.data.partition(":")[0] == STDLIB or args.stream:
-        return True
-    path = Path(args.data)
-    return not path.is_file() or path.suffix.lower() in (".jsonl", ".json")
 
 
 def _data_argument_problems(args: argparse.Namespace) -> list[Problem]:
     """``--data``, ``--tokenizer`` and the eval flags, without reading any data."""
     problems = []
-    if args.data is not None and args.data.partition(":")[0] == STDLIB:
+    if is_stdlib(args.data):
         try:
-            _stdlib_bytes(args.data)
+            stdlib_bytes(args.data)
         except ValueError:
             problems.append(Problem("--data", f"{args.data!r}: the size after 'stdlib:' is not a size",
                                     "--data stdlib, --data stdlib:8MiB or --data stdlib:all"))
@@ -556,19 +569,9 @@ def _data_argument_problems(args: argparse.Namespace) -> list[Problem]:
     fraction = args.eval_fraction
     if fraction is not None and not (math.isfinite(fraction) and 0 <= fraction < 1):
         problems.append(Problem("--eval-fraction", f"must be in [0, 1), got {fraction}", "--eval-fraction 0.05"))
-    elif fraction is not None and args.data is None:
+    elif fraction != EVAL_FRACTION and args.data is None:
         problems.append(Problem("--eval-fraction", "holds out rows of --data, and there is none",
                                 "--data FILE --eval-fraction 0.05, or leave out --eval-fraction"))
-    if args.eval_every and not problems:
-        if args.data is None or not _packed(args):
-            what = "the synthetic task" if args.data is None else \
-                f"{args.data}, read as byte windows (no tokenizer given),"
-            problems.append(Problem("--eval-every", f"{what} has no held-out split",
-                                    "--data FILE with --tokenizer FOLDER (or --tokenizer bytes), or leave out "
-                                    "--eval-every"))
-        elif fraction == 0:
-            problems.append(Problem("--eval-every", "--eval-fraction 0 holds out no rows to evaluate on",
-                                    "--eval-fraction 0.05 (or leave it out: 0.05 with --eval-every)"))
     return problems
 
 
@@ -587,221 +590,6 @@ def _mixture_problems(data: str) -> list[Problem] | None:
             for s in spec.sources if not s.stdlib and not s.path.exists()]
 
 
-def _eval_fraction(args: argparse.Namespace) -> float:
-    if args.eval_fraction is not None:
-        return float(args.eval_fraction)
-    return EVAL_FRACTION if args.eval_every else 0.0
-
-
-def _check_inputs(args: argparse.Namespace) -> None:
-    """Refuse, before any process starts, what the arguments alone do not show: an
-    unknown pipeline schedule, a model config that cannot be read or is no causal LM, a
-    recipe the knobs do not fit, data or a checkpoint that does not fit the run — and, for
-    a job on several processes, anything the schedule itself refuses (heads that do not
-    split over ``--tp``, too few microbatches for the stages), found by building it on
-    the meta device over a fake process group, as every rank would."""
-    from .pipelines import SCHEDULES
-
-    if args.schedule not in SCHEDULES:
-        close = difflib.get_close_matches(args.schedule, list(SCHEDULES), n=1)
-        raise CommandLineError(args.command, [Problem(
-            "--schedule", f"unknown pipeline schedule {args.schedule!r}" + (f"; did you mean {close[0]!r}?" if close
-                                                                           else ""),
-            f"one of {', '.join(SCHEDULES)}")])
-    config = _config(args.model, args.command)
-    _fallback_plan(config, args)
-    _sequence_length(config, args)
-    if args.command == "train":
-        problems = _data_problems(args, config) + _resume_problems(args)
-        if problems:
-            raise CommandLineError(args.command, problems)
-    if _axes(args) and args.command != "explain":  # explain builds the schedule in this process anyway
-        _check_schedule(args)
-
-
-def _sequence_length(config: Any, args: argparse.Namespace) -> None:
-    """``--seq`` against the positions ``config``'s model covers: ``explain``'s default is
-    2048 or that many, whichever is fewer; a longer one given is refused before any work
-    (the model's position table would fail on it, deep inside a rank)."""
-    from .hf import position_limit
-
-    if not hasattr(args, "seq"):
-        return
-    limit = position_limit(config)
-    if args.seq is None:
-        args.seq = min(2048, limit)
-    elif args.seq > limit:
-        raise CommandLineError(args.command, [Problem(
-            "--seq", f"{args.seq} is longer than the {limit} positions {args.model!r} covers (its config's "
-                     "max_position_embeddings or n_positions)", f"--seq {limit}")])
-
-
-def _config(model: str, command: str) -> Any:
-    """The Hugging Face config of ``--model`` (a preset or a config.json), or a
-    :class:`CommandLineError` naming the file: not JSON, no or an unknown ``model_type``
-    (with close matches, not the list of every type), no causal LM for it."""
-    from .presets import config_for
-
-    try:
-        return config_for(model, causal=True)
-    except ScheduleError as e:
-        raise CommandLineError(command, e.problems) from None
-
-
-def _data_problems(args: argparse.Namespace, config: Any) -> list[Problem]:
-    """``--data``'s symbols against the model's vocabulary: the tokenizer's (loaded here,
-    not the data), or 256 for byte windows."""
-    from . import hf
-    from .data import ByteText
-
-    vocab = hf.config_value(config, "vocab_size", default=None)
-    if args.data is None or vocab is None:
-        return []
-    if not _packed(args):
-        symbols = ByteText(b"").vocab  # byte-level text: one token per byte value
-        if symbols <= vocab:
-            return []
-        return [Problem("--data", f"{args.data} is read as bytes ({symbols} symbols); the model's vocabulary has "
-                                  f"only {vocab}",
-                        "a model with vocab_size >= 256, a --tokenizer FOLDER whose vocabulary fits, or no --data "
-                        "(the synthetic task fits any vocabulary)")]
-    try:
-        codec = _codec(args)
-    except ScheduleError as e:
-        first = e.problems[0] if e.problems else Problem("", str(e), "")
-        return [Problem("--tokenizer" if args.tokenizer is not None else "--model", f"{first.path}: {first.reason}",
-                        "a folder with tokenizer files (tokenizer.json, tokenizer_config.json), or --tokenizer bytes")]
-    if codec.vocab <= vocab:
-        return _source_problems(args, codec)
-    where = "--tokenizer" if args.tokenizer is not None else "--model"
-    return [Problem(where, f"the tokenizer {codec.name} has {codec.vocab} tokens; the model's vocabulary has only "
-                           f"{vocab} (token ids would fall outside the embedding)",
-                    "a tokenizer with at most vocab_size tokens, or a model whose config.json has vocab_size >= "
-                    f"{codec.vocab}")]
-
-
-def _source_problems(args: argparse.Namespace, codec: Any) -> list[Problem]:
-    """What ``--data``'s sources hold, read as little as it takes (a prepared folder's
-    manifest, a stream's first row): :func:`slapo_fn.data.data_problems`."""
-    from .data import data_problems
-
-    if args.data.partition(":")[0] == STDLIB:
-        return []
-    return data_problems(args.data, codec, stream=args.stream, text_field=args.text_field,
-                         data_format=args.data_format, eval_every=bool(args.eval_every))
-
-
-def _codec(args: argparse.Namespace) -> Any:
-    """The tokenizer of ``--data`` as a :class:`slapo_fn.data.Codec`."""
-    from .data import Codec
-    from .data.manifest import TOKENIZER, is_prepared
-
-    source = _tokenizer_source(args)
-    if source is None and args.data is not None and is_prepared(Path(args.data)) \
-            and (Path(args.data) / TOKENIZER).is_dir():
-        source = str(Path(args.data) / TOKENIZER)  # the folder's own tokenizer
-    return Codec.byte_level() if source in (None, "bytes") else Codec.of(Path(source))
-
-
-def _token_data(args: argparse.Namespace, codec: Any) -> Any:
-    """``--data`` tokenized with ``codec`` and packed into rows of ``--seq`` tokens: in
-    memory, mapped from a prepared folder, streamed, or a mixture (:mod:`slapo_fn.data`)."""
-    from .data import TokenData, open_data, stdlib_corpus
-    from .data.attention import packing_for
-
-    if args.data.partition(":")[0] == STDLIB:
-        return TokenData.from_texts(stdlib_corpus(max_bytes=_stdlib_bytes(args.data)), codec, seq_len=args.seq,
-                                    seed=args.seed, eval_fraction=_eval_fraction(args))
-    return open_data(args.data, codec, seq_len=args.seq, seed=args.seed, eval_fraction=_eval_fraction(args),
-                     stream=args.stream, text_field=args.text_field, data_format=args.data_format,
-                     chat_packing=lambda: packing_for(_config(args.model, args.command)))
-
-
-def _checkpointed(data: Any, batch_size: int) -> Any:
-    """Data as :func:`slapo_fn.train.train` checkpoints it: positional rows through
-    :class:`_Positioned`; streams and mixtures save their own position."""
-    from .data.order import PositionalRows
-
-    return _Positioned(data, batch_size) if isinstance(data, PositionalRows) else data
-
-
-class _Positioned:
-    """:class:`slapo_fn.data.TokenData` as :func:`slapo_fn.train.train` checkpoints data:
-    ``state_dict()`` is the data's :meth:`~slapo_fn.data.TokenData.state` after the last
-    batch given, ``load_state_dict`` checks a checkpoint's data is this data (corpus,
-    tokenizer, ``--seq``, seed; else a :class:`~slapo_fn.ScheduleError`) and keeps the
-    step it continues at in ``resumed_at``. Batches are a pure function of the step, so
-    resuming at that step restores the position."""
-
-    def __init__(self, data: Any, batch_size: int) -> None:
-        self.data, self.batch_size = data, batch_size
-        self.next_step = 0
-        self.resumed_at: int | None = None
-
-    @property
-    def vocab(self) -> int:
-        return int(self.data.vocab)
-
-    def batch(self, step: int, batch_size: int, *, dp_rank: int = 0, dp_size: int = 1) -> Any:
-        self.next_step = step + 1
-        return self.data.batch(step, batch_size, dp_rank=dp_rank, dp_size=dp_size)
-
-    def eval_batches(self, batch_size: int, *, dp_rank: int = 0, dp_size: int = 1) -> Any:
-        return self.data.eval_batches(batch_size, dp_rank=dp_rank, dp_size=dp_size)
-
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self.data.state(self.next_step, self.batch_size))
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.resumed_at = self.next_step = int(self.data.resume(state, self.batch_size))
-
-
-def _resume_problems(args: argparse.Namespace) -> list[Problem]:
-    """With ``--resume``: a checkpoint to resume from, before step ``--steps``."""
-    from .state import latest, loadable
-
-    if not args.resume:
-        return []
-    found = loadable(args.checkpoint_dir) or latest(args.checkpoint_dir)  # load falls back past a broken one
-    if found is None or not found.is_dir():
-        what = "no checkpoint to resume from (no LATEST file, no .metadata)" if found is None else \
-            f"its LATEST names {found.name}, which is missing"
-        return [Problem("--checkpoint-dir", f"{args.checkpoint_dir}: {what}",
-                        "drop --resume to start at step 0, or pass the --checkpoint-dir of an earlier run")]
-    step = _checkpoint_step(found)
-    if step < args.steps:
-        return []
-    return [Problem("--steps", f"the checkpoint in {args.checkpoint_dir} is at step {step}, and --steps "
-                               f"{args.steps} is the step to train up to: nothing is left to train",
-                    f"--steps {step + 1} or more (the total, not the steps to add), or drop --resume")]
-
-
-def _checkpoint_step(checkpoint: Path) -> int:
-    """The step of a checkpoint folder (``step-00000012``: 12; another name: 0, as
-    ``slapo_fn.load`` counts it)."""
-    kind, _, number = checkpoint.name.partition("-")
-    return int(number) if kind == "step" and number.isdigit() else 0
-
-
-def _check_schedule(args: argparse.Namespace) -> None:
-    """Build the schedule every rank will build, on the meta device over a fake process
-    group of the job's size: what it refuses is refused here, once. A pipeline also
-    needs a microbatch per stage."""
-    from .dtensor.testing import fake_mesh, fake_world
-    from .pipelines import split_stages
-
-    axes = _axes(args)
-    with fake_world(_world(args)):
-        mesh = fake_mesh(*(s for _, s in axes), names=tuple(n for n, _ in axes))
-        sch = _schedule(args, mesh, meta=True, say=False)
-    if args.command == "train" and args.pp > 1:
-        stages, micro = len(split_stages(sch)), args.microbatches or 2 * args.pp
-        if micro < stages:
-            raise CommandLineError(args.command, [Problem(
-                "--microbatches", f"{micro} microbatches for {stages} pipeline stages (--schedule {args.schedule}): "
-                                  "every stage needs at least one", f"--microbatches {stages} or more")])
-
-
 def _say(command: str, error: BaseException) -> str:
     """The refusal as printed: ``slapo-fn COMMAND: …``, at most :data:`MAX_MESSAGE_LINES`."""
     text = str(error) if isinstance(error, CommandLineError) else f"slapo-fn {command}: {error}"
@@ -815,370 +603,148 @@ def _refuse(command: str, error: BaseException) -> None:
     """Say why the input is refused, once: in the launcher or a single process, on
     stderr; in a worker of a launch, to the run folder, for the launcher to say (every
     rank refuses the same input); in a worker started otherwise, on rank 0."""
-    from .launch import RUN_DIR_ENV
-    from .processes import record_error
-
     text = _say(command, error)
     rank = os.environ.get("RANK", "0")
-    run_dir = os.environ.get(RUN_DIR_ENV) if _in_worker() else None
+    run_dir = os.environ.get(RUN_DIR_ENV) if in_worker() else None
     if run_dir and rank.isdigit():
         record_error(Path(run_dir), int(rank), text)
-    elif not _in_worker() or rank == "0":
+    elif not in_worker() or rank == "0":
         print(text, file=sys.stderr, flush=True)
 
 
-# -- launching ----------------------------------------------------------------------------
+
+
+# -- running the commands -------------------------------------------------------------------------
 def _world(args: argparse.Namespace) -> int:
-    return int(args.dp * args.tp * args.pp)
+    return world(dp=args.dp, tp=args.tp, pp=args.pp)
 
 
-def _in_worker() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get("SLAPO_FN_WORKER") == "1"
+def _checked(args: argparse.Namespace, *, inputs: bool = True) -> Any:
+    """Refuse the arguments of a job's command once, before any work starts: their own
+    problems, then (with ``inputs``, in the launcher, not in every rank again) what
+    reading the model, data and checkpoints shows (:func:`slapo_fn.job.check_inputs`).
+    Returns the model's config where it was read."""
+    problems = _argument_problems(args)
+    if problems:
+        raise CommandLineError(args.command, problems)
+    if in_worker() or not inputs:
+        return None
+    from .inputs import check_inputs
+
+    config = check_inputs(args)  # the files first: fast, without the layout engine
+    from .job import check_schedule
+
+    check_schedule(args, config)
+    return config
 
 
-def _launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Run this command on ``dp*tp*pp`` local processes; say how it ended if it failed,
-    once: the ranks' refusal, the first failed rank, or the signal that stopped it."""
-    from .launch import Nodes, launch
+@contextlib.contextmanager
+def _writer(args: argparse.Namespace) -> Iterator[None]:
+    """Hold ``--checkpoint-dir``'s lock for the run (one writer per directory), in the
+    launcher of node 0 (or the run's one process): a second run is refused, naming the
+    holder; a dead holder's lock is taken over, and saves it left half-done are removed,
+    each said in a line."""
+    if args.checkpoint_dir is None or in_worker() or getattr(args, "node_rank", 0) != 0:
+        yield
+        return
+    from .checkpoint_dir import partials
+    from .lock import LockedError, acquire
+
+    try:
+        held = acquire(args.checkpoint_dir)
+    except LockedError as e:
+        raise CommandLineError(args.command, [Problem("--checkpoint-dir", f"{p.path}: {p.reason}", p.fix)
+                                              for p in e.problems]) from None
+    with held:
+        if held.took_over is not None:
+            print(f"slapo-fn {args.command}: took over the lock of {args.checkpoint_dir} from {held.took_over}, "
+                  "which no longer runs", flush=True)
+        left = partials(args.checkpoint_dir)
+        for folder in left:
+            shutil.rmtree(folder, ignore_errors=True)
+        if left:
+            print(f"slapo-fn {args.command}: removed what {len(left)} interrupted save(s) left in "
+                  f"{args.checkpoint_dir}: {', '.join(f.name for f in left)}", flush=True)
+        yield
+
+
+def _on_ranks(args: argparse.Namespace, argv: Sequence[str], work: Callable[[argparse.Namespace], int]) -> int:
+    """``work`` in this process, or on ``dp*tp*pp`` local processes started for it (this
+    machine's share of them with ``--nnodes``), each of which runs ``work``."""
+    if in_worker() or (_world(args) == 1 and getattr(args, "dp_mode", None) is None):
+        return work(args)  # one process (a data-parallel job of one is launched: it needs a process group)
+    from .launch import Nodes, run
 
     count = getattr(args, "nnodes", 1)
     nodes = Nodes(count, args.node_rank, args.master_addr or "127.0.0.1", args.master_port) if count > 1 else None
-    outcome = launch(argv, _world(args) // count, getattr(args, "run_dir", None), nodes=nodes)
-    if outcome.stopped_by is not None:
-        print(f"slapo-fn {args.command}: stopped by {outcome.stopped_by.name}; every worker is stopped",
-              file=sys.stderr, flush=True)
-    elif outcome.errors:
-        print("\n".join(outcome.errors), file=sys.stderr, flush=True)
-        return 2
-    elif outcome.code and outcome.failure:
-        print(f"slapo-fn {args.command}: {outcome.failure}; the other ranks were stopped", file=sys.stderr,
-              flush=True)
-    return outcome.code
+    return run(args.command, argv, _world(args) // count, getattr(args, "run_dir", None), nodes=nodes)
 
 
-# -- inside a worker ------------------------------------------------------------------------
-def _setup(args: argparse.Namespace) -> tuple[Any, Any]:
-    """Process group (if several ranks), device and mesh for this worker."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+def _train(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``slapo-fn train``: :func:`slapo_fn.worker.train` on every rank, the checkpoint
+    directory locked for it."""
+    _checked(args, inputs=False)
+    with _writer(args):
+        _checked(args)
+        from . import worker
 
-    from .launch import RUN_DIR_ENV
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    run_dir = os.environ.get(RUN_DIR_ENV)
-    if run_dir:
-        Path(run_dir, f"pid-{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
-    cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}") if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    if world != _world(args):
-        raise CommandLineError(args.command, [Problem(
-            "--dp/--tp/--pp", f"{world} processes started for dp*tp*pp = {_world(args)} ranks",
-            f"start {_world(args)} processes, or let slapo-fn start them (run it without torchrun)")])
-    if not _axes(args):  # one process, no data-parallel job of one: no process group
-        return device, None
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
-    axes = _axes(args)
-    mesh = init_device_mesh(device.type, tuple(s for _, s in axes), mesh_dim_names=tuple(n for n, _ in axes))
-    return device, mesh
+        return _on_ranks(args, argv, worker.train)
 
 
-def _axes(args: argparse.Namespace) -> list[tuple[str, int]]:
-    """The mesh axes of ``--dp/--pp/--tp`` larger than one, in mesh order; ``dp`` of one
-    too where ``--dp-mode`` asks for data parallelism over it (FSDP2 over one rank)."""
-    return [(n, s) for n, s in (("dp", args.dp), ("pp", args.pp), ("tp", args.tp))
-            if s > 1 or (n == "dp" and getattr(args, "dp_mode", None) is not None)]
+def _verify(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``slapo-fn verify``: :func:`slapo_fn.worker.verify` on every rank."""
+    _checked(args)
+    from . import worker
+
+    return _on_ranks(args, argv, worker.verify)
 
 
-def _teardown() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def _knobs(args: argparse.Namespace) -> Any:
-    from .recipes import Knobs
-
-    return Knobs(tp=args.tp, sequence_parallel=args.sp, checkpoint=args.checkpoint, stages=_stages(args),
-                 dp_mode=_dp_mode(args), kernels=args.kernels, compile=args.compile)
-
-
-def _dp_mode(args: argparse.Namespace) -> Literal["fsdp", "ddp"] | None:
-    """The data-parallel mode of the recipe: ``--dp-mode`` where given, FSDP2 where ``--dp > 1``."""
-    mode: Literal["fsdp", "ddp"] | None = args.dp_mode
-    return mode if mode is not None else "fsdp" if args.dp > 1 else None
-
-
-def _stages(args: argparse.Namespace) -> int:
-    """Pipeline stages for ``--pp`` ranks: one per rank, or as many per rank as
-    ``--schedule`` places (``zbv``: two, in a V)."""
-    from .pipelines import SCHEDULES
-
-    kind = SCHEDULES.get(args.schedule)
-    per_rank = kind.per_rank if kind is not None and kind.per_rank is not None else 1
-    return 1 if args.pp == 1 else args.pp * per_rank
-
-
-def _schedule(args: argparse.Namespace, mesh: Any, *, meta: bool, say: bool = True) -> Any:
-    from . import create_schedule, recipes
-    from .hf import model_type
-    from .presets import build_model
-
-    model = build_model(args.model, meta=meta)
-    plan = _fallback_plan(model, args)
-    if plan is None:
-        return recipes.for_model(model)(create_schedule(model, mesh=mesh), _knobs(args))
-    sch = recipes.from_model_plan(model)(create_schedule(model, mesh=mesh), _knobs(args))
-    if say and os.environ.get("RANK", "0") == "0":
-        print(f"slapo-fn: no recipe for model_type {model_type(model)!r}: scheduled by the model's own "
-              f"base_model_tp_plan ({len(plan)} entries), not a recipe", flush=True)
-    return sch
-
-
-def _fallback_plan(model: Any, args: argparse.Namespace) -> dict[str, str] | None:
-    """``None`` where the family of ``model`` (a model or its config) has a recipe; else the
-    model's own ``base_model_tp_plan``, checked against the knobs. A model with neither, or
-    knobs its plan cannot serve, is bad input: a ValueError (a ScheduleError) saying why."""
-    from . import recipes
-    from .hf import model_type
-
-    kind = model_type(model)
-    if any(kind in r.model_types for r in recipes.RECIPES.values()):
-        return None
-    plan = recipes.tp_plan_of(model)
-    if not plan:
-        known = sorted(t for r in recipes.RECIPES.values() for t in r.model_types)
-        raise ValueError(f"model_type {kind!r} has neither a recipe ({', '.join(known)}) nor a base_model_tp_plan: "
-                         "write a recipe for it (slapo_fn.recipes) or add a base_model_tp_plan to its config.json")
-    if args.sp and len(recipes.plan_stacks(plan)) != 1:
-        raise ValueError(f"--sp needs one stack of repeated layers; the base_model_tp_plan of model_type {kind!r} "
-                         "names none or several")
-    if args.tp > 1:
-        recipes.check_tp_plan(plan)
-    return plan
-
-
-def _train(args: argparse.Namespace) -> int:
-    """One worker of ``slapo-fn train``: the schedule, the model, the data, then
-    :func:`slapo_fn.train.train`."""
-    import torch
-
-    from . import build, build_pipeline, hf
-    from . import train as t
-    from .data import Arithmetic, ByteText
-    from .data.loading import packs_apart
-    from .presets import tokenizer_of, weights_of
-    from .weights import load_hf, save_hf
-
-    fault = _fault(args.fault)
-    device, mesh = _setup(args)
-    rank = int(os.environ.get("RANK", "0"))
-    sch = _schedule(args, mesh, meta=True)
-    vocab = hf.vocab_size(sch.module)
-    data: Any
-    codec = None
-    if _packed(args):
-        codec = _codec(args)
-        if codec.vocab > vocab:
-            raise CommandLineError(args.command, _data_problems(args, sch.module.config))
-        data = _checkpointed(_token_data(args, codec), args.batch)
-        if rank == 0:
-            print(f"data: {getattr(data, 'data', data)}", flush=True)
-    else:
-        source = ByteText.from_file(args.data, args.seed) if args.data else Arithmetic(vocab, args.seed)
-        if source.vocab > vocab:
-            raise CommandLineError(args.command, _data_problems(args, sch.module.config))
-        data = t.TokenBatches(source, args.seq)
-    sch, autocast = t.precision(sch, args.dtype)
-    weights = weights_of(args.model)
-    init: Literal["empty", "full"] = "empty" if weights is not None and not args.resume else "full"  # a resumed
-    # run loads its checkpoint instead
-    if args.pp > 1:
-        micro = args.microbatches or 2 * args.pp
-        model: Any = build_pipeline(sch, microbatches=micro, schedule=args.schedule, loss_fn=t.causal_lm_loss,
-                                    init=init, seed=args.seed, device=device)
-    else:
-        model = build(sch, init=init, seed=args.seed, device=device)
-    if packs_apart(data) and isinstance(model, torch.nn.Module):  # examples apart by position ids: no
-        # cache, which would turn the reading of packed position ids off
-        hf.train_without_cache(model)
-    if init == "empty":
-        load_hf(model, Path(args.model))
-        if rank == 0:
-            print(f"loaded weights from {args.model}", flush=True)
-    elif not args.resume and rank == 0:
-        _say_random_init(args)
-    optimizer = t.adamw(model, lr=args.lr, weight_decay=args.weight_decay, impl=args.optimizer_impl)
-    torch.manual_seed(args.seed)  # dropout and other random ops of the steps, the same on every rank
-    start = 0
-    if args.resume:
-        start = t.resume(model, optimizer, args.checkpoint_dir, data=data, say=_say_line)
-        if start >= args.steps:  # checked before the launch; here for a job started by torchrun itself
-            raise CommandLineError(args.command, _resume_problems(args))
-        if isinstance(data, _Positioned) and data.resumed_at not in (None, start):
-            raise CommandLineError(args.command, [Problem(
-                "--batch", f"the checkpoint at step {start} has consumed {data.resumed_at} batches of --batch "
-                           f"{args.batch}", "resume with the saved run's --batch")])
-        if rank == 0:
-            print(f"resumed from step {start}", flush=True)
-    loggers: list[Any] = []
-    if rank == 0:
-        loggers.append(t.ConsoleLog(every=args.log_every, start=start, total=args.steps,
-                                    progress=not args.no_progress))
-        if args.metrics:
-            loggers.append(t.JsonlLog(args.metrics))
-        if args.tensorboard:
-            loggers.append(t.TensorBoardLog(args.tensorboard))
-
-    def inject(step: int) -> None:
-        if fault is not None and step == fault[1] and rank == int(os.environ.get("WORLD_SIZE", "1")) - 1:
-            _inject(fault[0])
-
-    try:
-        t.train(model, optimizer, data, steps=args.steps, batch_size=args.batch, mesh=mesh, start_step=start,
-                lr_schedule=t.LRSchedule(args.lr, warmup=args.warmup, decay=args.decay, min_lr=args.min_lr,
-                                         total=args.steps),
-                grad_clip=args.grad_clip, grad_accum=args.grad_accum, autocast=autocast,
-                eval_every=args.eval_every, eval_batches=args.eval_batches,
-                checkpoint=t.Checkpointing(args.checkpoint_dir, every=args.save_every) if args.checkpoint_dir
-                else None,
-                log=loggers, memory=bool(args.metrics or args.tensorboard), on_step=inject)
-    finally:
-        for logger in loggers:
-            logger.close()
-    if args.export_to:
-        tokenizer = codec.tokenizer if codec is not None and codec.tokenizer is not None else tokenizer_of(args.model)
-        save_hf(model, args.export_to, tokenizer=tokenizer)
-        if rank == 0:
-            print(f"exported to {args.export_to}", flush=True)
-    _teardown()
-    return 0
-
-
-def _say_random_init(args: argparse.Namespace) -> None:
-    """One line where a Hugging Face folder has a config but no weights: it trains from random ones."""
-    from .presets import WEIGHT_FILES
-
-    if Path(args.model, "config.json").is_file() and args.model not in _preset_names():
-        print(f"slapo-fn {args.command}: {args.model} has config.json but no weights ({' or '.join(WEIGHT_FILES)}): "
-              f"training from random initialization (seed {args.seed})", flush=True)
-
-
-def _preset_names() -> Sequence[str]:
-    from .presets import PRESETS
-
-    return list(PRESETS)
-
-
-def _say_line(text: str) -> None:
-    print(f"slapo-fn train: {text}", flush=True)
-
-
-def _peak_memory(device: Any) -> int:
-    """This process's peak memory in bytes (:func:`slapo_fn.train.peak_memory`)."""
-    from .train import peak_memory
-
-    return peak_memory(device)
-
-
-def _fault(spec: str | None) -> tuple[str, int] | None:
-    if spec is None:
-        return None
-    kind, _, step = spec.partition(":")
-    if kind not in ("exit", "hang") or not step.isdigit():
-        raise ValueError(f"--fault {spec!r}: use exit:STEP or hang:STEP")
-    return kind, int(step)
-
-
-def _inject(kind: str) -> None:
-    print(f"slapo-fn: injected fault {kind!r} on rank {os.environ.get('RANK', '0')}", file=sys.stderr, flush=True)
-    if kind == "exit":
-        os._exit(3)
-    while True:  # hang: the others wait on the next collective until they time out or are killed
-        time.sleep(3600)
-
-
-def _verify(args: argparse.Namespace) -> int:
+def _explain(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """``slapo-fn explain``: the schedule of the job the flags describe, built in this
+    process on the meta device over a fake process group, explained."""
+    if args.batch is None:  # the smallest batch of at least 8 that train would take
+        args.batch = Split.default_batch(dp=max(args.dp, 1), pp=max(args.pp, 1), microbatches=args.microbatches)
+    config = _checked(args)
     import torch
     import torch.distributed as dist
 
-    from . import hf, verify
-    from .presets import weights_of
-    from .verify import VerificationError
-
-    _device, mesh = _setup(args)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    torch.manual_seed(0)  # the model's random initialisation
-    sch = _schedule(args, mesh, meta=False)  # a Hugging Face folder's weights where it has some
-    if rank == 0 and weights_of(args.model) is not None:
-        print(f"loaded weights from {args.model}", flush=True)
-    vocab = hf.vocab_size(sch.module)
-    ids = torch.randint(0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
-    code = 0
-    try:
-        report = verify(sch, ids, rtol=args.rtol, atol=args.atol)
-    except VerificationError as e:
-        if rank == 0:
-            print(f"FAILED: {e}", flush=True)
-        code = 1
-    else:
-        if rank == 0:
-            print(_report(report), flush=True)
-    _teardown()
-    return code
-
-
-def _report(report: Any) -> str:
-    """Per-module table of a verify report: parameters checked and the largest gradient
-    difference of each module, then the outputs."""
-    modules: dict[str, list[float]] = {}
-    for name, diff in report.gradients.items():
-        modules.setdefault(name.rsplit(".", 1)[0], []).append(diff)
-    width = max((len(m) for m in modules), default=6)
-    lines = [f"{'module'.ljust(width)}  params  max |grad diff|"]
-    lines += [f"{m.ljust(width)}  {len(d):6d}  {max(d):.3g}" for m, d in modules.items()]
-    lines += [f"output {name}: max |diff| {diff:.3g}" for name, diff in report.outputs.items()]
-    lines.append(f"OK: {report}")
-    return "\n".join(lines)
-
-
-def _explain(args: argparse.Namespace) -> int:
-    import torch
-    import torch.distributed as dist
-
+    from . import job
     from .dtensor.testing import fake_mesh
     from .explain import explain
+    from .inputs import default_seq
+    from .train import parse_dtype
 
+    if args.seq is None:
+        args.seq = default_seq(config)
     world = _world(args)
+    mesh_axes = job.mesh_axes(args)
     mesh = None
     started = False
-    if _axes(args):
-        axes = _axes(args)
+    if mesh_axes:
         started = not dist.is_initialized()
-        mesh = fake_mesh(*(s for _, s in axes), names=tuple(n for n, _ in axes))
+        mesh = fake_mesh(*(s for _, s in mesh_axes), names=tuple(n for n, _ in mesh_axes))
     try:
-        sch = _schedule(args, mesh, meta=True)
+        sch = job.schedule_for(args, mesh, meta=True)
         shape = (args.batch // args.dp, args.seq)  # one data-parallel rank's batch: the bytes of its collectives
         micro = (args.microbatches or 2 * args.pp) if args.pp > 1 else 1
         hardware = None if args.hardware == "none" else args.hardware
+        dtype, dtype_from = _explain_dtype(args, config)
         info = explain(sch, torch.zeros(shape, dtype=torch.long, device="meta"), microbatches=micro,
-                       pipeline_schedule=args.schedule, hardware=hardware)
-        axes_text = " x ".join(f"{n}{s}" for n, s in _axes(args))
+                       pipeline_schedule=args.schedule, hardware=hardware, dtype=parse_dtype(dtype))
+        axes_text = " x ".join(f"{n}{s}" for n, s in mesh_axes)
         if args.json:
             import json
 
-            print(json.dumps({"model": args.model, "mesh": dict(_axes(args)), "ranks": world,
-                              "batch": args.batch, "seq": args.seq, "microbatches": micro,
-                              "knobs": str(_knobs(args)), **info.as_dict(), "by_axis": info.by_axis()}))
+            print(json.dumps({"model": args.model, "mesh": dict(mesh_axes), "ranks": world,
+                              "batch": args.batch, "seq": args.seq, "microbatches": micro, "dtype": dtype,
+                              "hardware": args.hardware, "knobs": str(job.knobs(args)), **info.as_dict(),
+                              "by_axis": info.by_axis()}))
             return 0
         print(f"{args.model}: {info.total_parameters:,} parameters; {axes_text or 'one process'} "
-              f"({world} ranks); recipe knobs: {_knobs(args)}")
+              f"({world} ranks); recipe knobs: {job.knobs(args)}")
         print(f"assumed: global batch {args.batch} × seq {args.seq} ({shape[0]} sequences per data-parallel rank"
-              + (f", {micro} microbatches, {args.schedule}" if args.pp > 1 else "") + ")")
+              + (f", {micro} microbatches, {args.schedule}" if args.pp > 1 else "") + f"); compute dtype {dtype} "
+              f"({dtype_from}); hardware {args.hardware}")
         text = str(info)
         if not args.tree:
             text = text.split("\n\n", 1)[-1]  # everything after the tree
@@ -1187,6 +753,17 @@ def _explain(args: argparse.Namespace) -> int:
         if started and dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _explain_dtype(args: argparse.Namespace, config: Any) -> tuple[str, str]:
+    """``explain``'s compute dtype and where it comes from: ``--dtype``, else the config's
+    ``dtype`` (``torch_dtype``) where it is bf16, else fp32."""
+    if args.dtype is not None:
+        return args.dtype, "--dtype"
+    named = str(getattr(config, "dtype", None) or "")  # transformers 5 reads an older torch_dtype into it
+    if named.removeprefix("torch.") in ("bfloat16", "bf16"):
+        return "bf16", "the config's dtype"
+    return "fp32", "the default; --dtype bf16 for mixed precision"
 
 
 def _export_problems(args: argparse.Namespace) -> list[Problem]:
@@ -1210,19 +787,20 @@ def _export_problems(args: argparse.Namespace) -> list[Problem]:
     return problems
 
 
-def _export(args: argparse.Namespace) -> int:
+def _export(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """``slapo-fn export``: the newest loadable checkpoint under CHECKPOINT_DIR, whatever
     layout wrote it, loaded into one process's unsharded model (``sf.load``, no
     optimizer; DCP reshards) and written with ``sf.save_hf``."""
     problems = _export_problems(args)
     if problems:
         raise CommandLineError(args.command, problems)
-    _config(args.model, args.command)
     from . import build, create_schedule, load
     from .hf import recompute_buffers
+    from .inputs import config
     from .presets import build_model, tokenizer_of
     from .weights import save_hf
 
+    config(args.model, args.command)
     model = build(create_schedule(build_model(args.model, meta=True)), init="empty")
     step = load(model, None, args.checkpoint_dir)
     recompute_buffers(model)  # rotary inv_freq and other buffers a checkpoint does not hold
@@ -1233,7 +811,7 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prepare(args: argparse.Namespace) -> int:
+def _prepare(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """``slapo-fn prepare``: :func:`slapo_fn.data.prepare` in this process and its workers."""
     from .data import prepare
 
@@ -1248,17 +826,6 @@ def _prepare(args: argparse.Namespace) -> int:
           f"({size / 2**20 / max(seconds, 1e-9):,.1f} MiB/s), tokenizer {manifest.tokenizer.name}; "
           f"train on it with --data {args.out}", flush=True)
     return 0
-
-
-def _size(text: str) -> int:
-    units = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6,
-             "gb": 10**9, "tb": 10**12}
-    number = text.strip().rstrip("bBiIkKmMgGtT")
-    unit = text.strip()[len(number):].lower()
-    try:
-        return int(float(number) * units[unit])
-    except (KeyError, ValueError):
-        raise ValueError(f"size {text!r}: use e.g. 512MiB, 80GiB or a number of bytes") from None
 
 
 def _knob_values(name: str, text: str) -> list[Any]:
@@ -1279,11 +846,11 @@ def _knob_values(name: str, text: str) -> list[Any]:
     return [one(v) for v in text.split(",") if v.strip()]
 
 
-def _tune(args: argparse.Namespace) -> int:
+def _tune(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from rich.console import Console
 
     from . import tune as t
-    from .tune.report import plot, row, table, write_json
+    from .tune.report import plot, print_table, row, write_json
 
     names = ("dp", "tp", "pp", "sp", "checkpoint", "microbatches", "batch", "dp_mode", "kernels", "compile",
              "schedule")
@@ -1304,7 +871,7 @@ def _tune(args: argparse.Namespace) -> int:
             if all(_show_value(c.get(k.replace("-", "_"))) == _show_value(_knob_values(k.replace("-", "_"), v)[0])
                    for k, v in wanted.items()):
                 faults[c] = fault
-    budget = _size(args.memory_budget) if args.memory_budget else None
+    budget = parse_size(args.memory_budget) if args.memory_budget else None
     out = Path(args.out)
     console = Console(stderr=False, highlight=False)
     console.print(f"slapo-fn tune: {args.model} on {args.world_size} rank(s); {space.size} points, {len(points)} "
@@ -1320,7 +887,7 @@ def _tune(args: argparse.Namespace) -> int:
                     time_budget=args.time_budget, trial_timeout=args.trial_timeout, folder=out / "trials",
                     faults=faults, on_trial=progress)
     write_json(result, out / "trials.json")
-    console.print(table(result))
+    print_table(console, result)
     if not args.no_plot:
         try:
             console.print(f"plot: {plot(result, out / 'throughput.png')}")
@@ -1340,6 +907,20 @@ def _show_value(value: Any) -> str:
     return "none" if value is None else str(value).lower()
 
 
+
+
+#: The commands of ``slapo-fn``, in the order ``--help`` lists them.
+COMMANDS: tuple[Command, ...] = (
+    Command("train", "train a model with a recipe on local processes (or several nodes)", _train_args, _train),
+    Command("explain", "explain the schedule of a model and parallel config (no job)", _explain_args, _explain),
+    Command("verify", "check a recipe against the unscheduled model", _verify_args, _verify),
+    Command("tune", "search the recipe's knobs for the fastest config that fits", _tune_args, _tune),
+    Command("prepare", "tokenize a corpus once into a memory-mapped folder that train --data reads (no job)",
+            _prepare_args, _prepare),
+    Command("export", "write a training checkpoint as a Hugging Face folder (no job)", _export_args, _export),
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``slapo-fn`` command."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -1348,28 +929,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandLineError as e:  # a --config file that does not fit
         _refuse(argv[0] if argv else "", e)
         return 2
+    command = next(c for c in COMMANDS if c.name == args.command)
     try:
-        if args.command == "tune":
-            return _tune(args)
-        if args.command == "export":
-            return _export(args)
-        if args.command == "prepare":
-            return _prepare(args)
-        problems = _argument_problems(args)
-        if problems:
-            raise CommandLineError(args.command, problems)
-        if not _in_worker():
-            _check_inputs(args)  # bad input is refused here, once, before any process starts
-        if args.command == "explain":
-            return _explain(args)
-        if _axes(args) and not _in_worker():  # several ranks, or a data-parallel job of one
-            return _launch(args, argv)
-        if args.command == "train":
-            return _train(args)
-        return _verify(args)
+        return command.run(args, argv)
     except (ValueError, KeyError) as e:  # bad input (typed slapo_fn errors included): the message, no traceback
         _refuse(args.command, e)
         return 2
+
 
 
 def _worker_exit(code: int) -> None:
@@ -1384,6 +950,6 @@ def _worker_exit(code: int) -> None:
 
 if __name__ == "__main__":
     code = main()
-    if _in_worker():
+    if in_worker():
         _worker_exit(code)
     raise SystemExit(code)

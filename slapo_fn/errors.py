@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
+    "CommandLineError",
     "LayoutError",
     "Problem",
     "ScheduleError",
@@ -71,6 +72,22 @@ class ScheduleError(ValueError):
     @property
     def path(self) -> str:
         return self.problems[0].path if self.problems else ""
+
+
+class CommandLineError(ScheduleError):
+    """Arguments, files or a model config that ``slapo-fn`` refuses before any work
+    starts. Each problem's ``path`` is the flag (``"--steps"``) or the file at fault; all
+    problems found are reported at once. A ``ValueError``, like every bad-input error of
+    slapo_fn.
+
+    >>> print(CommandLineError("train", [Problem("--steps", "must be at least 1, got 0", "--steps 40")]))
+    slapo-fn train: '--steps': must be at least 1, got 0
+          fix: --steps 40
+    """
+
+    def __init__(self, command: str, problems: Sequence[Problem]) -> None:
+        super().__init__(f"slapo-fn {command}", problems)
+        self.command = command
 
 
 class ScheduleTypeError(ScheduleError, TypeError):

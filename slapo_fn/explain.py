@@ -30,8 +30,9 @@ from .errors import Problem, ScheduleError
 from .hardware import HardwareProfile, StepTime, estimate_step, load_profile
 from .hf import CONFIG_HEAD_COUNT_ATTRS, HIDDEN_SIZE_ATTRS, LAYER_COUNT_ATTRS, config_of, config_value
 from .memory import MemoryTable, activation_memory, per_rank_memory
-from .pipelines.cut import PIPELINE_CUT
+from .pipelines.cut import PIPELINE_CUT, pp_size
 from .pipelines.explain import pipeline_collectives, stage_table
+from .pipelines.runner import stage_ranks
 from .pipelines.split import split_stages
 from .render import format_bytes, format_dtype, format_param, render_tree
 from .rewrites.checkpoint import CHECKPOINT
@@ -39,8 +40,8 @@ from .schedule import Schedule
 from .tree import walk
 from .verify import check_inputs
 
-__all__ = ["Explanation", "ModuleRow", "explain", "format_bytes", "format_dtype", "format_param", "model_flops",
-           "render_tree", "step_time"]
+__all__ = ["Explanation", "ModuleRow", "compute_dtype", "explain", "format_bytes", "format_dtype", "format_param",
+           "model_flops", "rank_collectives", "render_tree", "step_time"]
 
 @dataclass(frozen=True)
 class ModuleRow:
@@ -70,9 +71,10 @@ class Explanation:
     #: The example inputs the activation and collective sizes are computed for, as text
     #: (``input 0: int64 (4, 2048)``); "" without inputs.
     assumed: str = ""
-    #: Every collective of one step on one rank (with a pipeline: a rank of stage 0):
-    #: tensor and sequence parallel (from ``tensor_parallel``), a vocab-parallel loss,
-    #: FSDP2 / DDP / HSDP of that stage, pipeline transfers of that rank.
+    #: Every collective of one step on one rank (with a pipeline: a rank at ``pp`` rank
+    #: ``pp_rank`` of :func:`explain`, 0 by default): tensor and sequence parallel (of its
+    #: stages' modules, per microbatch), a vocab-parallel loss, FSDP2 / DDP / HSDP of its
+    #: stages, pipeline transfers of that rank.
     collectives: tuple[Collective, ...] = ()
     #: The step-time estimate (:func:`slapo_fn.hardware.estimate_step`), with a hardware profile.
     time: StepTime | None = None
@@ -191,6 +193,8 @@ def explain(
     pipeline_schedule: str = "1f1b",
     hardware: HardwareProfile | str | None = None,
     expert_imbalance: float = 1.0,
+    dtype: torch.dtype | None = None,
+    pp_rank: int = 0,
 ) -> Explanation:
     """Explain ``sch``: the folded tree, parameter counts and bytes per module (tied
     parameters counted once), annotations and the rewrite history; with a mesh, the
@@ -204,7 +208,11 @@ def explain(
     (:func:`slapo_fn.hardware.load_profile`: "h100", "cpu", … or a TOML path) and inputs,
     ``.time`` estimates the step (:func:`step_time`). ``expert_imbalance`` (≥ 1) scales
     the all-to-all bytes of expert-parallel blocks, sized for even routing, by the busiest
-    rank's excess.
+    rank's excess. ``dtype``: the compute dtype the estimate assumes (``torch.bfloat16``:
+    mixed precision); default: FSDP2's ``param_dtype``, else the parameters' dtype.
+    ``.collectives`` (and the estimate) are those of a rank at ``pp`` rank ``pp_rank``:
+    with a pipeline, its stages' own collectives, once per microbatch
+    (:func:`rank_collectives`).
 
     >>> import torch.nn as nn, slapo_fn as sf
     >>> sch = sf.checkpoint(sf.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))), "0")
@@ -244,14 +252,13 @@ def explain(
     memory = _memory(sch, shapes, microbatches, pipeline_schedule)
     if note:
         memory = dataclasses.replace(memory, activation_note=note)
-    staged = split_stages(sch)[0].schedule if sch.annotations.of_kind(PIPELINE_CUT) else sch
-    collectives = ((tp.collectives if tp is not None else ()) + loss_collectives(sch, shapes)
-                   + data_parallel_collectives(staged) + pipeline_collectives(sch, shapes, microbatches))
+    collectives = rank_collectives(sch, tp.collectives if tp is not None else (), shapes, microbatches, pp_rank)
     profile = load_profile(hardware) if isinstance(hardware, str) else hardware
     time = None
     if profile is not None and inputs:
         time = step_time(sch, inputs, collectives, profile, microbatches=microbatches,
-                         pipeline_schedule=pipeline_schedule, calls=len(shapes.order) if shapes is not None else 0)
+                         pipeline_schedule=pipeline_schedule, calls=len(shapes.order) if shapes is not None else 0,
+                         dtype=dtype)
     return Explanation(
         tree=render_tree(sch.module, "", sch.annotations),
         rows=tuple(rows),
@@ -265,6 +272,38 @@ def explain(
         collectives=collectives,
         time=time,
     )
+
+
+def rank_collectives(sch: Schedule, tensor_parallel: tuple[Collective, ...], shapes: ActivationShapes | None,
+                     microbatches: int = 1, pp_rank: int = 0) -> tuple[Collective, ...]:
+    """Every collective one step issues on a rank at ``pp`` rank ``pp_rank``, in a real
+    run's counts. Without pipeline cuts: ``tensor_parallel`` (the plan's boundaries,
+    :func:`slapo_fn.dtensor.explain.explain_tensor_parallel`), the loss's, data
+    parallelism's. With them, the rank runs only its stages
+    (:func:`slapo_fn.pipelines.runner.stage_ranks`), each microbatch apart: the tensor-
+    and sequence-parallel collectives of the stages' own modules (the vocab-parallel loss
+    on the last stage's rank) once per microbatch, each of a microbatch's bytes; FSDP2 of
+    each stage as a pipeline runs it; and the rank's point-to-point transfers."""
+    if not sch.annotations.of_kind(PIPELINE_CUT):
+        return tensor_parallel + loss_collectives(sch, shapes) + data_parallel_collectives(sch) \
+            + pipeline_collectives(sch, shapes, microbatches)
+    stages = split_stages(sch)
+    micro = max(1, microbatches)
+    ranks = stage_ranks(len(stages), pp_size(sch) or len(stages))
+    mine = [st for st in stages if ranks[st.index] == pp_rank]
+    held = {path for st in mine for path, _ in st.schedule.module.named_modules() if path}
+    if stages[-1] in mine:
+        held.add("")  # the root's own boundaries: the model's output, on the last stage
+
+    def each(c: Collective) -> tuple[Collective, ...]:
+        share = dataclasses.replace(c, bytes=None if c.bytes is None else c.bytes // micro)
+        return (share,) * micro
+
+    per_micro = tensor_parallel + (loss_collectives(sch, shapes) if stages[-1] in mine else ())
+    out = [x for c in per_micro if c.path in held for x in each(c)]
+    for st in mine:
+        out += data_parallel_collectives(st.schedule, microbatches=micro)
+    return tuple(out) + pipeline_collectives(sch, shapes, micro, pp_rank)
 
 
 def _plain(value: Any) -> Any:
@@ -364,15 +403,18 @@ def step_time(
     microbatches: int = 1,
     pipeline_schedule: str = "1f1b",
     calls: int = 0,
+    dtype: torch.dtype | None = None,
 ) -> StepTime:
     """Estimate one step of ``sch`` on one rank (:func:`slapo_fn.hardware.estimate_step`):
     ``inputs[0]`` is one data-parallel rank's batch (``(batch, seq)``), its FLOPs
     (:func:`model_flops`) split over the tensor- and pipeline-parallel ranks, the
     collectives of :func:`explain` (TP/SP and pipeline transfers exposed, FSDP/DDP
-    overlapped; TP ones issued once per microbatch under a pipeline). ``calls`` is the
+    overlapped; under a pipeline, :func:`rank_collectives` lists TP ones once per
+    microbatch, of the rank's stages only). ``calls`` is the
     number of modules one forward calls (all stages): each costs the profile's
     per-call overhead forward and twice backward, per microbatch, on one stage's share,
-    and again forward when checkpointed."""
+    and again forward when checkpointed. ``dtype``: the compute dtype (:func:`compute_dtype`
+    when ``None``)."""
     first = inputs[0]
     shape = tuple(first.shape) if isinstance(first, torch.Tensor) else (1, 1)
     batch, seq = (int(shape[0]), int(shape[1])) if len(shape) > 1 else (1, int(shape[0]))
@@ -389,7 +431,7 @@ def step_time(
     critical: list[tuple[str, int, str, int, int]] = []
     hidden: list[tuple[str, int, str, int, int]] = []
     first_boundary = next((c.path for c in collectives if c.origin == "pipeline"), None)
-    for c in collectives:
+    for c in collectives:  # each entry is one collective (a pipeline's: one per microbatch)
         size = sizes.get(c.mesh_axis, 1)
         if c.origin == "pipeline":
             if c.path == first_boundary:
@@ -397,14 +439,25 @@ def step_time(
         elif c.origin == "data_parallel":
             hidden.append((c.mesh_axis, size, c.op, c.bytes or 0, 1))
         else:
-            critical.append((c.mesh_axis, size, c.op, c.bytes or 0, micro))
+            critical.append((c.mesh_axis, size, c.op, c.bytes or 0, 1))
     ckpts = tuple(sch.annotations.of_kind(CHECKPOINT))
     again = sum(1 for path, _ in walk(sch.module) if any(path == c or path.startswith(c + ".") for c in ckpts))
     per_rank_calls = (3 * calls + again) * micro // max(1, pp)
-    param = next((p.dtype for p in sch.module.parameters()), torch.float32)
-    dtype = spec.param_dtype if spec is not None and spec.param_dtype is not None else param
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype or compute_dtype(sch), "fp32")
     return estimate_step(profile, flops=flops / shard_ranks, recompute_flops=recompute / shard_ranks, dtype=name,
                          comm=critical, axis_sizes=sizes, overlapped=hidden, stages=stages if stages > 1 else 1,
                          microbatches=micro, stages_per_rank=max(1, stages // max(1, pp)),
                          tokens=batch * seq / shard_ranks, calls=per_rank_calls)
+
+
+def compute_dtype(sch: Schedule) -> torch.dtype:
+    """The dtype ``sch`` computes in: FSDP2's ``param_dtype`` where its data parallelism
+    casts, else its parameters' dtype.
+
+    >>> import torch.nn as nn, slapo_fn as sf
+    >>> compute_dtype(sf.create_schedule(nn.Linear(2, 2)))
+    torch.float32
+    """
+    spec = sch.annotations.get("", DATA_PARALLEL)
+    param = next((p.dtype for p in sch.module.parameters()), torch.float32)
+    return spec.param_dtype if spec is not None and spec.param_dtype is not None else param

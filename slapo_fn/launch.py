@@ -21,12 +21,15 @@ a ``SignalException`` traceback it leaves one line in the run folder, e.g. ``ran
 refuses its input records the message there too (:func:`slapo_fn.processes.record_error`),
 so that the launcher prints it once rather than once per rank.
 
-This module imports torch (torchrun); ``slapo_fn.cli`` imports it only to start a job.
+:func:`run` is the launch of ``slapo-fn train`` and ``verify`` on several processes: it says
+how a failed job ended in one line. This module imports torch (torchrun); ``slapo_fn.cli``
+imports it only to start a job.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -43,18 +46,24 @@ from types import FrameType
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
 from .processes import (
+    LAUNCHER_ENV,
+    RUN_DIR_ENV,
+    WORKER_ENV,
     clear_run_dir,
     descendants,
     die_with_parent,
     kill,
+    rank_log,
     recorded_errors,
+    recorded_failure,
     wait_gone,
     worker_pids,
 )
 
-__all__ = ["STOP_SIGNALS", "Nodes", "Outcome", "agent", "describe", "launch", "root_cause"]
+__all__ = ["STOP_SIGNALS", "Nodes", "Outcome", "agent", "describe", "launch", "root_cause", "run"]
 
 #: The signals that stop a job when its launcher gets them (Ctrl-C, ``kill``, a closed terminal).
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -62,8 +71,6 @@ STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signa
 STOP_TIMEOUT_S = 10.0
 #: The file in the run folder where the agent says which rank failed first and how.
 FAILURE_FILE = "failure"
-#: Environment variables: the run folder, the launcher's PID (the agent dies with it).
-RUN_DIR_ENV, LAUNCHER_ENV = "SLAPO_FN_RUN_DIR", "SLAPO_FN_LAUNCHER_PID"
 #: torchrun's loggers: the agent's warnings and errors repeat what the outcome says.
 _TORCHRUN_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
 
@@ -73,16 +80,19 @@ class Outcome:
     """How a job ended.
 
     ``code``: its exit code (0 on success; the first failed rank's code, or 128 + the
-    signal that killed it; 128 + the signal that stopped the launcher). ``errors``: the
-    distinct messages of ranks that refused their input, in rank order. ``failure``: the
-    agent's line on the first failed rank (``""`` if none failed). ``stopped_by``: the
-    signal that stopped the launcher, if one did.
+    signal that killed it; 128 + the signal that stopped the launcher or the agent).
+    ``errors``: the distinct messages of ranks that refused their input, in rank order.
+    ``failure``: one line on how it failed (``""`` if it did not): the first failed rank,
+    its exit code or signal and the first line of its error, or how the agent ended.
+    ``stopped_by``: the signal that stopped the launcher, if one did. ``logs``: the
+    failed rank's whole output, where it has one.
     """
 
     code: int
     errors: tuple[str, ...] = ()
     failure: str = ""
     stopped_by: signal.Signals | None = None
+    logs: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -112,9 +122,9 @@ def launch(argv: Sequence[str], nproc: int, run_dir: str | os.PathLike[str] | No
     """Run ``python -m slapo_fn.cli argv`` on ``nproc`` local processes (torchrun) and
     wait for it; SIGINT, SIGTERM or SIGHUP to this process stop the job. With ``nodes``
     this machine is one node of several (the others run the same command with their own
-    rank): ``nproc`` is this node's share. PIDs, refusals and the failure line go under
-    ``run_dir`` (default: a temporary folder, removed afterwards). No worker of this node
-    outlives this call."""
+    rank): ``nproc`` is this node's share. PIDs, refusals, failure lines and each rank's
+    output (``rank-<rank>.log``) go under ``run_dir`` (default: a temporary folder, removed
+    afterwards unless the job failed). No worker of this node outlives this call."""
     own_dir = run_dir is None
     folder = Path(tempfile.mkdtemp(prefix="slapo-fn-run-") if run_dir is None else run_dir)
     folder.mkdir(parents=True, exist_ok=True)
@@ -123,10 +133,11 @@ def launch(argv: Sequence[str], nproc: int, run_dir: str | os.PathLike[str] | No
     cmd = [sys.executable, "-m", "slapo_fn.launch", *(nodes or Nodes()).torchrun_args(), f"--nproc-per-node={nproc}",
            "--max-restarts=0", "--monitor-interval=0.5", "-m", "slapo_fn.cli", *argv]
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
-    env = dict(os.environ, SLAPO_FN_WORKER="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads),
-               **{RUN_DIR_ENV: str(folder), LAUNCHER_ENV: str(os.getpid())})
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", threads),
+               **{WORKER_ENV: "1", RUN_DIR_ENV: str(folder), LAUNCHER_ENV: str(os.getpid())})
     env.setdefault("PYTHONUNBUFFERED", "1")
     job = _Job()
+    outcome = Outcome(1)
     try:
         with _handling(STOP_SIGNALS, job.stop):
             try:
@@ -136,13 +147,56 @@ def launch(argv: Sequence[str], nproc: int, run_dir: str | os.PathLike[str] | No
             finally:
                 job.end(folder)
         if job.stopped_by is not None:
-            code = 128 + job.stopped_by
-        failure = folder / FAILURE_FILE
-        return Outcome(code, recorded_errors(folder), failure.read_text().strip() if failure.exists() else "",
-                       job.stopped_by)
+            outcome = Outcome(128 + job.stopped_by, recorded_errors(folder), stopped_by=job.stopped_by)
+        else:
+            outcome = _outcome(folder, code, proc.pid)
+        return outcome
     finally:
-        if own_dir:
+        if own_dir and (outcome.code == 0 or outcome.logs is None):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _outcome(folder: Path, code: int, agent_pid: int) -> Outcome:
+    """How the job ended, from the agent's exit code and what it and the ranks left in
+    ``folder``: the agent's line on the first failed rank, with the first line of that
+    rank's error; or how the agent itself ended (a signal from elsewhere)."""
+    errors = recorded_errors(folder)
+    if code == 0 or errors:
+        return Outcome(code, errors)
+    try:
+        said = json.loads((folder / FAILURE_FILE).read_text())
+    except (OSError, ValueError):
+        said = None
+    if isinstance(said, dict) and isinstance(said.get("rank"), int):
+        rank = said["rank"]
+        why = recorded_failure(folder, rank)
+        log = rank_log(folder, rank)
+        return Outcome(code, failure=str(said["text"]) + (f": {why}" if why else ""),
+                       logs=log if log.is_file() else None)
+    if isinstance(said, dict):
+        return Outcome(code, failure=str(said.get("text")))
+    if code < 0:  # the agent itself was killed, and could say nothing
+        name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+        return Outcome(128 - code, failure=f"the torchrun agent (pid {agent_pid}) was killed by {name}")
+    return Outcome(code, failure=f"the torchrun agent (pid {agent_pid}) exited with code {code}")
+
+
+def run(command: str, argv: Sequence[str], nproc: int, run_dir: str | os.PathLike[str] | None = None, *,
+        nodes: Nodes | None = None) -> int:
+    """``slapo-fn COMMAND`` on ``nproc`` local processes (:func:`launch`); says how it
+    ended if it failed, once, on stderr: the ranks' refusal of their input (exit code 2),
+    the first failed rank, or the signal that stopped the launcher. Returns the exit code."""
+    outcome = launch(argv, nproc, run_dir, nodes=nodes)
+    if outcome.stopped_by is not None:
+        print(f"slapo-fn {command}: stopped by {outcome.stopped_by.name}; every worker is stopped",
+              file=sys.stderr, flush=True)
+    elif outcome.errors:
+        print("\n".join(outcome.errors), file=sys.stderr, flush=True)
+        return 2
+    elif outcome.code and outcome.failure:
+        logs = f"; its output: {outcome.logs}" if outcome.logs is not None else ""
+        print(f"slapo-fn {command}: {outcome.failure}; every worker is stopped{logs}", file=sys.stderr, flush=True)
+    return outcome.code
 
 
 class _Job:
@@ -221,19 +275,23 @@ def agent(argv: Sequence[str]) -> int:
     if launcher.isdigit():
         die_with_parent(signal.SIGTERM, int(launcher))
     _quiet(_TORCHRUN_LOGGERS)
+    _continue_stopped_workers()
     run_dir = os.environ.get(RUN_DIR_ENV)
+    rank: int | None = None
     try:
         torchrun.run(torchrun.parse_args(list(argv)))
     except ChildFailedError as failed:
-        text, code = describe(*root_cause(failed.failures))
-    except SignalException as stop:  # the launcher stopped the job: the workers are stopped, nothing to say
-        return 128 + int(stop.sigval)
+        rank, first = root_cause(failed.failures)
+        text, code = describe(rank, first)
+    except SignalException as stop:  # the launcher, or someone else, stopped the job: the workers are stopped
+        sig = signal.Signals(int(stop.sigval))
+        text, code = f"the torchrun agent (pid {os.getpid()}) was stopped by {sig.name}", 128 + int(sig)
     except Exception as e:  # the agent itself failed (rendezvous, arguments): one line, not its traceback
         text, code = f"torchrun could not run the job: {type(e).__name__}: {e}", 1
     else:
         return 0
     if run_dir:
-        Path(run_dir, FAILURE_FILE).write_text(text + "\n")
+        Path(run_dir, FAILURE_FILE).write_text(json.dumps({"rank": rank, "text": text}) + "\n")
     else:
         print(f"slapo-fn: {text}", file=sys.stderr, flush=True)
     return code
@@ -278,6 +336,20 @@ def describe(rank: int, failure: ProcessFailure) -> tuple[str, int]:
             name = f"signal {-failure.exitcode}"
         return f"rank {rank} (pid {failure.pid}) was killed by {name}", 128 - failure.exitcode
     return f"rank {rank} (pid {failure.pid}) exited with code {failure.exitcode}", failure.exitcode or 1
+
+
+def _continue_stopped_workers() -> None:
+    """Have torchrun's agent send ``SIGCONT`` after the signal that stops a worker: a
+    stopped worker (``SIGSTOP``, a debugger) only acts on ``SIGTERM`` once continued, and
+    the agent would otherwise wait 30 s for it before killing it."""
+    close = SubprocessHandler.close
+
+    def close_and_continue(self: SubprocessHandler, death_sig: signal.Signals | None = None) -> None:
+        close(self, death_sig)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
+    SubprocessHandler.close = close_and_continue  # type: ignore[method-assign]
 
 
 def _quiet(names: Sequence[str]) -> None:

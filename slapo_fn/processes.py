@@ -4,7 +4,11 @@ torchrun starts its workers in sessions of their own, so killing the launcher's 
 group does not reach them. Workers write their PIDs to ``pid-<rank>`` files in the run
 folder, and parent links in ``/proc`` find the rest. A worker that refuses its input
 writes the message to ``error-<rank>`` there instead of printing it, so that the
-launcher says it once (:func:`record_error`, :func:`recorded_errors`).
+launcher says it once (:func:`record_error`, :func:`recorded_errors`); a worker that fails
+leaves the first line of its error in ``failed-<rank>`` (:func:`record_failure`) and its
+whole output in ``rank-<rank>.log`` (:func:`rank_log`). The launcher tells
+its workers where that folder is, and that they are workers, through the environment
+(:data:`RUN_DIR_ENV`, :func:`in_worker`).
 
 >>> import os
 >>> alive(os.getpid())
@@ -23,20 +27,36 @@ from collections.abc import Iterable
 from pathlib import Path
 
 __all__ = [
+    "LAUNCHER_ENV",
+    "RUN_DIR_ENV",
     "alive",
     "clear_run_dir",
     "descendants",
     "die_with_parent",
+    "in_worker",
     "kill",
+    "rank_log",
     "record_error",
+    "record_failure",
+    "record_pid",
     "recorded_errors",
+    "recorded_failure",
     "wait_gone",
     "worker_pids",
 ]
 
-#: Files a run leaves in its run folder: worker PIDs and refused-input messages, by rank.
-_PID, _ERROR = "pid-", "error-"
+#: Files a run leaves in its run folder, by rank: worker PIDs, refused-input messages, the
+#: first line of a failure's error, and the rank's output.
+_PID, _ERROR, _FAILED, _LOG = "pid-", "error-", "failed-", "rank-{rank}.log"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+#: Environment variables a launcher sets for its processes: the run folder, the launcher's
+#: PID (its agent dies with it), and that a process is a worker of a launch.
+RUN_DIR_ENV, LAUNCHER_ENV, WORKER_ENV = "SLAPO_FN_RUN_DIR", "SLAPO_FN_LAUNCHER_PID", "SLAPO_FN_WORKER"
+
+
+def in_worker() -> bool:
+    """Whether this process is a rank of a job (started by torchrun, or by a launch)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or os.environ.get(WORKER_ENV) == "1"
 
 
 def alive(pid: int) -> bool:
@@ -110,19 +130,47 @@ def wait_gone(pids: Iterable[int], timeout: float = 10.0) -> bool:
 
 
 def clear_run_dir(run_dir: Path) -> None:
-    """Remove what an earlier run left in ``run_dir`` (PID and error files)."""
-    for pattern in (f"{_PID}*", f"{_ERROR}*"):
+    """Remove what an earlier run left in ``run_dir`` (PID, error and failure files, logs)."""
+    for pattern in (f"{_PID}*", f"{_ERROR}*", f"{_FAILED}*", _LOG.format(rank="*")):
         for stale in run_dir.glob(pattern):
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
 
 
+def record_pid(run_dir: Path, rank: int) -> None:
+    """Leave this process's PID for the launcher, which kills it if it outlives the job."""
+    Path(run_dir, f"{_PID}{rank}").write_text(str(os.getpid()))
+
+
 def record_error(run_dir: Path, rank: int, message: str) -> None:
     """Leave ``message`` (why rank ``rank`` refused its input) for the launcher; written
     whole or not at all (a rename), so the launcher never reads half a message."""
-    tmp = run_dir / f".{_ERROR}{rank}.tmp"
-    tmp.write_text(message)
-    os.replace(tmp, run_dir / f"{_ERROR}{rank}")
+    _write_whole(run_dir / f"{_ERROR}{rank}", message)
+
+
+def rank_log(run_dir: Path, rank: int) -> Path:
+    """The file where rank ``rank`` of a launch writes its output (its whole errors included)."""
+    return Path(run_dir, _LOG.format(rank=rank))
+
+
+def record_failure(run_dir: Path, rank: int, line: str) -> None:
+    """Leave the one line that says why rank ``rank`` failed, for the launcher."""
+    _write_whole(Path(run_dir, f"{_FAILED}{rank}"), line)
+
+
+def recorded_failure(run_dir: Path, rank: int) -> str:
+    """The line rank ``rank`` left on its failure, or ``""``."""
+    try:
+        return Path(run_dir, f"{_FAILED}{rank}").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _write_whole(file: Path, text: str) -> None:
+    """Write ``text`` to ``file`` whole or not at all (a rename): a reader never sees half."""
+    tmp = file.with_name(f".{file.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, file)
 
 
 def recorded_errors(run_dir: Path) -> tuple[str, ...]:

@@ -5,15 +5,24 @@ Built on ``torch.distributed.checkpoint`` (DCP) and its ``get_state_dict`` /
 own shards, and a checkpoint written under one layout (dp2×tp2, pp2, FSDP…) loads under
 another (tp4, a single process without a process group, …), model and optimizer state.
 
-On disk::
+On disk (:mod:`slapo_fn.checkpoint_dir`)::
 
     path/
-      LATEST              name of the newest complete checkpoint ("step-00000012")
-      step-00000012/      DCP files (.metadata + one file per rank)
+      LATEST              name of the newest complete, verified checkpoint ("step-00000012")
+      step-00000012/      DCP files (.metadata + one file per rank), each rank's own state
+                          (``rank_state``: train-state-<rank>.pt), manifest.json
 
-A save writes a new step directory under a temporary name, renames it when every rank is
-done, and only then replaces ``LATEST`` (an atomic ``os.replace``): a save interrupted
-part-way leaves the previous checkpoint loadable.
+A save writes a new step directory under a temporary name; when every rank is done, the
+ranks hash the files between them (xxh3-128) and rank 0 writes the manifest of their
+sizes and digests, renames the directory, and only then replaces ``LATEST`` (an atomic
+``os.replace``): a save interrupted part-way leaves the previous checkpoint loadable, a
+failed one removes its folder, and ``LATEST`` never names a checkpoint without a manifest.
+Before writing, a save checks the free space against the previous checkpoint's size (or,
+for the first, the bytes of the state it saves): when short it deletes the oldest
+checkpoints first, and when that is not enough it writes nothing
+(:class:`CheckpointSpaceError`). :func:`load` verifies every file against the manifest
+before any tensor is read, the ranks sharing the reading, and falls back past a
+checkpoint that does not verify.
 
 Packed parameters (``sf.shard(..., packed=k)``: a ``_StridedShard`` placement, each of
 ``k`` fused chunks sharded separately) are a layout DCP cannot describe: its planner gives
@@ -45,11 +54,12 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import shutil
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,11 +80,36 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from .checkpoint_dir import (
+    PARTIAL,
+    RANK_STATE,
+    checkpoints,
+    digests,
+    free_bytes,
+    latest,
+    manifest_problems,
+    prune,
+    size_of,
+    step_name,
+    step_of,
+    write_manifest,
+)
 from .errors import Problem, ScheduleError
+from .ranks import every_rank
 
-__all__ = ["CheckpointFallback", "checkpoints", "full_state_dict", "latest", "load", "loadable", "save"]
-
-_LATEST = "LATEST"
+__all__ = [
+    "CheckpointFallback",
+    "CheckpointSpaceError",
+    "CheckpointWriteError",
+    "checkpoints",
+    "full_state_dict",
+    "latest",
+    "load",
+    "loadable",
+    "rank_state",
+    "save",
+    "step_of",
+]
 
 
 def _modules(model: object) -> list[nn.Module]:
@@ -314,15 +349,20 @@ def _repack(tree: Any, relayouts: dict[_Where, _Relayout], at: _Where = ()) -> A
     return tree
 
 
-def latest(path: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint under ``path`` (or ``path`` itself if it is one)."""
-    root = Path(path)
-    if (root / ".metadata").exists():
-        return root
-    pointer = root / _LATEST
-    if not pointer.exists():
-        return None
-    return root / pointer.read_text().strip()
+class CheckpointSpaceError(OSError):
+    """:func:`save` wrote nothing: the filesystem has less room than the checkpoint needs,
+    even after the oldest checkpoints were deleted. The message is one line with the
+    figures; the newest checkpoint is left as it was. An ``OSError`` (``ENOSPC``)."""
+
+
+class CheckpointWriteError(OSError):
+    """:func:`save` failed part-way (a full disk, an I/O error): its partial folder is
+    removed and ``LATEST`` is unchanged. The message is one line, with the system's
+    reason (``No space left on device``)."""
+
+
+#: A function giving the free bytes at a path (:func:`slapo_fn.checkpoint_dir.free_bytes`).
+FreeSpace = Callable[[Path], int]
 
 
 def save(
@@ -330,46 +370,171 @@ def save(
     optimizer: OptimizerState,
     path: str | os.PathLike[str],
     *,
-    step: int = 0,
+    step: int | None = None,
     keep: int = 2,
+    rank_state: Mapping[str, Any] | None = None,
+    free_space: FreeSpace = free_bytes,
+    meta: Mapping[str, Any] | None = None,
 ) -> Path:
     """Save model (and optimizer) state as checkpoint ``step`` under ``path``; every rank
     calls it. Keeps the newest ``keep`` checkpoints. Returns the checkpoint's directory.
 
     ``optimizer`` is a ``torch.optim`` optimizer, the state of a functional optimizer
     (:mod:`slapo_fn.optim`: a pytree of tensors keyed by FQNs), or ``None``.
+    ``rank_state``: this rank's own state (RNG, data position: tensors and plain values),
+    saved beside the shards and verified with them (:func:`rank_state` reads it back).
+    ``meta``: JSON data kept in the manifest (the options of the run that saved it;
+    :func:`slapo_fn.checkpoint_dir.manifest_meta` reads it without torch).
+
+    ``step`` names the checkpoint (the training step); a save of a step that is there
+    already replaces it. Without ``step`` the checkpoint is step 0, and a step 0 already
+    there is an error rather than overwritten.
 
     Keys are the original model's FQNs, so the checkpoint loads under any other layout.
+    Every file gets a digest in the checkpoint's manifest. With less free space than the
+    checkpoint needs (``free_space(path)`` on rank 0, against the previous checkpoint's
+    size), the oldest checkpoints are deleted first; when that is not enough nothing is
+    written: :class:`CheckpointSpaceError`. A save that fails part-way removes its folder:
+    :class:`CheckpointWriteError`.
     """
     _check_save_target(path)
+    every_rank("sf.save")
     root = Path(path)
-    name = f"step-{step:08d}"
-    final, partial = root / name, root / f".partial-{name}"
+    if step is None:
+        if (root / step_name(0)).exists():
+            raise ScheduleError("save", [Problem(str(root / step_name(0)), "is there already, and a save without "
+                                                 "step= would overwrite it", "pass the training step: "
+                                                 "sf.save(model, optimizer, path, step=N) (step=0 replaces it)")])
+        step = 0
+    name = step_name(step)
+    final, partial = root / name, root / f"{PARTIAL}{name}"
+    states = _states(model, optimizer)
     if _rank() == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
-    _barrier()
-    with warnings.catch_warnings():  # without a process group DCP warns that it saves in one process
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(_unpack(_states(model, optimizer), {}, read=False), checkpoint_id=str(partial))
-    _barrier()
+    short = _make_room(root, keep, _state_bytes(states) if not checkpoints(root) else 0, free_space)
+    if short:
+        raise CheckpointSpaceError(errno.ENOSPC, short)
+    try:
+        with warnings.catch_warnings():  # without a process group DCP warns that it saves in one process
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(_unpack(states, {}, read=False), checkpoint_id=str(partial))
+        if rank_state is not None:
+            torch.save(dict(rank_state), partial / RANK_STATE.format(rank=_rank()))
+        _barrier()
+        files = _gathered(digests(partial, _share(sorted(f.name for f in partial.iterdir() if f.is_file()))))
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        if _rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointWriteError(_errno(e), f"saving step {step} to {root} failed ({_reason(e)}); its partial "
+                                              "folder is removed, LATEST is unchanged") from e
     if _rank() == 0:
+        write_manifest(partial, files, step=step, meta=meta)
         if final.exists():
             shutil.rmtree(final)
         os.replace(partial, final)
-        tmp = root / f".{_LATEST}.tmp"
+        tmp = root / ".LATEST.tmp"
         tmp.write_text(name + "\n")
-        os.replace(tmp, root / _LATEST)
-        _prune(root, keep, name)
+        os.replace(tmp, root / "LATEST")
+        prune(root, keep, protect=[final])
     _barrier()
     return final
 
 
-def _prune(root: Path, keep: int, newest: str) -> None:
-    steps = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
-    for old in steps[: max(0, len(steps) - max(keep, 1))]:
-        if old.name != newest:
-            shutil.rmtree(old, ignore_errors=True)
+def rank_state(checkpoint: Path, rank: int) -> dict[str, Any] | None:
+    """The ``rank_state`` rank ``rank`` saved in ``checkpoint`` (rank 0's where that rank
+    saved none: a run resumed on more ranks), or ``None`` where there is none. Call it
+    after :func:`load` verified the checkpoint."""
+    mine, first = checkpoint / RANK_STATE.format(rank=rank), checkpoint / RANK_STATE.format(rank=0)
+    found = mine if mine.is_file() else first if first.is_file() else None
+    return None if found is None else dict(torch.load(found, weights_only=True))
+
+
+def _share(names: Sequence[str]) -> list[str]:
+    """This rank's share of ``names`` to hash or verify: every world-th one."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return [n for i, n in enumerate(names) if i % world == _rank()]
+
+
+def _gathered(part: dict[str, Any]) -> dict[str, Any]:
+    """The union of every rank's ``part`` (a dict), on every rank."""
+    if not dist.is_initialized():
+        return part
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, part)
+    return {k: v for p in parts for k, v in p.items()}
+
+
+def _decided(value: Any) -> Any:
+    """Rank 0's ``value``, on every rank."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _state_bytes(states: Mapping[str, Any]) -> int:
+    """Bytes of the tensors of every rank's state dict, each key once (the global shape of
+    a sharded one): about what a first checkpoint writes."""
+    def walk(tree: Any, at: str) -> dict[str, int]:
+        if isinstance(tree, torch.Tensor):
+            return {at: tree.numel() * tree.element_size()}  # a DTensor's numel is its global one
+        if isinstance(tree, Mapping):
+            return {k: v for key, sub in tree.items() for k, v in walk(sub, f"{at}/{key}").items()}
+        if isinstance(tree, list | tuple):
+            return {k: v for i, sub in enumerate(tree) for k, v in walk(sub, f"{at}/{i}").items()}
+        return {}
+
+    return sum(_gathered(walk(states, "")).values())
+
+
+def _make_room(root: Path, keep: int, estimate: int, free_space: FreeSpace) -> str:
+    """On rank 0: whether the next checkpoint fits, deleting the oldest ones first (keeping
+    the newest) where it would not; ``""`` when it fits, else why not, on every rank."""
+    why = ""
+    if _rank() == 0:
+        found = checkpoints(root)
+        need = size_of(found[0]) if found else estimate
+        free = free_space(root)
+        deleted = 0
+        while free < need and len(found) > 1 and prune(root, len(found) - 1):
+            found, deleted = checkpoints(root), deleted + 1
+            free = free_space(root)
+        if free < need:
+            why = (f"not saved: {free / 2**20:,.1f} MiB free at {root}, the checkpoint needs about "
+                   f"{need / 2**20:,.1f} MiB" + (f" ({deleted} older checkpoint(s) deleted to make room)" if deleted
+                                                 else "")
+                   + (f"; {found[0].name} stays the newest" if found else ""))
+    return str(_decided(why))
+
+
+def _errno(e: BaseException) -> int:
+    cause = _os_error(e)
+    return cause.errno if cause is not None and cause.errno is not None else errno.EIO
+
+
+def _os_error(e: BaseException | None) -> OSError | None:
+    """The first ``OSError`` in ``e``, its causes, or a DCP failure's per-rank errors."""
+    seen = 0
+    while e is not None and seen < 20:
+        if isinstance(e, OSError):
+            return e
+        for failure in (getattr(e, "failures", None) or {}).values():  # DCP's: (exception, traceback) by rank
+            first = failure[0] if isinstance(failure, tuple) and failure else failure
+            found = _os_error(first if isinstance(first, BaseException) else None)
+            if found is not None:
+                return found
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
+def _reason(e: BaseException) -> str:
+    """One line on why a save failed: the system's reason where an OSError is at its root."""
+    cause = _os_error(e)
+    if cause is not None and cause.strerror:
+        return cause.strerror + (f": {cause.filename}" if cause.filename else "")
+    return f"{type(e).__name__}: {_first_line(e)}"
 
 
 class CheckpointFallback(UserWarning):
@@ -378,54 +543,36 @@ class CheckpointFallback(UserWarning):
     and why (``slapo-fn train --resume`` prints it)."""
 
 
-def checkpoints(path: str | os.PathLike[str]) -> list[Path]:
-    """The checkpoints under ``path``, newest first: the one ``LATEST`` names, then the
-    older complete step directories (``step-*``; interrupted saves, ``.partial-*``, are
-    not checkpoints), by step. ``path`` itself if it is one checkpoint (a ``.metadata``).
-
-    >>> import tempfile, torch.nn as nn, slapo_fn as sf
-    >>> path = tempfile.mkdtemp()
-    >>> for step in (1, 2):
-    ...     _ = sf.save(nn.Linear(2, 2), None, path, step=step)
-    >>> [p.name for p in checkpoints(path)]
-    ['step-00000002', 'step-00000001']
-    """
-    found = latest(path)
-    if found is None or found == Path(path):
-        return [] if found is None else [found]
-    root = Path(path)
-    newest = _step_of(found)
-    older = sorted((d for d in root.iterdir() if d.is_dir() and d.name.startswith("step-") and d != found
-                    and _step_of(d) < newest), key=_step_of, reverse=True) if root.is_dir() else []
-    return [found, *older]
-
-
 def loadable(path: str | os.PathLike[str]) -> Path | None:
     """The checkpoint :func:`load` (with ``fallback``) would read under ``path``: the
-    newest one whose files are complete and readable, or ``None``. Whether it fits a
-    model is not checked here.
+    newest one whose files are all there, of the sizes its manifest gives, and readable;
+    or ``None``. Digests and whether it fits a model are not checked here (cheap: the
+    command line asks before any rank starts).
 
     >>> import tempfile
     >>> loadable(tempfile.mkdtemp()) is None
     True
     """
-    return next((c for c in checkpoints(path) if not _unreadable(c, Path(path))), None)
+    root = Path(path)
+    return next((c for c in checkpoints(path) if not manifest_problems(c, digest=False)
+                 and not _unreadable(c, root)), None)
 
 
-def _step_of(checkpoint: Path) -> int:
-    """The step of a checkpoint directory (``step-00000012``: 12; another name: 0)."""
-    kind, _, number = checkpoint.name.partition("-")
-    return int(number) if kind == "step" and number.isdigit() else 0
-
-
-def load(model: object, optimizer: OptimizerState, path: str | os.PathLike[str], *, fallback: bool = True) -> int:
+def load(model: object, optimizer: OptimizerState, path: str | os.PathLike[str], *, fallback: bool = True,
+         verify: bool = True) -> int:
     """Load the newest checkpoint under ``path`` into ``model`` (and ``optimizer``),
     resharding to their current layout; every rank calls it. Returns the saved step.
 
-    With ``fallback`` (the default), a newest checkpoint that cannot be read — a missing
-    or truncated data file, an unreadable ``.metadata``, a step directory ``LATEST``
-    names that is missing, or one DCP fails to read — is skipped for the newest one that
-    loads, with a one-line :class:`CheckpointFallback` warning saying which and why;
+    With ``verify`` (the default) every file of the checkpoint is checked against its
+    manifest (size and xxh3-128 digest, the ranks sharing the reading) before any tensor
+    is read: a changed, truncated or missing file, or a missing manifest, makes the
+    checkpoint corrupt. ``verify=False`` skips the digests (and loads a checkpoint
+    without a manifest).
+
+    With ``fallback`` (the default), a newest checkpoint that is corrupt or cannot be
+    read — a step directory ``LATEST`` names that is missing, an unreadable
+    ``.metadata``, one DCP fails to read — is skipped for the newest one that verifies
+    and loads, with a one-line :class:`CheckpointFallback` warning naming the bad file;
     when none loads, the newest one's problems are the error. A checkpoint of another
     model is never skipped: it is a :class:`ScheduleError` naming the first mismatching
     keys.
@@ -433,6 +580,7 @@ def load(model: object, optimizer: OptimizerState, path: str | os.PathLike[str],
     A functional optimizer's state (:mod:`slapo_fn.optim`) is loaded in place into the
     tensors of the tree given, which ``init(params)`` made in the current layout."""
     root = Path(path)
+    every_rank("sf.load")
     if root.is_file():
         raise ScheduleError("load", [Problem(str(root), "is a file, not a checkpoint directory",
                                              "pass the directory given to sf.save")])
@@ -444,7 +592,7 @@ def load(model: object, optimizer: OptimizerState, path: str | os.PathLike[str],
         candidates = candidates[:1]
     skipped: list[tuple[Path, Problem]] = []
     for i, found in enumerate(candidates):
-        problems = _unreadable(found, root)
+        problems = (_verified(found) if verify else []) or _unreadable(found, root)
         if not problems:
             _check_matches(model, optimizer, found)
             try:
@@ -459,14 +607,27 @@ def load(model: object, optimizer: OptimizerState, path: str | os.PathLike[str],
                 continue
             if skipped:
                 first, why = skipped[0]
+                more = f" ({len(skipped)} skipped)" if len(skipped) > 1 else ""
                 warnings.warn(CheckpointFallback(
-                    f"checkpoint {first} is unusable ({why.reason}); loaded {found.name}, the newest loadable "
-                    f"one{f' ({len(skipped)} skipped)' if len(skipped) > 1 else ''}"), stacklevel=2)
+                    f"checkpoint {first.name} is unusable: {why.path}: {why.reason}; loaded {found.name}, the "
+                    f"newest that verifies{more}"), stacklevel=2)
             return step
         if i == 0:
             newest = problems
         skipped.append((found, problems[0]))
     raise ScheduleError("load", newest)
+
+
+def _verified(found: Path) -> list[Problem]:
+    """What is wrong with checkpoint ``found`` against its manifest, every rank checking
+    the digests of its share of the files; the same answer on every rank."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mine = manifest_problems(found, (_rank(), world))
+    if not dist.is_initialized():
+        return mine
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, mine)
+    return sorted({p for part in parts for p in part}, key=lambda p: p.path)
 
 
 def _first_line(e: BaseException) -> str:
@@ -496,7 +657,7 @@ def _load_from(model: object, optimizer: OptimizerState, found: Path) -> int:
         prefixed = {f"{owner[k]}.{k}": v for k, v in state["model"].items() if k in owner}
         optim = _map_optim(state["optim"], lambda k: f"{owner[k]}.{k}")
         set_state_dict(nn.ModuleList(modules), optimizer, model_state_dict=prefixed, optim_state_dict=optim)
-    return _step_of(found)
+    return step_of(found)
 
 
 def _fresh(tree: Any) -> Any:
@@ -572,7 +733,7 @@ def _unreadable(found: Path, root: Path) -> list[Problem]:
     be read, data files missing or shorter than the metadata says), or ``[]``."""
     fix = "load another checkpoint (an earlier step), or save again"
     if not (found / ".metadata").is_file():
-        return [Problem(str(found), f"{root / _LATEST} names it, but it is missing or incomplete (no .metadata)"
+        return [Problem(str(found), f"{root / 'LATEST'} names it, but it is missing or incomplete (no .metadata)"
                         if found.parent == root else "is missing or incomplete (no .metadata)",
                         "point LATEST at a complete step directory, or save again")]
     try:

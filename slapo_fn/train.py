@@ -15,10 +15,16 @@ user of PyTorch distributed training expects, on any model ``sf.build`` or
 * ``autocast`` (bf16) where the model has no FSDP2 mixed precision; parameters, the
   optimizer and reductions stay float32 (see :func:`precision`);
 * an eval loss every ``eval_every`` steps from ``data.eval_batches`` when the data has it;
+* a guard before the optimizer update: a loss, global grad norm or learning rate that
+  is not finite stops the run (:class:`NonFiniteError`: no update, no checkpoint), or
+  with ``nonfinite="skip"`` skips the step, up to ``max_skipped`` of them;
 * checkpoints every ``Checkpointing.every`` steps and at the end, with the RNG state of
-  each rank, and :func:`resume`, which falls back to the newest loadable checkpoint;
-* per-step :class:`StepRecord` values to loggers: :class:`ConsoleLog` (progress bar and
-  loss lines), :class:`JsonlLog` (``--metrics``), :class:`TensorBoardLog`.
+  each rank verified with them, and :func:`resume`, which falls back to the newest
+  checkpoint that verifies; a save without room (or failing part-way) is skipped with
+  one line, except the last;
+* per-step :class:`StepRecord` values to loggers (:mod:`slapo_fn.loggers`):
+  :class:`ConsoleLog` (progress bar and loss lines), :class:`JsonlLog` (``--metrics``),
+  :class:`TensorBoardLog`.
 
 ``data`` is any object with ``batch(step, batch_size, dp_rank=, dp_size=)`` returning this
 data-parallel rank's share of step ``step``'s global batch of ``batch_size`` sequences:
@@ -42,33 +48,33 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import resource
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import IO, Any, Literal, Protocol, TypeAlias, runtime_checkable
+from typing import Any, Literal, Protocol, TypeAlias, runtime_checkable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from tqdm import tqdm
 
+from .checkpoint_dir import RANK_STATE, free_bytes, step_name
 from .data import Arithmetic, ByteText
 from .dtensor.data_parallel import DATA_PARALLEL, DataParallelSpec
 from .errors import Problem, ScheduleError
 from .func import clip_grad_norm_, global_norm
+from .loggers import ConsoleLog, JsonlLog, StepRecord, TensorBoardLog
+from .options import Split
 from .pipelines import Pipeline
 from .schedule import Schedule
-from .state import CheckpointFallback, load, save
+from .state import CheckpointFallback, CheckpointSpaceError, CheckpointWriteError, load, rank_state, save
 
 __all__ = [
     "ADAMW_IMPLS",
@@ -78,6 +84,7 @@ __all__ = [
     "ConsoleLog",
     "JsonlLog",
     "LRSchedule",
+    "NonFiniteError",
     "StepRecord",
     "TensorBoardLog",
     "TokenBatches",
@@ -93,8 +100,8 @@ __all__ = [
 
 #: Label value that no loss counts (padding, document boundaries), as in Hugging Face.
 IGNORE_INDEX = -100
-#: The file of each rank's training state (RNG, data position) in a checkpoint directory.
-TRAIN_STATE = "train-state-{rank}.pt"
+#: What :func:`train` does with a step whose loss, grad norm or learning rate is not finite.
+NONFINITE = ("stop", "skip")
 
 Model: TypeAlias = "nn.Module | Pipeline"
 Logger: TypeAlias = "Callable[[StepRecord], None]"
@@ -107,6 +114,17 @@ DTYPES: Mapping[str, torch.dtype] = {"fp32": torch.float32, "float32": torch.flo
 class TrainError(ScheduleError):
     """Arguments of :func:`train` (or its helpers) that cannot work, all reported at once,
     each naming the argument, why, and a fix. A ``ValueError``."""
+
+
+class NonFiniteError(FloatingPointError):
+    """:func:`train` stopped before an optimizer update whose loss, global grad norm or
+    learning rate was not finite (or after more than ``max_skipped`` skipped steps): the
+    model and optimizer are those of the step before, and nothing was saved. ``step`` is
+    the step that was not taken; the message is one line with the values."""
+
+    def __init__(self, message: str, *, step: int) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 # -- the learning rate ------------------------------------------------------------------------
@@ -294,11 +312,16 @@ def precision(sch: Schedule, dtype: str | torch.dtype) -> tuple[Schedule, torch.
 class Checkpointing:
     """Where and how often :func:`train` saves: every ``every`` steps (0: only at the
     end) and after the last step, into ``directory`` (``sf.save``), keeping the newest
-    ``keep`` (at least two, so that a corrupted newest one has one to fall back to)."""
+    ``keep`` (two by default, so that a corrupted newest one has one to fall back to).
+    ``free_space(directory)`` gives the free bytes a save checks first
+    (:func:`slapo_fn.checkpoint_dir.free_bytes`); ``meta`` is kept in each checkpoint's
+    manifest (the command line keeps the options a resume must match)."""
 
     directory: str | os.PathLike[str]
     every: int = 0
     keep: int = 2
+    free_space: Callable[[Path], int] = free_bytes
+    meta: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         problems = []
@@ -315,21 +338,23 @@ def _rank() -> int:
 
 
 def _save(model: Model, optimizer: torch.optim.Optimizer, data: object, checkpointing: Checkpointing,
-          step: int) -> Path:
-    """``sf.save``, then every rank's training state (RNG, data position) beside it."""
-    folder = save(model, optimizer, checkpointing.directory, step=step, keep=checkpointing.keep)
+          step: int, say: Callable[[str], None], *, last: bool) -> Path | None:
+    """``sf.save`` with every rank's training state (RNG, data position) in the
+    checkpoint. A save without room, or failing part-way, is one line and ``None``; on
+    the ``last`` step it is the error (the run must not look finished and saved)."""
     state: dict[str, Any] = {"step": step, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     if callable(getattr(data, "state_dict", None)):
         state["data"] = data.state_dict()  # type: ignore[attr-defined]
-    target = folder / TRAIN_STATE.format(rank=_rank())
-    partial = target.with_suffix(".tmp")
-    torch.save(state, partial)
-    os.replace(partial, target)
-    if dist.is_initialized():
-        dist.barrier()
-    return folder
+    try:
+        return save(model, optimizer, checkpointing.directory, step=step, keep=checkpointing.keep, rank_state=state,
+                    free_space=checkpointing.free_space, meta=checkpointing.meta)
+    except (CheckpointSpaceError, CheckpointWriteError) as e:
+        if last:
+            raise
+        say(f"step {step} {e.strerror}")
+        return None
 
 
 def resume(model: Model, optimizer: torch.optim.Optimizer, directory: str | os.PathLike[str], *,
@@ -348,126 +373,24 @@ def resume(model: Model, optimizer: torch.optim.Optimizer, directory: str | os.P
         warnings.simplefilter("always", CheckpointFallback)
         step = load(model, optimizer, directory)
     for w in caught:
-        if issubclass(w.category, CheckpointFallback):
+        if issubclass(w.category, CheckpointFallback) and say is not None:
             tell(f"resume: {w.message}")
-        else:
+        else:  # without `say`, the fallback stays a warning: never silent
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    folder = Path(directory) / f"step-{step:08d}"
+    folder = Path(directory) / step_name(step)
     if not folder.is_dir():
         folder = Path(directory)
-    mine, first = folder / TRAIN_STATE.format(rank=_rank()), folder / TRAIN_STATE.format(rank=0)
-    found = mine if mine.is_file() else first if first.is_file() else None
-    if found is None:
-        tell(f"resume: {folder} has no training state ({TRAIN_STATE.format(rank='N')}): model and optimizer "
+    state = rank_state(folder, _rank())
+    if state is None:
+        tell(f"resume: {folder} has no training state ({RANK_STATE.format(rank='N')}): model and optimizer "
              "restored, the random number generators continue from here")
         return step
-    state = torch.load(found, weights_only=True)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda"])
     if "data" in state and callable(getattr(data, "load_state_dict", None)):
         data.load_state_dict(state["data"])  # type: ignore[attr-defined]
     return step
-
-
-# -- records and loggers ----------------------------------------------------------------------
-@dataclass(frozen=True)
-class StepRecord:
-    """What one optimizer step did. ``step`` counts steps done (1 after the first);
-    ``loss`` is the mean over the global batch's target tokens (all data-parallel ranks
-    and micro-steps); ``grad_norm`` the global norm before clipping; ``tokens`` the
-    input tokens of the global batch; ``eval_loss`` the held-out loss where evaluated."""
-
-    step: int
-    loss: float
-    lr: float
-    grad_norm: float
-    tokens: int
-    seconds: float
-    tokens_per_s: float
-    peak_mem_bytes: int | None = None
-    train_mem_bytes: int | None = None
-    mem_kind: str | None = None
-    eval_loss: float | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        """The record as JSON-ready fields, those that are ``None`` left out."""
-        return {k: v for k, v in asdict(self).items() if v is not None}
-
-
-class ConsoleLog:
-    """A tqdm progress bar on stderr (unless ``progress=False``) and a line ``step N loss
-    L tokens/s R lr X grad_norm G`` every ``every`` steps, on the first and the last;
-    ``close()`` prints ``done: loss a -> b over steps i..j``."""
-
-    def __init__(self, *, every: int, start: int, total: int, progress: bool = True,
-                 out: IO[str] | None = None) -> None:
-        self.every, self.start, self.total = every, start, total
-        self.out = out if out is not None else sys.stdout
-        self.bar = tqdm(total=total, initial=start, desc="train", unit="step", file=sys.stderr) if progress else None
-        self.first: float | None = None
-        self.last: float | None = None
-
-    def __call__(self, r: StepRecord) -> None:
-        self.last = r.loss
-        self.first = r.loss if self.first is None else self.first
-        if self.bar is not None:
-            self.bar.set_postfix(loss=f"{r.loss:.4f}", tok_s=f"{r.tokens_per_s:,.0f}")
-            self.bar.update(1)
-        if r.step % self.every == 0 or r.step == self.start + 1 or r.step == self.total:
-            print(f"step {r.step} loss {r.loss:.6f} tokens/s {r.tokens_per_s:.0f} lr {r.lr:.3e} "
-                  f"grad_norm {r.grad_norm:.4g}", file=self.out, flush=True)
-        if r.eval_loss is not None:
-            print(f"step {r.step} eval_loss {r.eval_loss:.6f}", file=self.out, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        if self.first is not None and self.last is not None:
-            print(f"done: loss {self.first:.4f} -> {self.last:.4f} over steps {self.start + 1}..{self.total}",
-                  file=self.out, flush=True)
-
-
-class JsonlLog:
-    """Each record as a JSON line appended to ``path`` (``slapo-fn train --metrics``)."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.file = open(path, "a")  # noqa: SIM115 (closed by close())
-
-    def __call__(self, r: StepRecord) -> None:
-        self.file.write(json.dumps(r.as_dict()) + "\n")
-        self.file.flush()
-
-    def close(self) -> None:
-        self.file.close()
-
-
-class TensorBoardLog:
-    """Scalars for TensorBoard under ``directory``: ``train/loss``, ``train/lr``,
-    ``train/grad_norm``, ``train/tokens_per_s``, ``train/peak_mem_bytes`` and
-    ``eval/loss``. Needs the ``tensorboard`` package (``pip install 'slapo_fn[tensorboard]'``);
-    without it, a :class:`TrainError` saying so."""
-
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter  # the tensorboard extra
-        except ImportError as e:
-            raise TrainError("tensorboard", [Problem(str(directory), f"TensorBoard logging needs the tensorboard "
-                                                                     f"package ({e})",
-                                                     "pip install 'slapo_fn[tensorboard]' (or: pip install "
-                                                     "tensorboard), or leave out --tensorboard")]) from None
-        self.writer = SummaryWriter(log_dir=str(directory))
-
-    def __call__(self, r: StepRecord) -> None:
-        scalars = {"train/loss": r.loss, "train/lr": r.lr, "train/grad_norm": r.grad_norm,
-                   "train/tokens_per_s": r.tokens_per_s, "train/peak_mem_bytes": r.peak_mem_bytes,
-                   "eval/loss": r.eval_loss}
-        for tag, value in scalars.items():
-            if value is not None:
-                self.writer.add_scalar(tag, value, r.step)
-
-    def close(self) -> None:
-        self.writer.close()
 
 
 # -- memory -----------------------------------------------------------------------------------
@@ -490,16 +413,20 @@ def peak_memory(device: torch.device | None) -> int:
 
 
 def _step_memory(device: torch.device, base: int) -> dict[str, Any]:
-    """The peak memory of the most loaded rank so far (``peak_mem_bytes``) and its growth
-    since training started (``train_mem_bytes``: on CPU the peak RSS less ``base``; on a
-    GPU the same as the peak), reduced over ranks with MAX (a collective)."""
+    """Every rank's peak memory so far (``peak_mem_by_rank``), the most loaded one's
+    (``peak_mem_bytes``) and its growth since training started (``train_mem_bytes``: on
+    CPU the peak RSS less ``base``; on a GPU the same as the peak): one all-gather."""
     peak = peak_memory(device)
     grown = peak - (0 if device.type == "cuda" else base)
+    peaks, growths = [peak], [grown]
     if dist.is_initialized():
         both = torch.tensor([peak, grown], dtype=torch.float64, device=device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        peak, grown = (int(v) for v in both.tolist())
-    return {"peak_mem_bytes": peak, "train_mem_bytes": grown, "mem_kind": device.type}
+        every = torch.empty(dist.get_world_size() * 2, dtype=torch.float64, device=device)
+        dist.all_gather_into_tensor(every, both)
+        values = [int(v) for v in every.tolist()]
+        peaks, growths = values[0::2], values[1::2]
+    return {"peak_mem_bytes": max(peaks), "train_mem_bytes": max(growths), "mem_kind": device.type,
+            "peak_mem_by_rank": tuple(peaks)}
 
 
 # -- the loop ---------------------------------------------------------------------------------
@@ -514,12 +441,17 @@ def _device(model: Model) -> torch.device:
     return torch.device("cpu")
 
 
-def _dp(mesh: DeviceMesh | None, axis: str) -> tuple[int, int, dist.ProcessGroup | None]:
-    """This rank's data-parallel rank, the data-parallel size and group."""
+def _dp(mesh: DeviceMesh | None, axis: str | tuple[str, ...]) -> tuple[int, int, dist.ProcessGroup | None]:
+    """This rank's data-parallel rank, the data-parallel size and group, over one mesh
+    axis or several (HSDP's replicas and shards: flattened into one, every rank calling)."""
     names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
-    if mesh is None or axis not in names or mesh.size(names.index(axis)) == 1:
+    wanted = (axis,) if isinstance(axis, str) else tuple(axis)
+    if mesh is None or not all(a in names for a in wanted):
         return 0, 1, None
-    return mesh.get_local_rank(axis), mesh.size(names.index(axis)), mesh.get_group(axis)
+    data = mesh[wanted[0]] if len(wanted) == 1 else mesh[wanted]._flatten("_".join(wanted))
+    if data.size() == 1:
+        return 0, 1, None
+    return data.get_local_rank(), data.size(), data.get_group()
 
 
 @contextlib.contextmanager
@@ -559,7 +491,8 @@ def _all_sum(values: list[float], group: dist.ProcessGroup | None, device: torch
 
 
 def _check(model: Model, optimizer: object, data: object, steps: int, batch_size: int, grad_accum: int,
-           dp_size: int, start_step: int, grad_clip: float | None, eval_every: int) -> None:
+           dp_size: int, start_step: int, grad_clip: float | None, eval_every: int, nonfinite: str,
+           max_skipped: int) -> None:
     problems = []
     if not isinstance(model, nn.Module | Pipeline):
         problems.append(Problem("model", f"expected a built model or pipeline, got {type(model).__name__}",
@@ -577,15 +510,12 @@ def _check(model: Model, optimizer: object, data: object, steps: int, batch_size
                                 "the step resume() returned, below steps"))
     if not grad_accum >= 1:
         problems.append(Problem("grad_accum", f"must be at least 1, got {grad_accum}", "grad_accum=1"))
-    elif not batch_size >= 1 or batch_size % (dp_size * grad_accum):
-        problems.append(Problem("batch_size", f"a global batch of {batch_size} does not split into {dp_size} "
-                                              f"data-parallel ranks x {grad_accum} micro-steps",
-                                f"a multiple of {dp_size * grad_accum}"))
-    elif isinstance(model, Pipeline) and (batch_size // (dp_size * grad_accum)) % model.microbatches:
-        micro = batch_size // (dp_size * grad_accum)
-        problems.append(Problem("batch_size", f"a micro-step of {micro} sequences per data-parallel rank does not "
-                                              f"split into the pipeline's {model.microbatches} microbatches",
-                                f"a multiple of {dp_size * grad_accum * model.microbatches}"))
+    elif not batch_size >= 1:
+        problems.append(Problem("batch_size", f"must be at least 1, got {batch_size}", "batch_size=8"))
+    else:  # the command line's own check (slapo_fn.options.Split), in the names of this function's arguments
+        pp, micro = (len(set(model.placement)), model.microbatches) if isinstance(model, Pipeline) else (1, None)
+        problems += Split(batch=batch_size, dp=dp_size, grad_accum=grad_accum, pp=pp,
+                          microbatches=micro).problems(_SPLIT_NAMES)
     if grad_clip is not None and not (math.isfinite(grad_clip) and grad_clip > 0):
         problems.append(Problem("grad_clip", f"must be a positive number, got {grad_clip}", "grad_clip=1.0"))
     if not eval_every >= 0:
@@ -593,8 +523,18 @@ def _check(model: Model, optimizer: object, data: object, steps: int, batch_size
     elif eval_every and not callable(getattr(data, "eval_batches", None)):
         problems.append(Problem("eval_every", f"{type(data).__name__} has no eval_batches(batch_size=, dp_rank=, "
                                               "dp_size=)", "data with a held-out split, or eval_every=0"))
+    if nonfinite not in NONFINITE:
+        problems.append(Problem("nonfinite", f"must be one of {', '.join(NONFINITE)}, got {nonfinite!r}",
+                                'nonfinite="stop"'))
+    if not max_skipped >= 0:
+        problems.append(Problem("max_skipped", f"must be at least 0, got {max_skipped}", "max_skipped=10"))
     if problems:
         raise TrainError("train", problems)
+
+
+#: How :func:`train`'s refusals of an uneven split name its sizes.
+_SPLIT_NAMES = {"batch": "batch_size", "dp": "dp", "grad_accum": "grad_accum", "pp": "pp",
+                "microbatches": "microbatches", "seq": "seq", "tp": "tp", "sp": "sp"}
 
 
 def train(
@@ -609,7 +549,7 @@ def train(
     grad_accum: int = 1,
     autocast: torch.dtype | None = None,
     mesh: DeviceMesh | None = None,
-    dp_axis: str = "dp",
+    dp_axis: str | tuple[str, ...] = "dp",
     start_step: int = 0,
     eval_every: int = 0,
     eval_batches: int | None = None,
@@ -617,6 +557,11 @@ def train(
     log: Iterable[Logger] = (),
     memory: bool = False,
     on_step: Callable[[int], None] | None = None,
+    nonfinite: Literal["stop", "skip"] = "stop",
+    max_skipped: int = 10,
+    say: Callable[[str], None] | None = None,
+    flops: float | None = None,
+    peak_flops: float | None = None,
 ) -> list[StepRecord]:
     """Train ``model`` (``sf.build``) or a pipeline (``sf.build_pipeline``) from step
     ``start_step`` up to step ``steps``; every rank calls it. Returns the records of the
@@ -640,11 +585,29 @@ def train(
     * ``memory``: measure every step's peak memory over ranks (a collective).
     * ``on_step(step)``: called on every rank after each optimizer step (tests inject
       faults so).
+    * ``nonfinite``: before each optimizer update the loss, the global grad norm and the
+      learning rate are checked (every rank sees the same values: no collective). One
+      that is not finite stops the run with ``"stop"`` (:class:`NonFiniteError`, before
+      the update and any save), or with ``"skip"`` drops the step's gradients and goes
+      on, the record marked ``skipped``; more than ``max_skipped`` skipped steps stop it.
+    * ``say``: one-line notices on rank 0 (a skipped step, a save skipped for lack of
+      room); default: :func:`warnings.warn`.
+    * ``flops``: the FLOPs of one step on one rank (:func:`slapo_fn.explain.model_flops`
+      over the ranks), ``peak_flops`` one rank's peak FLOP/s (a hardware profile's, at
+      the compute dtype): each record then has the rank's TFLOP/s and MFU.
+
+    A record's ``seconds`` is the step's own time — forward, backward and the optimizer
+    update — with its evaluation and its checkpoint save timed apart (``eval_seconds``,
+    ``save_seconds``); the first step of the call (``first``: compilation, allocation)
+    is marked, so that summaries can leave it out.
     """
     mesh = mesh if mesh is not None else _mesh_of(model)
     dp_rank, dp_size, dp_group = _dp(mesh, dp_axis)
-    _check(model, optimizer, data, steps, batch_size, grad_accum, dp_size, start_step, grad_clip, eval_every)
+    _check(model, optimizer, data, steps, batch_size, grad_accum, dp_size, start_step, grad_clip, eval_every,
+           nonfinite, max_skipped)
     loggers = list(log) if _rank() == 0 else []
+    tell = (say if say is not None else _warn) if _rank() == 0 else (lambda _: None)
+    saved, skipped, first = (start_step or None), 0, True
     modules = _modules(model)
     device = _device(model)
     pipeline = model if isinstance(model, Pipeline) else None
@@ -670,26 +633,61 @@ def train(
         else:
             norm = global_norm({k: p.grad for k, p in model.named_parameters() if p.grad is not None},
                                pipeline=pipeline)
-        optimizer.step()
+        loss = loss_sum / max(count, 1.0)
+        finite = all(math.isfinite(v) for v in (loss, float(norm), lr))
+        if finite:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - began  # the step's own time: eval and saves are timed apart
+        tokens = int(batch["input_ids"].numel()) * dp_size
+        if not finite:
+            skipped += 1
+            record = StepRecord(step=step + 1, loss=loss, lr=lr, grad_norm=float(norm), tokens=tokens,
+                                seconds=seconds, tokens_per_s=0.0, skipped=True, first=first)
+            records.append(record)
+            for logger in loggers:
+                logger(record)
+            values = f"loss {loss:.6g}, grad_norm {float(norm):.6g}, lr {lr:.6g}"
+            if nonfinite == "stop" or skipped > max_skipped:
+                why = "is not finite" if nonfinite == "stop" else f"is not finite, the {skipped}th skipped step " \
+                    f"(more than max_skipped={max_skipped})"
+                raise NonFiniteError(f"step {step + 1}: {values} {why}: stopped before the optimizer update, "
+                                     "nothing saved" + (f"; the newest checkpoint is step {saved}" if saved else ""),
+                                     step=step + 1)
+            tell(f"step {step + 1} skipped: {values} is not finite ({skipped} of at most {max_skipped} skipped)")
         if on_step is not None:
             on_step(step + 1)
-        eval_loss = None
+        eval_loss = eval_seconds = save_seconds = None
         if eval_every and (step + 1) % eval_every == 0:
+            began = time.perf_counter()
             eval_loss = _evaluate(model, data, batch_size, dp_rank, dp_size, dp_group, autocast, device,
                                   eval_batches)
-        seconds = time.perf_counter() - began
-        tokens = int(batch["input_ids"].numel()) * dp_size
+            eval_seconds = time.perf_counter() - began
         mem = _step_memory(device, base_memory) if memory else {}
-        record = StepRecord(step=step + 1, loss=loss_sum / max(count, 1.0), lr=lr, grad_norm=float(norm),
-                            tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, eval_loss=eval_loss, **mem)
-        records.append(record)
-        for logger in loggers:
-            logger(record)
-        if checkpoint is not None and ((checkpoint.every and (step + 1) % checkpoint.every == 0)
-                                       or step + 1 == steps):
-            _save(model, optimizer, data, checkpoint, step + 1)
+        try:
+            if checkpoint is not None and ((checkpoint.every and (step + 1) % checkpoint.every == 0)
+                                           or step + 1 == steps):
+                began = time.perf_counter()
+                if _save(model, optimizer, data, checkpoint, step + 1, tell, last=step + 1 == steps) is not None:
+                    saved = step + 1
+                save_seconds = time.perf_counter() - began
+        finally:  # the step's record even where its save fails
+            if finite:
+                achieved = flops / seconds if flops is not None else None
+                record = StepRecord(step=step + 1, loss=loss, lr=lr, grad_norm=float(norm), tokens=tokens,
+                                    seconds=seconds, tokens_per_s=tokens / seconds, eval_loss=eval_loss,
+                                    first=first, eval_seconds=eval_seconds, save_seconds=save_seconds,
+                                    tflops=None if achieved is None else achieved / 1e12,
+                                    mfu=None if achieved is None or not peak_flops else achieved / peak_flops, **mem)
+                records.append(record)
+                for logger in loggers:
+                    logger(record)
+        first = False
     return records
+
+
+def _warn(text: str) -> None:
+    warnings.warn(text, stacklevel=3)
 
 
 def _mesh_of(model: Model) -> DeviceMesh | None:

@@ -22,6 +22,7 @@ from .dtensor.sequence import SEQ
 from .dtensor.shard import ROLE, mesh_dims
 from .errors import Problem, ScheduleError, ScheduleTypeError, SelectorError, VerificationError
 from .hf import TOKEN_ID_ARGS, extra_keywords, input_embedding, is_pretrained_model
+from .ranks import every_rank
 from .schedule import Schedule, create_schedule
 from .tree import private_copy, walk
 
@@ -556,6 +557,8 @@ def verify(
         >>> print(sf.verify(sch, torch.randn(2, 4)))
         verified 1 outputs (max |diff| 0) and 2 gradients (max |diff| 0)
     """
+    if sch.mesh is not None:  # every rank of the mesh builds and runs it: not some of them only
+        every_rank("sf.verify", [int(r) for r in sch.mesh.mesh.flatten().tolist()])
     _check_options(sch, reference, rtol, atol, kwargs)
     kwargs = dict(kwargs or {})
     reference = sch.original if reference is None else reference

@@ -32,6 +32,7 @@ OPTIONAL = {
     "datasets": "costly to import (about 1 s): data/ streams and reads datasets on use",
     "tokenizers": "comes with transformers (the hf extra): BPE trained on the fly and prepare's workers (data/)",
     "torch.utils.tensorboard": "the tensorboard extra (it imports the tensorboard package)",
+    "wandb": "the wandb extra",
 }
 #: Modules allowed to import lazily, with why.
 LAZY_MODULES = {

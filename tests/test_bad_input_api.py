@@ -231,8 +231,9 @@ CASES: dict[str, Case] = {
                               sf.ScheduleError, r"'.*a_file/x': '.*a_file' on its way is a file"),
     "load a truncated checkpoint": Case(_truncated, sf.ScheduleError,
                                         r"load: '.*step-00000001/__0_0.distcp': is truncated: 100 bytes"),
-    "load unreadable metadata": Case(_bad_metadata, sf.ScheduleError,
-                                     r"load: '.*step-00000001': is corrupted: its .metadata cannot be read"),
+    "load unreadable metadata": Case(_bad_metadata, sf.ScheduleError,  # found by its digest before DCP reads it
+                                     r"load: '.*step-00000001/.metadata': is truncated: 12 bytes where the manifest "
+                                     r"says \d+"),
     "load another model's checkpoint": Case(
         _other_model, sf.ScheduleError,
         r"load: '.*step-00000001': was written from another model: 6 of this model's 20 tensors are not in it "

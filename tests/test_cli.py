@@ -16,7 +16,7 @@ import pytest
 
 from slapo_fn.cli import main
 from slapo_fn.presets import PRESETS
-from slapo_fn.processes import alive
+from slapo_fn.processes import alive, descendants
 
 CLI = [sys.executable, "-m", "slapo_fn.cli"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +81,8 @@ def _pids(run_dir: Path) -> list[int]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("how", ["kill-a-rank", pytest.param("ctrl-c", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("how", ["kill-a-rank", pytest.param("ctrl-c", marks=pytest.mark.slow),
+                                 pytest.param("kill-the-agent", marks=pytest.mark.slow)])
 def test_a_killed_rank_or_ctrl_c_exits_non_zero_and_leaves_no_process(tmp_path: Path, how: str) -> None:
     run_dir, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
     proc = _start_long_run(run_dir, metrics)
@@ -91,6 +92,10 @@ def test_a_killed_rank_or_ctrl_c_exits_non_zero_and_leaves_no_process(tmp_path: 
         started = time.monotonic()
         if how == "kill-a-rank":
             os.kill(pids[1], signal.SIGKILL)
+        elif how == "kill-the-agent":
+            agent = next(p for p in descendants(proc.pid) if p not in pids and "slapo_fn.launch" in
+                         Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace"))
+            os.kill(agent, signal.SIGKILL)
         else:
             proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=120)
@@ -98,8 +103,10 @@ def test_a_killed_rank_or_ctrl_c_exits_non_zero_and_leaves_no_process(tmp_path: 
         assert time.monotonic() - started < 90  # within the process-group timeout, not a hang
         _wait_for(lambda: not any(alive(p) for p in pids), 10)
         err = proc.stderr.read() if proc.stderr else ""
-        said = {"kill-a-rank": f"(pid {pids[1]}) was killed by SIGKILL", "ctrl-c": "stopped by SIGINT"}[how]
+        said = {"kill-a-rank": f"(pid {pids[1]}) was killed by SIGKILL", "ctrl-c": "stopped by SIGINT",
+                "kill-the-agent": "the torchrun agent (pid"}[how]
         assert said in err, err[-3000:]  # one line, not torchrun's ChildFailedError report
+        assert "every worker is stopped" in err and "done:" not in (proc.stdout.read() if proc.stdout else "")
         assert "ChildFailedError" not in err and "SignalException" not in err, err[-3000:]
     finally:
         if proc.poll() is None:
@@ -128,6 +135,8 @@ def test_explain_7b_lists_per_rank_memory_within_one_percent(capsys: pytest.Capt
     for stage, count in exact.items():
         assert abs(stated[stage] - count) <= 0.01 * count, (stage, stated[stage], count)
     assert "dp4 x pp4 x tp8 (128 ranks)" in out
+    # the default batch is the smallest that train takes: one sequence per microbatch
+    assert "assumed: global batch 32 × seq 2048 (8 sequences per data-parallel rank, 8 microbatches, 1f1b)" in out
     assert "model.layers.*.mlp.down_proj output P→R@tp  fwd all_reduce" in out
 
 
@@ -154,7 +163,7 @@ def test_peak_memory_of_a_worker_is_its_own_not_its_launchers() -> None:
         launcher = (
             "import subprocess, sys, torch\n"
             f"held = torch.ones({held_floats})\n"  # touched, so resident
-            "code = 'from slapo_fn.cli import _peak_memory; print(_peak_memory(None))'\n"
+            "code = 'from slapo_fn.train import peak_memory; print(peak_memory(None))'\n"
             "print(subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout)\n"
             "print(float(held.sum()))\n"
         )

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig
 
+from slapo_fn.checkpoint_dir import write_manifest
 from slapo_fn.cli import MAX_MESSAGE_LINES, CommandLineError, _say
 from slapo_fn.errors import Problem
 from slapo_fn.launch import describe, launch, root_cause
@@ -54,15 +55,26 @@ def _files(tmp: Path) -> dict[str, str]:
                          num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp / "vocab128")
     AutoConfig.for_model("llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, max_position_embeddings=16).save_pretrained(tmp / "short")
+    AutoConfig.for_model("llama", vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp / "vocab320")
     (tmp / "text.txt").write_text("some text to train on\n" * 10)
-    # a checkpoint folder as slapo_fn.save leaves it: LATEST names the newest step; the
-    # refusal comes before anything is loaded, so the step's files are not needed
+    # data the ranks would refuse, found on a sample before they start: a row without its
+    # text field in a JSONL file, and a Latin-1 file among UTF-8 ones
+    (tmp / "rows.jsonl").write_text('{"text": "one"}\n' * 40 + '{"txt": "two"}\n' + '{"text": "three"}\n' * 40)
+    (tmp / "corpus").mkdir()
+    (tmp / "corpus" / "a.txt").write_text("plain text\n" * 20)
+    (tmp / "corpus" / "b.txt").write_bytes("caf\u00e9 na\u00efve\n".encode("latin-1") * 20)
+    # a checkpoint folder as slapo_fn.save leaves it: LATEST names the newest step, whose
+    # manifest lists its files; the refusal comes before anything is loaded, so no data
+    # files are needed
     (tmp / "ckpt" / "step-00000004").mkdir(parents=True)
+    write_manifest(tmp / "ckpt" / "step-00000004", {}, step=4)
     (tmp / "ckpt" / "LATEST").write_text("step-00000004\n")
     (tmp / "empty").mkdir()
     return {"broken": str(tmp / "broken.json"), "typo": str(tmp / "typo.json"), "vit": str(tmp / "vit"),
             "vocab128": str(tmp / "vocab128"), "short": str(tmp / "short"), "text": str(tmp / "text.txt"),
-            "ckpt": str(tmp / "ckpt"),
+            "ckpt": str(tmp / "ckpt"), "vocab320": str(tmp / "vocab320"), "rows": str(tmp / "rows.jsonl"),
+            "corpus": str(tmp / "corpus"),
             "empty": str(tmp / "empty"), "missing": str(tmp / "no-such-file.txt")}
 
 
@@ -92,6 +104,10 @@ CASES = [
                  id="save-every-without-dir", marks=SLOW),
     pytest.param(["train", "--fault", "boom"], ["'--fault'", "KIND:STEP"], id="fault", marks=SLOW),
     pytest.param(["explain", "--batch", "0"], ["'--batch'", "got 0"], id="explain-batch-0"),
+    # explain refuses what train refuses: one check of the split (slapo_fn.options.Split)
+    pytest.param(["explain", "--model", "llama-7b", "--tp", "8", "--pp", "4", "--dp", "4", "--batch", "8"],
+                 ["'--batch'", "2 sequences per data-parallel rank and micro-step (--batch 8 / --dp 4) do not split "
+                  "into 8 microbatches (the default: 2 x --pp)", "fix: --batch 32"], id="explain-uneven-microbatches"),
     pytest.param(["explain", "--seq", "0"], ["'--seq'", "got 0"], id="explain-seq-0"),
     pytest.param(["train", "--resume", "--steps", "2", "--checkpoint-dir", "{ckpt}"],
                  ["'--steps'", "at step 4", "nothing is left to train", "--steps 5"], id="resume-past-the-end"),
@@ -99,6 +115,10 @@ CASES = [
     pytest.param(["train", "--resume", "--checkpoint-dir", "{empty}"],
                  ["'--checkpoint-dir'", "{empty}", "no checkpoint"], id="resume-from-nothing", marks=SLOW),
     pytest.param(["train", "--data", "{missing}"], ["'--data'", "{missing}", "no such file"], id="data-missing"),
+    pytest.param(["train", "--model", "{vocab320}", "--data", "{rows}", "--tokenizer", "bytes", "--dp", "2"],
+                 ["'{rows}:41'", "has no 'text' field (fields: txt)", "text_field='txt'"], id="data-row-without-text"),
+    pytest.param(["train", "--model", "{vocab320}", "--data", "{corpus}", "--tokenizer", "bytes"],
+                 ["b.txt'", "is not UTF-8 text"], id="data-not-utf8", marks=SLOW),
     pytest.param(["train", "--model", "{vocab128}", "--data", "{text}"],
                  ["'--data'", "{text}", "256 symbols", "only 128"], id="data-beyond-vocab", marks=SLOW),
     pytest.param(["explain", "--model", "{broken}"], ["{broken}", "not valid JSON", "line 2"], id="config-not-json"),

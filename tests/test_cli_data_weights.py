@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from slapo_fn import build, create_schedule, load
 from slapo_fn.data import TokenData, stdlib_corpus, train_bpe
 from slapo_fn.hf import recompute_buffers
+from slapo_fn.options import EVAL_FRACTION
 from slapo_fn.presets import build_model
 
 CLI = [sys.executable, "-m", "slapo_fn.cli"]
@@ -72,8 +73,9 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _hf_loss(folder: Path, corpus: Path) -> float:
-    """Hugging Face's own loss on the first global batch that ``slapo-fn train`` sees."""
-    batch = TokenData.from_source(corpus, folder, seq_len=SEQ, seed=0).batch(0, BATCH)
+    """Hugging Face's own loss on the first global batch that ``slapo-fn train`` sees (its
+    default held-out split, with --eval-every or without)."""
+    batch = TokenData.from_source(corpus, folder, seq_len=SEQ, seed=0, eval_fraction=EVAL_FRACTION).batch(0, BATCH)
     model = AutoModelForCausalLM.from_pretrained(folder)
     with torch.no_grad():
         return float(model(**batch).loss)
@@ -137,7 +139,8 @@ def test_resume_continues_at_the_data_position(files: dict[str, Path], tmp_path:
     assert sorted(got) == [3, 4]
     assert all(got[s] == expected[s] for s in got), (expected, got)
     other = run(*common[:-2], "--seq", str(SEQ // 2), "--steps", "6", "--checkpoint-dir", str(tmp_path), "--resume")
-    assert "fingerprint" in refusal(other)
+    said = refusal(other)  # the option that differs, with both values, before any rank starts
+    assert f"saved by a run with other data: --seq {SEQ} (this run: {SEQ // 2})" in said, said
 
 
 @pytest.mark.slow

@@ -144,3 +144,16 @@ def test_two_nodes_on_loopback_train_as_one_node_does(tmp_path: Path) -> None:
     assert one.returncode == 0, one.stderr[-3000:]
     assert losses(first.stdout) == pytest.approx(losses(one.stdout), rel=1e-6)
     assert sorted(losses(first.stdout)) == [1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_hsdp_on_four_ranks_trains_as_one_process_does() -> None:
+    common = ["train", "--model", "llama-tiny", "--steps", "4", "--seq", "16", "--log-every", "1", "--no-progress"]
+    one = subprocess.run([*CLI, *common], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    hsdp = subprocess.run([*CLI, *common, "--dp", "4", "--dp-mode", "hsdp", "--dp-shard", "2"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert one.returncode == 0 and hsdp.returncode == 0, hsdp.stderr[-3000:]
+    expected, got = losses(one.stdout), losses(hsdp.stdout)
+    assert sorted(got) == [1, 2, 3, 4]
+    assert all(got[s] == pytest.approx(expected[s], rel=1e-5) for s in got), (expected, got)

@@ -178,3 +178,45 @@ def test_hsdp_collectives_equal_the_real_run_on_four_ranks(dist4: Any) -> None:
     for result in dist4.run(_hsdp_run, timeout=180):
         assert result["predicted"] == result["measured"], result
         assert result["axes"] == [("all_gather", "dp"), ("all_reduce", "rep"), ("reduce_scatter", "dp")]
+
+
+def _per_rank_run(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """pp2 x tp2 or pp2 x dp2 on 4 ranks, 4 microbatches of 1F1B: the collectives this
+    rank issues in a step (after the first, which also infers the stages' shapes) against
+    explain's prediction for its pp rank."""
+    import torch.nn.functional as F
+    from dist import mesh
+    from models import megatron_llama
+
+    model = tiny_llama(4)
+    x = token_ids(batch=8, seq=8)
+    if kind == "tp":
+        grid = mesh((2, 2), ("pp", "tp"))
+        sch, local = megatron_llama(sf.create_schedule(model, mesh=grid)), x
+    else:
+        grid = mesh((2, 2), ("dp", "pp"))
+        sch, local = sf.data_parallel(sf.create_schedule(model, mesh=grid)), x.chunk(2)[grid.get_local_rank("dp")]
+    sch = sf.cut_pipeline_stage(sch, "model.layers.1")
+    pp_rank = grid.get_local_rank("pp")
+    predicted = [c for c in sf.explain(sch, local, microbatches=4, pp_rank=pp_rank).collectives
+                 if c.mesh_axis == kind]
+    pipe = sf.build_pipeline(sch, microbatches=4, schedule="1f1b",
+                             loss_fn=lambda y, t: F.cross_entropy(y.flatten(0, 1), t.flatten()))
+    pipe.step(local, target=local)
+    with Recorder() as rec:
+        pipe.step(local, target=local)
+    return {"pp_rank": pp_rank, "predicted": sorted((c.op, c.bytes) for c in predicted), "measured": sorted(rec.ops)}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_each_ranks_collectives_under_a_pipeline_equal_the_real_run(dist4: Any) -> None:
+    """A stage's rank issues its own layers' collectives once per microbatch (explain used
+    to charge every rank all layers, once): pp2 x tp2 and pp2 x dp2, rank by rank."""
+    for kind in ("tp", "dp"):
+        for result in dist4.run(_per_rank_run, kind, timeout=240):
+            assert result["predicted"] == result["measured"], (kind, result)
+            ops = Counter(op for op, _ in result["predicted"])
+            # tp: 2 layers x (2 forward + 2 backward all-reduces) x 4 microbatches; dp (FSDP2 of 3 units): a
+            # gather per microbatch and one for the backward pass, one reduce-scatter
+            assert ops == ({"all_reduce": 32} if kind == "tp" else {"all_gather": 15, "reduce_scatter": 3}), ops

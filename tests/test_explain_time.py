@@ -100,10 +100,27 @@ def test_cli_explain_hardware_flag_and_json(capsys: pytest.CaptureFixture[str], 
     assert main([*argv, "--hardware", str(toml)]) == 0
     text = capsys.readouterr().out
     assert "step time on CPU" in text and "tokens/s per rank" in text
-    assert "assumed: global batch 4 × seq 32 (2 sequences per data-parallel rank)" in text
+    assert "assumed: global batch 4 × seq 32 (2 sequences per data-parallel rank); compute dtype fp32 (the default; " \
+           f"--dtype bf16 for mixed precision); hardware {toml}" in text
     assert "collectives of one step on one rank, by mesh axis" in text and "  dp: all_gather ×" in text
     assert main([*argv, "--hardware", "b200"]) != 0
     assert "slapo-fn explain: no hardware profile 'b200'" in capsys.readouterr().err
+
+
+def test_cli_explain_dtype_is_the_estimates_and_said(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    times = {}
+    for dtype in ("fp32", "bf16"):
+        assert main(["explain", "--model", "llama-1b", "--batch", "4", "--seq", "512", "--dtype", dtype, "--json"]) == 0
+        d = json.loads(capsys.readouterr().out)
+        assert d["dtype"] == dtype
+        times[dtype] = d["time"]["step_s"]
+    assert times["bf16"] < times["fp32"] / 3  # an H100's bf16 peak is 15x its fp32 one
+    marked = tmp_path / "config.json"
+    marked.write_text(json.dumps({**sf.presets.PRESETS["llama-1b"], "dtype": "bfloat16"}))
+    assert main(["explain", "--model", str(marked), "--batch", "4", "--seq", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "; compute dtype bf16 (the config's dtype); hardware h100" in out
+    assert f"{times['bf16'] * 1e3:.1f} ms per step" in out
 
 
 def test_the_tuner_runs_the_fastest_estimated_first() -> None:

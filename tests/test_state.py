@@ -12,6 +12,7 @@ from models import megatron_llama, tiny_llama, token_ids, train
 from torch import nn
 
 import slapo_fn as sf
+from slapo_fn.state import CheckpointFallback
 
 
 def llama() -> nn.Module:
@@ -173,9 +174,22 @@ def test_a_checkpoint_corrupted_inside_is_one_short_error_or_falls_back(tmp_path
     other = nn.Linear(16, 16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert sf.load(other, None, tmp_path) == 1  # the newest loadable one
-    assert any("step-00000002" in str(w.message) and "cannot be read" in str(w.message) for w in caught)
+        assert sf.load(other, None, tmp_path) == 1  # the newest that verifies
+    said = [str(w.message) for w in caught if issubclass(w.category, CheckpointFallback)]
+    assert len(said) == 1 and f"{data}: does not match its digest in manifest.json" in said[0], said
     assert torch.equal(other.weight, older["weight"])
-    with pytest.raises(sf.ScheduleError, match=r"step-00000002': cannot be read: CheckpointException") as info:
+    with pytest.raises(sf.ScheduleError, match=r"\.distcp': does not match its digest") as info:
         sf.load(nn.Linear(16, 16), None, tmp_path, fallback=False)
     assert len(str(info.value).splitlines()) <= 3
+    with pytest.raises(sf.ScheduleError, match=r"step-00000002': cannot be read: CheckpointException") as info:
+        sf.load(nn.Linear(16, 16), None, tmp_path, fallback=False, verify=False)  # DCP's own read fails
+    assert len(str(info.value).splitlines()) <= 3
+
+
+def test_a_save_without_a_step_does_not_overwrite_one(tmp_path: Path) -> None:
+    model = nn.Linear(2, 2)
+    assert sf.save(model, None, tmp_path).name == "step-00000000"
+    with pytest.raises(sf.ScheduleError, match=r"step-00000000': is there already, and a save without step= would "
+                                               r"overwrite it\n      fix: pass the training step"):
+        sf.save(model, None, tmp_path)
+    assert sf.save(model, None, tmp_path, step=0).name == "step-00000000"  # asked for: replaced

@@ -257,7 +257,7 @@ def test_jsonl_and_tensorboard_loggers_write_every_record(tmp_path: Path) -> Non
 
 def test_tensorboard_missing_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
-    with pytest.raises(TrainError, match=r"(?s)tensorboard package.*pip install 'slapo_fn\[tensorboard\]'"):
+    with pytest.raises(sf.ScheduleError, match=r"(?s)tensorboard package.*pip install 'slapo_fn\[tensorboard\]'"):
         TensorBoardLog(tmp_path / "tb")
 
 

@@ -561,14 +561,19 @@ def _ddp_buckets(sizes: Sequence[int]) -> list[int]:
     return buckets
 
 
-def data_parallel_collectives(sch: Schedule) -> tuple[Collective, ...]:
-    """The collectives data parallelism issues in one step on one rank (one
-    microbatch's forward and backward), from the ``data_parallel`` annotation:
+def data_parallel_collectives(sch: Schedule, microbatches: int = 1) -> tuple[Collective, ...]:
+    """The collectives data parallelism issues in one step on one rank, from the
+    ``data_parallel`` annotation; ``microbatches`` > 1: those of a pipeline stage
+    (``sch``) running that many microbatches:
 
     * FSDP2 (``fsdp``, and HSDP's shard axis): per unit (each block holding parameters,
       then the root with the rest) one all-gather forward; one again in backward when
       ``reshard_after_forward`` (the root too, as measured with torch 2.13); one
-      reduce-scatter of its gradients;
+      reduce-scatter of its gradients. In a pipeline stage, with
+      ``reshard_after_forward``, one all-gather per microbatch forward and one for the
+      backward pass (the stage keeps its parameters gathered between its backward
+      microbatches and reduces gradients on the last: measured with torch 2.13's 1F1B
+      and GPipe);
     * HSDP: also one all-reduce per unit over the replicate axis (of the shard);
     * DDP (``ddp``): one all-reduce per gradient bucket (:data:`DDP_BUCKET_BYTES`).
 
@@ -613,10 +618,12 @@ def data_parallel_collectives(sch: Schedule) -> tuple[Collective, ...]:
     units.append(("", rest))
     out: list[Collective] = []
     full = {path: _unit_bytes(sch, ps, shards) for path, ps in units}
-    for path, ps in units:
-        if ps:
-            out.append(Collective(path, "params", "forward", "all_gather", f"S(0)@{shard_axis}", "R", shard_axis,
-                                  "data_parallel", full[path]))
+    forwards = microbatches if spec.reshard_after_forward else 1
+    for _ in range(forwards):
+        for path, ps in units:
+            if ps:
+                out.append(Collective(path, "params", "forward", "all_gather", f"S(0)@{shard_axis}", "R",
+                                      shard_axis, "data_parallel", full[path]))
     for path, ps in units:
         if not ps:
             continue

@@ -21,6 +21,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -95,7 +97,11 @@ def _weights(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, bias if isinstance(bias, torch.Tensor) else None
 
 
-_compiled_mlp = torch.compile(fused_mlp)
+@functools.cache
+def _compiled_mlp() -> Callable[..., torch.Tensor]:
+    """``fused_mlp`` compiled, made on first use: ``torch.compile`` imports dynamo and inductor
+    (a second or more), which a process that never runs compiled kernels should not pay."""
+    return torch.compile(fused_mlp)  # type: ignore[return-value]
 
 
 class FusedMLP(nn.Module):
@@ -201,7 +207,7 @@ class FusedMLP(nn.Module):
         fc1, fc2 = self._modules[fc1_name], self._modules[fc2_name]
         assert fc1 is not None and fc2 is not None
         if self.compiled and not _distributed(fc1, fc2):
-            out = _compiled_mlp(hidden_states, *_weights(fc1), *_weights(fc2), approximate=self.approximate,
+            out = _compiled_mlp()(hidden_states, *_weights(fc1), *_weights(fc2), approximate=self.approximate,
                                 transposed=self.transposed)
         else:
             # through the layers themselves (Linear / Conv1D already put the bias in the GEMM),

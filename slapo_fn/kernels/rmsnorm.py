@@ -4,6 +4,9 @@ or (``compile=True`` / :class:`CompiledRMSNorm`) with the elementwise part compi
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -27,7 +30,11 @@ def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     return weight * x.to(hidden_states.dtype)
 
 
-_compiled_rms_norm = torch.compile(rms_norm)
+@functools.cache
+def _compiled_rms_norm() -> Callable[..., torch.Tensor]:
+    """``rms_norm`` compiled, made on first use: ``torch.compile`` imports dynamo and inductor
+    (a second or more), which a process that never runs compiled kernels should not pay."""
+    return torch.compile(rms_norm)  # type: ignore[return-value]
 
 
 class RMSNorm(nn.Module):
@@ -74,7 +81,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.compiled:
-            return _compiled_rms_norm(hidden_states, self.weight, self.eps)  # type: ignore[no-any-return]
+            return _compiled_rms_norm()(hidden_states, self.weight, self.eps)  # type: ignore[no-any-return]
         normed = F.rms_norm(hidden_states.float(), (hidden_states.shape[-1],), None, self.eps)
         return self.weight * normed.to(hidden_states.dtype)
 

@@ -108,9 +108,10 @@ def stage_table(sch: object) -> StageTable:
     return StageTable(tuple(rows), tuple(tuple(m) for m in holders.values() if len(m) > 1))
 
 
-def pipeline_collectives(sch: Schedule, shapes: ActivationShapes | None, microbatches: int) -> tuple[Collective, ...]:
-    """The point-to-point transfers of one step of ``pp`` rank 0 (the boundaries of its
-    stages with their neighbours): for each
+def pipeline_collectives(sch: Schedule, shapes: ActivationShapes | None, microbatches: int,
+                          pp_rank: int = 0) -> tuple[Collective, ...]:
+    """The point-to-point transfers of one step of ``pp`` rank ``pp_rank`` (the boundaries
+    of its stages with their neighbours): for each
     microbatch, the activation sent forward over the ``pp`` axis and its gradient sent
     back (each a ``send`` on one rank and a ``recv`` on the next; listed once, as
     ``send_recv``). ``bytes`` is one microbatch's tensor at the boundary (the output of
@@ -122,7 +123,7 @@ def pipeline_collectives(sch: Schedule, shapes: ActivationShapes | None, microba
     ranks = stage_ranks(len(stages), pp_size(sch) or len(stages))
     out: list[Collective] = []
     for st in stages[:-1]:
-        if 0 not in (ranks[st.index], ranks[st.index + 1]):
+        if pp_rank not in (ranks[st.index], ranks[st.index + 1]):
             continue
         last = join(st.sequence, st.layers[-1])
         entry = shapes.outputs.get(last) if shapes is not None else None

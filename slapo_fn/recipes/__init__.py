@@ -34,7 +34,7 @@ from ..hf import model_type as model_type_of
 from ..schedule import Schedule
 from ..select import select
 from ..tree import parent_path
-from ._recipe import Knobs, Recipe, Shard, Stack
+from ._recipe import HSDP_AXES, Knobs, Recipe, Shard, Stack
 from .bert import BERT
 from .fused_qkv import BLOOM, FALCON
 from .gpt2 import GPT2
@@ -43,7 +43,8 @@ from .moe import MIXTRAL, QWEN2_MOE, QWEN3_MOE, MoeRecipe
 from .opt import OPT
 from .t5 import T5
 
-__all__ = ["BERT", "BLOOM", "FALCON", "GPT2", "LLAMA", "MIXTRAL", "OPT", "QWEN2_MOE", "QWEN3", "QWEN3_MOE", "RECIPES",
+__all__ = ["BERT", "BLOOM", "FALCON", "GPT2", "HSDP_AXES", "LLAMA", "MIXTRAL", "OPT", "QWEN2_MOE", "QWEN3", "QWEN3_MOE",
+           "RECIPES",
            "T5", "Knobs", "MoeRecipe", "Recipe", "Shard", "Stack", "check_tp_plan", "for_model", "from_model_plan",
            "from_tp_plan", "plan_stacks", "tp_plan_of"]
 

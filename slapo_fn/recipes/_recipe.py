@@ -62,6 +62,10 @@ class Stack:
     whole: tuple[str, ...] = ()
 
 
+#: The mesh axes of ``dp_mode="hsdp"``: the replicas, then the ranks each shards over.
+HSDP_AXES: tuple[str, str] = ("dp_replicate", "dp")
+
+
 @dataclass(frozen=True)
 class Knobs:
     """The knobs of every recipe.
@@ -72,7 +76,8 @@ class Knobs:
       first half) or explicit layer indices;
     * ``stages``: pipeline stages over the mesh axis ``"pp"``, cut evenly (``int``) or after
       the given layer indices;
-    * ``dp_mode``: ``None`` or ``"fsdp"``/``"ddp"``/``"hsdp"`` over ``"dp"``;
+    * ``dp_mode``: ``None`` or ``"fsdp"``/``"ddp"`` over ``"dp"``, or ``"hsdp"`` over
+      :data:`HSDP_AXES` (replicas over ``"dp_replicate"``, each sharded over ``"dp"``);
     * ``kernels``: swap in the family's fused kernels;
     * ``compile``: ``torch.compile`` each layer.
     """
@@ -141,7 +146,7 @@ class Recipe:
             steps.append(compile.at(layers))
         steps += [cut_pipeline_stage.at(path) for path in _cuts(stacks[0], knobs.stages)]
         if knobs.dp_mode is not None:
-            steps.append(data_parallel.at(mode=knobs.dp_mode))
+            steps.append(data_parallel.at(mode=knobs.dp_mode, mesh_axis=HSDP_AXES if knobs.dp_mode == "hsdp" else "dp"))
         sch = chain(*steps)(sch)
         if knobs.tp > 1 and self.extra_tp is not None:
             sch = self.extra_tp(sch)

@@ -3,14 +3,33 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from ..errors import Problem, ScheduleError
 from ..schedule import Key
 
+
+@dataclass(frozen=True)
+class Installed:
+    """What :func:`~slapo_fn.replace` installed at a path, and what it took the place of
+    (a module's class, or the ops of a matched subgraph), as the tree and ``explain``
+    print it.
+
+    >>> str(Installed("RMSNorm", "LlamaRMSNorm"))
+    'RMSNorm in place of LlamaRMSNorm'
+    """
+
+    module: str
+    replaced: str
+
+    def __str__(self) -> str:
+        return f"{self.module} in place of {self.replaced}"
+
+
 #: Set by :func:`~slapo_fn.replace` on each module it installs: the user's own code, which may
 #: compute this rank's share of a value (hand-written tensor parallelism, Slapo style). The rest
 #: of the tree is the single-process model's, which computes whole values on every rank.
-INSTALLED: Key[bool] = Key("installed")
+INSTALLED: Key[Installed] = Key("installed")
 
 
 def contains(outer: str, inner: str) -> bool:

@@ -24,7 +24,7 @@ from ..hf import is_conv1d
 from ..schedule import Schedule
 from ..select import Selection
 from ..tree import get_module, set_at
-from ._common import INSTALLED
+from ._common import INSTALLED, Installed
 from .graph.find import Match
 from .graph.subgraph import replace_subgraph
 
@@ -295,6 +295,7 @@ def replace(
     for path, made in replacements:
         root = set_at(root, path, made)
     out = sch.with_module(root, replaced=paths)
-    for path in paths:
-        out = out.annotate_path(path, INSTALLED, True)
+    for path, made in replacements:
+        out = out.annotate_path(path, INSTALLED, Installed(type(made).__name__, type(sch.module.get_submodule(path))
+                                                           .__name__))
     return out

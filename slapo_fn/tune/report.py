@@ -58,7 +58,10 @@ def table(result: TuneResult) -> Any:
     knobs = [k.name for k in result.space.knobs if len(k.values()) > 1]
     out = Table(title=f"slapo-fn tune: {len(result.trials)} trials ({result.strategy}; {result.stopped})")
     for name in [*knobs, "status", "tokens/s", "train mem", "estimate", "reason"]:
-        out.add_column(name, justify="right" if name in ("tokens/s", "train mem", "estimate") else "left")
+        # every column keeps its whole name, piped or not (a console of 80 columns would
+        # cut "checkpoint" to "checkp…"); only the reason wraps
+        out.add_column(name, justify="right" if name in ("tokens/s", "train mem", "estimate") else "left",
+                       min_width=len(name), no_wrap=name != "reason")
     order = sorted(result.trials, key=lambda t: (t.tokens_per_s is None, -(t.tokens_per_s or 0.0)))
     best = result.best
     for t in order:
@@ -67,6 +70,16 @@ def table(result: TuneResult) -> Any:
                     "-" if t.tokens_per_s is None else f"{t.tokens_per_s:,.0f}", _mib(t.train_mem_bytes),
                     _mib(t.estimate_bytes), t.reason[:60], style=style)
     return out
+
+
+def print_table(console: Any, result: TuneResult) -> None:
+    """Print :func:`table` on ``console`` (a ``rich`` console) whole: wider than the
+    console where it needs to be, as when piped (rich then assumes 80 columns)."""
+    from rich.measure import Measurement
+
+    rendered = table(result)
+    need = Measurement.get(console, console.options, rendered).minimum
+    console.print(rendered, width=max(console.width, need), crop=False)
 
 
 def _position(values: list[Any], value: Any) -> int:

@@ -28,6 +28,7 @@ from typing import Any
 
 from ..errors import Problem, ScheduleError
 from ..hf import LAYER_COUNT_ATTRS, config_value, model_type
+from ..options import FLAGS, Split
 from ..presets import config_for
 from ..recipes import RECIPES
 
@@ -244,16 +245,20 @@ def layers_at_least_pp(layers: int) -> Constraint:
 
 def batch_divides() -> Constraint:
     """The global batch splits evenly over ``dp``, and each data-parallel rank's share over
-    the pipeline microbatches."""
+    the pipeline microbatches: the check ``slapo-fn train`` and ``explain`` make
+    (:class:`slapo_fn.options.Split`), so that no trial is one ``train`` refuses.
+
+    >>> batch_divides().why_not(Config.of({"batch": 8, "dp": 4, "pp": 4}))
+    '2 sequences per data-parallel rank and micro-step (batch 8 / dp 4) do not split into 8 microbatches (the \
+default: 2 x pp)'
+    """
 
     def check(c: Config) -> str | None:
-        batch, dp, pp = c.num("batch"), c.num("dp"), c.num("pp")
-        if batch % dp:
-            return f"batch={batch} is not divisible by dp={dp}"
-        micro = (c.num("microbatches") or 2 * pp) if pp > 1 else 1
-        if (batch // dp) % micro:
-            return f"the per-rank batch {batch // dp} is not divisible by {micro} microbatches"
-        return None
+        micro = c.get("microbatches")
+        split = Split(batch=c.num("batch"), dp=c.num("dp"), pp=c.num("pp"),
+                      microbatches=None if micro is None else c.num("microbatches"))
+        problems = split.problems({k: k for k in FLAGS})
+        return problems[0].reason if problems else None
 
     return Constraint("batch % dp == 0 (and % microbatches)", check)
 

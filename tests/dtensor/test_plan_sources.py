@@ -133,7 +133,7 @@ def test_a_module_installed_by_replace_may_compute_this_ranks_share() -> None:
     plain = sf.sync(base, "1", "fwd_post", Replicate(), src=Partial())
     assert [p for p, _ in refused(plain)] == ["1"]
     installed = sf.replace(base, "1", LocalSum(), check_shapes=False)
-    assert installed.annotations.get("1", INSTALLED) is True
+    assert str(installed.annotations.get("1", INSTALLED)) == "LocalSum in place of Block"
     assert refused(sf.sync(installed, "1", "fwd_post", Replicate(), src=Partial())) == []
     assert base.annotations.get("1", INSTALLED) is None  # the input is untouched
 

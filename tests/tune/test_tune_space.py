@@ -4,9 +4,11 @@ the search loop (with a simulated objective in place of real trials)."""
 from __future__ import annotations
 
 import importlib.util
+import io
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from slapo_fn.dtensor.testing import fake_world
 from slapo_fn.errors import ScheduleError
@@ -28,7 +30,7 @@ from slapo_fn.tune import (
     tune,
 )
 from slapo_fn.tune.cost import ModelShape, activation_bytes
-from slapo_fn.tune.report import table, to_json
+from slapo_fn.tune.report import print_table, table, to_json
 from slapo_fn.tune.space import batch_divides, heads_divisible, microbatches_at_least_pp
 from slapo_fn.tune.trial import _reason
 
@@ -52,7 +54,8 @@ def test_constraints_reject_impossible_points_with_reasons() -> None:
     assert heads_divisible(4, 2).why_not(Config.of({"tp": 4})) == "kv_heads=2 is not divisible by tp=4"
     assert microbatches_at_least_pp().why_not(Config.of({"pp": 4, "microbatches": 2})) is not None
     assert microbatches_at_least_pp().why_not(Config.of({"pp": 2, "microbatches": 2})) is None
-    assert batch_divides().why_not(Config.of({"batch": 6, "dp": 4})) == "batch=6 is not divisible by dp=4"
+    assert batch_divides().why_not(Config.of({"batch": 6, "dp": 4})) == ("a global batch of 6 sequences does not split "
+                                                                          "evenly over dp 4 data-parallel ranks")
     space = space_for("llama-tiny", 4, tp=[1, 2, 4], pp=[1, 2], microbatches=[1, 2, 4], batch=[4, 8])
     for config in space.valid():
         assert config.num("dp") * config.num("tp") * config.num("pp") == 4
@@ -158,6 +161,10 @@ def test_failed_trials_are_recorded_and_the_search_goes_on() -> None:
     assert report["summary"]["failed"] == 2 and report["best"]["config"] == {"tp": 1, "batch": 4}
     assert report["trials"][2]["reason"] == "exit 3: boom"
     assert table(result).row_count == 4
+    piped = io.StringIO()
+    print_table(Console(file=piped, width=60), result)  # not a terminal: 80 columns or fewer
+    header = next(line for line in piped.getvalue().splitlines() if "status" in line)
+    assert all(name in header for name in ("tp", "batch", "status", "tokens/s", "train mem", "estimate", "reason"))
 
 
 def test_tpe_needs_optuna_or_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ...errors import Problem, ScheduleError, ScheduleTypeError
 from ...schedule import Key, Schedule
 from ...tree import join
-from .._common import INSTALLED
+from .._common import INSTALLED, Installed
 from ._graph import graph_module_at
 from .find import Match, nodes_of, op_name
 from .outline import Outlined, outline
@@ -209,7 +209,9 @@ def replace_subgraph(
                                recompute_escaping=True)
     if problems:
         raise ScheduleError("replace", problems)
-    return result.annotate_path(new_path, INSTALLED, True)
+    replaced = f"a subgraph of {len(one.ops)} op{'s' if len(one.ops) > 1 else ''} ({', '.join(one.ops[:4])}" \
+        f"{', …' if len(one.ops) > 4 else ''})"
+    return result.annotate_path(new_path, INSTALLED, Installed(type(module).__name__, replaced))
 
 
 def checkpoint_subgraph(sch: Schedule, path: str, match: Match, key: Key[T], spec: T) -> Schedule:
