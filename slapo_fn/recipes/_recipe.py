@@ -146,7 +146,8 @@ class Recipe:
             steps.append(compile.at(layers))
         steps += [cut_pipeline_stage.at(path) for path in _cuts(stacks[0], knobs.stages)]
         if knobs.dp_mode is not None:
-            steps.append(data_parallel.at(mode=knobs.dp_mode, mesh_axis=HSDP_AXES if knobs.dp_mode == "hsdp" else "dp"))
+            steps.append(data_parallel.at(mode=knobs.dp_mode, mesh_axis=HSDP_AXES) if knobs.dp_mode == "hsdp"
+                         else data_parallel.at(mode=knobs.dp_mode))  # over data_parallel's own axis, "dp"
         sch = chain(*steps)(sch)
         if knobs.tp > 1 and self.extra_tp is not None:
             sch = self.extra_tp(sch)
