@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -49,6 +50,10 @@ class _Record(TorchDispatchMode):
         self.direction, self.into, self.axes = direction, into, axes
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # an op on DTensors goes back to DTensor, which re-dispatches its local ops and the
+        # collectives of its redistributions here; run with this mode off, they go uncounted
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         name = func.__name__.split(".")[0]
         if func.namespace == "_c10d_functional" and name != "wait_tensor" and not name.startswith("_"):

@@ -1039,9 +1039,9 @@ def _run_one(case: Case, mesh: Any) -> dict[str, Any]:
         return {"status": "mismatch", "stage": "compare", "why": "; ".join(found[:4])}
     counted = {"forward": dict(fwd.seen), "backward": dict(bwd.seen)}
     if predicted is not None and counted != predicted:
-        # on DTensor activations the prediction is explain's fake run, which misses what DTensor
-        # redistributes inside an op (OPEN_STATUSES)
-        return {"status": "fake-counts" if on_dtensors else "counts", "stage": "plan",
+        # on DTensor activations the prediction is explain's fake run, which counts what DTensor
+        # redistributes inside an op too
+        return {"status": "counts", "stage": "plan",
                 "why": f"counted {counted}, plan predicted {predicted}"}
     return {"status": "equal"}
 
@@ -1056,14 +1056,13 @@ def _raw(e: BaseException) -> str:
 
 
 #: Statuses after which both ranks are known to have run the same collectives.
-_IN_STEP = ("equal", "refused", "counts", "fake-counts")
+_IN_STEP = ("equal", "refused", "counts")
 
 #: Outcomes of an open defect outside the layout engine, kept apart from the promise (counted,
-#: and pinned by a strict xfail): "fake-counts", explain's count of a plan run on DTensor
-#: activations (``slapo_fn/dtensor/dryrun.py``'s fake run) short of what runs, because its
-#: dispatch mode sees an op on DTensors before DTensor does and so never the collectives
-#: DTensor issues inside it (CommDebugMode hands such ops back with NotImplemented).
-OPEN_STATUSES = ("fake-counts",)
+#: and pinned by a strict xfail); none is open now.
+OPEN_STATUSES: tuple[str, ...] = ()
+#: A plan run on DTensor activations whose collectives DTensor issues inside ops (explain's
+#: fake run once missed them: its dispatch mode saw each op before DTensor did).
 FAKE_COUNTS_MINIMAL = Case(16, False, "", (Block("mlp", hidden=8, act="relu", style="normed"),
                                            Block("functional", act="relu", bias=False, residual=True, extra=True)),
                            (("sync", "1.out", "fwd_post", "S(1)", None), ("shard", "0.fc1", 0, 1),
@@ -1583,9 +1582,6 @@ def test_known_defect(dist_pool: Any, name: str) -> None:
     check_case(KNOWN_DEFECTS[name].minimal, lambda: dist_pool(2))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="explain's fake run on DTensor activations misses "
-                   "the collectives DTensor issues inside an op: predicted forward {all_gather: 2}, counted "
-                   "{all_reduce: 2, all_gather: 3} (OPEN_STATUSES)")
 def test_explain_counts_what_a_plan_on_dtensors_runs(dist_pool: Any) -> None:
     per_rank = run_cases(lambda: dist_pool(2), [FAKE_COUNTS_MINIMAL])[0]
     assert verdict(FAKE_COUNTS_MINIMAL, per_rank, open_statuses=()) is None, per_rank[0]

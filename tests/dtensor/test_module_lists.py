@@ -93,10 +93,7 @@ def _outcomes(rank: int, world: int, family: str) -> dict[str, str]:
             out[name] = "equal" if r["on_dtensors"] else "counts: explain predicted none"
             continue
         predicted = {k: {op: n for op, n in v.items() if n} for k, v in r["predicted"].items()}
-        # on DTensor activations explain's fake run misses what DTensor redistributes inside an op
-        # (test_explain_counts_a_row_split_by_features_on_dtensors)
-        kind = "fake-counts" if r["on_dtensors"] else "counts"
-        out[name] = "equal" if predicted == ran else f"{kind}: ran {ran}, explain {predicted}"
+        out[name] = "equal" if predicted == ran else f"counts: ran {ran}, explain {predicted}"
     return out
 
 
@@ -117,14 +114,11 @@ def test_layers_in_a_module_list_are_equal_or_refused_before_running(dist2, fami
     for name, (_, want) in expected.items():
         got = results[0][name]
         if want == "equal":
-            assert got == "equal" or got.startswith("fake-counts: "), (name, got)
+            assert got == "equal", (name, got)
         else:
             assert got.startswith("refused: ") and want in got, (name, got)
 
 
-@pytest.mark.xfail(strict=True, reason="explain's fake run on DTensor activations (slapo_fn/dtensor/dryrun.py) misses "
-                   "the collectives DTensor issues inside an op: forward predicted {all_reduce: 3, reduce_scatter: 1}, "
-                   "ran {all_reduce: 3, reduce_scatter: 1, all_gather: 3}")
 def test_explain_counts_a_row_split_by_features_on_dtensors(dist2) -> None:
     assert _results(dist2, "torch")[0]["row-split-by-features"] == "equal"
 

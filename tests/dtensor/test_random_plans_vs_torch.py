@@ -518,10 +518,6 @@ KNOWN_COLLECTIVES: dict[str, tuple[Case, str]] = {
         Case("torch", (("layers.0.attention.wv", "col", 1), ("tok_embeddings", "vocab", 1))),
         "PyTorch's Transformer, tok_embeddings vocabulary-parallel and wv alone column-parallel: 15 collectives "
         "against 6 (each alone costs what PyTorch's does)"),
-    "pair-in-sibling-modules": (
-        Case("bert", (("encoder.layer.0.intermediate.dense", "col", 1), ("encoder.layer.0.output.dense", "row", 1))),
-        "BERT's MLP column (intermediate.dense) and row (output.dense) sit in sibling modules: slapo_fn gathers the "
-        "column's output and splits it again, 4 collectives against PyTorch's 2 (issue 37: BERT from 20 to 8)"),
     "sync-inside-a-megatron-chain": (
         Case("torch", _megatron("torch", STACKS["torch"][0]), chain=("layers.*", "norm"),
              syncs=(("norm", "fwd_post", "S(1)", None),)),

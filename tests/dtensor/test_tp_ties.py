@@ -75,8 +75,6 @@ def test_a_tie_sharded_on_one_side_only_matches_the_reference(dist2) -> None:
 
 @pytest.mark.dist
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason="explain's fake run on DTensor activations (slapo_fn/dtensor/dryrun.py) misses "
-                   "the collectives DTensor issues inside an op: backward predicted {}, ran {all_reduce: 1}")
 def test_explain_counts_a_tie_sharded_on_one_side_only(dist2) -> None:
     for r in _one_side_results(dist2):
         assert r["predicted"] == {"forward": r["fwd"], "backward": r["bwd"]}

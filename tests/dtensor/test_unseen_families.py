@@ -1009,13 +1009,7 @@ def _family(rank: int, world: int, name: str) -> dict[str, str]:
 # head for all). BLOOM and Falcon were refused until their groups of heads ([q|k|v] per head,
 # [q q|k|v] per kv head) were read from the traced view, and their ALiBi bias, built for every
 # head and merged with the batch, cut to this rank's heads.
-_FAKE_RUN = ("runs equal on DTensor activations, but explain's fake run (slapo_fn/dtensor/dryrun.py) misses the "
-             "collectives DTensor issues inside an op, so its counts fall short of the run's ({})")
-XFAIL: dict[str, str] = {
-    "torch-encoder-out-replicated+sp": _FAKE_RUN.format("forward all-gathers: 3 predicted, 11 ran"),
-    "mlp-mixer+sp": _FAKE_RUN.format("forward all-reduces: 0 predicted, 2 ran"),
-    "fnet+sp": _FAKE_RUN.format("forward all-gathers: 3 predicted, 5 ran"),
-}
+XFAIL: dict[str, str] = {}
 
 
 @pytest.mark.parametrize(
