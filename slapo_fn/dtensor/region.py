@@ -191,7 +191,22 @@ class OnDTensors(TorchFunctionMode):
             # a mean or max over a split dimension: DTensor cannot take its gradient back from the
             # sums the rest of backward hands it, so it is taken on whole values
             return _on_whole_values(func, args, kwargs)
+        if func is torch.Tensor.contiguous:
+            return _contiguous(out)
         return pytree.tree_map(_settled, out)
+
+
+def _contiguous(x: Any) -> Any:
+    """``x.contiguous()`` with its local tensor contiguous too. DTensor takes a result's
+    strides from the op's meta kernel, while its local tensor comes from whichever kernel
+    ran on the shard: CPU attention's output is laid out as (batch, tokens, heads, dim) by
+    the meta kernel and as (batch, heads, tokens, dim) by the math kernel, so after a
+    ``transpose`` the wrapper can say contiguous where the local is not, and
+    ``contiguous()`` would keep it so, failing the model's next ``view``."""
+    if not isinstance(x, DTensor) or x._local_tensor.is_contiguous():
+        return x
+    return DTensor.from_local(x.to_local(grad_placements=x.placements).contiguous(), x.device_mesh, x.placements,
+                              run_check=False, shape=x.shape, stride=x.stride())
 
 
 def _settled(x: Any) -> Any:

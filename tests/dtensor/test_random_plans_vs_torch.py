@@ -490,10 +490,6 @@ KNOWN: dict[str, Defect] = {
         "tp_local on BERT's embeddings.LayerNorm, which the whole input reaches inside BertEmbeddings (code fx "
         "cannot trace): not refused, and its gradients are reduced over the ranks, twice the reference's",
         _local_grad),
-    "chain-over-nanogpt-crashes": Defect(
-        "view size is not compatible", Case("nanogpt", chain=("transformer.h.*",)),
-        "sequence_parallel over nanoGPT's blocks, nothing sharded: a raw RuntimeError 'view size is not "
-        "compatible with input tensor's size and stride' from the model's code (PyTorch's engine runs it)"),
     "embedding-subclass-refused": Defect(
         "cannot shard a", Case("bart", (("encoder.embed_positions", "vocab", 1),)),
         "BART's learned positions (an nn.Embedding subclass with a forward of its own) sharded by vocabulary: "

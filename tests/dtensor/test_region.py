@@ -1,0 +1,52 @@
+"""The region code runs in on DTensor activations (slapo_fn/dtensor/region.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist import mesh
+from models import NanoGPT
+from tp_checks import parity
+
+import slapo_fn as sf
+
+
+def _nanogpt_chain(rank: int, world: int) -> dict[str, object]:
+    torch.manual_seed(0)
+    model = NanoGPT()
+    ids = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    r = parity(model, lambda s: sf.sequence_parallel(s, "transformer.h.*"), (ids,), shape=(world,), tracker=False,
+               predict=False)
+    return {"on_dtensors": r["on_dtensors"]}
+
+
+@pytest.mark.timeout(120)
+def test_a_chain_over_nanogpts_blocks_runs_its_contiguous_view(dist2) -> None:
+    """nanoGPT's attention ends in ``y.transpose(1, 2).contiguous().view(b, t, c)``. On
+    DTensor activations the attention's output has the meta kernel's strides on its
+    wrapper and the math kernel's on its local tensor, so the wrapper said contiguous
+    where the local was not and the view failed inside the model; ``contiguous()`` now
+    makes the local contiguous: equal to the single process (parity checks the output
+    and every gradient)."""
+    assert all(r["on_dtensors"] for r in dist2.run(_nanogpt_chain, timeout=90))
+
+
+def _wrapper_says_contiguous(rank: int, world: int) -> list[bool]:
+    from torch.distributed.tensor import DTensor, Shard
+
+    from slapo_fn.dtensor.region import OnDTensors
+
+    local = torch.randn(2, 3, 4).transpose(1, 2)  # (2, 4, 3), not contiguous
+    x = DTensor.from_local(local, mesh((world,), ("tp",)), [Shard(0)], run_check=False, shape=(2 * world, 4, 3),
+                           stride=(12, 3, 1))  # a wrapper that says contiguous
+    with OnDTensors():
+        y = x.contiguous()
+        z = y.view(2 * world, 12)
+    assert isinstance(y, DTensor) and isinstance(z, DTensor)
+    return [x._local_tensor.is_contiguous(), y._local_tensor.is_contiguous(),
+            bool(torch.equal(z.to_local(), local.reshape(2, 12)))]
+
+
+@pytest.mark.timeout(60)
+def test_contiguous_makes_the_local_tensor_contiguous_whatever_the_wrapper_says(dist2) -> None:
+    assert dist2.run(_wrapper_says_contiguous, timeout=30) == [[False, True, True]] * 2
