@@ -3324,7 +3324,20 @@ def _unproven(sch: Schedule, p: Plan) -> list[Problem]:
             + _code_over_the_sequence(sch)
             + _lone_columns_in_chains(sch, p) + _split_input_into_reducers(sch, p) + _functional_reads(sch, p)
             + _feature_syncs(sch, p) + _half_gathered_pairs(sch, p) + _gathers_inside_chains(sch, p)
-            + _packing_against_flow(sch, p) + _heads_against_flow(sch, p) + _features_mixed(sch, p))
+            + _packing_against_flow(sch, p) + _heads_against_flow(sch, p) + _features_mixed(sch, p)
+            + _unseen_tp_locals(sch))
+
+
+def _unseen_tp_locals(sch: Schedule) -> list[Problem]:
+    """``tp_local`` on a module whose caller's code fx cannot trace (BERT's embeddings
+    LayerNorm, inside ``BertEmbeddings``): the data flow cannot show that only this rank's
+    shard reaches it, and where the whole activation does, summing its gradients over the
+    ranks would multiply them. On DTensor activations the gradients are what the data
+    flow makes them, whatever the statement."""
+    return [Problem(path, "is declared tp_local, but its caller's code cannot be traced, so what reaches it is "
+                          "unknown", f"trace its caller, or drop tp_local for {path!r} where the whole activation "
+                                   "reaches it")
+            for path in sch.annotations.of_kind(LOCAL) if _caller(sch, path) is None]
 
 
 def _bypassed(sch: Schedule, p: Plan) -> list[Problem]:

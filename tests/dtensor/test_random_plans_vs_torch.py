@@ -479,17 +479,7 @@ class Defect:
         return self.phrase in why and self.when(case, why)
 
 
-def _local_grad(case: Case, why: str) -> bool:
-    """The wrong gradient is a parameter of a module the plan declares tp_local."""
-    return any(why.split(": ", 2)[1].startswith(f"{path}.") for path in case.local if ": " in why)
-
-
 KNOWN: dict[str, Defect] = {
-    "tp-local-on-a-whole-input-in-untraced-code": Defect(
-        "Tensor-likes are not close", Case("bert", local=("embeddings.LayerNorm",)),
-        "tp_local on BERT's embeddings.LayerNorm, which the whole input reaches inside BertEmbeddings (code fx "
-        "cannot trace): not refused, and its gradients are reduced over the ranks, twice the reference's",
-        _local_grad),
     "embedding-subclass-refused": Defect(
         "cannot shard a", Case("bart", (("encoder.embed_positions", "vocab", 1),)),
         "BART's learned positions (an nn.Embedding subclass with a forward of its own) sharded by vocabulary: "
