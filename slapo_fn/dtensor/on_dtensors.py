@@ -77,8 +77,7 @@ def _boundaries_on_dtensors(acts: Activations, mp: ModulePlan, forward: Callable
     # a sync from a layout to itself moves nothing and asserts nothing (a plain tensor handed on
     # through it keeps the meaning the next statement gives it)
     pre = [s for s in mp.syncs if s.mode == "fwd_pre" and s.src != s.layout]
-    post = [s for s in mp.syncs if s.mode == "fwd_post" and s.src != s.layout] if (
-        mp.role is None or mp.role.own_forward) else []
+    post = [s for s in mp.posts if s.src != s.layout]
     if not (pre or post or mp.entry or mp.exit or given):
         return forward
 

@@ -143,6 +143,15 @@ class ModulePlan:
         return self.role is not None and not self.role.own_forward and isinstance(self.role.takes(3), Replicate)
 
     @property
+    def posts(self) -> tuple[SyncSpec, ...]:
+        """The ``fwd_post`` syncs converted after the module's forward, in the order stated:
+        all of them, but for a sharded module's first, which its own output boundary
+        converts (from its role's output: a row's ``Partial()``, a column's ``Shard(-1)``);
+        each later one converts from the layout the one before it made."""
+        posts = tuple(s for s in self.syncs if s.mode == "fwd_post")
+        return posts[1:] if self.role is not None and not self.role.own_forward else posts
+
+    @property
     def keeps_features(self) -> bool:
         """A column paired with rows whose output stays this rank's features for them: no
         ``fwd_post`` sync of its own gathers it (:func:`_gathers_output`). Its parent's code
@@ -3005,12 +3014,24 @@ def _own_code_at(sch: Schedule, path: str) -> bool:
                for q in sch.annotations.of_kind(key))
 
 
+def _stacked_role_outputs(sch: Schedule) -> list[Problem]:
+    """A sharded module with several ``fwd_post`` syncs: its output boundary converts its
+    role's own output to the first's layout, and each later one converts on from there
+    (:attr:`ModulePlan.posts`). The local-shard path plans one conversion per output, so
+    the model runs on DTensor activations, which move through each in turn."""
+    syncs: dict[str, tuple[SyncSpec, ...]] = sch.annotations.of_kind(SYNC)
+    return [Problem(path, f"is {role.name}-parallel with {n} fwd_post syncs, converted one after another",
+                    f"keep one fwd_post sync on {path!r}, to the layout its output should have, for the "
+                    "local-shard path")
+            for path, role in sch.annotations.of_kind(ROLE).items() if not role.own_forward
+            and (n := sum(s.mode == "fwd_post" for s in syncs.get(path, ()))) > 1]
+
+
 def _role_output_syncs(sch: Schedule) -> list[Problem]:
-    """A sharded module's output boundary is one conversion, from its role's own output
-    (a column's or a feature-split embedding's ``Shard(-1)``, a row's or vocabulary
-    embedding's ``Partial()``) to the layout its ``fwd_post`` sync states. A second
-    ``fwd_post`` sync on it, or a ``src=`` naming another layout, would be ignored (the
-    output then not the layout stated last). Refused, naming the module."""
+    """A sharded module's output boundary converts from its role's own output (a column's
+    or a feature-split embedding's ``Shard(-1)``, a row's or vocabulary embedding's
+    ``Partial()``): a first ``fwd_post`` sync whose ``src=`` names another layout states
+    what is not so. Refused, naming the module."""
     problems = []
     syncs: dict[str, tuple[SyncSpec, ...]] = sch.annotations.of_kind(SYNC)
     for path, role in sch.annotations.of_kind(ROLE).items():
@@ -3018,13 +3039,7 @@ def _role_output_syncs(sch: Schedule) -> list[Problem]:
             continue
         posts = [s for s in syncs.get(path, ()) if s.mode == "fwd_post"]
         own: Placement = Shard(-1) if role.splits_output else Partial()
-        if len(posts) > 1:
-            problems.append(Problem(
-                path, f"is {role.name}-parallel with {len(posts)} fwd_post syncs: its output boundary converts its "
-                f"own {_code(own)} once",
-                f"keep one fwd_post sync on {path!r}, to the layout its output should have",
-            ))
-        elif posts and posts[0].src is not None and posts[0].src != own:
+        if posts and posts[0].src is not None and posts[0].src != own:
             problems.append(Problem(
                 path, f"is {role.name}-parallel, so its output is {_code(own)}, but its fwd_post sync states "
                 f"src={_code(posts[0].src)}",
@@ -3325,7 +3340,7 @@ def _unproven(sch: Schedule, p: Plan) -> list[Problem]:
             + _lone_columns_in_chains(sch, p) + _split_input_into_reducers(sch, p) + _functional_reads(sch, p)
             + _feature_syncs(sch, p) + _half_gathered_pairs(sch, p) + _gathers_inside_chains(sch, p)
             + _packing_against_flow(sch, p) + _heads_against_flow(sch, p) + _features_mixed(sch, p)
-            + _unseen_tp_locals(sch))
+            + _unseen_tp_locals(sch) + _stacked_role_outputs(sch))
 
 
 def _unseen_tp_locals(sch: Schedule) -> list[Problem]:

@@ -844,7 +844,7 @@ def _wrap_boundaries(rt: _Runtime, mp: ModulePlan, forward: Callable[..., Any], 
     (``ids``: the module takes token ids, whose last dimension is the sequence)."""
     pre = [s for s in mp.syncs if s.mode == "fwd_pre"]
     bwd = [s for s in mp.syncs if s.mode == "bwd_post"]
-    post = [s for s in mp.syncs if s.mode == "fwd_post"] if mp.role is None or mp.role.own_forward else []
+    post = mp.posts
     if not (pre or bwd or post or mp.entry or mp.exit):
         return forward
 

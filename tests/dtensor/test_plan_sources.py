@@ -154,7 +154,8 @@ def test_a_sharded_modules_output_is_converted_once_from_its_own_layout() -> Non
     ((path, reason),) = refused(sf.sync(row, "0.fc2", "fwd_post", Replicate(), src=Shard(1)))
     assert path == "0.fc2" and "its output is Partial()" in reason
     twice = sf.sync(sf.sync(row, "0.fc2", "fwd_post", Shard(1)), "0.fc2", "fwd_post", Replicate())
-    assert [(p, "2 fwd_post syncs" in r) for p, r in refused(twice)] == [("0.fc2", True)]
+    assert refused(twice) == []  # converted in turn, on DTensor activations (test_sync.py)
+    assert [(p, "2 fwd_post syncs" in r) for p, r in off_local(twice)] == [("0.fc2", True)]
     assert refused(sf.sync(row, "0.fc2", "fwd_post", Shard(1), src=Partial())) == []
 
 

@@ -484,13 +484,6 @@ KNOWN: dict[str, Defect] = {
         "cannot shard a", Case("bart", (("encoder.embed_positions", "vocab", 1),)),
         "BART's learned positions (an nn.Embedding subclass with a forward of its own) sharded by vocabulary: "
         "refused ('cannot shard a BartLearnedPositionalEmbedding as a whole'); PyTorch's RowwiseParallel runs it"),
-    "row-with-two-output-syncs-refused": Defect(
-        "fwd_post syncs: its output boundary converts", Case(
-            "llama", (("model.layers.0.mlp.down_proj", "row", 1),),
-            syncs=(("model.layers.0.mlp.down_proj", "fwd_post", "S(-1)", None),
-                   ("model.layers.0.mlp.down_proj", "fwd_post", "R", None))),
-        "a row with two fwd_post syncs (to Shard(-1), then Replicate()), no src stated: refused ('converts its own "
-        "Partial() once'), a statement nothing contradicts; PyTorch applies both"),
 }
 
 #: Plans on which slapo_fn issues more collectives than PyTorch's engine, the smallest found
