@@ -218,9 +218,30 @@ def _module_plan(
     problems: list[Problem],
 ) -> _Plan | None:
     weight = module._parameters.get("weight")
-    if not _shardable(module) or weight is None:
+    if not _a_layer(module):
         problems.append(_whole_module_problem(sch.module, path, module))
         return None
+    assert weight is not None
+    plan = _layer_plan(sch, path, module, weight, axis, mesh_axis, packed, layout, problems)
+    if plan is None or _own_forward(module) is None:
+        return plan
+    # a subclass computing more than its layer (learned positions made from a mask, a router
+    # picking experts) keeps its own forward, which a sharded layer's would replace: its
+    # parameters take the layer's layouts, gathered for each call
+    return _Plan(path, Gathered(mesh_axis), plan.params)
+
+
+def _layer_plan(
+    sch: Schedule,
+    path: str,
+    module: nn.Module,
+    weight: torch.Tensor,
+    axis: int | None,
+    mesh_axis: str,
+    packed: int,
+    layout: Sequence[Placement] | Sequence[str | None] | None,
+    problems: list[Problem],
+) -> _Plan | None:
     if layout is not None:
         lay = _placement_from(sch, path + ".weight", weight.dim(), layout, problems)
         if lay is None:
@@ -287,13 +308,10 @@ def _check_arguments(axis: object, mesh_axis: object, packed: object, layout: ob
                                             "packed=1, or the number of fused chunks (3 for [Q|K|V])")])
 
 
-def _shardable(module: nn.Module) -> bool:
-    """A Linear, Embedding or Conv1D with a weight, computing what its kind computes: a
-    sharded layer's installed forward replaces the module's own, so a subclass with a
-    forward of its own that does more (OPT's learned positions compute their ids from a
-    mask; Llama-4's router picks its top experts) is sharded by its parameters instead."""
-    return (_own_forward(module) is None and (isinstance(module, nn.Linear | nn.Embedding) or is_conv1d(module))
-            and module._parameters.get("weight") is not None)
+def _a_layer(module: nn.Module) -> bool:
+    """A Linear, Embedding or Conv1D with a weight (a subclass too)."""
+    return (isinstance(module, nn.Linear | nn.Embedding) or is_conv1d(module)) \
+        and module._parameters.get("weight") is not None
 
 
 def _own_forward(module: nn.Module) -> str | None:
@@ -335,20 +353,16 @@ def _whole_module_problem(root: nn.Module, path: str, module: nn.Module) -> Prob
     its own parameters, else the shardable modules inside it, else those beside it."""
     kind = type(module).__name__
     reason = f"cannot shard a {kind} as a whole (known: Linear, Embedding, Conv1D)"
-    if (base := _own_forward(module)) is not None:
-        reason = (f"cannot shard a {kind} as a whole: it subclasses nn.{base} with a forward of its own that "
-                  f"computes more than {'an' if base[0] in 'AEIOU' else 'a'} {base} (a sharded layer's forward would "
-                  "replace it)")
     own = [join(path, n) for n, p in module._parameters.items() if p is not None]
     if own:
         return Problem(path, reason, f"shard its parameters by path, e.g. shard(sch, {own[0]!r}, axis=0)")
-    inside = [join(path, q) for q, m in walk(module) if q and _shardable(m)]
+    inside = [join(path, q) for q, m in walk(module) if q and _a_layer(m)]
     if inside:
         return Problem(path, reason, f"shard the layers inside it, e.g. {', '.join(repr(q) for q in inside[:3])}")
     tokens = split(path)
     parent_path = ".".join(tokens[:-1])
     beside = [join(parent_path, n) for n, m in get_module(root, parent_path)._modules.items()
-              if m is not None and tokens and n != tokens[-1] and _shardable(m)]
+              if m is not None and tokens and n != tokens[-1] and _a_layer(m)]
     inner = " (nor does anything inside it)" if any(True for _ in module.children()) else ""
     reason = f"a {kind} has no parameters to shard{inner}"
     if beside:
@@ -374,6 +388,9 @@ def shard(
       ``nn.Embedding``: ``axis=0`` is vocab-parallel, ``axis=1`` shards the embedding dim.
     * A parameter path (``"h.0.ln_1.weight"``): that tensor only; its module then runs
       on the gathered parameter (correct for any module, at one all-gather per use).
+      A layer subclass whose forward computes more than its base (BART's and OPT's
+      learned positions, Llama-4's router) is sharded so too: its parameters take the
+      layer's layouts, and its own forward runs on them gathered.
     * ``packed=k`` shards each of ``k`` fused chunks separately (GPT-2 ``c_attn`` =
       [Q|K|V]: ``axis=1, packed=3``).
     * ``layout=`` DTensor placements (one per mesh dimension) or a PartitionSpec-style

@@ -480,10 +480,6 @@ class Defect:
 
 
 KNOWN: dict[str, Defect] = {
-    "embedding-subclass-refused": Defect(
-        "cannot shard a", Case("bart", (("encoder.embed_positions", "vocab", 1),)),
-        "BART's learned positions (an nn.Embedding subclass with a forward of its own) sharded by vocabulary: "
-        "refused ('cannot shard a BartLearnedPositionalEmbedding as a whole'); PyTorch's RowwiseParallel runs it"),
 }
 
 #: Plans on which slapo_fn issues more collectives than PyTorch's engine, the smallest found

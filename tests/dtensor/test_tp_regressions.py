@@ -18,6 +18,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from tp_checks import parity
 
 import slapo_fn as sf
+from slapo_fn.dtensor.roles import Gathered
+from slapo_fn.dtensor.shard import LAYOUT
 from slapo_fn.dtensor.testing import fake_mesh
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
@@ -873,8 +875,7 @@ EXPECTED = {
     "uneven-sequence": "refused: split: <root>: dimension 1 of an activation of shape (2, 5, 8) has 5 elements",
     "untraced-attention-paired-by-module-order": "equal",
     "untraced-attention-with-its-columns-gathered": "equal",
-    "embedding-subclass-with-its-own-forward": "refused: shard: 'pos': cannot shard a Positions as a whole: it "
-                                               "subclasses nn.Embedding with a forward of its own",
+    "embedding-subclass-with-its-own-forward": "equal",
     "embedding-subclass-sharded-by-its-weight": "equal",
     "sync-on-an-output-without-an-activation": "refused: tensor parallel forward: '<root>': returned dict, with no "
                                                "tensor for a fwd_post sync to convert",
@@ -1069,8 +1070,9 @@ def test_a_checkpointed_tp_llama_with_hf_default_use_cache_is_equal(dist2) -> No
 def test_a_layer_subclass_is_sharded_whole_only_where_it_computes_what_its_base_does() -> None:
     """A sharded layer's forward replaces the module's own. Falcon's ``FalconLinear``
     (``x @ W.T + b``) is a Linear; Llama-4's router (a Linear subclass that picks its top
-    experts) is not: sharding it whole would have dropped the routing. Read by running
-    both forwards on a small probe; the model is not touched."""
+    experts) is not: sharding it whole would have dropped the routing, so it keeps its
+    forward, run on its parameters gathered (sharded as a Linear's). Read by running both
+    forwards on a small probe; the model is not touched."""
     from transformers import Llama4TextConfig
     from transformers.models.falcon.modeling_falcon import FalconLinear
     from transformers.models.llama4.modeling_llama4 import Llama4Router
@@ -1083,9 +1085,9 @@ def test_a_layer_subclass_is_sharded_whole_only_where_it_computes_what_its_base_
     assert sf.dtensor.plan(sch).modules["0"].role is not None
     assert all(torch.equal(p, before[n]) for n, p in model.state_dict().items())
     router = nn.Sequential(Llama4Router(Llama4TextConfig(hidden_size=8, num_local_experts=4, num_experts_per_tok=1)))
-    with pytest.raises(sf.LayoutError, match=r"'0': cannot shard a Llama4Router as a whole: it subclasses nn.Linear "
-                                             r"with a forward of its own that computes more than a Linear"):
-        sf.shard(sf.create_schedule(router, mesh=fake_mesh(2)), "0", axis=0)
+    sharded = sf.shard(sf.create_schedule(router, mesh=fake_mesh(2)), "0", axis=0)
+    assert sf.dtensor.plan(sharded).modules["0"].role == Gathered("tp")
+    assert sharded.annotations.get("0.weight", LAYOUT).placements == (Shard(0),)
 
 
 def _whole_counts(rank: int, world: int) -> dict[str, Any]:
