@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/tp_overhead.py
 	$(BIN)/python benchmarks/pipeline.py
 	$(BIN)/python benchmarks/recipe_speed.py
+	$(BIN)/python benchmarks/paper_models.py
 	$(BIN)/python benchmarks/moe.py
 	$(BIN)/python benchmarks/explain_scale.py
 	$(BIN)/python benchmarks/checkpoint_digest.py

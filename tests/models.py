@@ -172,6 +172,71 @@ class NanoGPT(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))  # type: ignore[no-any-return]
 
 
+class Bottleneck(nn.Module):
+    """torchvision's ResNet bottleneck (1x1 → 3x3 → 1x1 convolutions, each with a
+    BatchNorm; the 3x3 strided; ``width`` = ``planes * base_width / 64``, doubled in a
+    Wide ResNet), its names and order as torchvision's."""
+
+    expansion = 4
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None,
+                 base_width: int = 128) -> None:
+        super().__init__()
+        width = planes * base_width // 64
+        self.conv1 = nn.Conv2d(inplanes, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, planes * self.expansion, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(planes * self.expansion)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = downsample
+        self.stride = stride
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + identity)  # type: ignore[no-any-return]
+
+
+class WideResNet(nn.Module):
+    """torchvision's ``wide_resnet50_2`` module tree (``conv1``, ``bn1``, ``relu``, ``maxpool``,
+    ``layer1``..``layer4`` of :class:`Bottleneck` blocks, ``avgpool``, ``fc``), tiny: ``width``
+    in place of 64 channels and ``blocks`` per stage in place of (3, 4, 6, 3)."""
+
+    def __init__(self, blocks: tuple[int, int, int, int] = (2, 1, 1, 1), width: int = 8, classes: int = 10) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inplanes = width
+        self.conv1 = nn.Conv2d(3, width, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        self.layer1 = self._layer(width, blocks[0])
+        self.layer2 = self._layer(width * 2, blocks[1], stride=2)
+        self.layer3 = self._layer(width * 4, blocks[2], stride=2)
+        self.layer4 = self._layer(width * 8, blocks[3], stride=2)
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(width * 8 * Bottleneck.expansion, classes)
+
+    def _layer(self, planes: int, blocks: int, stride: int = 1) -> nn.Sequential:
+        downsample = None
+        if stride != 1 or self.inplanes != planes * Bottleneck.expansion:
+            downsample = nn.Sequential(nn.Conv2d(self.inplanes, planes * Bottleneck.expansion, 1, stride=stride,
+                                                 bias=False), nn.BatchNorm2d(planes * Bottleneck.expansion))
+        layers = [Bottleneck(self.inplanes, planes, stride, downsample)]
+        self.inplanes = planes * Bottleneck.expansion
+        layers += [Bottleneck(self.inplanes, planes) for _ in range(1, blocks)]
+        return nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))  # type: ignore[no-any-return]
+
+
 def train(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Tensor, steps: int) -> list[float]:
     """``steps`` language-model steps on ``ids`` (labels = inputs); the losses."""
     losses = []

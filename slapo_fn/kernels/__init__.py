@@ -1,7 +1,8 @@
 """Drop-in replacement modules and functions, used through :func:`slapo_fn.replace`.
 
 * attention — :class:`Attention` (``Attention.from_hf`` picks :class:`RotaryAttention`,
-  :class:`FusedQKVAttention` or :class:`EncoderSelfAttention`), on flash-attn or SDPA;
+  :class:`FusedQKVAttention`, :class:`EncoderSelfAttention`, :class:`PostNormAttention` or
+  :class:`WindowedCausalAttention`), on flash-attn or SDPA;
 * :class:`FusedMLP` — bias+GeLU MLPs (GPT-2, Linear-GELU-Linear);
 * :class:`RMSNorm` / :class:`CompiledRMSNorm` — fused RMSNorm;
 * :func:`counter_dropout` / :class:`CounterDropout` — dropout with counter-based hash
@@ -18,7 +19,9 @@ from .attention import (
     Attention,
     EncoderSelfAttention,
     FusedQKVAttention,
+    PostNormAttention,
     RotaryAttention,
+    WindowedCausalAttention,
     attention,
     flash_attn_available,
 )
@@ -36,8 +39,10 @@ __all__ = [
     "FusedMLP",
     "FusedQKVAttention",
     "KernelError",
+    "PostNormAttention",
     "RMSNorm",
     "RotaryAttention",
+    "WindowedCausalAttention",
     "attention",
     "causal_lm_loss",
     "counter_dropout",

@@ -9,7 +9,8 @@ and no explicit mask is needed (pure causal or full attention); everything else 
 ``torch.nn.functional.scaled_dot_product_attention``.
 
 The modules (:class:`RotaryAttention` for LLaMA/Mistral/Qwen2/Qwen3, :class:`FusedQKVAttention`
-for GPT-2, :class:`EncoderSelfAttention` for BERT/RoBERTa) take over the projections of
+for GPT-2, :class:`EncoderSelfAttention` for BERT/RoBERTa, :class:`PostNormAttention` for
+ALBERT, :class:`WindowedCausalAttention` for GPT-Neo) take over the projections of
 the Hugging Face module — the same ``Parameter`` objects under the same names — so state
 dicts load unchanged, and they accept the same call (arguments and masks) as the module
 they replace. They are replaced as modules, not registered with
@@ -53,7 +54,9 @@ __all__ = [
     "Backend",
     "EncoderSelfAttention",
     "FusedQKVAttention",
+    "PostNormAttention",
     "RotaryAttention",
+    "WindowedCausalAttention",
     "attention",
     "flash_attn_available",
 ]
@@ -64,6 +67,8 @@ _BACKENDS = ("auto", "flash", "sdpa")
 ROTARY_MODULES = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
 FUSED_QKV_MODULES = ("GPT2Attention",)
 ENCODER_MODULES = ("BertSelfAttention", "RobertaSelfAttention")
+POST_NORM_MODULES = ("AlbertAttention",)
+WINDOWED_MODULES = ("GPTNeoSelfAttention",)
 
 
 @functools.cache
@@ -298,6 +303,8 @@ class Attention(nn.Module):
             (ROTARY_MODULES, RotaryAttention),
             (FUSED_QKV_MODULES, FusedQKVAttention),
             (ENCODER_MODULES, EncoderSelfAttention),
+            (POST_NORM_MODULES, PostNormAttention),
+            (WINDOWED_MODULES, WindowedCausalAttention),
         )
         for names, kernel in kinds:
             if name in names and (cls is Attention or cls is kernel):
@@ -329,6 +336,14 @@ def _kv_cache(cache: Any, past_key_values: Any) -> Any:
     """The key/value cache a layer hands its attention: ``cache=`` since transformers 5.24,
     ``past_key_values=`` before (the old name is still accepted there, as by the modules replaced)."""
     return cache if cache is not None else past_key_values
+
+
+def _heads(hidden_states: torch.Tensor, head_dim: int, *projections: nn.Module) -> list[torch.Tensor]:
+    """Each projection of ``hidden_states`` split into heads of ``head_dim``: ``(batch, heads,
+    seq, head_dim)`` (as many heads as the projection yields: this rank's, under tensor
+    parallelism)."""
+    shape = (*hidden_states.shape[:-1], -1, head_dim)
+    return [proj(hidden_states).view(shape).transpose(1, 2) for proj in projections]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -607,12 +622,165 @@ class EncoderSelfAttention(Attention):
         cache: Any = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
-        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        q = self.query(hidden_states).view(shape).transpose(1, 2)
-        k = self.key(hidden_states).view(shape).transpose(1, 2)
-        v = self.value(hidden_states).view(shape).transpose(1, 2)
+        q, k, v = _heads(hidden_states, self.head_dim, self.query, self.key, self.value)
         if (kv := _kv_cache(cache, past_key_values)) is not None:
             kv = getattr(kv, "self_attention_cache", kv)
             k, v = kv.update(k, v, self.layer_idx)
         out = self._attend(q, k, v, attention_mask)
         return out.reshape(*hidden_states.shape[:-1], -1), None
+
+
+class PostNormAttention(Attention):
+    """Drop-in for an encoder attention block that holds its own output projection,
+    residual and norm (``AlbertAttention``): ``LayerNorm(x + dropout(dense(attend(q, k, v))))``.
+    ``query``, ``key``, ``value``, ``dense``, ``LayerNorm``, ``attention_dropout`` and
+    ``output_dropout`` are kept. Under tensor parallelism ``dense`` is the row-parallel
+    partner of the column-parallel projections, inside this one module.
+
+    Example:
+        >>> from transformers import AlbertConfig
+        >>> from transformers.models.albert.modeling_albert import AlbertAttention
+        >>> hf = AlbertAttention(AlbertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64)).eval()
+        >>> x = torch.randn(2, 5, 32)
+        >>> torch.allclose(PostNormAttention.from_hf(hf)(x)[0], hf(x)[0], atol=1e-6)
+        True
+    """
+
+    def __init__(
+        self,
+        query: nn.Module,
+        key: nn.Module,
+        value: nn.Module,
+        dense: nn.Module,
+        norm: nn.Module,
+        attention_dropout: nn.Dropout,
+        output_dropout: nn.Module,
+        *,
+        head_dim: int,
+        scaling: float,
+        backend: Backend = "auto",
+    ) -> None:
+        super().__init__()
+        _check_backend(backend)
+        self.query, self.key, self.value, self.dense = query, key, value, dense
+        self.LayerNorm = norm  # the Hugging Face names, so that state dicts load unchanged
+        self.attention_dropout, self.output_dropout = attention_dropout, output_dropout
+        self.head_dim = head_dim
+        self.scaling = scaling
+        self.is_causal = False
+        self.backend = backend
+
+    @property
+    def dropout_p(self) -> float:  # type: ignore[override]
+        return float(self.attention_dropout.p)
+
+    @classmethod
+    def _build(cls, old: nn.Module, path: str, backend: Backend) -> PostNormAttention:
+        names = ("query", "key", "value", "dense", "LayerNorm", "attention_dropout", "output_dropout")
+        require_attrs(cls.__name__, old, path, (*names, "attention_head_size", "scaling"))
+        if getattr(old, "is_causal", False):
+            raise fail(cls.__name__, path, "this attention is causal", "replace encoder attention only")
+        return cls(
+            *(_get(old, n) for n in names),
+            head_dim=int(_get(old, "attention_head_size")),
+            scaling=float(_get(old, "scaling")),
+            backend=backend,
+        )
+
+    def forward(
+        self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any
+    ) -> tuple[torch.Tensor, None]:
+        q, k, v = _heads(hidden_states, self.head_dim, self.query, self.key, self.value)
+        out = self._attend(q, k, v, attention_mask).reshape(*hidden_states.shape[:-1], -1)
+        return self.LayerNorm(hidden_states + self.output_dropout(self.dense(out))), None
+
+
+def _windowed(mask: torch.Tensor, q_len: int, kv_len: int, window: int | None) -> torch.Tensor:
+    """A model's 4-D mask (boolean or additive) narrowed to causal attention within ``window``
+    keys: what an attention applying its own causal/local pattern on top of that mask sees."""
+    allowed = _causal(q_len, kv_len, window, mask.device)
+    if mask.dtype == torch.bool:
+        return mask & allowed
+    return mask.masked_fill(~allowed, torch.finfo(mask.dtype).min)
+
+
+class WindowedCausalAttention(Attention):
+    """Drop-in for GPT-Neo self-attention (``GPTNeoSelfAttention``): causal, over every
+    earlier key (``"global"`` layers) or the last ``window_size`` (``"local"`` layers), and
+    unscaled (GPT-Neo does not divide scores by √head_dim). ``q_proj``, ``k_proj``,
+    ``v_proj``, ``out_proj``, ``attn_dropout`` and ``resid_dropout`` are kept. Scores are
+    computed in the inputs' dtype (GPT-Neo's eager path upcasts them to float32).
+
+    Example:
+        >>> from transformers import GPTNeoConfig
+        >>> from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
+        >>> cfg = GPTNeoConfig(hidden_size=32, num_heads=4, num_layers=1, attention_types=[[["local"], 1]],
+        ...                    window_size=3)
+        >>> hf = GPTNeoSelfAttention(cfg, "local", layer_id=0).eval()
+        >>> x = torch.randn(2, 6, 32)
+        >>> torch.allclose(WindowedCausalAttention.from_hf(hf)(x)[0], hf(x)[0], atol=1e-6)
+        True
+    """
+
+    def __init__(
+        self,
+        q_proj: nn.Module,
+        k_proj: nn.Module,
+        v_proj: nn.Module,
+        out_proj: nn.Module,
+        attn_dropout: nn.Dropout,
+        resid_dropout: nn.Module,
+        *,
+        head_dim: int,
+        sliding_window: int | None = None,
+        layer_idx: int | None = None,
+        backend: Backend = "auto",
+    ) -> None:
+        super().__init__()
+        _check_backend(backend)
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = q_proj, k_proj, v_proj, out_proj
+        self.attn_dropout, self.resid_dropout = attn_dropout, resid_dropout
+        self.head_dim = head_dim
+        self.sliding_window = sliding_window
+        self.layer_idx = layer_idx
+        self.scaling = 1.0
+        self.is_causal = True
+        self.backend = backend
+
+    @property
+    def dropout_p(self) -> float:  # type: ignore[override]
+        return float(self.attn_dropout.p)
+
+    @classmethod
+    def _build(cls, old: nn.Module, path: str, backend: Backend) -> WindowedCausalAttention:
+        names = ("q_proj", "k_proj", "v_proj", "out_proj", "attn_dropout", "resid_dropout")
+        require_attrs(cls.__name__, old, path, (*names, "head_dim", "attention_type", "config"))
+        kind = _get(old, "attention_type")
+        if kind not in ("global", "local"):
+            raise fail(cls.__name__, path, f"attention_type {kind!r} is neither 'global' nor 'local'",
+                       "replace GPT-Neo self-attention of a supported config")
+        return cls(
+            *(_get(old, n) for n in names),
+            head_dim=int(_get(old, "head_dim")),
+            sliding_window=int(_get(old, "config").window_size) if kind == "local" else None,
+            layer_idx=getattr(old, "layer_id", None),
+            backend=backend,
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        layer_past: Any = None,
+        use_cache: bool = False,
+        output_attentions: bool = False,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        q, k, v = _heads(hidden_states, self.head_dim, self.q_proj, self.k_proj, self.v_proj)
+        if layer_past is not None:
+            k, v = layer_past.update(k, v, self.layer_idx)
+        mask = attention_mask
+        if mask is not None and mask.dim() == 4:  # the model's mask, and this layer's own causal/local pattern
+            mask = _windowed(mask, q.shape[2], k.shape[2], self.sliding_window)
+        out = self._attend(q, k, v, mask, self.sliding_window)
+        return self.resid_dropout(self.out_proj(out.reshape(*hidden_states.shape[:-1], -1))), None

@@ -129,6 +129,14 @@ def cut_pipeline_stage(sch: Schedule, where: Selection) -> Schedule:
                     f"cut only layers of {seen_sequence!r}",
                 )
             )
+        elif len(keys) == 1:
+            problems.append(
+                Problem(path, "is the only layer of its sequence: there is no place between layers to cut (a layer "
+                              "the model calls several times, as ALBERT's shared one, is still one module: a stage "
+                              "holds modules, not calls)",
+                        "pipeline a model with several layer modules, or do without stages (tensor or data "
+                        "parallelism)")
+            )
         elif index == len(keys) - 1:
             problems.append(
                 Problem(path, "is the last layer of its sequence: the stage after it would be empty",

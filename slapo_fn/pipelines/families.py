@@ -393,9 +393,22 @@ def parity_error(root: nn.Module, sequence: str, family: Family) -> str | None:
     extra = {"use_cache": False} if _takes(root, "use_cache") else {}
     ids = _sample_ids(root)
     modules = [m for tree in (root, *trees) for m in tree.modules()]
+    calls = dict.fromkeys(keys, 0)
+    layers = get_module(root, sequence)
+    hooks = [layers._modules[k].register_forward_pre_hook(  # type: ignore[union-attr]
+        lambda *_, k=k: calls.__setitem__(k, calls[k] + 1)) for k in keys]
     try:
         with torch.no_grad(), _eval(modules):
-            reference = output_tensor(root(input_ids=ids, **extra))
+            try:
+                reference = output_tensor(root(input_ids=ids, **extra))
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            shared = {k: n for k, n in calls.items() if n > 1}
+            if shared:
+                return (f"the model calls its layer(s) {', '.join(f'{k!r} {n} times' for k, n in shared.items())} "
+                        "in one forward (parameters shared across calls, as ALBERT's): a stage holds layers, not "
+                        "calls, so stages cannot be cut between those calls")
             hidden = ids
             for s, tree in enumerate(trees):
                 last = join(sequence, keys[bounds[s + 1] - 1]) if s < parts - 1 else None

@@ -163,6 +163,10 @@ class Recipe:
                                             f"schedule's mesh is {names or 'missing'}",
                                         'sf.create_schedule(model, mesh=init_device_mesh("cpu", (tp,), '
                                         'mesh_dim_names=("tp",)))'))
+            if not any(stack.tp_plan for stack in self.stacks) and self.extra_tp is None:
+                problems.append(Problem("", f"tp={knobs.tp}: recipe {self.name!r} has no tensor-parallel plan (its "
+                                            "stacks shard no layer), so every rank would compute the whole model",
+                                        "drop tp (tp=1, or --tp 1) and scale with dp_mode, checkpoint or stages"))
             for attr in (self.heads, self.kv_heads):
                 count = getattr(config, attr, None) if attr else None
                 if isinstance(count, int) and count % knobs.tp:

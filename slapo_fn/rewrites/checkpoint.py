@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,8 +145,50 @@ def apply_checkpoints(model: nn.Module, sch: Schedule) -> None:
         train_without_cache(model)
     for path, spec in regions.items():
         module = get_module(model, path)
-        context_fn = spec.context_fn()
+        context_fn = _keeping_running_stats(module, spec.context_fn())
         if context_fn is None:
             composable_checkpoint(module)
         else:
             composable_checkpoint(module, context_fn=context_fn)
+
+
+Contexts = tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]
+
+
+def _keeping_running_stats(module: nn.Module, context_fn: Callable[[], Contexts] | None
+                           ) -> Callable[[], Contexts] | None:
+    """``context_fn`` with a recomputation that leaves the running statistics of the
+    region's batch norms as the forward left them: recomputing a batch norm in training
+    mode would otherwise fold the same batch into them twice (and count it twice)."""
+    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    if not norms:
+        return context_fn
+
+    def contexts() -> Contexts:
+        forward, recompute = context_fn() if context_fn is not None else (contextlib.nullcontext(),
+                                                                          contextlib.nullcontext())
+        return forward, _stats_frozen(recompute, norms)
+
+    return contexts
+
+
+@contextlib.contextmanager
+def _stats_frozen(inner: contextlib.AbstractContextManager[Any],
+                  norms: Sequence[nn.modules.batchnorm._BatchNorm]) -> Iterator[None]:
+    """Inside ``inner``, each norm updates its running statistics by a factor of 0 (the
+    same kernels and saved tensors as the forward, the statistics unchanged), and its
+    batch count is put back after."""
+    # set and put back outside ``inner``: a selective checkpoint's recomputation mode would
+    # take the copy back for an op of the region
+    saved = [(m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone()) for m in norms]
+    for m in norms:
+        m.momentum = 0.0
+    try:
+        with inner:
+            yield
+    finally:
+        with torch.no_grad():
+            for m, (momentum, count) in zip(norms, saved, strict=True):
+                m.momentum = momentum
+                if count is not None and m.num_batches_tracked is not None:
+                    m.num_batches_tracked.copy_(count)

@@ -217,3 +217,20 @@ def test_explain_shows_the_stage_table() -> None:
     text = str(sf.explain(sch))
     assert "pipeline stages (4):" in text and "transformer.h.3" in text
     assert str(stage_table(sf.create_schedule(gpt2()))) == ""
+
+
+def _albert(**overrides: int) -> nn.Module:
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    torch.manual_seed(0)
+    return AlbertForMaskedLM(AlbertConfig(vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=4,
+                                          num_attention_heads=4, intermediate_size=64, **overrides))
+
+
+def test_albert_shared_layers_are_refused_with_the_reason_not_an_index_error() -> None:
+    """ALBERT calls one layer module several times: a one-module sequence has nowhere to cut,
+    and layers called more than once per forward cannot be split into stages by call."""
+    with pytest.raises(sf.ScheduleError, match=r"is the only layer of its sequence.*a stage holds modules, not calls"):
+        sf.cut_pipeline_stage(sf.create_schedule(_albert()), "albert.encoder.albert_layer_groups.0")
+    with pytest.raises(sf.ScheduleError, match=r"calls its layer\(s\) '0' 2 times, '1' 2 times in one forward"):
+        sf.cut_pipeline_stage(sf.create_schedule(_albert(num_hidden_groups=2)), "albert.encoder.albert_layer_groups.0")

@@ -139,6 +139,28 @@ def test_checkpoint_actually_recomputes() -> None:
     assert len(calls) == 2  # forward, then the recomputation in backward
 
 
+@pytest.mark.parametrize("policy", [None, [torch.ops.aten.convolution]])
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_checkpoint_of_batch_norms_counts_each_batch_once(policy: object, momentum: float | None) -> None:
+    """Recomputing a batch norm in training mode would fold its batch into the running
+    statistics a second time: they and the batch count stay as one forward leaves them."""
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, momentum=momentum), nn.ReLU(), nn.Conv2d(4, 2, 1))
+
+    plain, checkpointed = sf.build(sf.create_schedule(net())), sf.build(sf.checkpoint(sf.create_schedule(net()), "",
+                                                                                       policy=policy))
+    x = torch.randn(2, 3, 6, 6)
+    for model in (plain, checkpointed):
+        model.train()
+        for _ in range(2):
+            model(x).pow(2).sum().backward()
+    for (name, want), got in zip(plain.named_buffers(), checkpointed.buffers(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+    for want, got in zip(plain.parameters(), checkpointed.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad)
+
+
 def test_checkpoint_errors() -> None:
     sch = sf.checkpoint(sf.create_schedule(Net(depth=2)), "blocks.0")
     with pytest.raises(sf.SelectorError, match="'weight' is a parameter.*acts on modules"):
