@@ -1254,7 +1254,7 @@ CLOSED: dict[str, Case] = {
     "partial-src-nothing-makes": _c([_MLP], ("sync", "0", "fwd_post", "R", "P")),
     "feature-src-nothing-makes": _c([_MLP, _MLP], ("sync", "1", "fwd_pre", "R", "S(-1)")),
     "token-src-nothing-makes": _c([_NORM], ("sync", "", "fwd_post", "R", "S(1)")),
-    # src= checked against the data flow (plan._Features) and the schedule (plan._unsourced)
+    # src= checked against the data flow (arriving._Features) and the schedule (statements._unsourced)
     "src-unchecked": _c([_MLP, _MLP], ("shard", "0.fc1", 0, 1), ("sync", "1", "fwd_post", "R", "S(-1)")),
     "bwd-partial-nothing-makes": _c([Block("mlp", hidden=16, residual=True), Block("chain", act="relu")],
                                     ("sync", "", "bwd_post", "R", "P")),

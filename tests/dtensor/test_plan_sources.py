@@ -17,7 +17,8 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import slapo_fn as sf
-from slapo_fn.dtensor.plan import plan, refusals
+from slapo_fn.dtensor.checks import refusals
+from slapo_fn.dtensor.plan import plan
 from slapo_fn.dtensor.testing import fake_mesh
 from slapo_fn.rewrites._common import INSTALLED
 
