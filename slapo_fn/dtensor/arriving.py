@@ -312,3 +312,16 @@ class _Features:
             return None
         got = {self.inside(parent, first=True) if q == INPUT else self.made(join(parent, q)) for q in fed}
         return got.pop() if len(got) == 1 else None
+
+
+def _features_by_axis(sch: Schedule, partners: Mapping[str, tuple[str, ...]]) -> Callable[[str], _Features]:
+    """:class:`_Features` of each mesh axis of ``sch``, made on its first use: one per axis
+    for the plan or check under way, so each axis's lookups are memoised once."""
+    features: dict[str, _Features] = {}
+
+    def know(axis: str) -> _Features:
+        if axis not in features:
+            features[axis] = _Features(sch, axis, partners)
+        return features[axis]
+
+    return know

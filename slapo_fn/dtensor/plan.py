@@ -57,7 +57,7 @@ from ..tree import caller_path, get_module, join, walk
 from .arriving import (
     _arrives_feature_split,
     _arriving,
-    _Features,
+    _features_by_axis,
     _input_reaches_column,
     _moving,
     _partner_gathered,
@@ -130,12 +130,7 @@ def _plan(sch: Schedule) -> Plan:
     bounds: list[Boundary] = []
     fused: set[str] = set()  # the entry groups a leader has entered
     partners = _partners(sch)
-    features: dict[str, _Features] = {}  # what the data flow brings, per mesh axis
-
-    def know(axis: str) -> _Features:
-        if axis not in features:
-            features[axis] = _Features(sch, axis, partners)
-        return features[axis]
+    know = _features_by_axis(sch, partners)  # what the data flow brings, per mesh axis
 
     for path in sorted(set(roles) | set(seqs) | set(syncs) | set(rngs), key=lambda p: order.get(p, 0)):
         role = roles.get(path)

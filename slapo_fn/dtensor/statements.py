@@ -18,7 +18,13 @@ from ..errors import Problem
 from ..rewrites._common import INSTALLED, contains
 from ..schedule import Schedule
 from ..tree import get_module, join
-from .arriving import _Features, _input_reaches_column, _partner_gathered, _split_by_sync, _stated_output
+from .arriving import (
+    _features_by_axis,
+    _input_reaches_column,
+    _partner_gathered,
+    _split_by_sync,
+    _stated_output,
+)
 from .chains import _chain_entries, _chain_exits, _enters_chain_whole, _in_chain
 from .experts import EXPERTS
 from .flow import INPUT, OUTPUT, SIDE, pointwise
@@ -376,13 +382,7 @@ def _contradicted_sources(sch: Schedule, partners: Mapping[str, tuple[str, ...]]
     over a child's Shard(-1): (2, 4, 4) for (2, 4, 8)). Refused, naming the module."""
     problems = []
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
-    features: dict[str, _Features] = {}
-
-    def know(axis: str) -> _Features:
-        if axis not in features:
-            features[axis] = _Features(sch, axis, partners)
-        return features[axis]
-
+    know = _features_by_axis(sch, partners)
     seqs: dict[str, SeqSpec] = sch.annotations.of_kind(SEQ)
     entries = _chain_entries(sch)
 
@@ -485,12 +485,12 @@ def _whole_tp_locals(sch: Schedule) -> list[Problem]:
     it by the axis size: refused, naming the module."""
     problems = []
     partners = _partners(sch)
-    known: dict[str, _Features] = {}
+    know = _features_by_axis(sch, partners)
     for path, spec in sch.annotations.of_kind(LOCAL).items():
         found = _caller(sch, path)
         if found is None:
             continue
-        f = known.setdefault(spec.mesh_axis, _Features(sch, spec.mesh_axis, partners))
+        f = know(spec.mesh_axis)
         parent, name, fl = found
         if isinstance(f._combine(parent, fl.feeders(name, f._through(parent))), Replicate):
             problems.append(Problem(
