@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from test_tp_regressions import Branches  # a(x) + b(x)
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
+from tp_regression_cases import Branches  # a(x) + b(x)
 
 import slapo_fn as sf
 from slapo_fn.dtensor.checks import refusals
