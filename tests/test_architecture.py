@@ -87,7 +87,8 @@ def _lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
 def test_the_layer_contract_holds() -> None:
     result = _lint_imports(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 kept, 0 broken" in result.stdout  # the package's layers, and slapo_fn.data's own
+    # the package's layers, slapo_fn.data's own and the tensor-parallel planner's
+    assert "3 kept, 0 broken" in result.stdout
 
 
 @pytest.mark.slow

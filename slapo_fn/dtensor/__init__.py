@@ -18,7 +18,8 @@ from .experts import Experts, expert_parallel, expert_tensor_parallel
 from .layout import Layout
 from .local import tp_local
 from .loss import vocab_parallel_cross_entropy
-from .plan import Boundary, Plan, plan
+from .plan import plan
+from .planned import Boundary, Plan
 from .rng import fork_rng
 from .roles import Column, EmbedDim, Gathered, Role, Row, VocabEmbed
 from .runtime import apply_tensor_parallel

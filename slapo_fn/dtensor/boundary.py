@@ -4,7 +4,9 @@ The plan (a pure function of a schedule) lives in :mod:`slapo_fn.dtensor.plan`, 
 installed forwards in :mod:`slapo_fn.dtensor.runtime`; both are re-exported here.
 """
 
-from .plan import Boundary, ModulePlan, Plan, implicit, plan, refusals
+from .checks import implicit, refusals
+from .plan import plan
+from .planned import Boundary, ModulePlan, Plan
 from .runtime import apply_tensor_parallel
 
 __all__ = ["Boundary", "ModulePlan", "Plan", "apply_tensor_parallel", "implicit", "plan", "refusals"]

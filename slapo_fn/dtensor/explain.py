@@ -60,7 +60,8 @@ from .data_parallel import DATA_PARALLEL, DataParallelSpec
 from .dryrun import dtensor_collectives
 from .experts import EXPERTS
 from .layout import Layout
-from .plan import Boundary, plan
+from .plan import plan
+from .planned import Boundary
 from .sequence import SEQ
 from .shard import LAYOUT, ROLE, mesh_dims
 from .sync import SYNC, SyncSpec

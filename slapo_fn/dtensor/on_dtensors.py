@@ -15,7 +15,9 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..schedule import Schedule
 from ..tree import get_module, join, parent_path, split, uncalled, walk
-from .plan import ModulePlan, Plan, chain_entries_given_split, stated_model_output
+from .arriving import stated_model_output
+from .chains import chain_entries_given_split
+from .planned import ModulePlan, Plan
 from .region import (
     Activations,
     island,

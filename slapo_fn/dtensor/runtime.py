@@ -29,27 +29,17 @@ from ..rewrites._common import contains
 from ..schedule import Key, Schedule, path_exists
 from ..tree import caller_path, get_module, join, split, uncalled
 from . import collectives as C
+from .checks import implicit, refusals
 from .data_parallel import DATA_PARALLEL
 from .experts import EXPERTS, experts_forward
 from .features import ASSUMED_RANK, Meets
+from .heads import heads_made_local
 from .layout import Layout
 from .local import LOCAL
+from .lookups import _in_features, _out_features, _parent, per_head_operands
 from .on_dtensors import install_on_dtensors
-from .plan import (
-    ModulePlan,
-    Plan,
-    _in_features,
-    _local_axis,
-    _out_features,
-    _parent,
-    _sharded_output,
-    heads_made_local,
-    implicit,
-    param_dims,
-    per_head_operands,
-    plan,
-    refusals,
-)
+from .plan import _local_axis, _sharded_output, param_dims, plan
+from .planned import ModulePlan, Plan
 from .region import Activations, map_first_output, map_input, output_slot
 from .rng import RNG, forked
 from .roles import Role
@@ -175,7 +165,7 @@ class _Runtime:
         different parents enter apart even on one tensor (T5's cross-attention k/v of every
         decoder block read the encoder's output), as the plan counts them. ``sliced``: a
         gather along ``seq`` whose gradient is whole on every rank (this rank's slice of it
-        comes back), where more than columns read what it gathers (:func:`.plan._shared_gathers`)."""
+        comes back), where more than columns read what it gathers (:func:`.chains._shared_gathers`)."""
         key = (name, seq, group, sliced)
         if self.entries is not None:
             for prev, prev_key, entered in self.entries:

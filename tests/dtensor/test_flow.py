@@ -170,7 +170,7 @@ def test_a_module_is_traced_with_the_values_its_caller_hands_it() -> None:
     the calls down from the model, and predict the entries the run makes."""
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from slapo_fn.dtensor.plan import _flow_of
+    from slapo_fn.dtensor.lookups import _flow_of
 
     t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4))
     block, cross = t5.decoder.block[0], t5.decoder.block[0].layer[1]

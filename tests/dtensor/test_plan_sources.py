@@ -12,12 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-from test_tp_regressions import Branches  # a(x) + b(x)
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
+from tp_regression_cases import Branches  # a(x) + b(x)
 
 import slapo_fn as sf
-from slapo_fn.dtensor.plan import plan, refusals
+from slapo_fn.dtensor.checks import refusals
+from slapo_fn.dtensor.plan import plan
 from slapo_fn.dtensor.testing import fake_mesh
 from slapo_fn.rewrites._common import INSTALLED
 

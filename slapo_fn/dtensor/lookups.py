@@ -1,0 +1,287 @@
+"""The planner's lookups over the traced parents of a schedule's model: a parent's data
+flow (:func:`_flow_of`), the module whose traced ``forward`` calls a path
+(:func:`_caller`), which children a layout passes through (:func:`_through`), the order
+the modules run in (:func:`_run_order`) and where an output goes (:func:`_downstream`,
+:func:`_reach`). Within one :func:`~.plan.plan` or :func:`~.checks.refusals` call each is
+found once (:func:`_flows_memo`, a context variable: no state outlives the call).
+
+One reason to change: how the planner reads the traced model (:mod:`.flow`), never a
+layout rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from torch import nn
+
+from ..hf import linear_features
+from ..rewrites._common import INSTALLED, contains
+from ..schedule import Schedule
+from ..tree import caller_path, child_names, get_module, join, parent_path, split, uncalled
+from .features import Meets
+from .flow import OUTPUT, Flow, flow, pointwise
+from .local import LOCAL
+from .sequence import SEQ, SeqSpec
+from .shard import ROLE
+from .sync import SYNC
+
+__all__ = ["per_head_operands"]
+
+
+_parent = parent_path
+
+
+def _siblings(root: nn.Module, path: str) -> list[str]:
+    """``path`` and the other children of its parent, in order (the root is alone)."""
+    if not path:
+        return [path]
+    parent = _parent(path)
+    return [join(parent, n) for n in child_names(get_module(root, parent))]
+
+
+def _in_features(module: nn.Module) -> int | None:
+    return None if (f := linear_features(module)) is None else f[0]
+
+
+def per_head_operands(sch: Schedule, parent: str) -> Mapping[str, Meets]:
+    """The arguments of the module at ``parent`` that its code adds to its heads (a
+    per-head bias), each with where it meets them (:attr:`.flow.Flow.per_head`);
+    empty where it adds none or cannot be traced."""
+    fl = _flow_of(sch, parent)
+    return {} if fl is None else fl.per_head
+
+
+def _flow_of(sch: Schedule, parent: str) -> Flow | None:
+    """The data flow among the children of the module at ``parent``, traced with the values
+    the module that calls it hands it (cached by :func:`.flow.flow`; within one
+    :func:`.plan.plan` or :func:`.checks.refusals`, looked up once per path)."""
+    memo = _LOOKUPS.get()
+    key = (id(sch.module), parent)
+    if memo is not None and key in memo.flows:
+        return memo.flows[key]
+    found = _caller(sch, parent) if parent else None
+    got = flow(get_module(sch.module, parent), found[2].given.get(found[1], frozenset()) if found else frozenset())
+    if memo is not None:
+        memo.flows[key] = got
+    return got
+
+
+@dataclass
+class _Lookups:
+    """The flows (:func:`_flow_of`) and callers (:func:`_caller`) found by the :func:`.plan.plan`
+    or :func:`.checks.refusals` call under way, keyed by the model's id and a path: each path's
+    caller is found from its ancestors' flows, so a lookup repeats theirs."""
+
+    flows: dict[tuple[int, str], Flow | None] = field(default_factory=dict)
+    callers: dict[tuple[int, str], tuple[str, str, Flow] | None] = field(default_factory=dict)
+    #: :func:`.chains._whole_in_chains` of the schedule it was found for (read by the plan and several refusals)
+    whole: tuple[Schedule, dict[str, SeqSpec]] | None = None
+    #: :func:`_run_order` of the schedule it was found for
+    order: tuple[Schedule, Mapping[str, int]] | None = None
+
+
+#: The lookups of the call under way; ``None`` outside one.
+_LOOKUPS: ContextVar[_Lookups | None] = ContextVar("slapo_fn_plan_lookups", default=None)
+
+
+@contextlib.contextmanager
+def _flows_memo() -> Iterator[None]:
+    """Memoise :func:`_flow_of` and :func:`_caller` for the call under way (the schedule
+    is not changed during it)."""
+    if _LOOKUPS.get() is not None:
+        yield
+        return
+    token = _LOOKUPS.set(_Lookups())
+    try:
+        yield
+    finally:
+        _LOOKUPS.reset(token)
+
+
+def _caller(sch: Schedule, path: str) -> tuple[str, str, Flow] | None:
+    """The module whose traced ``forward`` calls ``path``, ``path``'s name in it and its
+    flow: the parent, or an ancestor past containers with no ``forward`` of their own (an
+    ``nn.ModuleList`` of decoder layers, whose items the model's loop calls as
+    ``layers.0``, ``layers.1``) or past modules that do not call it (OPT's root calls
+    ``self.model.decoder``, not ``self.model``). ``None`` where no traced ancestor calls it."""
+    if not path:
+        return None
+    memo = _LOOKUPS.get()
+    key = (id(sch.module), path)
+    if memo is not None and key in memo.callers:
+        return memo.callers[key]
+    found = _find_caller(sch, path)
+    if memo is not None:
+        memo.callers[key] = found
+    return found
+
+
+def _find_caller(sch: Schedule, path: str) -> tuple[str, str, Flow] | None:
+    parts = split(path)
+    for depth in range(len(parts) - 1, -1, -1):
+        here, name = join(*parts[:depth]), join(*parts[depth:])
+        fl = _flow_of(sch, here)
+        if fl is not None and fl.called(name):
+            return here, name, fl
+        if fl is None and not uncalled(get_module(sch.module, here)):
+            return None  # an untraced module between: what calls the path is unknown
+    return None
+
+
+def _through(sch: Schedule, parent: str) -> Callable[[str], bool]:
+    """Which children of ``parent`` a layout passes through unchanged: pointwise modules
+    (activations, dropouts) with no layout of their own (a sync from a layout to the
+    same one moves nothing), and modules declared to run on
+    this rank's shard (:func:`~slapo_fn.dtensor.tp_local`: Qwen3's per-head q/k norms)."""
+    moving = {q for q, specs in sch.annotations.of_kind(SYNC).items()
+              if any(s.mode == "bwd_post" or s.src is None or s.src != s.layout for s in specs)}
+    annotated = set(sch.annotations.of_kind(ROLE)) | set(sch.annotations.of_kind(SEQ)) | moving
+    local = set(sch.annotations.of_kind(LOCAL))  # tp_local: runs on this rank's shard as it is (per-head norms)
+    pm = get_module(sch.module, parent)
+    return lambda q: join(parent, q) not in annotated and (join(parent, q) in local or pointwise(get_module(pm, q)))
+
+
+def _out_features(module: nn.Module) -> int | None:
+    return None if (f := linear_features(module)) is None else f[1]
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _later_modules(root: nn.Module, path: str) -> Iterator[str]:
+    """The modules that run after ``path`` in module order: its later siblings, then its
+    parent's later siblings, and so on up to the root's children."""
+    tokens = split(path)
+    for depth in range(len(tokens), 0, -1):
+        here = ".".join(tokens[:depth])
+        siblings = _siblings(root, here)
+        yield from siblings[siblings.index(here) + 1 :]
+
+
+def _result_of_caller(sch: Schedule, path: str) -> str | None:
+    """The module whose result ``path``'s output reaches (through pointwise code) in its
+    forward, or ``None`` (it goes elsewhere first, or the flow is unknown, or it is the root)."""
+    found = _caller(sch, path)
+    if found is None:
+        return None
+    parent, name, fl = found
+    return parent if parent and OUTPUT in fl.consumers(name, _through(sch, parent)) else None
+
+
+def _ancestors(path: str) -> list[str]:
+    """The modules that hold ``path``, innermost first, the root (``""``) last."""
+    tokens = split(path)
+    return [".".join(tokens[:i]) for i in range(len(tokens) - 1, -1, -1)]
+
+
+def _users(sch: Schedule, path: str) -> list[str] | None:
+    """The modules ``path``'s output reaches (through pointwise ones), by the data flow, up
+    the tree while it leaves its parent; ``None`` where a parent's flow is unknown."""
+    return _reach(sch, path)[0]
+
+
+@dataclass(frozen=True)
+class _Level:
+    """One parent on the way of a module's output: what it reaches there (``users``, with
+    :data:`.flow.OUTPUT` where it leaves the parent), by the parent's ``flow``."""
+
+    parent: str
+    name: str
+    flow: Flow
+    through: Callable[[str], bool]
+    users: frozenset[str]
+
+
+def _downstream(sch: Schedule, path: str) -> tuple[list[_Level], str | None]:
+    """Where ``path``'s output goes by the data flow: one level per parent while it leaves
+    the parent (up to the root), and the path from which module order must go on — ``None``
+    if it stays inside a parent whose flow is known, ``""`` past the root, else the first
+    module whose parent's flow is unknown."""
+    levels: list[_Level] = []
+    start = path
+    while start:
+        found = _caller(sch, start)  # past a ModuleList, to the module whose loop calls its items
+        if found is None:
+            return levels, start
+        parent, name, fl = found
+        through = _through(sch, parent)
+        users = fl.consumers(name, through)
+        levels.append(_Level(parent, name, fl, through, users))
+        if OUTPUT not in users:
+            return levels, None
+        start = parent
+    return levels, start
+
+
+def _installed(sch: Schedule, path: str) -> bool:
+    """Whether ``path`` is, or is inside, a module installed by ``sf.replace``: code written
+    for this rank's share (slapo_fn's attention kernels take their head counts from the
+    recipe), trusted with what it is handed."""
+    return any(a == path or contains(a, path) for a in sch.annotations.of_kind(INSTALLED))
+
+
+def _reach(sch: Schedule, path: str) -> tuple[list[str] | None, str | None]:
+    """Where ``path``'s output goes, from one walk of :func:`_downstream`: the modules it
+    reaches (through pointwise ones, up the tree while it leaves its parent; ``None`` where
+    a parent's flow is unknown), and the module fx cannot trace whose code takes it (past
+    containers without a ``forward`` of their own; ``None`` where the flow is known all the
+    way, or that module is :func:`_installed`)."""
+    levels, start = _downstream(sch, path)
+    if not start:
+        return [join(lv.parent, q) for lv in levels for q in sorted(lv.users - {OUTPUT})], None
+    around = caller_path(sch.module, start)
+    return None, None if _installed(sch, around) else around
+
+
+def _model_output(sch: Schedule, path: str) -> bool:
+    """Whether ``path``'s output is the model's result and nothing else reads it."""
+    users = _users(sch, path)
+    if users != []:
+        return False
+    here = path
+    while here:  # at every level it reaches the result of the module calling it alone
+        found = _caller(sch, here)
+        if found is None or found[2].reaching_output(_through(sch, found[0])) != {found[1]}:
+            return False
+        here = found[0]
+    return True
+
+
+def _run_order(sch: Schedule) -> Mapping[str, int]:
+    """Each module path's place in the order the model runs them, pre-order: the children of
+    a parent whose forward fx traces come in the order its code first calls them, in the
+    places module order gives the called ones (OPT's decoder registers ``final_layer_norm``
+    before ``layers`` and calls it after them); elsewhere module order. The order of two
+    paths is their common ancestor's, so only the ancestors of sequence-parallel members,
+    whose chains the order decides (first, last, what runs between), are traced for it.
+    Found once per :func:`.plan.plan` or :func:`.checks.refusals` call."""
+    memo = _LOOKUPS.get()
+    if memo is not None and memo.order is not None and memo.order[0] is sch:
+        return memo.order[1]
+    traced = {a for q in sch.annotations.of_kind(SEQ) for a in _ancestors(q)}
+    paths: list[str] = []
+
+    def visit(path: str, module: nn.Module) -> None:
+        paths.append(path)
+        names = [n for n, c in module._modules.items() if c is not None]
+        fl = _flow_of(sch, path) if path in traced and len(names) > 1 and not uncalled(module) else None
+        if fl is not None:
+            first: dict[str, int] = {}
+            for i, called in enumerate(fl.order):
+                first.setdefault(split(called)[0], i)
+            ordered = iter(sorted((n for n in names if n in first), key=first.__getitem__))
+            names = [next(ordered) if n in first else n for n in names]
+        for n in names:
+            visit(join(path, n), module._modules[n])  # type: ignore[arg-type]
+
+    visit("", sch.module)
+    found = MappingProxyType({q: i for i, q in enumerate(paths)})
+    if memo is not None:
+        memo.order = (sch, found)
+    return found

@@ -1,0 +1,255 @@
+"""Megatron pairs: the columns that keep their output split for the rows it reaches, and
+those rows (:func:`_partners`), within a parent by its data flow or module order, or
+across sibling modules as BERT lays them out; and the checks of pairs the plan cannot
+prove right on local shards (a pair only module order makes, an unsharded twin, columns
+gathered for some of a row's inputs and not others).
+
+One reason to change: how columns are paired with rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ..errors import Problem
+from ..schedule import Schedule
+from ..tree import get_module, join
+from .arriving import _partner_gathered, _split_by_sync
+from .chains import _in_chain
+from .flow import INPUT, OUTPUT, SIDE
+from .lookups import (
+    _caller,
+    _flow_of,
+    _in_features,
+    _installed,
+    _out_features,
+    _parent,
+    _run_order,
+    _siblings,
+    _through,
+)
+from .planned import Plan
+from .roles import Column, Role, Row
+from .sequence import SEQ
+from .shard import ROLE
+from .sync import SYNC
+
+__all__: list[str] = []
+
+
+def _partners(sch: Schedule) -> dict[str, tuple[str, ...]]:
+    """Megatron pairs: for each column that keeps its output sharded, the rows it feeds;
+    for each such row, the columns that feed it (siblings, over one mesh axis).
+
+    Where the parent's data flow is known (:func:`.flow.flow`), a column is kept local
+    only if everything its output reaches (through activations and dropouts) is a row
+    whose input comes from such columns alone: a row that also takes an unsharded
+    module's output, a row's reduced output or the parent's input (LLaMA's MLP with
+    ``gate_proj`` unsharded, a residual inside the block) takes a gathered input and
+    splits it itself. The parent's other arguments (rotary ``cos``/``sin``, masks) do not
+    count: they broadcast over the heads. Where the flow is not known (a parent fx cannot
+    trace), module order decides: a column is paired with the rows after it among its
+    siblings (and :func:`_untraced_pairs` refuses such a pair, unless a column gathers)."""
+    roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
+    out: dict[str, tuple[str, ...]] = {}
+    for (parent, axis), paths in _pair_groups(sch).items():
+        if _by_module_order(sch, parent, paths):
+            out.update(_partners_in_module_order(sch, paths, roles))
+            continue
+        fl = _flow_of(sch, parent)
+        assert fl is not None
+        names = {(p[len(parent) + 1:] if parent else p): p for p in paths}
+        through = _through(sch, parent)
+        cols = {n for n, p in names.items() if roles[p].enters}
+        rows = {n for n, p in names.items() if roles[p].splits_input}
+        keep = {c for c in cols if (users := fl.consumers(c, through)) and users <= rows}
+        # side values (rotary cos/sin, masks) broadcast over the heads: they do not mix in; nor
+        # does a sibling whose fwd_post sync states its output Shard(-1) (split like a column's),
+        # unless the parent is a chain member: its columns gather the sequence themselves, the
+        # sibling keeps the chain's shard
+        member = (spec := sch.annotations.get(parent, SEQ)) is not None and spec.mesh_axis == axis
+        split_synced = set() if member else {n for n in fl.feeds if _split_by_sync(sch, join(parent, n), axis)}
+        fed = {r: fl.feeders(r, through) - {SIDE} - split_synced for r in rows}
+        while True:
+            mixed = {c for c in keep if any(not fed.get(r, frozenset()) <= keep for r in fl.consumers(c, through))}
+            if not mixed:
+                break
+            keep -= mixed
+        for c in sorted(keep):
+            out[names[c]] = tuple(sorted(names[r] for r in fl.consumers(c, through)))
+        for r in sorted(rows):
+            fed_r = fed[r]
+            if fed_r and fed_r <= keep:
+                out[names[r]] = tuple(sorted(names[c] for c in fed_r))
+    out.update(_partners_across(sch, roles, out))
+    return out
+
+
+def _partners_across(sch: Schedule, roles: Mapping[str, Role], paired: Mapping[str, tuple[str, ...]]
+                     ) -> dict[str, tuple[str, ...]]:
+    """Megatron pairs across parents, as BERT lays them out: ``attention.self`` calls q/k/v
+    and returns what its code makes of them alone, and its caller hands that result only to
+    the first argument of siblings (``attention.output``) whose first argument reaches a row
+    alone. The columns keep their outputs split (``attention.self``'s code then runs on this
+    rank's heads, checked as any parent's between a pair) and the row takes them so.
+    Outside sequence-parallel chains (:func:`.chain_checks._sequence_pairs_across` reads them inside)."""
+    seqs = sch.annotations.of_kind(SEQ)
+    syncs = sch.annotations.of_kind(SYNC)
+    by_caller: dict[tuple[str, str], list[str]] = {}
+    for path, role in roles.items():
+        if isinstance(role, Column) and path not in paired and not syncs.get(path) and not _in_chain(
+                sch, path, role.mesh_axis):
+            found = _caller(sch, path)
+            if found is not None:
+                by_caller.setdefault((found[0], role.mesh_axis), []).append(path)
+    out: dict[str, tuple[str, ...]] = {}
+    for (caller, axis), columns in by_caller.items():
+        fl, up = _flow_of(sch, caller), _caller(sch, caller)
+        if fl is None or up is None or caller in seqs or syncs.get(caller):
+            continue
+        through = _through(sch, caller)
+        names = {q[len(caller) + 1:] if caller else q: q for q in columns}
+        if not all(fl.consumers(n, through) == {OUTPUT} for n in names) or (
+                fl.reaching_output(through) - {SIDE} != set(names)):
+            continue
+        outer, name, ofl = up
+        othrough = _through(sch, outer)
+        rows = []
+        for user in ofl.consumers(name, othrough):
+            receiver = join(outer, user)
+            rfl = _flow_of(sch, receiver) if user != OUTPUT else None
+            if rfl is None or ofl.hidden_feeders(user, othrough) != {name} or syncs.get(receiver):
+                break
+            rthrough = _through(sch, receiver)
+            taken = rfl.consumers(INPUT, rthrough)
+            row = join(receiver, next(iter(taken))) if len(taken) == 1 and OUTPUT not in taken else ""
+            found_role = roles.get(row)
+            if (not isinstance(found_role, Row) or found_role.mesh_axis != axis or syncs.get(row)
+                    or rfl.hidden_feeders(next(iter(taken)), rthrough) != {INPUT}):
+                break
+            rows.append(row)
+        else:
+            if rows:
+                for q in columns:
+                    out[q] = tuple(sorted(rows))
+                for r in rows:
+                    out[r] = tuple(sorted(columns))
+    return out
+
+
+def _pair_groups(sch: Schedule) -> dict[tuple[str, str], list[str]]:
+    """The columns and rows that may pair, grouped by the module whose ``forward`` calls
+    them (:func:`.lookups._caller`, else their parent) and their mesh axis: groups holding both."""
+    roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
+    groups: dict[tuple[str, str], list[str]] = {}
+    for path, role in roles.items():
+        if path and (role.enters or role.splits_input):
+            found = _caller(sch, path)
+            groups.setdefault((found[0] if found is not None else _parent(path), role.mesh_axis), []).append(path)
+    return {g: paths for g, paths in groups.items()
+            if any(roles[q].enters for q in paths) and any(roles[q].splits_input for q in paths)}
+
+
+def _by_module_order(sch: Schedule, parent: str, paths: list[str]) -> bool:
+    """Whether the columns and rows ``paths`` that ``parent`` calls pair by module order:
+    fx cannot trace its ``forward``, or the trace does not call them all."""
+    fl = _flow_of(sch, parent)
+    return fl is None or not all(fl.called(q[len(parent) + 1:] if parent else q) for q in paths)
+
+
+def _untraced_pairs(sch: Schedule, p: Plan) -> list[Problem]:
+    """A column kept split for a row that only module order pairs it with: fx cannot
+    trace the parent's ``forward`` (a branch on a tensor's values), so what its code does
+    with this rank's features between them is unknown. A view by a head count slapo_fn
+    does not know (``view(B, S, self.nh, -1)``) would take them for whole heads, silently
+    wrong. Refused, naming the parent and its columns, with what to declare: gather the
+    columns' outputs (the row then splits its whole input; right whatever the code), or
+    make the forward traceable. A module installed by ``sf.replace`` is code written for
+    this rank's share (slapo_fn's attention kernels take their head counts from the
+    recipe): trusted, as :func:`.statements._unsourced` trusts it."""
+    kept = frozenset(q for q, mp in p.modules.items() if mp.keeps_features)
+    order = _run_order(sch)
+    problems = []
+    for (parent, axis), paths in _pair_groups(sch).items():
+        if _installed(sch, parent) or not _by_module_order(sch, parent, paths):
+            continue  # installed: code written for this rank's share (the kernels take head counts from the recipe)
+        columns = sorted((q for q in paths if q in kept), key=lambda q: order.get(q, 0))
+        if not columns:
+            continue
+        listed = ", ".join(map(repr, columns))
+        problems.append(Problem(
+            parent or "<root>",
+            f"holds {listed}, kept split by features over {axis!r} for the rows after them, but fx cannot trace its "
+            "forward (a branch on a tensor's values, or a child called from code it cannot follow): slapo_fn cannot "
+            "tell what that code does with this rank's features (a view by heads would take them for whole heads)",
+            "gather the columns' outputs, " + ", ".join(f"sf.sync(sch, {q!r}, 'fwd_post', Replicate())"
+                                                          for q in columns)
+            + " (the rows then split their whole input), make its forward traceable by torch.fx, or replace it "
+            "(sf.replace) by a module written for this rank's share of the heads",
+        ))
+    return problems
+
+
+def _partners_in_module_order(sch: Schedule, paths: list[str], roles: Mapping[str, Role]) -> dict[str, tuple[str, ...]]:
+    order = {n: i for i, n in enumerate(_siblings(sch.module, paths[0]))}
+    ranked = sorted(paths, key=lambda p: order.get(p, 0))
+    out: dict[str, tuple[str, ...]] = {}
+    for i, p in enumerate(ranked):
+        if roles[p].enters:
+            later = tuple(q for q in ranked[i + 1 :] if roles[q].splits_input)
+            if later:
+                out[p] = later
+        else:
+            earlier = tuple(q for q in ranked[:i] if roles[q].enters)
+            if earlier:
+                out[p] = earlier
+    return out
+
+
+def _unsharded_twins(sch: Schedule, p: Plan) -> list[Problem]:
+    """A column kept sharded for its row partner (Megatron's pair) whose parent also holds
+    an unsharded twin — a linear layer of the same shape, which reads the same input in
+    every model seen (LLaMA's gate/up, q/k/v) — would meet that twin's full output inside
+    the parent's forward: refused, naming both, instead of a shape error or a wrong sum."""
+    roles = sch.annotations.of_kind(ROLE)
+    problems = []
+    for path, mp in p.modules.items():
+        if mp.role is None or not mp.role.enters or not mp.partnered or mp.role.packed > 1:
+            continue
+        if _caller(sch, path) is not None:
+            continue  # the data flow paired it: nothing unsharded meets its output (see _partners)
+        module = get_module(sch.module, path)
+        shape = (_in_features(module), _out_features(module))
+        for twin in _siblings(sch.module, path):
+            other = get_module(sch.module, twin)
+            if twin != path and twin not in roles and (_in_features(other), _out_features(other)) == shape:
+                problems.append(Problem(
+                    twin,
+                    f"is not sharded, while its twin {path!r} (same shape, same parent) keeps its output sharded "
+                    f"for the row-parallel layer after it; their outputs would meet in {_parent(path) or '<root>'!r}",
+                    f"shard it like {path!r} (sf.shard(sch, {twin!r}, axis=0)), or leave {path!r} and its row "
+                    "partner unsharded",
+                ))
+    return problems
+
+
+def _half_gathered_pairs(sch: Schedule, p: Plan) -> list[Problem]:
+    """A row whose paired columns' outputs a ``fwd_post`` sync moves off ``Shard(-1)`` for
+    some and not others: the row would take whole-width values and this rank's features
+    together (q gathered while k and v stay split: a raw shape error in the attention).
+    Refused, naming the row and both groups."""
+    problems = []
+    for path, mp in p.modules.items():
+        if mp.role is None or not mp.role.splits_input or not mp.partners:
+            continue
+        ax = mp.role.mesh_axis
+        gathered = [c for c in mp.partners if _partner_gathered(sch, (c,), ax)]
+        kept = [c for c in mp.partners if c not in gathered]
+        if gathered and kept:
+            problems.append(Problem(
+                path,
+                f"takes the outputs of {', '.join(map(repr, gathered))}, which a fwd_post sync gathers, together "
+                f"with those of {', '.join(map(repr, kept))}, kept split by features for it",
+                f"sync {', '.join(map(repr, kept))} alike, or drop the sync on {', '.join(map(repr, gathered))}",
+            ))
+    return problems
