@@ -9,7 +9,7 @@ reads them straight into each rank's shards (``sf.build(sch, init="empty")`` +
 ``sf.load_hf``).
 
 >>> sorted(PRESETS)[:3]
-['gpt2-small', 'gpt2-tiny', 'llama-1b']
+['gpt-neo-tiny', 'gpt2-small', 'gpt2-tiny']
 """
 
 from __future__ import annotations
