@@ -220,3 +220,17 @@ def test_each_ranks_collectives_under_a_pipeline_equal_the_real_run(dist4: Any) 
             # tp: 2 layers x (2 forward + 2 backward all-reduces) x 4 microbatches; dp (FSDP2 of 3 units): a
             # gather per microbatch and one for the backward pass, one reduce-scatter
             assert ops == ({"all_reduce": 32} if kind == "tp" else {"all_gather": 15, "reduce_scatter": 3}), ops
+
+
+def test_columns_kept_split_for_their_rows_cost_no_loss_collectives() -> None:
+    """BERT's recipe states q/k/v and the MLP's first layer ``fwd_post`` ``Shard(-1)``: rows
+    read those features, no loss does. explain listed three "loss" all-reduces for each;
+    only a head kept split for the vocab-parallel loss has them."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from slapo_fn.dtensor.testing import fake_mesh
+
+    model = BertForMaskedLM(BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=128, max_position_embeddings=32))
+    sch = sf.recipes.for_model(model)(sf.create_schedule(model, mesh=fake_mesh(2)), tp=2)
+    assert not [c for c in sf.explain(sch, token_ids(batch=2, seq=8)).collectives if c.origin == "loss"]

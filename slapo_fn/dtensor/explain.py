@@ -60,6 +60,8 @@ from .data_parallel import DATA_PARALLEL, DataParallelSpec
 from .dryrun import dtensor_collectives
 from .experts import EXPERTS
 from .layout import Layout
+from .lookups import _flows_memo as flows_memo
+from .lookups import _users as users
 from .plan import plan
 from .planned import Boundary
 from .sequence import SEQ
@@ -648,13 +650,15 @@ def loss_collectives(sch: Schedule, shapes: ActivationShapes | None) -> tuple[Co
     (:func:`slapo_fn.dtensor.loss.vocab_parallel_cross_entropy`): three all-reduces
     forward (max, sum of exponentials, target logit) of one float32 per row, none
     backward. ``bytes`` is ``None`` without example inputs; nothing for other heads (their
-    logits are gathered by a boundary listed with the tensor-parallel collectives)."""
+    logits are gathered by a boundary listed with the tensor-parallel collectives), nor for
+    a column kept split for modules of the model that read it (BERT's recipe states q/k/v
+    and the MLP's first layer so, for their rows): the data flow shows their readers."""
     out: list[Collective] = []
-    for path, role in sch.annotations.of_kind(ROLE).items():
-        syncs: tuple[SyncSpec, ...] = sch.annotations.get(path, SYNC, ())
-        kept = [s for s in syncs if s.mode == "fwd_post" and isinstance(s.layout, Shard) and s.layout.dim == -1]
-        if not role.enters or not kept:  # a column's logits, kept split
-            continue
+    with flows_memo():
+        kept_split = [(path, role) for path, role in sch.annotations.of_kind(ROLE).items() if role.enters and any(
+            s.mode == "fwd_post" and isinstance(s.layout, Shard) and s.layout.dim == -1
+            for s in sch.annotations.get(path, SYNC, ())) and not users(sch, path)]  # logits, kept split
+    for path, role in kept_split:
         entry = shapes.outputs.get(path) if shapes is not None else None
         rows = None if entry is None else _numel(entry[0][:-1]) * _itemsize(torch.float32)
         for what in ("max", "sum exp", "target logit"):
