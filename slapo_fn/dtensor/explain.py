@@ -142,6 +142,9 @@ class ActivationShapes:
     saved: tuple[tuple[str, int], ...] = ()
     #: Modules in the order their forward ran (first call each).
     order: tuple[str, ...] = ()
+    #: How many times each module's forward ran (a shared layer called by a loop: as many
+    #: times as the loop runs); a module left out ran once or not at all.
+    calls: Mapping[str, int] = field(default_factory=dict)
 
     def bytes_of(self, boundary: Boundary, params: Mapping[str, ParamLayout]) -> int | None:
         """Bytes of the full tensor at ``boundary`` (``None`` when the shape is unknown)."""
@@ -314,6 +317,7 @@ def activation_shapes(
     no_grad: set[str] = set()
     running: list[str] = [""]
     order: dict[str, None] = {}
+    calls: dict[str, int] = {}
     saved: list[tuple[str, int]] = []
     storages: set[StorageWeakRef] = set()
 
@@ -321,6 +325,7 @@ def activation_shapes(
         def push(_: nn.Module, __: tuple[Any, ...]) -> None:
             running.append(path)
             order.setdefault(path, None)
+            calls[path] = calls.get(path, 0) + 1
 
         return push
 
@@ -369,14 +374,16 @@ def activation_shapes(
         with (_reparametrize_module(model, state, tie_weights=True), torch.enable_grad(), _unpacked_sequences(),
               torch.autograd.graph.saved_tensors_hooks(pack, _unpack)):
             model(*args, **kw)
+    several = {p: n for p, n in calls.items() if n > 1}
     if not lists:
-        return ActivationShapes(ins, outs, frozenset(no_grad), tuple(saved), tuple(order))
+        return ActivationShapes(ins, outs, frozenset(no_grad), tuple(saved), tuple(order), several)
     return ActivationShapes(
         {q: v for p, v in ins.items() for q in _expand(p, lists)},
         {q: v for p, v in outs.items() for q in _expand(p, lists)},
         frozenset(q for p in no_grad for q in _expand(p, lists)),
         tuple((q, b) for p, b in saved for q in _expand(p, lists)),
         tuple(q for p in order for q in _expand(p, lists)),
+        {q: n for p, n in several.items() for q in _expand(p, lists)},
     )
 
 
@@ -462,8 +469,10 @@ def explain_tensor_parallel(
     bytes stay unknown and ``shapes_note`` says why.
 
     Needs a schedule with a mesh (a :func:`~slapo_fn.dtensor.testing.fake_mesh` is
-    enough); the counts equal what ``CommDebugMode`` counts in one real step, each
-    module called once. Without example inputs every input boundary is assumed to need
+    enough); the counts equal what ``CommDebugMode`` counts in one real step: a module
+    the example inputs run several times (ALBERT's shared layer, called once per layer)
+    has its activation boundaries once per call; without example inputs, each module is
+    taken to run once. Without example inputs every input boundary is assumed to need
     its gradient; with them, an input that needs none (a raw model input going straight
     into a column module) costs no backward collective, as in the real run.
     ``shapes`` (with ``failed``, why it is missing) is the fake run of those inputs
@@ -497,8 +506,10 @@ def explain_tensor_parallel(
         if shapes is not None and size is None and not note:
             note = f"no activation recorded for {b.path!r} (not called by the example inputs)"
         no_grad = shapes is not None and b.tensor == "input" and b.path in shapes.no_grad_inputs
+        # an activation's boundary is crossed on every call; a parameter's gradient is reduced once
+        times = 1 if shapes is None or b.tensor.startswith("param:") else shapes.calls.get(b.path, 1)
         for direction, ops in (("forward", b.forward), ("backward", () if no_grad else b.backward)):
-            for op in ops:
+            for op in (op for op in ops for _ in range(times)):
                 collectives.append(
                     Collective(b.path, b.side, direction, op, b.src, b.dst, b.mesh_axis, origin, size)  # type: ignore[arg-type]
                 )
