@@ -109,6 +109,44 @@ def _causal(q_len: int, kv_len: int, window: int | None, device: torch.device) -
     return allowed
 
 
+@torch.compiler.assume_constant_result
+def _gqa_takes_masks(device: torch.device, dtype: torch.dtype, head_dim: int, mask_dtype: torch.dtype,
+                     dropout: bool) -> bool:
+    """Whether SDPA runs grouped-query attention with an explicit mask on a fused kernel of
+    ``device`` (K/V read in place, never repeated). Without one, SDPA's math fallback
+    repeats K/V itself, and repeating them here instead keeps the fused kernel the
+    repeated form can use — so K/V are repeated only where that is what SDPA would do.
+
+    The CPU flash kernel takes GQA with a mask (checked on PyTorch 2.13); on CUDA the answer
+    depends on the build, the card and the dtype, and PyTorch's own dispatch checks
+    (``torch.backends.cuda.can_use_*_attention``) give it for a small probe of this
+    dtype and head size; other devices keep the repeat. A constant under
+    ``torch.compile`` (it depends on the call's static properties only).
+
+    >>> _gqa_takes_masks(torch.device("cpu"), torch.float32, 64, torch.bool, False)
+    True
+    """
+    if device.type == "cpu":
+        return True
+    if device.type != "cuda":
+        return False
+    return _cuda_gqa_takes_masks(device, dtype, head_dim, mask_dtype, dropout)
+
+
+@functools.cache
+def _cuda_gqa_takes_masks(device: torch.device, dtype: torch.dtype, head_dim: int, mask_dtype: torch.dtype,
+                          dropout: bool) -> bool:
+    from torch.backends import cuda
+
+    seq = 128
+    q = torch.zeros(1, 2, seq, head_dim, device=device, dtype=dtype)
+    kv = torch.zeros(1, 1, seq, head_dim, device=device, dtype=dtype)
+    mask = torch.zeros(1, 1, seq, seq, device=device, dtype=mask_dtype)
+    params = cuda.SDPAParams(q, kv, kv, mask, 0.1 if dropout else 0.0, False, True)
+    return any(can(params, False) for can in (cuda.can_use_flash_attention, cuda.can_use_efficient_attention,
+                                               cuda.can_use_cudnn_attention))
+
+
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     if groups == 1:
         return x
@@ -234,7 +272,7 @@ def attention(
 
     extra: dict[str, Any] = {}
     if groups > 1:
-        if mask is None:
+        if mask is None or _gqa_takes_masks(query.device, query.dtype, query.shape[-1], mask.dtype, dropout_p > 0):
             extra["enable_gqa"] = True
         else:
             key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
