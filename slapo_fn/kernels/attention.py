@@ -45,6 +45,7 @@ from typing import Any, Literal, TypeAlias
 
 import torch
 from torch import nn
+from torch.backends import cuda
 from torch.nn import functional as F
 
 from ._common import expect_type, fail, require_attrs
@@ -136,8 +137,6 @@ def _gqa_takes_masks(device: torch.device, dtype: torch.dtype, head_dim: int, ma
 @functools.cache
 def _cuda_gqa_takes_masks(device: torch.device, dtype: torch.dtype, head_dim: int, mask_dtype: torch.dtype,
                           dropout: bool) -> bool:
-    from torch.backends import cuda
-
     seq = 128
     q = torch.zeros(1, 2, seq, head_dim, device=device, dtype=dtype)
     kv = torch.zeros(1, 1, seq, head_dim, device=device, dtype=dtype)
