@@ -52,10 +52,11 @@ def test_a_forked_block_is_one_graph_and_compiles_to_the_same_masks() -> None:
 
 
 def test_other_random_ops_run_on_a_forked_generator_and_restore_it() -> None:
-    def noisy(x: torch.Tensor) -> torch.Tensor:
-        return x + torch.rand(x.shape) + torch.randn_like(x)
+    def noisy(x: torch.Tensor) -> torch.Tensor:  # SDPA's own dropout among them
+        attended = torch.nn.functional.scaled_dot_product_attention(x, x, x, dropout_p=0.5)
+        return attended + torch.rand(x.shape) + torch.randn_like(x)
 
-    x = torch.zeros(64)
+    x = torch.ones(1, 2, 8, 4)
     (y0, after0), (y1, after1) = (_run(forked(noisy, c), x) for c in (0, 1))
     assert not torch.equal(y0, y1) and torch.equal(_run(forked(noisy, 0), x)[0], y0)
     assert torch.equal(after0, after1)
