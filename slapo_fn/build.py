@@ -33,6 +33,7 @@ from .rewrites.checkpoint import apply_checkpoints
 from .rewrites.compile import apply_compile
 from .rewrites.hook import apply_hooks
 from .schedule import Schedule
+from .seeding import seeded
 from .tree import private_copy, walk
 
 __all__ = ["UNFILLED", "BuildOptions", "Init", "allocate", "build", "has_meta", "materialise", "reset_fsdp_shards"]
@@ -180,15 +181,13 @@ def materialise(model: nn.Module, options: BuildOptions) -> None:
     if options.device is not None:
         model.to(options.device)
     uninitialised: list[str] = []
-    with torch.random.fork_rng(devices=[]):
-        if init == "full":
-            torch.manual_seed(options.seed)
-        with torch.no_grad():
-            for path, m in pending:
-                if callable(init):
-                    init(m, path)
-                elif not reset_weights(m, init_owner(owners, path)):
-                    uninitialised.append(path)
+    # the caller's CPU and CUDA streams stay as they are
+    with seeded(options.seed if init == "full" else None), torch.no_grad():
+        for path, m in pending:
+            if callable(init):
+                init(m, path)
+            elif not reset_weights(m, init_owner(owners, path)):
+                uninitialised.append(path)
     if uninitialised:
         raise ScheduleError(
             "build",

@@ -124,6 +124,16 @@ def _zeros(params: Tree) -> Tree:
             if isinstance(p, torch.Tensor) else None, params)
 
 
+def _step_counter(p: torch.Tensor, *, on_device: bool) -> torch.Tensor:
+    """A zero step count for ``p`` where ``torch.optim`` hosts it (its ``_init_group``):
+    float32 on ``p``'s (local) device for the fused and capturable kernels, else on the
+    CPU in the default float dtype's precision (float64 under a float64 default)."""
+    if on_device:
+        return torch.zeros((), dtype=torch.float32, device=_local(p).device)
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    return torch.zeros((), dtype=dtype)
+
+
 def _lr(lr: LearningRate, step: int) -> float:
     return float(lr(step)) if callable(lr) else float(lr)
 
@@ -144,7 +154,10 @@ def adamw(
 
     State: ``{"step": tree, "exp_avg": tree, "exp_avg_sq": tree}`` (and
     ``"max_exp_avg_sq"`` with ``amsgrad``), each tree shaped like the params; ``step``
-    holds one float32 scalar per parameter, as ``torch.optim`` keeps it.
+    holds one scalar per parameter where ``torch.optim.AdamW`` keeps it: on the
+    parameter's device with ``fused=True`` (the fused kernels count steps there, and a
+    CUDA parameter with a CPU step would not run), else on the CPU (the foreach and
+    for-loop kernels read it on the host each step) — see :func:`_step_counter`.
 
     Example:
         >>> import torch, slapo_fn as sf
@@ -163,7 +176,7 @@ def adamw(
 
     def init(params: Tree) -> dict[str, Any]:
         state: dict[str, Any] = {"step": pytree.tree_map(
-            lambda p: torch.zeros((), dtype=torch.float32) if isinstance(p, torch.Tensor) else None, params)}
+            lambda p: _step_counter(p, on_device=bool(fused)) if isinstance(p, torch.Tensor) else None, params)}
         for name in moments:
             state[name] = _zeros(params)
         return state

@@ -24,6 +24,7 @@ from .errors import Problem, ScheduleError, ScheduleTypeError, SelectorError, Ve
 from .hf import TOKEN_ID_ARGS, extra_keywords, input_embedding, is_pretrained_model
 from .ranks import every_rank
 from .schedule import Schedule, create_schedule
+from .seeding import seeded
 from .tree import private_copy, walk
 
 __all__ = ["DEFAULT_TOLERANCES", "VerifyReport", "check_inputs", "verified", "verify"]
@@ -149,8 +150,7 @@ class VerifyReport:
 
 
 def _run(model: nn.Module, inputs: tuple[Any, ...], kwargs: Mapping[str, Any], seed: int) -> Any:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):
         return model(*inputs, **kwargs)
 
 

@@ -205,6 +205,29 @@ def test_pure_adamw_equals_torch_adamw(flags: dict) -> None:
     assert all(torch.equal(ours[k], theirs[k]) for k in ours), {k: (ours[k] - theirs[k]).abs().max() for k in ours}
 
 
+@pytest.mark.parametrize("flags", [{}, {"foreach": True}, {"fused": True}], ids=str)
+@pytest.mark.parametrize("default", [torch.float32, torch.float64], ids=str)
+def test_adamw_step_counters_live_where_torch_adamw_keeps_them(flags: dict, default: torch.dtype) -> None:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        ours = sf.optim.adamw(**ADAMW, **flags).init({"w": torch.ones(3)})["step"]["w"]
+        param = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.AdamW([param], **ADAMW, **flags)
+        param.grad = torch.ones(3)
+        opt.step()
+        theirs = opt.state[param]["step"]
+    finally:
+        torch.set_default_dtype(previous)
+    assert (ours.device, ours.dtype, ours.shape) == (theirs.device, theirs.dtype, theirs.shape)
+    # the fused kernels count on the parameter's device (meta stands in for a CUDA one here)
+    init, update = sf.optim.adamw(**ADAMW, **flags)
+    params = {"w": torch.ones(3, device="meta")}
+    state = init(params)
+    assert state["step"]["w"].device.type == ("meta" if flags.get("fused") else "cpu")
+    update({"w": torch.ones(3, device="meta")}, state, params)
+
+
 @pytest.mark.parametrize("args", [{"lr": 0.1}, {"lr": 0.1, "momentum": 0.9}, {"lr": 0.1, "momentum": 0.9,
                                   "dampening": 0.5}, {"lr": 0.1, "momentum": 0.9, "nesterov": True,
                                   "weight_decay": 0.01}, {"lr": 0.1, "momentum": 0.5, "foreach": True}], ids=str)

@@ -45,6 +45,7 @@ from typing import Any, Literal, TypeAlias
 
 import torch
 from torch import nn
+from torch.backends import cuda
 from torch.nn import functional as F
 
 from ._common import expect_type, fail, require_attrs
@@ -107,6 +108,42 @@ def _causal(q_len: int, kv_len: int, window: int | None, device: torch.device) -
     if window is not None:
         allowed = allowed & (kv_pos > q_pos - window)
     return allowed
+
+
+@torch.compiler.assume_constant_result
+def _gqa_takes_masks(device: torch.device, dtype: torch.dtype, head_dim: int, mask_dtype: torch.dtype,
+                     dropout: bool) -> bool:
+    """Whether SDPA runs grouped-query attention with an explicit mask on a fused kernel of
+    ``device`` (K/V read in place, never repeated). Without one, SDPA's math fallback
+    repeats K/V itself, and repeating them here instead keeps the fused kernel the
+    repeated form can use — so K/V are repeated only where that is what SDPA would do.
+
+    The CPU flash kernel takes GQA with a mask (checked on PyTorch 2.13); on CUDA the answer
+    depends on the build, the card and the dtype, and PyTorch's own dispatch checks
+    (``torch.backends.cuda.can_use_*_attention``) give it for a small probe of this
+    dtype and head size; other devices keep the repeat. A constant under
+    ``torch.compile`` (it depends on the call's static properties only).
+
+    >>> _gqa_takes_masks(torch.device("cpu"), torch.float32, 64, torch.bool, False)
+    True
+    """
+    if device.type == "cpu":
+        return True
+    if device.type != "cuda":
+        return False
+    return _cuda_gqa_takes_masks(device, dtype, head_dim, mask_dtype, dropout)
+
+
+@functools.cache
+def _cuda_gqa_takes_masks(device: torch.device, dtype: torch.dtype, head_dim: int, mask_dtype: torch.dtype,
+                          dropout: bool) -> bool:
+    seq = 128
+    q = torch.zeros(1, 2, seq, head_dim, device=device, dtype=dtype)
+    kv = torch.zeros(1, 1, seq, head_dim, device=device, dtype=dtype)
+    mask = torch.zeros(1, 1, seq, seq, device=device, dtype=mask_dtype)
+    params = cuda.SDPAParams(q, kv, kv, mask, 0.1 if dropout else 0.0, False, True)
+    return any(can(params, False) for can in (cuda.can_use_flash_attention, cuda.can_use_efficient_attention,
+                                               cuda.can_use_cudnn_attention))
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -234,7 +271,7 @@ def attention(
 
     extra: dict[str, Any] = {}
     if groups > 1:
-        if mask is None:
+        if mask is None or _gqa_takes_masks(query.device, query.dtype, query.shape[-1], mask.dtype, dropout_p > 0):
             extra["enable_gqa"] = True
         else:
             key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)

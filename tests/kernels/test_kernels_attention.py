@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import slapo_fn as sf
 from slapo_fn.kernels import (
@@ -280,6 +281,44 @@ def test_four_d_boolean_and_additive_masks_agree() -> None:
     want = _reference(q, k, v, allowed)
     torch.testing.assert_close(attention(q, k, v, allowed, is_causal=True), want)
     torch.testing.assert_close(attention(q, k, v, additive, is_causal=True), want)
+
+
+class _Outputs(TorchDispatchMode):
+    """Records the shapes of every tensor an aten op returns, and the kernels' inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+        self.kernel_inputs: list[list[tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if "scaled_dot_product" in str(func):
+            self.kernel_inputs.append([tuple(a.shape) for a in args if isinstance(a, torch.Tensor)])
+        return out
+
+
+@pytest.mark.parametrize("form", ["none", "padding_2d", "bool_4d", "additive_4d"])
+def test_gqa_reads_keys_and_values_in_place_with_every_mask(form: str) -> None:
+    """SDPA's own GQA (``enable_gqa``) with causal and padding masks alike: forward and
+    backward never build K/V repeated to the query's heads (a copy of heads/kv_heads × K)."""
+    q, k, v = (t.float().requires_grad_() for t in _qkv(q_len=3, kv_len=6))
+    pad = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
+    i, j = torch.arange(3, 6)[:, None], torch.arange(6)[None, :]
+    allowed = (j <= i) & pad.bool()[:, None, None, :]
+    mask = {"none": None, "padding_2d": pad, "bool_4d": allowed,
+            "additive_4d": torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)}[form]
+    with _Outputs() as seen:
+        out = attention(q, k, v, mask, is_causal=mask is not None)  # (None and causal drops the cache's tail)
+        out.square().sum().backward()
+    repeated = (2, 4, 6, 8)  # (batch, heads, kv_len, head_dim)
+    assert repeated not in seen.shapes and not any(len(s) == 5 for s in seen.shapes), seen.shapes
+    assert seen.kernel_inputs and all((2, 2, 6, 8) in shapes for shapes in seen.kernel_inputs)
+    if mask is not None:
+        keep = pad.bool()[:, 3:]
+        want = _reference(q.detach().double(), k.detach().double(), v.detach().double(), allowed)
+        torch.testing.assert_close(out.detach()[keep].double(), want[keep], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not (flash_attn_available() and torch.cuda.is_available()), reason="needs flash-attn and CUDA")
