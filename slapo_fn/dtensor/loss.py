@@ -2,7 +2,9 @@
 
 Three all-reduces forward (max, sum of exponentials, target logit) over ``(batch × seq)``
 floats, none backward — the logits stay ``Shard(-1)`` local tensors (Megatron's
-vocab-parallel loss; ``torch.distributed.tensor.parallel.loss_parallel`` in spirit).
+vocab-parallel loss; ``torch.distributed.tensor.parallel.loss_parallel`` in spirit). It
+takes what ``F.cross_entropy`` takes of a classification over the vocabulary: a class
+``weight`` and a ``reduction`` (``"mean"``, ``"sum"`` or ``"none"``).
 
 Keep a vocab-parallel head's logits sharded with
 ``sf.sync(sch, "lm_head", "fwd_post", Shard(-1))``.
@@ -10,15 +12,19 @@ Keep a vocab-parallel head's logits sharded with
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..errors import LayoutError, Problem
 from .collectives import Axis, _all_reduce
 from .shard import mesh_dims
 
 __all__ = ["vocab_parallel_cross_entropy"]
+
+Reduction = Literal["mean", "sum", "none"]
+_REDUCTIONS = ("mean", "sum", "none")
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -27,7 +33,8 @@ class _VocabParallelCE(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        logits: torch.Tensor, labels: torch.Tensor, axis: Axis, ignore_index: int
+        logits: torch.Tensor, labels: torch.Tensor, axis: Axis, ignore_index: int, weight: torch.Tensor | None,
+        reduction: str,
     ) -> tuple[torch.Tensor, ...]:
         mesh, dim = axis
         vocab = logits.shape[-1]
@@ -43,9 +50,17 @@ class _VocabParallelCE(torch.autograd.Function):
         picked = shifted.gather(1, local.unsqueeze(1)).squeeze(1) * inside
         picked = _all_reduce(picked, axis, "sum")
         valid = y != ignore_index
-        count = valid.sum().clamp(min=1)
-        loss = ((total.log() - picked) * valid).sum() / count
-        return loss.to(logits.dtype), exp, total, inside, local, valid, count
+        # each row's share: its class's weight (1 without one), 0 for an ignored row
+        scale = valid.float() if weight is None else weight.float()[y.clamp(0, weight.numel() - 1)] * valid
+        rows = (total.log() - picked) * scale
+        if reduction == "none":
+            loss = rows.view(labels.shape)
+        else:  # the mean over the rows' weights (their count without a weight); 0 where none counts
+            den = scale.sum() if reduction == "mean" else torch.ones((), dtype=scale.dtype, device=scale.device)
+            den = torch.where(den > 0, den, torch.ones_like(den))
+            scale = scale / den
+            loss = rows.sum() / den
+        return loss.to(logits.dtype), exp, total, inside, local, scale
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -56,12 +71,12 @@ class _VocabParallelCE(torch.autograd.Function):
         ctx.shape, ctx.dtype = logits.shape, logits.dtype
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
-        exp, total, inside, local, valid, count = ctx.saved_tensors
+    def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        exp, total, inside, local, scale = ctx.saved_tensors
         g = exp / total.unsqueeze(-1)
         g[torch.arange(g.shape[0]), local] -= inside.to(g.dtype)
-        g = g * (valid.to(g.dtype) * grad / count).unsqueeze(-1)
-        return g.to(ctx.dtype).view(ctx.shape), None, None, None
+        g = g * (scale * grad.reshape(-1).to(scale.dtype)).unsqueeze(-1)  # grad: one per row, or the loss's one
+        return g.to(ctx.dtype).view(ctx.shape), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -71,11 +86,19 @@ def vocab_parallel_cross_entropy(
     *,
     mesh_axis: str = "tp",
     ignore_index: int = -100,
+    weight: torch.Tensor | None = None,
+    reduction: Reduction = "mean",
 ) -> torch.Tensor:
-    """Mean cross entropy of ``logits`` (this rank's vocab shard, ``(..., V / n)``) against
-    ``labels`` (full vocab ids, ``(...)``), equal to ``F.cross_entropy`` on the gathered
-    logits; the gradient is this rank's shard. Rows whose label is ``ignore_index`` are
-    left out of the mean.
+    """Cross entropy of ``logits`` (this rank's vocab shard, ``(..., V / n)``) against
+    ``labels`` (full vocab ids, ``(...)``, one per row of ``logits``), equal to
+    ``F.cross_entropy`` on the gathered logits with the classes last; the gradient is this
+    rank's shard. Rows whose label is ``ignore_index`` count for nothing. ``weight``: one
+    per class of the whole vocabulary (``(V,)``, the same on every rank); ``reduction``:
+    ``"mean"`` (over the rows' weights), ``"sum"``, or ``"none"`` (the loss of each row,
+    shaped like ``labels``).
+
+    Labels that are not one per row (the whole batch's for this rank's rows) are refused
+    with a :class:`~slapo_fn.errors.LayoutError`.
 
     Pair it with a vocab-parallel head kept sharded (run on every rank of the mesh)::
 
@@ -83,5 +106,21 @@ def vocab_parallel_cross_entropy(
         sch = sf.sync(sch, "lm_head", "fwd_post", Shard(-1))   # logits stay sharded
         loss = sf.vocab_parallel_cross_entropy(built(ids), labels, mesh)
     """
+    problems = []
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        problems.append(Problem("labels", f"shape {tuple(labels.shape)} does not match the logits' rows "
+                                          f"{tuple(logits.shape[:-1])} (logits {tuple(logits.shape)}, classes last)",
+                                "pass this rank's labels, one per row of its logits (where the rows are split over "
+                                "another mesh axis, its share of them)"))
+    if reduction not in _REDUCTIONS:
+        problems.append(Problem("reduction", f"{reduction!r} is not one of {', '.join(_REDUCTIONS)}",
+                                "reduction='mean'"))
+    size = mesh.size(mesh_dims(mesh).index(mesh_axis))
+    if weight is not None and tuple(weight.shape) != (logits.shape[-1] * size,):
+        problems.append(Problem("weight", f"shape {tuple(weight.shape)}: one weight per class of the whole "
+                                          f"vocabulary is {logits.shape[-1] * size}",
+                                "a 1-D weight of the vocabulary's size, the same on every rank"))
+    if problems:
+        raise LayoutError("vocab_parallel_cross_entropy", problems)
     axis = (mesh, mesh_dims(mesh).index(mesh_axis))
-    return _VocabParallelCE.apply(logits, labels, axis, ignore_index)[0]  # type: ignore[no-any-return]
+    return _VocabParallelCE.apply(logits, labels, axis, ignore_index, weight, reduction)[0]  # type: ignore[no-any-return]

@@ -13,8 +13,8 @@ optimizer step where the test takes one), PyTorch's counts with the test's own e
 counts, and slapo_fn's collectives with PyTorch's (no more, over the forward, backward and
 optimizer step together). Tests that need four GPUs there run on four gloo ranks here.
 
-Where slapo_fn cannot express what the test computes (a class weight in the loss, the
-unreduced per-token loss) the case is a strict xfail naming what is missing.
+Where slapo_fn costs more collectives than PyTorch's engine, the case is a strict xfail
+naming why.
 """
 
 from __future__ import annotations
@@ -381,19 +381,14 @@ def _slapo_loss(x: torch.Tensor, target: torch.Tensor, mesh_: Any, reduction: st
                 rows: tuple[slice, ...] = (), weight: torch.Tensor | None = None,
                 mesh_axis: str = "tp") -> tuple[torch.Tensor, torch.Tensor, dict[str, int], dict[str, int]]:
     """``vocab_parallel_cross_entropy`` on this rank's classes (and ``rows``) of ``x``: the
-    loss of ``reduction`` (``sum`` is the mean times the rows it counts), this rank's
-    gradient, and the collectives forward and backward."""
+    loss of ``reduction``, this rank's gradient, and the collectives forward and backward."""
     tp = mesh_.get_local_rank(mesh_axis)
     classes = x.shape[1] // mesh_.size(mesh_.mesh_dim_names.index(mesh_axis))
     local = _class_last(x.detach())[rows][..., tp * classes:(tp + 1) * classes].clone().requires_grad_(True)
     labels = target[rows]
-    kw: dict[str, Any] = {} if weight is None else {"weight": weight}
-    if reduction != "mean" and reduction != "sum":
-        kw["reduction"] = reduction
     with CountCollectives() as fwd:
-        y = sf.vocab_parallel_cross_entropy(local, labels, mesh_, mesh_axis=mesh_axis, **kw)
-        if reduction == "sum":
-            y = y * labels.numel()
+        y = sf.vocab_parallel_cross_entropy(local, labels, mesh_, mesh_axis=mesh_axis, weight=weight,
+                                            reduction=reduction)  # type: ignore[arg-type]
     with CountCollectives() as bwd:
         (y.sum() if reduction == "none" else y).backward()
     assert local.grad is not None
@@ -401,8 +396,6 @@ def _slapo_loss(x: torch.Tensor, target: torch.Tensor, mesh_: Any, reduction: st
 
 
 _SETUPS = ((2, (8, 16), (8,)), (3, (8, 16, 12), (8, 12)))  # nll_loss_forward and nll_loss2d_forward
-_MISSING_WEIGHT = "vocab_parallel_cross_entropy takes no class weight (F.cross_entropy's weight=)"
-_MISSING_NONE = "vocab_parallel_cross_entropy has no reduction='none' (the per-token loss)"
 
 
 def _outcome(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -460,9 +453,8 @@ def _params(cases: dict[str, str]) -> list[Any]:
             for name, why in cases.items()]
 
 
-#: reduction-weighted: the weighted ones are the test's own, the unweighted what slapo_fn expresses
-_LOSS_CASES = {f"{red}-{w}": _MISSING_WEIGHT if w == "weighted" else _MISSING_NONE if red == "none" else ""
-               for red in ("none", "mean", "sum") for w in ("weighted", "unweighted")}
+#: reduction-weighted: the weighted ones are the test's own, the unweighted as well
+_LOSS_CASES = {f"{red}-{w}": "" for red in ("none", "mean", "sum") for w in ("weighted", "unweighted")}
 
 
 def _raise_missing(r: dict[str, Any]) -> None:
@@ -536,7 +528,9 @@ def _loss_2d_case(case: str, reduction: str, w: torch.Tensor | None) -> dict[str
         at = m.get_local_rank(other) * piece
         rows = (slice(None),) * max(batch_dim - 1, 0) + (slice(at, at + piece),)
     loss, grad, f, b = _slapo_loss(x, target, m, reduction, rows=rows, weight=w)
-    if batch_dim is not None:
+    if reduction == "none":  # this rank's rows' losses, against the same rows of the reference
+        y = y[rows]
+    elif batch_dim is not None:
         loss = _sum_over(loss, m, other) / (2 if reduction == "mean" else 1)
         grad = grad / (2 if reduction == "mean" else 1)  # the reference's mean runs over the whole batch
     classes = 16 // 2
@@ -545,15 +539,15 @@ def _loss_2d_case(case: str, reduction: str, w: torch.Tensor | None) -> dict[str
     return out
 
 
-#: case-reduction[-weighted] the tests compute; a weight or reduction="none" slapo_fn cannot express
+#: case-reduction[-weighted] the tests compute
 _CASES_2D = {
     **{f"{case}-sum": "" for case in _MESHES_2D},
     "multi_dim_mesh-mean": "",
-    "multi_dim_mesh-none": _MISSING_NONE,
-    "multi_dim_mesh-sum-weighted": _MISSING_WEIGHT,
-    "multi_dim_mesh-none-weighted": _MISSING_WEIGHT,
-    "replicate_non_tp_dim-none": _MISSING_NONE,
-    "3d_input_non_batch_shard-none": _MISSING_NONE,
+    "multi_dim_mesh-none": "",
+    "multi_dim_mesh-sum-weighted": "",
+    "multi_dim_mesh-none-weighted": "",
+    "replicate_non_tp_dim-none": "",
+    "3d_input_non_batch_shard-none": "",
 }
 
 
@@ -618,8 +612,7 @@ def test_loss_parallel_invalid_non_tp_placement(dist4: Any) -> None:
         assert "cannot make an activation Partial(" in r.get("partial", ""), r
 
 
-@pytest.mark.xfail(strict=True, reason="vocab_parallel_cross_entropy takes labels that do not match the logits' rows "
-                   "(the whole batch's 8 for this rank's 4) without a typed error: a raw error from inside the loss")
 def test_loss_parallel_plain_tensor_target_rejected_on_multi_dim(dist4: Any) -> None:
     for r in _once("refusals", dist4, _refusals_2d):
         assert "labels" in r, r.get("labels_raw")
+        assert "LayoutError" in r["labels"] and "does not match the logits' rows (4,)" in r["labels"], r["labels"]
