@@ -218,30 +218,9 @@ def _module_plan(
     problems: list[Problem],
 ) -> _Plan | None:
     weight = module._parameters.get("weight")
-    if not _a_layer(module):
+    if not _a_layer(module) or weight is None:
         problems.append(_whole_module_problem(sch.module, path, module))
         return None
-    assert weight is not None
-    plan = _layer_plan(sch, path, module, weight, axis, mesh_axis, packed, layout, problems)
-    if plan is None or _own_forward(module) is None:
-        return plan
-    # a subclass computing more than its layer (learned positions made from a mask, a router
-    # picking experts) keeps its own forward, which a sharded layer's would replace: its
-    # parameters take the layer's layouts, gathered for each call
-    return _Plan(path, Gathered(mesh_axis), plan.params)
-
-
-def _layer_plan(
-    sch: Schedule,
-    path: str,
-    module: nn.Module,
-    weight: torch.Tensor,
-    axis: int | None,
-    mesh_axis: str,
-    packed: int,
-    layout: Sequence[Placement] | Sequence[str | None] | None,
-    problems: list[Problem],
-) -> _Plan | None:
     if layout is not None:
         lay = _placement_from(sch, path + ".weight", weight.dim(), layout, problems)
         if lay is None:
@@ -444,6 +423,11 @@ size 4 of mesh axis 'tp'
         plan = _module_plan(sch, path, module, axis, mesh_axis, packed, layout, problems)
         if plan is None:
             continue
+        if _own_forward(module) is not None:
+            # a subclass computing more than its layer (learned positions made from a mask, a
+            # router picking experts) keeps its own forward, which a sharded layer's would
+            # replace: its parameters take the layer's layouts, gathered for each call
+            plan = _Plan(path, Gathered(mesh_axis), plan.params)
         for name, lay in plan.params:
             param = module._parameters[name]
             assert param is not None
