@@ -66,7 +66,7 @@ def install_on_dtensors(model: nn.Module, sch: Schedule, p: Plan, acts: Activati
         if path not in on_the_way and parent in on_the_way and not uncalled(m):
             m.forward = island(acts, m, m.forward)  # type: ignore[method-assign]
     model.forward = region(acts, model.forward, stated_model_output(sch))  # type: ignore[method-assign]
-    reduce_partial_grads(model)
+    reduce_partial_grads(model, after_backward=p.grads_after_backward)
 
 
 def _boundaries_on_dtensors(acts: Activations, mp: ModulePlan, forward: Callable[..., Any],

@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from . import rules  # noqa: F401  (CPU attention's sharding rules, registered on import)
-from .collectives import gather, unpack
+from .collectives import gather, reduce, unpack
 from .roles import Role
 
 __all__ = ["Activations", "OnDTensors", "region"]
@@ -214,9 +214,9 @@ def _settled(x: Any) -> Any:
     sequence merged into one dimension) made whole along that dimension: DTensor's rules
     for ops over such a dimension are not all right for it (a cumulative sum over the
     merged rows came out wrong), so none is run on one."""
-    if not isinstance(x, DTensor) or not any(isinstance(p, _StridedShard) for p in x.placements):
+    if not isinstance(x, DTensor) or not any(isinstance(p, _StridedShard | Partial) for p in x.placements):
         return x
-    places = [Replicate() if isinstance(p, _StridedShard) else p for p in x.placements]
+    places = [Replicate() if isinstance(p, _StridedShard | Partial) else p for p in x.placements]
     return x.redistribute(x.device_mesh, places)
 
 
@@ -236,27 +236,75 @@ def _on_whole_values(func: Any, args: Any, kwargs: Any) -> Any:
                            if isinstance(t, torch.Tensor) else t, out)
 
 
-def reduce_partial_grads(module: nn.Module) -> list[Any]:
-    """Hooks on every replicated DTensor parameter of ``module`` that all-reduce a
-    ``Partial`` gradient as it is made (a parameter used on activation shards), so that
-    each gradient has its parameter's placement. Returns the hook handles."""
-    handles = []
+def reduce_partial_grads(module: nn.Module, after_backward: bool = False) -> list[Any]:
+    """Hooks on every replicated DTensor parameter of ``module`` that make its gradient
+    take the parameter's placement (a parameter used on activation shards gets a
+    ``Partial`` or a ``Shard`` gradient), so that an optimizer step needs no collective.
+    Returns the hook handles.
+
+    ``after_backward`` (the mesh holds no axis whose own hooks read gradients during
+    backward, FSDP's ``dp``): the gradients stay as they are through backward, and one
+    callback at its end all-reduces the ``Partial`` ones together, one collective per
+    set of mesh axes and dtype, as :attr:`.planned.Plan.grads_after_backward` does for
+    the plan on local shards. Else each one is reduced as it is made."""
+    params: list[DTensor] = []
     seen: set[int] = set()
     for p in module.parameters():
         if id(p) in seen or not isinstance(p, DTensor) or not p.requires_grad:
             continue
         seen.add(id(p))
-        if any(isinstance(pl, Shard) for pl in p.placements):
-            continue
-        placements = tuple(p.placements)
+        if not any(isinstance(pl, Shard) for pl in p.placements):
+            params.append(p)
+    if after_backward:
+        pending = _Pending(params)
+        return [p.register_post_accumulate_grad_hook(pending.queue) for p in params]
 
-        def hook(g: torch.Tensor, placements: tuple[Placement, ...] = placements) -> torch.Tensor:
-            if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
-                return g.redistribute(g.device_mesh, placements)
-            return g
+    def hook(g: torch.Tensor, placements: tuple[Placement, ...]) -> torch.Tensor:
+        if isinstance(g, DTensor) and tuple(g.placements) != placements:
+            return g.redistribute(g.device_mesh, placements)
+        return g
 
-        handles.append(p.register_hook(hook))
-    return handles
+    return [p.register_hook(lambda g, pl=tuple(p.placements): hook(g, pl)) for p in params]
+
+
+class _Pending:
+    """The end-of-backward reduction of :func:`reduce_partial_grads`: queued once per
+    backward by the first parameter whose gradient is accumulated."""
+
+    def __init__(self, params: list[DTensor]) -> None:
+        self.params, self.queued = params, -1
+
+    def queue(self, _: torch.Tensor) -> None:
+        task = int(torch._C._current_graph_task_id())
+        if task != self.queued:
+            self.queued = task
+            torch.autograd.Variable._execution_engine.queue_callback(self.reduce)
+
+    def reduce(self) -> None:
+        """Every gradient to its parameter's placements: the ``Partial`` ones flattened
+        together per (mesh axes, dtype), in parameter order (alike on every rank), and
+        all-reduced once per axis; any other difference (a ``Shard`` gradient of a
+        replicated parameter) redistributed on its own."""
+        self.queued = -1
+        groups: dict[tuple[tuple[int, ...], torch.dtype], list[tuple[DTensor, DTensor]]] = {}
+        with torch.no_grad():
+            for p in self.params:
+                g = p.grad
+                if not isinstance(g, DTensor) or tuple(g.placements) == tuple(p.placements):
+                    continue
+                partial = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, Partial))
+                if partial and all(isinstance(pl, Partial | Replicate) for pl in g.placements):
+                    groups.setdefault((partial, g.dtype), []).append((p, g))
+                else:
+                    p.grad = g.redistribute(g.device_mesh, p.placements)
+            for (dims, _), items in groups.items():
+                flat = torch.cat([g._local_tensor.reshape(-1) for _, g in items])
+                for i in dims:
+                    flat = reduce(flat, (items[0][1].device_mesh, i))
+                pieces = flat.split([g._local_tensor.numel() for _, g in items])
+                for (p, g), piece in zip(items, pieces, strict=True):
+                    p.grad = DTensor.from_local(piece.view_as(g._local_tensor), g.device_mesh, p.placements,
+                                                run_check=False, shape=g.shape, stride=g.stride())
 
 
 def normalized(p: Placement, ndim: int) -> Placement:
