@@ -547,7 +547,7 @@ def _lone_columns_in_chains(sch: Schedule, p: Plan) -> list[Problem]:
             continue
         if not role.enters or path == members[-1]:
             continue
-        norms = _norms_between(sch, path)
+        norms = _per_head_between(sch, path)
         problems.append(Problem(
             path,
             f"is column-parallel inside the sequence_parallel chain over {seq.mesh_axis!r}, but no row-parallel "
@@ -604,9 +604,7 @@ def _whole_in_parent(sch: Schedule, p: Plan, path: str) -> bool:
     def per_head(column: str) -> bool:
         # a norm whose weight is narrower than the column's output acts on its heads (Gemma 3's
         # q/k norms): declared tp_local it pairs the column with its row; refused so as to say so
-        width = _out_features(get_module(sch.module, join(caller, column))) or 0
-        return any(0 < max((t.numel() for t in get_module(sch.module, norm).parameters()), default=0) < width
-                   for norm in _norms_between(sch, join(caller, column)))
+        return bool(_per_head_between(sch, join(caller, column)))
 
     def row(q: str) -> bool:
         sources = fl.feeders(q, whole)
@@ -620,18 +618,21 @@ def _whole_in_parent(sch: Schedule, p: Plan, path: str) -> bool:
         u != OUTPUT and row(u) for u in users)
 
 
-def _norms_between(sch: Schedule, column: str) -> list[str]:
-    """The norms (modules with parameters, no children, a class named ``...Norm``) that the
-    column's output reaches in its caller's code: per-head q/k norms that keep it from its
-    row unless declared ``tp_local``."""
+def _per_head_between(sch: Schedule, column: str) -> list[str]:
+    """The modules the column's output reaches first in its caller's code that act on
+    each head alone: no children, and parameters narrower than the column's output (the
+    per-head q/k norms of Gemma 3). They keep the column from its row unless declared
+    ``tp_local``. Read off the parameters' sizes, not the modules' kinds."""
     found = _caller(sch, column)
     if found is None:
         return []
     caller, name, fl = found
+    width = _out_features(get_module(sch.module, column)) or 0
     out = []
     for user in sorted(fl.consumers(name, _through(sch, caller)) - {OUTPUT}):
         module = get_module(sch.module, join(caller, user))
-        if not module._modules and "Norm" in type(module).__name__ and any(True for _ in module.parameters()):
+        size = max((t.numel() for t in module.parameters()), default=0)
+        if not module._modules and 0 < size < width:
             out.append(join(caller, user))
     return out
 
