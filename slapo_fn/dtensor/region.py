@@ -210,14 +210,25 @@ def _contiguous(x: Any) -> Any:
 
 
 def _settled(x: Any) -> Any:
-    """A DTensor an op left split in strides (``_StridedShard``: the batch and a split
-    sequence merged into one dimension) made whole along that dimension: DTensor's rules
-    for ops over such a dimension are not all right for it (a cumulative sum over the
-    merged rows came out wrong), so none is run on one."""
-    if not isinstance(x, DTensor) or not any(isinstance(p, _StridedShard | Partial) for p in x.placements):
+    """A DTensor an op left in a layout the region does not hand on, made whole there:
+
+    * split in strides (``_StridedShard``: the batch and a split sequence merged into one
+      dimension): DTensor's rules for ops over such a dimension are not all right for it
+      (a cumulative sum over the merged rows came out wrong);
+    * a partial sum (a matmul over split features): left pending, DTensor carries it into
+      the residual stream and every norm after it reduces it again, where one all-reduce
+      here makes it whole for all (a role's output is made whole the same way). A norm's
+      pending partial (``_NormPartial``) is left to the op that reads it: its gradient
+      cannot be taken back from a sum.
+    """
+    if not isinstance(x, DTensor) or not any(_unsettled(p) for p in x.placements):
         return x
-    places = [Replicate() if isinstance(p, _StridedShard | Partial) else p for p in x.placements]
+    places = [Replicate() if _unsettled(p) else p for p in x.placements]
     return x.redistribute(x.device_mesh, places)
+
+
+def _unsettled(p: Placement) -> bool:
+    return isinstance(p, _StridedShard) or type(p) is Partial
 
 
 def _on_whole_values(func: Any, args: Any, kwargs: Any) -> Any:
