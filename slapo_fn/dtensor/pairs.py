@@ -60,7 +60,7 @@ def _partners(sch: Schedule) -> dict[str, tuple[str, ...]]:
         assert fl is not None
         names = {(p[len(parent) + 1:] if parent else p): p for p in paths}
         through = _through(sch, parent)
-        cols = {n for n, p in names.items() if roles[p].enters}
+        cols = {n for n, p in names.items() if roles[p].splits_output}
         rows = {n for n, p in names.items() if roles[p].splits_input}
         keep = {c for c in cols if (users := fl.consumers(c, through)) and users <= rows}
         # side values (rotary cos/sin, masks) broadcast over the heads: they do not mix in; nor
@@ -143,11 +143,11 @@ def _pair_groups(sch: Schedule) -> dict[tuple[str, str], list[str]]:
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
     groups: dict[tuple[str, str], list[str]] = {}
     for path, role in roles.items():
-        if path and (role.enters or role.splits_input):
+        if path and (role.splits_output or role.splits_input):
             found = _caller(sch, path)
             groups.setdefault((found[0] if found is not None else _parent(path), role.mesh_axis), []).append(path)
     return {g: paths for g, paths in groups.items()
-            if any(roles[q].enters for q in paths) and any(roles[q].splits_input for q in paths)}
+            if any(roles[q].splits_output for q in paths) and any(roles[q].splits_input for q in paths)}
 
 
 def _by_module_order(sch: Schedule, parent: str, paths: list[str]) -> bool:

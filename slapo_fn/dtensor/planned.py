@@ -109,7 +109,7 @@ class ModulePlan:
         ``fwd_post`` sync of its own gathers it (:func:`_gathers_output`). Its parent's code
         then runs on this rank's heads, and build makes the parent's head counts local."""
         role = self.role
-        return (self.partnered and role is not None and role.enters
+        return (self.partnered and role is not None and role.splits_output
                 and not _gathers_output(self.syncs, role.mesh_axis))
 
 

@@ -323,7 +323,7 @@ def _role_forward(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> C
         return y if b is None else y + b
 
     def features(y: torch.Tensor, ids: bool) -> torch.Tensor:
-        kept_local = out_sync is None and mp.partnered and not ids
+        kept_local = out_sync is None and mp.partnered
         if role.packed > 1 and not kept_local and not _is_last_dim_shard(out_sync, y.dim()):
             # this rank's output is [Q_r|K_r|V_r]: gathered, the chunks are put back in order
             full = C.unpack(C.gather(y, -1, axis), role.packed, size)

@@ -356,12 +356,6 @@ def test_weight_tying(dist2: Any) -> None:
                 assert got["same"] == tied and got["differ"] == (not tied), (name, tied, got)
 
 
-_EMBED_ROW = ("the embedding split by features (axis=1) hands its output to a row that wants it split so: slapo_fn "
-              "gathers it and the row splits it again (all-gather forward and backward), PyTorch's ColwiseParallel "
-              "hands the split straight on (1 all-reduce against 3)")
-
-
-@pytest.mark.xfail(strict=True, reason=_EMBED_ROW)
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_weight_tying_collectives_no_more_than_pytorchs(dist2: Any, tied: bool) -> None:
     r = _once("tying", dist2, _weight_tying)[0]
