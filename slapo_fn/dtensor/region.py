@@ -42,7 +42,27 @@ from . import rules  # noqa: F401  (CPU attention's sharding rules, registered o
 from .collectives import gather, reduce, unpack
 from .roles import Role
 
-__all__ = ["Activations", "OnDTensors", "region"]
+__all__ = ["Activations", "BiasShare", "OnDTensors", "region"]
+
+
+class BiasShare(torch.autograd.Function):
+    """``b / n`` forward: this rank's share of a bias that the reduction after it sums once.
+    The gradient passes unscaled: the reduce-scatter's backward all-gathers, so every
+    rank's gradient before the reduction is the whole one, and so is the bias gradient
+    (``Replicate``, like the bias, with no collective: PyTorch's RowwiseParallel gets the
+    same from adding a replicated bias to a Partial output)."""
+
+    @staticmethod
+    def forward(b: torch.Tensor, n: int) -> torch.Tensor:  # type: ignore[override]
+        return b / n
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
 
 
 def output_slot(value: Any) -> int | str | None:
@@ -360,11 +380,15 @@ def role_on_dtensors(acts: Activations, m: nn.Module, role: Role, out: Placement
             y, gives = unpack(gather(y, -1, (acts.mesh, i)), role.packed, size), Replicate()
         places = [Replicate() if isinstance(p, Shard) and p.dim >= y.dim() else p for p in base]
         places[i] = gives
-        result: torch.Tensor = DTensor.from_local(y, acts.mesh, places, run_check=False)
         to = Replicate() if out is None and isinstance(gives, Partial) else out
+        bias = role.bias_after(m)
+        if bias is not None and isinstance(gives, Partial) and isinstance(to, Shard):
+            # each rank adds its share before the reduce-scatter, which adds the bias once; its
+            # gradient is then whole on every rank, as PyTorch's RowwiseParallel gets it
+            y, bias = y + BiasShare.apply(acts.to_local(bias), size), None
+        result: torch.Tensor = DTensor.from_local(y, acts.mesh, places, run_check=False)
         if to is not None:
             result = relayout(acts, result, axis, to)
-        bias = role.bias_after(m)
         return result if bias is None else result + bias
 
     return forward

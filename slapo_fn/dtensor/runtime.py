@@ -40,7 +40,7 @@ from .lookups import _in_features, _out_features, _parent, per_head_operands
 from .on_dtensors import install_on_dtensors
 from .plan import _local_axis, _sharded_output, param_dims, plan
 from .planned import ModulePlan, Plan
-from .region import Activations, map_first_output, map_input, output_slot
+from .region import Activations, BiasShare, map_first_output, map_input, output_slot
 from .rng import RNG, forked
 from .roles import Role
 from .sequence import SEQ
@@ -317,8 +317,8 @@ def _role_forward(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> C
         b = _local(role.bias_after(m))
         if b is not None and _sharded_output(seq, out_sync):
             # each rank adds its share before the reduce-scatter, which adds the bias once; its
-            # gradient is then the whole one on every rank (see _BiasShare): no collective
-            return reduce(y + _BiasShare.apply(b, size))
+            # gradient is then the whole one on every rank (see BiasShare): no collective
+            return reduce(y + BiasShare.apply(b, size))
         y = reduce(y)
         return y if b is None else y + b
 
@@ -365,26 +365,6 @@ def _whole_input_problem(mp: ModulePlan, full_in: int, size: int) -> Problem:
         "what the sync converts would not be what runs",
         f"state what arrives: sf.sync(sch, {mp.path!r}, 'fwd_pre', Shard(-1), src=Replicate()), or drop the sync",
     )
-
-
-class _BiasShare(torch.autograd.Function):
-    """``b / n`` forward: this rank's share of a bias that the reduction after it sums once.
-    The gradient passes unscaled: the reduce-scatter's backward all-gathers, so every
-    rank's gradient before the reduction is the whole one, and so is the bias gradient
-    (``Replicate``, like the bias, with no collective: PyTorch's RowwiseParallel gets the
-    same from adding a replicated bias to a Partial output)."""
-
-    @staticmethod
-    def forward(b: torch.Tensor, n: int) -> torch.Tensor:  # type: ignore[override]
-        return b / n
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        pass
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return grad, None
 
 
 def _generic(rt: _Runtime, m: nn.Module, mp: ModulePlan, forward: Callable[..., Any]) -> Callable[..., Any]:
