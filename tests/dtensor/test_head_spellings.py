@@ -154,3 +154,53 @@ def test_albert_attention_in_slapos_spelling_runs_equal_at_the_megatron_optimum(
     assert not got[0]["on_dtensors"]
     assert {"fwd": got[0]["fwd"], "bwd": got[0]["bwd"]} == MEGATRON
     assert got[0]["grads"] == 10  # q, k, v, dense, LayerNorm: weight and bias each
+
+
+def _gpt2_attention() -> nn.Module:
+    """Hugging Face's GPT-2 attention as Slapo's schedules (and transformers before 4.48)
+    spell it: [Q|K|V] split by ``split_size``, each viewed by ``size()[:-1] + (heads,
+    head_dim)``, merged back by ``size()[:-2] + (heads * head_dim,)``."""
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+    class SlapoSpelledGPT2Attention(GPT2Attention):  # type: ignore[misc]
+        def _split_heads(self, tensor: torch.Tensor, num_heads: int, attn_head_size: int) -> torch.Tensor:
+            new_shape = tensor.size()[:-1] + (num_heads, attn_head_size)  # noqa: RUF005
+            return tensor.view(new_shape).permute(0, 2, 1, 3)
+
+        def _merge_heads(self, tensor: torch.Tensor, num_heads: int, attn_head_size: int) -> torch.Tensor:
+            tensor = tensor.permute(0, 2, 1, 3).contiguous()
+            new_shape = tensor.size()[:-2] + (num_heads * attn_head_size,)  # noqa: RUF005
+            return tensor.view(new_shape)
+
+        def forward(self, hidden_states: torch.Tensor, *_: Any, **__: Any) -> Any:
+            query, key, value = self.c_attn(hidden_states).split(self.split_size, dim=2)
+            query = self._split_heads(query, self.num_heads, self.head_dim)
+            key = self._split_heads(key, self.num_heads, self.head_dim)
+            value = self._split_heads(value, self.num_heads, self.head_dim)
+            scores = torch.matmul(query, key.transpose(-1, -2)) / math.sqrt(self.head_dim)
+            out = torch.matmul(self.attn_dropout(scores.softmax(-1)), value)
+            out = self._merge_heads(out, self.num_heads, self.head_dim)
+            return self.resid_dropout(self.c_proj(out)), None
+
+    cfg = GPT2Config(n_embd=32, n_head=4, attn_pdrop=0.0, resid_pdrop=0.0, attn_implementation="eager")
+    return SlapoSpelledGPT2Attention(cfg)
+
+
+def _gpt2_plan(s: sf.Schedule) -> sf.Schedule:
+    return sf.shard(sf.shard(s, "c_attn", axis=1, packed=3), "c_proj", axis=0)
+
+
+def _run_gpt2(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(3))
+    r = parity(_gpt2_attention(), _gpt2_plan, (x,), shape=(world,), loss=_loss)
+    return {"on_dtensors": r["on_dtensors"], "fwd": r["fwd"], "bwd": r["bwd"], "grads": r["grads"]}
+
+
+def test_gpt2_attention_in_slapos_spelling_runs_equal_at_the_megatron_optimum(dist2: Any) -> None:
+    got = dist2.run(_run_gpt2, timeout=120)
+    assert got[0] == got[1]
+    assert not got[0]["on_dtensors"]
+    assert {"fwd": got[0]["fwd"], "bwd": got[0]["bwd"]} == MEGATRON
+    assert got[0]["grads"] == 4  # c_attn and c_proj: weight and bias each
