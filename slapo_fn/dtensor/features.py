@@ -55,8 +55,8 @@ class ApartKind(Enum):
     BLOCKS = "blocks"
     #: sliced at positions fixed by the full widths (Phi-3's ``qkv[..., :q]``, ``qkv[..., q:q + k]``)
     SLICES = "slices"
-    #: viewed into heads: a view whose result keeps the leading dimensions and splits the
-    #: features into more, however the shape is spelled (:func:`view_shape`)
+    #: viewed into heads: a view whose sizes after the leading ones (batch, sequence) split
+    #: the features into more dimensions, however the shape is spelled (:func:`view_shape`)
     HEADS = "heads"
 
 
