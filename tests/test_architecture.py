@@ -33,6 +33,7 @@ OPTIONAL = {
     "tokenizers": "comes with transformers (the hf extra): BPE trained on the fly and prepare's workers (data/)",
     "torch.utils.tensorboard": "the tensorboard extra (it imports the tensorboard package)",
     "wandb": "the wandb extra",
+    "einops": "a user's model written with it: taught to run on traced values where the user imported it",
 }
 #: Modules allowed to import lazily, with why.
 LAZY_MODULES = {

@@ -35,29 +35,42 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Any
 
 import torch.fx as fx
 
-__all__ = ["ASSUMED_RANK", "Apart", "At", "Tokens", "Walk", "along_features", "along_tokens", "elementwise_op",
-           "head_operands", "metadata", "nodes_in", "sizes_only", "viewed_by_width"]
+__all__ = ["ASSUMED_RANK", "Apart", "ApartKind", "At", "SizeOf", "Tokens", "Walk", "along_features", "along_tokens",
+           "elementwise_op", "head_operands", "metadata", "nodes_in", "sizes_only", "view_shape", "viewed_by_width"]
 
 #: The rank a traced value is taken to have where nothing in the trace says: a parent's
 #: arguments and its children's outputs are hidden states ``(batch, sequence, features)``.
 ASSUMED_RANK = 3
 
 
+class ApartKind(Enum):
+    """How a parent's code takes a child's output apart along its features (:class:`Apart`)."""
+
+    #: split into blocks ([Q|K|V], [gate|up]): ``split``, ``chunk``, ``x[..., :n]`` at once
+    BLOCKS = "blocks"
+    #: sliced at positions fixed by the full widths (Phi-3's ``qkv[..., :q]``, ``qkv[..., q:q + k]``)
+    SLICES = "slices"
+    #: viewed into heads: a view whose sizes after the leading ones (batch, sequence) split
+    #: the features into more dimensions, however the shape is spelled (:func:`view_shape`)
+    HEADS = "heads"
+
+
 @dataclass(frozen=True)
 class Apart:
     """How a parent's code first takes a child's output apart along its features:
-    ``kind`` ``"blocks"`` (split into ``count`` blocks: [Q|K|V], [gate|up]; ``None`` where
-    the trace does not say how many), ``"slices"`` (``count`` slices at positions fixed
-    by the full widths: Phi-3's ``qkv[..., :q]``, ``qkv[..., q:q + k]``) or ``"heads"`` (viewed with the features as
-    ``dims``: ``(-1, 64)`` for ``view(B, S, -1, 64)``, ``(4, 3, 16)`` for BLOOM's per-head
-    [q|k|v]; ``None`` for a size the trace computes). Blocks split by sizes keep them in
-    ``dims`` (``(32,)`` for ``split(self.n_embd)``, ``(64, 16, 16)`` for ``split([q, k, v])``)."""
+    ``kind`` :attr:`ApartKind.BLOCKS` (split into ``count`` blocks; ``None`` where the
+    trace does not say how many), :attr:`ApartKind.SLICES` (``count`` slices at fixed
+    positions) or :attr:`ApartKind.HEADS` (viewed with the features as ``dims``: ``(-1,
+    64)`` for ``view(B, S, -1, 64)``, ``(4, 3, 16)`` for BLOOM's per-head [q|k|v]; ``None``
+    for a size the trace computes). Blocks split by sizes keep them in ``dims`` (``(32,)``
+    for ``split(self.n_embd)``, ``(64, 16, 16)`` for ``split([q, k, v])``)."""
 
-    kind: str
+    kind: ApartKind
     count: int | None = None
     dims: tuple[int | None, ...] = ()
 
@@ -268,9 +281,9 @@ def head_operands(node: fx.Node, elementwise: Callable[[fx.Node], bool]) -> dict
                     continue  # the batch and heads regrouped another way: not followed
             step = _step(use, value, at, alone=len(users) == 1)
             if isinstance(step.then, Apart):
-                if step.then.kind == "blocks" and name in _SPLITS and not heads:
+                if step.then.kind is ApartKind.BLOCKS and name in _SPLITS and not heads:
                     todo.append((use, replace(at, items=True), False, False))
-                elif step.then.kind == "heads" and not heads and at.rank is not None and step.then.dims:
+                elif step.then.kind is ApartKind.HEADS and not heads and at.rank is not None and step.then.dims:
                     # the features become len(dims) dimensions, the heads first of them
                     width = len(step.then.dims)
                     todo.append((use, At(at.rank - 1 + width, -width, assumed=False), True, False))
@@ -298,9 +311,9 @@ def _heads_view(use: fx.Node, at: At, merged: bool) -> tuple[At, bool] | None:
     heads and whether they are merged; ``None`` for any other op."""
     if op_name(use) not in ("view", "reshape") or at.rank is None:
         return None
-    shape = _shape_arg(use)
+    shape = _shape_arg(use, at.rank)
     pos = at.rank + at.feat
-    sized = [isinstance(d, int) or (isinstance(d, fx.Node) and sizes_only(d)) for d in shape]
+    sized = [isinstance(d, int | SizeOf) or (isinstance(d, fx.Node) and sizes_only(d)) for d in shape]
     if not shape or not all(sized):
         return None
     if merged:
@@ -420,7 +433,7 @@ def _walk(node: fx.Node, elementwise: Callable[[fx.Node], bool], start: At,
             # x[..., :a], x[..., a:b], x[..., b:]: positions fixed by the full widths (Phi-3's qkv)
             if through is not None:
                 return Walk(apart, _text(users[0]), ranked, inner)
-            apart = apart or Apart("slices", len(users))
+            apart = apart or Apart(ApartKind.SLICES, len(users))
             continue
         for use in users:
             if use.op == "call_module" and elementwise(use):
@@ -453,7 +466,7 @@ def _walk(node: fx.Node, elementwise: Callable[[fx.Node], bool], start: At,
                     inner = inner or step.then
                     continue
                 apart = apart or step.then
-                if step.then.kind == "blocks" and op_name(use) in _SPLITS:
+                if step.then.kind is ApartKind.BLOCKS and op_name(use) in _SPLITS:
                     # each block holds this rank's share of its features: followed on
                     todo.append((use, replace(at, items=True), True))
             elif isinstance(step.then, At):
@@ -495,7 +508,7 @@ def _merging(use: fx.Node, value: fx.Node, at: At) -> _Step | None:
         if at.items or at.rank is None or not -at.rank <= at.feat < -1 or use.args[0] is not value:
             return None
         if name in ("view", "reshape"):
-            shape = _shape_arg(use)
+            shape = _shape_arg(use, at.rank)
             if len(shape) == 2 and _own_last_size(shape[-1], value, at.rank):
                 return _Step(At(2, -2, assumed=False, merged=(value, at)))
         if name == "flatten":
@@ -563,6 +576,8 @@ def viewed_by_width(node: fx.Node, value: fx.Node) -> bool:
 def _size_of(d: Any, value: fx.Node) -> int | None:
     """Which of ``value``'s sizes ``d`` reads (``value.size(i)``, ``value.shape[i]``,
     ``value.size()[i]``), as given; ``None`` where it reads none of them."""
+    if isinstance(d, SizeOf):
+        return d.dim if d.of is value else None
     if not isinstance(d, fx.Node):
         return None
     if d.op == "call_method" and op_name(d) == "size" and len(d.args) > 1 and d.args[0] is value:
@@ -667,7 +682,7 @@ def _step(use: fx.Node, value: fx.Node, at: At, alone: bool) -> _Step:
         # they are last, any dimension after them
         return _Step(replace(at, rank=None, assumed=False) if at.feat == -1 else _text(use))
     if name == "expand":
-        sizes = _shape_arg(use)
+        sizes = _shape_arg(use, at.rank)
         return _Step(replace(at, rank=len(sizes), assumed=False) if sizes else _text(use))
     if name == "expand_as":
         return _Step(replace(at, rank=None, assumed=False))
@@ -750,7 +765,7 @@ def _index(use: fx.Node, at: At, alone: bool) -> _Step:
     here = next((p for pos, p in placed if pos == at.feat), slice(None))
     if here != slice(None):
         if at.feat == -1 and after and alone:
-            return _Step(Apart("blocks"))  # x[..., :n] at once: the packing check reads it
+            return _Step(Apart(ApartKind.BLOCKS))  # x[..., :n] at once: the packing check reads it
         return _Step(_text(use))
     if any(pos is not None and pos > at.feat and (p is None or not isinstance(p, slice)) for pos, p in placed):
         return _Step(_text(use))  # items taken after the features: they would move
@@ -781,19 +796,86 @@ def _split(use: fx.Node, name: str, at: At, alone: bool) -> _Step:
         return _Step(_text(use))
     parts = use.args[1] if len(use.args) > 1 else use.kwargs.get("split_size_or_sections", use.kwargs.get("chunks"))
     if not alone:
-        return _Step(Apart("blocks", parts if isinstance(parts, int) and name == "chunk" else None), ranked)
+        return _Step(Apart(ApartKind.BLOCKS, parts if isinstance(parts, int) and name == "chunk" else None), ranked)
     if name == "chunk" and isinstance(parts, int):
-        return _Step(Apart("blocks", parts), ranked)
+        return _Step(Apart(ApartKind.BLOCKS, parts), ranked)
     if isinstance(parts, tuple | list):  # split([q, k, v]): sizes of the whole width
-        return _Step(Apart("blocks", len(parts), tuple(d if isinstance(d, int) else None for d in parts)), ranked)
+        sizes = tuple(d if isinstance(d, int) else None for d in parts)
+        return _Step(Apart(ApartKind.BLOCKS, len(parts), sizes), ranked)
     # split(size): as many blocks as the width holds, each of that size
-    return _Step(Apart("blocks", dims=(parts,) if isinstance(parts, int) else ()), ranked)
+    return _Step(Apart(ApartKind.BLOCKS, dims=(parts,) if isinstance(parts, int) else ()), ranked)
 
 
-def _shape_arg(use: fx.Node) -> tuple[Any, ...]:
+@dataclass(frozen=True)
+class SizeOf:
+    """One size of a traced tensor that the trace holds no node for: an item of a shape
+    taken apart by Python's tuple ops, which plain fx records as calls
+    (``x.size()[:-1] + (h, d)``, ALBERT's and GPT-2's ``view``): ``of``'s size ``dim``."""
+
+    of: fx.Node
+    dim: int
+
+
+def _no_rank(_: fx.Node) -> int | None:
+    return None
+
+
+def view_shape(use: fx.Node, rank_of: Callable[[fx.Node], int | None] = _no_rank) -> tuple[Any, ...]:
+    """The shape a ``view``/``reshape``/``expand``/``permute`` call ``use`` is given, one item
+    per dimension of its result: an ``int``, a node (a size the code computes, or reads:
+    ``x.size(1)``) or a :class:`SizeOf`, however the code spelled it: sizes one by one, a
+    tuple, a tuple built from a shape by slices and concatenations (``x.size()[:-1] + (h,
+    d)``: its items evaluated, a whole shape by ``rank_of``, the number of dimensions of a
+    traced value where known). A whole shape alone (``view(y.shape)``) stays one item, as
+    written. Read off the traced values, so every spelling of one shape gives one answer."""
     rest = use.args[1:]
-    shape = rest[0] if len(rest) == 1 and isinstance(rest[0], tuple | list) else rest
-    return tuple(shape)
+    shape = tuple(rest[0]) if len(rest) == 1 and isinstance(rest[0], tuple | list) else tuple(rest)
+    if len(shape) == 1 and _whole_shape(shape[0]) is None and (
+            found := _shape_value(shape[0], rank_of)) is not None:
+        return found
+    return tuple(_size_value(d, rank_of) for d in shape)
+
+
+def _shape_value(arg: Any, rank_of: Callable[[fx.Node], int | None], depth: int = 0) -> tuple[Any, ...] | None:
+    """The items of a traced tuple of sizes (see :func:`view_shape`), or ``None`` where
+    ``arg`` is no such tuple or its length is not known."""
+    if isinstance(arg, tuple | list):
+        return tuple(_size_value(d, rank_of, depth + 1) for d in arg)
+    if not isinstance(arg, fx.Node) or depth > 32 or arg.op != "call_function":
+        if isinstance(arg, fx.Node) and (whole := _whole_shape(arg)) is not None:
+            rank = rank_of(whole)
+            return None if rank is None else tuple(SizeOf(whole, i) for i in range(rank))
+        return None
+    name = op_name(arg)
+    if (whole := _whole_shape(arg)) is not None:
+        rank = rank_of(whole)
+        return None if rank is None else tuple(SizeOf(whole, i) for i in range(rank))
+    if name == "getitem" and len(arg.args) == 2 and isinstance(index := arg.args[1], slice) and all(
+            b is None or (isinstance(b, int) and not isinstance(b, bool))
+            for b in (index.start, index.stop, index.step)):
+        inner = _shape_value(arg.args[0], rank_of, depth + 1)
+        return None if inner is None else inner[index]
+    if name == "add" and len(arg.args) == 2:
+        left, right = (_shape_value(a, rank_of, depth + 1) for a in arg.args)
+        return None if left is None or right is None else left + right
+    return None
+
+
+def _size_value(d: Any, rank_of: Callable[[fx.Node], int | None], depth: int = 0) -> Any:
+    """One size of a shape as :func:`view_shape` gives it: an item taken by index of a
+    tuple built from a shape (``(x.size()[:-1])[0]``) is that size; anything else as given."""
+    if (isinstance(d, fx.Node) and d.op == "call_function" and op_name(d) == "getitem" and len(d.args) == 2
+            and isinstance(i := d.args[1], int) and not isinstance(i, bool) and _whole_shape(d.args[0]) is None):
+        inner = _shape_value(d.args[0], rank_of, depth + 1)
+        if inner is not None and -len(inner) <= i < len(inner):
+            return inner[i]
+    return d
+
+
+def _shape_arg(use: fx.Node, rank: int | None = None) -> tuple[Any, ...]:
+    """:func:`view_shape` of ``use``, whose first argument has ``rank`` dimensions (where known)."""
+    value = use.args[0] if use.args else None
+    return view_shape(use, lambda t: rank if t is value else None)
 
 
 def _view(use: fx.Node, name: str, at: At) -> _Step:
@@ -808,12 +890,12 @@ def _view(use: fx.Node, name: str, at: At) -> _Step:
         if pos is None or not isinstance(sizes, tuple | list):
             return _Step(_text(use))
         if pos == at.feat == -1:
-            return _Step(Apart("heads", dims=tuple(s if isinstance(s, int) else None for s in sizes)), ranked)
+            return _Step(Apart(ApartKind.HEADS, dims=tuple(s if isinstance(s, int) else None for s in sizes)), ranked)
         if pos < at.feat:  # the batch or sequence unflattened
             rank = None if at.rank is None else at.rank + len(sizes) - 1
             return _Step(replace(at, rank=rank), ranked)
         return _Step(_text(use))
-    shape = _shape_arg(use)
+    shape = _shape_arg(use, at.rank)
     if not shape:
         return _Step(_text(use))
     if len(shape) == 1 and (whole := _whole_shape(shape[0])) is not None:
@@ -845,7 +927,8 @@ def _view(use: fx.Node, name: str, at: At) -> _Step:
         return _Step(At(len(shape), -1, assumed=False))
     if at.rank is not None and len(shape) > at.rank:
         lead = at.rank - 1  # the sizes after the batch and sequence are the features'
-        return _Step(Apart("heads", dims=tuple(d if isinstance(d, int) else None for d in shape[lead:])), at.assumed)
+        dims = tuple(d if isinstance(d, int) else None for d in shape[lead:])
+        return _Step(Apart(ApartKind.HEADS, dims=dims), at.assumed)
     if last == -1 and at.rank is not None and len(shape) == at.rank:
         return _Step(at, at.assumed)  # the same dimensions
     return _Step(_text(use))
@@ -860,6 +943,8 @@ def _own_last_size(d: Any, value: Any, rank: int | None) -> bool:
 def _size_read(d: Any) -> bool:
     """Whether a view's size ``d`` is one size read off a tensor (``x.size(-1)``,
     ``x.shape[-1]``), not a constant or a size computed from others (``x.shape[-1] // 4``)."""
+    if isinstance(d, SizeOf):
+        return True
     if not isinstance(d, fx.Node):
         return False
     if metadata(d):
@@ -885,7 +970,7 @@ def _flatten(use: fx.Node, at: At) -> _Step:
 
 def _permute(use: fx.Node, at: At) -> _Step:
     given = use.kwargs.get("dims")
-    dims = _shape_arg(use) if not isinstance(given, tuple | list) else tuple(given)
+    dims = _shape_arg(use, at.rank) if not isinstance(given, tuple | list) else tuple(given)
     if not dims or not all(isinstance(d, int) for d in dims):
         return _Step(_text(use))
     rank = len(dims)  # a permutation names every dimension: the rank is the code's, not assumed

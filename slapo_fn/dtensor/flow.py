@@ -50,22 +50,26 @@ from ..tree import uncalled
 from .features import ASSUMED_RANK as _ASSUMED_RANK
 from .features import (
     Apart,
+    ApartKind,
     At,
     Meets,
+    SizeOf,
     Tokens,
     Walk,
     along_features,
     along_tokens,
     elementwise_op,
     head_operands,
+    view_shape,
     viewed_by_width,
 )
 from .features import metadata as _metadata
 from .features import nodes_in as _nodes_in
 from .features import op_name as _op_name
 from .features import sizes_only as _sizes_only
+from .traced_einops import einops_on_traced_values
 
-__all__ = ["INPUT", "OUTPUT", "SIDE", "Apart", "Flow", "flow", "own_layer", "pointwise"]
+__all__ = ["INPUT", "OUTPUT", "SIDE", "Apart", "ApartKind", "Flow", "flow", "own_layer", "pointwise"]
 
 #: What reaches a child from the parent's first argument (the hidden states), and where the
 #: parent's result goes.
@@ -376,10 +380,9 @@ def _known_rank(parent: nn.Module, prefix: str, node: fx.Node, depth: int = 0) -
     if depth > 32:
         return None
     if node.op == "call_method" and _op_name(node) in ("view", "reshape"):
-        shape = node.args[1:]
-        if len(shape) == 1 and isinstance(shape[0], tuple | list):
-            shape = tuple(shape[0])
-        known = shape and all(isinstance(d, int) or (isinstance(d, fx.Node) and _sizes_only(d)) for d in shape)
+        shape = view_shape(node, lambda t: _known_rank(parent, prefix, t, depth + 1))
+        known = shape and all(isinstance(d, int | SizeOf) or (isinstance(d, fx.Node) and _sizes_only(d))
+                              for d in shape)
         return len(shape) if known and not (len(shape) == 1 and isinstance(shape[0], fx.Node)) else None
     first = next(iter(node.all_input_nodes), None)
     if first is None:
@@ -399,8 +402,7 @@ def _rank(node: fx.Node, assumed: int, depth: int = 0) -> int:
     """The number of dimensions of a traced value, as far as the trace shows it, else ``assumed``."""
     first = next(iter(node.all_input_nodes), None)
     if node.op == "call_method" and node.target in ("view", "reshape", "expand", "repeat") and len(node.args) > 1:
-        shape = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], tuple | list) else node.args[1:]
-        return len(shape)
+        return len(view_shape(node, lambda t: _rank(t, assumed, depth + 1)))
     if first is None or depth > 32:
         return assumed
     inner = _rank(first, assumed, depth + 1)
@@ -689,7 +691,8 @@ def _counted_by(parent: nn.Module, read: set[str], apart: Mapping[str, Apart], g
     whatever its name; one read for anything else (a loop over the heads, a scale, a range
     of slopes, a view of the input) is not, and a view by it stays refused."""
     wanted = {name: how.dims[0] for name, how in apart.items()
-              if how.kind == "heads" and len(how.dims) >= 2 and isinstance(how.dims[0], int) and how.dims[0] > 0}
+              if how.kind is ApartKind.HEADS and len(how.dims) >= 2 and isinstance(how.dims[0], int)
+              and how.dims[0] > 0}
     own = vars(parent)
     prefix = _INNER + "."
 
@@ -827,6 +830,7 @@ def _traced(
     tracer of shapes answers branches on sizes alone ``True`` first; where the trace then
     fails (``if seq_len > self.max_seq_len: raise``), the last ``True`` is turned
     ``False`` and the trace tried again, depth first."""
+    einops_on_traced_values()  # a parent written with einops traces into its reshapes
     concrete = {f"a{i}": v for i, v in enumerate(call) if v is not _TRACED_ARG}
     concrete.update({f"a{i}": None for i in range(len(call), 4)})
     answers: tuple[bool, ...] = ()

@@ -16,7 +16,7 @@ from ..hf import HEAD_COUNT_ATTRS, HEAD_DIM_ATTRS, HEAD_WIDTH_ATTRS, head_dim_of
 from ..schedule import Schedule
 from ..tree import get_module
 from .arriving import _split_outputs
-from .features import Apart
+from .features import Apart, ApartKind
 from .lookups import _caller, _in_features, _out_features, _parent
 from .planned import Plan, _named
 from .shard import mesh_dims
@@ -52,13 +52,13 @@ def grouped_head_count_attrs(parent: nn.Module, out: int, how: Apart | None) -> 
         >>> import torch.nn as nn
         >>> att = nn.Module()
         >>> att.num_heads, att.num_kv_heads, att.head_dim = 8, 2, 16
-        >>> grouped_head_count_attrs(att, (8 + 2 * 2) * 16, Apart("heads", dims=(-1, 6, 16)))
+        >>> grouped_head_count_attrs(att, (8 + 2 * 2) * 16, Apart(ApartKind.HEADS, dims=(-1, 6, 16)))
         ('num_heads', 'num_kv_heads')
-        >>> grouped_head_count_attrs(att, 3 * 8 * 16, Apart("heads", dims=(3, 8, 16))) # blocks of heads
+        >>> grouped_head_count_attrs(att, 3 * 8 * 16, Apart(ApartKind.HEADS, dims=(3, 8, 16))) # blocks of heads
         ()
     """
     own, head_dim = vars(parent), head_dim_of(parent)
-    dims = how.dims if how is not None and how.kind == "heads" else ()
+    dims = how.dims if how is not None and how.kind is ApartKind.HEADS else ()
     if head_dim is None or len(dims) < 3 or dims[-1] != head_dim or any(d is None or d <= 0 for d in dims[1:]):
         return ()
     counts = {a: v for a in HEAD_COUNT_ATTRS if type(v := own.get(a)) is int and v > 0}
@@ -270,7 +270,7 @@ def _head_view_problem(sch: Schedule, path: str, parent: str, how: Apart, out: i
     """Why the view ``how`` of ``out`` features (of the whole output, or of each ``part``
     it is split into), held split over ``size`` ranks, would make heads of the wrong size,
     or ``None``."""
-    if how.kind != "heads" or not how.dims:
+    if how.kind is not ApartKind.HEADS or not how.dims:
         return None
     what = "" if part == "output" else f"each {part} of "
     local, where = out // size, _named(parent)
@@ -353,7 +353,7 @@ def _packing_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
             continue
         kind, count = how.kind, how.count
         where = _named(_parent(path))
-        if kind == "slices":
+        if kind is ApartKind.SLICES:
             problems.append(Problem(
                 path,
                 f"{where}'s forward takes its output apart in {count} slices at fixed feature positions "
@@ -362,11 +362,11 @@ def _packing_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
                 f"leave {path!r} unsharded (its row partner then splits its input itself), or replace "
                 f"{where} (sf.replace) with a module that projects q, k and v separately",
             ))
-        elif kind == "heads" and role.packed > 1 and _blocks_of_heads(
+        elif kind is ApartKind.HEADS and role.packed > 1 and _blocks_of_heads(
                 get_module(sch.module, _parent(path)), how.dims, _out_features(get_module(sch.module, path)),
                 role.packed):
             pass  # timm's reshape(B, N, 3, num_heads, head_dim): blocks first, each of this rank's heads
-        elif kind == "heads" and role.packed > 1:
+        elif kind is ApartKind.HEADS and role.packed > 1:
             problems.append(Problem(
                 path,
                 f"is packed={role.packed}, but {where}'s forward views its output into heads before it splits it, "
@@ -374,7 +374,7 @@ def _packing_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
                 f"{role.packed} blocks",
                 "shard it without packed= (a rank's contiguous rows are then whole heads)",
             ))
-        elif kind == "blocks" and role.packed > 1 and how.dims and not _split_made_local(
+        elif kind is ApartKind.BLOCKS and role.packed > 1 and how.dims and not _split_made_local(
                 get_module(sch.module, _parent(path)), how.dims, _out_features(get_module(sch.module, path)),
                 role.packed):
             sizes = ", ".join(str(d) for d in how.dims)
@@ -386,7 +386,7 @@ def _packing_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
                 f"gather its output, sf.sync(sch, {path!r}, 'fwd_post', Replicate()), or split it with "
                 f"chunk({role.packed}, dim=-1) or by a split_size attribute",
             ))
-        elif kind == "blocks" and role.packed == 1:
+        elif kind is ApartKind.BLOCKS and role.packed == 1:
             blocks = f"{count} blocks" if count else "blocks"
             problems.append(Problem(
                 path,

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from ..errors import LayoutError, Problem
 from ..schedule import Schedule
 from ..tree import get_module, join, parent_path, split, uncalled, walk
 from .arriving import stated_model_output
@@ -76,6 +77,16 @@ def _boundaries_on_dtensors(acts: Activations, mp: ModulePlan, forward: Callable
     stated ``src`` is checked by the plan, and a ``bwd_post`` sync is what DTensor's own
     backward already does). ``given``: the chain ``mp`` enters first was told its input
     arrives split, so a plain (local) tensor handed to it is taken as this rank's shard."""
+    called = [s for s in mp.syncs if s.fn is not None]
+    if called:  # written for local tensors (Slapo's hooks call collectives on them): never skipped
+        raise LayoutError("build", [Problem(
+            mp.path or "<root>",
+            f"has a callable {called[0].mode} sync ({called[0]}), written for this rank's local tensors, but the "
+            "plan cannot prove the model right on local shards and runs it on DTensor activations, where the "
+            "callable's collectives would not be what runs",
+            "make the plan hold on local shards (sf.dtensor.plan(sch).on_dtensors says why it does not), or "
+            "drop fn= and let the plan derive the collective",
+        )])
     # a sync from a layout to itself moves nothing and asserts nothing (a plain tensor handed on
     # through it keeps the meaning the next statement gives it)
     pre = [s for s in mp.syncs if s.mode == "fwd_pre" and s.src != s.layout]

@@ -370,6 +370,9 @@ def _whole_input_problem(mp: ModulePlan, full_in: int, size: int) -> Problem:
 def _generic(rt: _Runtime, m: nn.Module, mp: ModulePlan, forward: Callable[..., Any]) -> Callable[..., Any]:
     names = [n for n, p in m._parameters.items() if isinstance(p, DTensor)]
     ax = _local_axis(mp)
+    # callables at its boundaries are the module's tensor-parallel code (Slapo's embedding
+    # masking around its rows' shard): its own forward runs on this rank's shards
+    own_code = any(s.fn is not None for s in mp.syncs)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         params: dict[str, torch.Tensor] = {}
@@ -378,7 +381,7 @@ def _generic(rt: _Runtime, m: nn.Module, mp: ModulePlan, forward: Callable[..., 
             p = getattr(m, n)  # the module's, or torch.func.functional_call's tensor in its place
             inner = _underlying(p)
             assert isinstance(inner, DTensor)
-            if any(isinstance(pl, Shard | _StridedShard) for pl in inner.placements):
+            if any(isinstance(pl, Shard | _StridedShard) for pl in inner.placements) and not own_code:
                 params[n] = (
                     _constant(p, local=False)
                     if _in_transform()
@@ -491,7 +494,7 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
                 _adjust_head_counts(model, sch, path, mp.role, rt, adjusted)
         elif (mp.role is not None and mp.role.own_forward) or mp.local_params:
             forward = _generic(rt, m, mp, forward)
-        forward = _wrap_boundaries(rt, mp, forward, ids=isinstance(m, nn.Embedding))
+        forward = _wrap_boundaries(rt, mp, forward, ids=isinstance(m, nn.Embedding), module=m)
         if mp.read_as_3d:
             forward = _read_as_3d(mp, forward)
         if mp.rng is not None:
@@ -808,10 +811,12 @@ def _sequence_split(path: str, seq_axis: int, split: Callable[[torch.Tensor], to
     return run
 
 
-def _wrap_boundaries(rt: _Runtime, mp: ModulePlan, forward: Callable[..., Any], ids: bool = False
-                     ) -> Callable[..., Any]:
+def _wrap_boundaries(rt: _Runtime, mp: ModulePlan, forward: Callable[..., Any], ids: bool = False,
+                     module: nn.Module | None = None) -> Callable[..., Any]:
     """``forward`` with ``mp``'s syncs and sequence_parallel entry and exit around it
-    (``ids``: the module takes token ids, whose last dimension is the sequence)."""
+    (``ids``: the module takes token ids, whose last dimension is the sequence). A sync
+    with a callable runs it on ``module`` as PyTorch runs a module hook, in place of the
+    collective (its stated layouts were checked by the plan)."""
     pre = [s for s in mp.syncs if s.mode == "fwd_pre"]
     bwd = [s for s in mp.syncs if s.mode == "bwd_post"]
     post = mp.posts
@@ -826,7 +831,11 @@ def _wrap_boundaries(rt: _Runtime, mp: ModulePlan, forward: Callable[..., Any], 
             e = mp.entry
             split = convert(Replicate(), Shard(e.seq_axis), e.mesh_axis)
             args, kwargs = map_input(args, kwargs, split if ids else _sequence_split(mp.path, e.seq_axis, split))
+        called = args  # what a fwd_post callable reads: the module's inputs as its caller handed them
         for s in pre:
+            if s.fn is not None:
+                args = _pre_hooked(s.fn(module, args), args)
+                continue
             args, kwargs = map_input(args, kwargs, convert(s.src or Replicate(), s.layout, s.mesh_axis))
         for s in bwd:  # sync validated these: Partial → Replicate (all-reduce) or nothing to do
             if isinstance(s.src, Partial):
@@ -841,6 +850,10 @@ def _wrap_boundaries(rt: _Runtime, mp: ModulePlan, forward: Callable[..., Any], 
                 "sync a module that returns its activation as a tensor (a child of this one), or drop the sync",
             )])
         for s in post:  # the plan filled in each sync's src (plan._resolved_syncs)
+            if s.fn is not None:
+                hooked = s.fn(module, called, out)
+                out = out if hooked is None else hooked
+                continue
             out = map_first_output(out, convert(s.src or Replicate(), s.layout, s.mesh_axis))
         if mp.exit is not None and not post:
             x = mp.exit
@@ -848,6 +861,15 @@ def _wrap_boundaries(rt: _Runtime, mp: ModulePlan, forward: Callable[..., Any], 
         return out
 
     return run
+
+
+def _pre_hooked(result: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The positional arguments after a forward-pre callable returned ``result``, as
+    PyTorch reads a forward-pre hook's: ``None`` keeps them, a tuple replaces them, any
+    other value is the first and only one."""
+    if result is None:
+        return args
+    return result if isinstance(result, tuple) else (result,)
 
 
 def _experts_on_dtensors(rt: _Runtime, acts: Activations, m: nn.Module, mp: ModulePlan,

@@ -271,7 +271,7 @@ def _unsourced(sch: Schedule) -> list[Problem]:
     syncs: dict[str, tuple[SyncSpec, ...]] = sch.annotations.of_kind(SYNC)
     stated = [(q, s) for q, specs in syncs.items() for s in specs if s.mode != "bwd_post"]
     own_code = bool(sch.annotations.of_kind(LOCAL) or sch.annotations.of_kind(EXPERTS)
-                    or sch.annotations.of_kind(INSTALLED))
+                    or sch.annotations.of_kind(INSTALLED) or _callable_code(sch))
     chains: dict[str, list[str]] = {}
     for r, spec in sch.annotations.of_kind(SEQ).items():
         chains.setdefault(spec.mesh_axis, []).append(r)
@@ -338,9 +338,22 @@ def _unsourced(sch: Schedule) -> list[Problem]:
 
 def _own_code_at(sch: Schedule, path: str) -> bool:
     """Whether the user's own tensor-parallel code may run at or inside ``path``: a module
-    installed by ``sf.replace``, a ``tp_local`` one, experts."""
+    installed by ``sf.replace``, a ``tp_local`` one, experts, one run on its parameters'
+    shards between callables (:func:`_callable_code`)."""
     return any(q == path or contains(path, q) for key in (INSTALLED, LOCAL, EXPERTS)
-               for q in sch.annotations.of_kind(key))
+               for q in sch.annotations.of_kind(key)) or any(q == path or contains(path, q)
+                                                             for q in _callable_code(sch))
+
+
+def _callable_code(sch: Schedule) -> frozenset[str]:
+    """The modules whose tensor-parallel code is the user's callables: sharded by their
+    parameters (no Megatron role of their own), with a callable sync at a boundary, they
+    run their own forward on this rank's shards (Slapo's vocabulary-split embedding between
+    its masking hooks)."""
+    roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
+    return frozenset(q for q, specs in sch.annotations.of_kind(SYNC).items()
+                     if any(s.fn is not None for s in specs) and (role := roles.get(q)) is not None
+                     and role.own_forward)
 
 
 def _stacked_role_outputs(sch: Schedule) -> list[Problem]:

@@ -25,7 +25,9 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
@@ -37,7 +39,7 @@ from ..select import Selection
 from .layout import describe
 from .shard import _problem_mesh, _problem_uncalled
 
-__all__ = ["SYNC", "SYNC_MODES", "SyncSpec", "collective_of", "sync"]
+__all__ = ["SYNC", "SYNC_MODES", "SyncFn", "SyncSpec", "collective_of", "sync"]
 
 SYNC: Key[tuple[SyncSpec, ...]] = Key("sync")
 SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
@@ -56,15 +58,33 @@ def collective_of(src: Placement, dst: Placement) -> tuple[tuple[str, ...], tupl
     return ("all_gather",), ("all_gather",)
 
 
+#: A user's callable at a module boundary, in the form of PyTorch's module hooks (and of
+#: Slapo's ``sync_op_or_fn``): ``fn(module, args)`` before the forward, which returns the
+#: new positional arguments (a tuple, or one value for the first) or ``None`` to keep
+#: them; ``fn(module, args, output)`` after it, which returns the new output or ``None``,
+#: and reads ``args`` as the caller handed them (Slapo's embedding hooks mask the output by
+#: the ids the pre-hook shifted: both read the same ids).
+SyncFn = Callable[..., Any]
+
+
 @dataclass(frozen=True)
 class SyncSpec:
+    """One stated boundary: at ``mode``, the activation goes from ``src`` to ``layout``
+    over ``mesh_axis``; by the collective the two imply, or by the user's ``fn``, which
+    the user states takes ``src`` and gives ``layout`` (the plan checks the statement
+    against the data flow, :mod:`.statements`)."""
+
     mode: str
     layout: Placement
     src: Placement | None
     mesh_axis: str
+    fn: SyncFn | None = None
 
     def __str__(self) -> str:
         src = "?" if self.src is None else describe(self.src)
+        if self.fn is not None:
+            name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
+            return f"{self.mode} {src}→{describe(self.layout)}@{self.mesh_axis} (by {name})"
         ops = collective_of(self.src or Replicate(), self.layout)[0]
         return f"{self.mode} {src}→{describe(self.layout)}@{self.mesh_axis} ({', '.join(ops) or 'local'})"
 
@@ -78,6 +98,7 @@ def sync(
     *,
     src: Placement | None = None,
     mesh_axis: str = "tp",
+    fn: SyncFn | None = None,
 ) -> Schedule:
     """Make an activation at the selected modules' boundary have ``layout`` over ``mesh_axis``.
 
@@ -87,6 +108,14 @@ def sync(
     at that boundary (``Replicate()`` for an unsharded module). A boundary stated with
     ``sync`` is *explicit*: ``build(strict=True)`` accepts it. Returns a new schedule; the
     input is unchanged.
+
+    ``fn``: the user's own code at the boundary in place of the collective (Slapo's
+    ``sync_op_or_fn=<fn>``: an embedding's masking, ``broadcast_input``), called as
+    PyTorch's module hooks are (:data:`SyncFn`). The user states the layout it takes,
+    ``src`` (required), and gives, ``layout``; the plan trusts the statement only where
+    the data flow agrees (what arrives at a ``fwd_pre``, what the module gives at a
+    ``fwd_post``), else build refuses it. A module with such a sync runs its own forward
+    on this rank's shards of its parameters: the callables are its tensor-parallel code.
 
     >>> import torch.nn as nn, slapo_fn as sf
     >>> from torch.distributed.tensor import Shard
@@ -117,9 +146,21 @@ def sync(
                     "state bwd_post as Replicate() from src=Partial() (an all-reduce of the gradient)")
             for p in paths
         ]
+    if fn is not None:
+        if not callable(fn):
+            problems += [Problem(p, f"fn={fn!r} is not callable", "pass a function fn(module, args[, output])")
+                         for p in paths]
+        elif mode == "bwd_post":
+            problems += [Problem(p, "a callable runs in the forward pass (as a module hook), not on a gradient",
+                                 "state it as fwd_pre or fwd_post, or drop fn= for the all-reduce of bwd_post")
+                         for p in paths]
+        elif src is None:
+            problems += [Problem(p, "a callable sync needs src= (the layout its fn takes; layout is what it gives)",
+                                 "state src=, e.g. src=Partial() for a fn that all-reduces")
+                         for p in paths]
     if problems:
         raise LayoutError("sync", problems, src=src, dst=layout)
-    spec = SyncSpec(mode, layout, src, mesh_axis)
+    spec = SyncSpec(mode, layout, src, mesh_axis, fn)
     for path in paths:
         sch = sch.annotate_path(path, SYNC, (*sch.annotations.get(path, SYNC, ()), spec))
     return sch

@@ -11,7 +11,7 @@ from models import tiny_llama
 from torch import nn
 
 import slapo_fn as sf
-from slapo_fn.dtensor.flow import INPUT, OUTPUT, SIDE, Apart, flow, pointwise
+from slapo_fn.dtensor.flow import INPUT, OUTPUT, SIDE, Apart, ApartKind, flow, pointwise
 from slapo_fn.dtensor.testing import fake_mesh
 
 
@@ -118,7 +118,7 @@ def test_attention_that_unpacks_shapes_into_arguments_traces() -> None:
     assert fl is not None
     assert all(fl.feeders(c) == {INPUT} for c in ("q_proj", "k_proj", "v_proj"))
     assert fl.feeders("o_proj") == {"q_proj", "k_proj", "v_proj", SIDE} and fl.output == {"o_proj"}
-    assert fl.same_input("q_proj", "v_proj") and fl.apart["k_proj"] == Apart("heads", dims=(-1, 16))
+    assert fl.same_input("q_proj", "v_proj") and fl.apart["k_proj"] == Apart(ApartKind.HEADS, dims=(-1, 16))
 
 
 def test_a_models_root_traces_past_size_checks_token_shapes_and_its_cache() -> None:
@@ -232,8 +232,8 @@ def test_a_module_output_split_into_blocks_or_viewed_into_heads() -> None:
 
     fl = flow(Packed())
     assert fl is not None
-    assert fl.apart == {"qkv": Apart("blocks", dims=(8,)), "gate_up": Apart("blocks", 2),
-                        "heads": Apart("heads", dims=(2, 12))}
+    assert fl.apart == {"qkv": Apart(ApartKind.BLOCKS, dims=(8,)), "gate_up": Apart(ApartKind.BLOCKS, 2),
+                        "heads": Apart(ApartKind.HEADS, dims=(2, 12))}
 
 
 def test_an_output_sliced_at_fixed_positions() -> None:
@@ -248,7 +248,7 @@ def test_an_output_sliced_at_fixed_positions() -> None:
             return self.out(q + torch.cat([k, v], -1))
 
     fl = flow(Sliced())
-    assert fl is not None and fl.apart == {"qkv": Apart("slices", 3)}
+    assert fl is not None and fl.apart == {"qkv": Apart(ApartKind.SLICES, 3)}
     sch = sf.shard(sf.shard(sf.create_schedule(Sliced(), mesh=fake_mesh(2)), "qkv", axis=0), "out", axis=1)
     # this rank's share holds other features than the slices take: not on local shards
     assert any("3 slices at fixed feature positions" in p.reason for p in sf.dtensor.plan(sch).on_dtensors)
@@ -349,7 +349,7 @@ def test_a_bias_added_to_heads_merged_with_the_batch_is_found(merged: bool) -> N
 
     fl = flow(GroupedHeads(merged))
     assert fl is not None
-    assert fl.apart == {"qkv": Apart("heads", dims=(2, 3, 4))}
+    assert fl.apart == {"qkv": Apart(ApartKind.HEADS, dims=(2, 3, 4))}
     # the batch and heads merged, the heads inner, at its first dimension (of 3)
     assert fl.per_head == {"alibi": Meets(-3, merged=True)}
 
@@ -484,7 +484,7 @@ def test_a_head_count_of_any_name_read_for_sizes_alone_is_found(use: str) -> Non
     counts their heads, and ``dim``, doubled alike, their width. Read for a scale, or to
     view the input, ``nh`` counts nothing build may change (nor then ``dim``)."""
     fl = flow(NamedHeads(use))
-    assert fl is not None and fl.apart["q"] == Apart("heads", dims=(2, 4))
+    assert fl is not None and fl.apart["q"] == Apart(ApartKind.HEADS, dims=(2, 4))
     assert dict(fl.counts) == ({"q": ("nh", "dim"), "k": ("nh", "dim")} if not use else {})
 
 

@@ -1,5 +1,7 @@
 """``decompose``: a traced ``Linear`` (or GPT-2's ``Conv1D``) becomes a matmul without
-bias, plus a bias add."""
+bias, plus a bias add; in a graph of ``torch.fx`` or of ``torch.export`` (whose
+unflattened modules are ``InterpreterModule``s, and whose Linears are modules of their
+own, or their code inlined by ``trace(flatten=True)``)."""
 
 from __future__ import annotations
 
@@ -23,17 +25,65 @@ __all__ = ["decompose"]
 _CALLED = ("hooks", "checkpoint", "compile")
 
 
+#: The linear functions a traced graph calls: fx's ``F.linear``, torch.export's ``aten.linear``.
+_LINEAR_FNS: tuple[object, ...] = (F.linear, torch.ops.aten.linear.default)
+
+
+def _graph_of(module: nn.Module) -> fx.Graph | None:
+    """The graph a traced module runs: a ``GraphModule``'s, or an ``InterpreterModule``'s
+    (the modules of a ``torch.export`` trace, unflattened), else ``None``."""
+    graph = module.__dict__.get("graph") if not isinstance(module, fx.GraphModule) else module.graph
+    return graph if isinstance(graph, fx.Graph) else None
+
+
+def _exported_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is an ``nn.Linear`` as torch.export leaves it: a traced module
+    of its own whose graph is one linear of its input by its ``weight`` (and ``bias``)."""
+    graph = _graph_of(module)
+    if graph is None or "weight" not in module._parameters:
+        return False
+    ops = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    return len(ops) == 1 and ops[0].target in _LINEAR_FNS and _weight_of(ops[0]) == "weight"
+
+
 def _decomposable(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or is_conv1d(module)
+    return isinstance(module, nn.Linear) or is_conv1d(module) or _exported_linear(module)
+
+
+def _weight_of(node: fx.Node) -> str | None:
+    """The target of the parameter a linear call ``node`` multiplies by, read by ``get_attr``."""
+    w = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+    return str(w.target) if isinstance(w, fx.Node) and w.op == "get_attr" else None
+
+
+def _inline_linears(graph: fx.Graph) -> dict[str, fx.Node]:
+    """The linears with a bias that a traced graph computes itself (a Linear inlined by
+    ``trace(flatten=True)`` through torch.export: ``aten.linear(x, inner.fc.weight,
+    inner.fc.bias)``), by the path of the module whose parameters they read."""
+    found = {}
+    for n in graph.nodes:
+        weight = _weight_of(n) if n.op == "call_function" and n.target in _LINEAR_FNS else None
+        bias = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+        if weight is not None and weight.endswith(".weight") and isinstance(bias, fx.Node) and bias.op == "get_attr":
+            found[weight.removesuffix(".weight")] = n
+    return found
 
 
 def _owner(root: nn.Module, path: str) -> tuple[str, str] | None:
     """The nearest traced ancestor of ``path`` and ``path`` relative to it."""
     tokens = split(path)
     for i in range(len(tokens) - 1, -1, -1):
-        if isinstance(get_module(root, ".".join(tokens[:i])), fx.GraphModule):
+        if _graph_of(get_module(root, ".".join(tokens[:i]))) is not None:
             return ".".join(tokens[:i]), ".".join(tokens[i:])
     return None
+
+
+def _sites(module: nn.Module, graph: fx.Graph, under: str = "") -> set[str]:
+    """The Linears a traced ``module``'s graph calls (or computes itself), at ``under`` or
+    inside it (all of them for ``""``), by their paths relative to ``module``."""
+    called = {str(n.target) for n in graph.nodes if n.op == "call_module"
+              and _decomposable(get_module(module, str(n.target)))}
+    return {t for t in called | set(_inline_linears(graph)) if not under or t == under or t.startswith(under + ".")}
 
 
 @primitive
@@ -61,19 +111,28 @@ def decompose(sch: Schedule, where: Selection) -> Schedule:
     problems: list[Problem] = []
     for path in paths:
         module = get_module(sch.module, path)
-        if isinstance(module, fx.GraphModule):
-            found = {
-                str(n.target)
-                for n in module.graph.nodes
-                if n.op == "call_module" and _decomposable(get_module(module, str(n.target)))
-            }
+        owner = _owner(sch.module, path)
+        graph = _graph_of(module)
+        # called by its traced ancestor's graph; else, inlined into it (trace(flatten=True)), the
+        # module only holds its children, whose code that graph runs
+        called = owner is not None and any(n.op == "call_module" and str(n.target) == owner[1]
+                                           for n in _graph_of(get_module(sch.module, owner[0])).nodes)  # type: ignore[union-attr]
+        if graph is not None and (owner is None or (called and not _exported_linear(module))):
+            found = _sites(module, graph)
             if not found:
                 problems.append(
                     Problem(path, "its graph calls no nn.Linear or Conv1D", "select a traced module with Linears")
                 )
             todo.setdefault(path, set()).update(found)
             continue
-        owner = _owner(sch.module, path)
+        if owner is not None and not called:
+            # a module inlined into a traced ancestor's graph (trace(flatten=True) keeps it, as
+            # torch.export's InterpreterModule, to hold its children): the Linears under it there
+            holder = get_module(sch.module, owner[0])
+            inside = _sites(holder, _graph_of(holder), owner[1])  # type: ignore[arg-type]
+            if inside:
+                todo.setdefault(owner[0], set()).update(inside)
+                continue
         if not _decomposable(module) or owner is None:
             problems.append(
                 Problem(
@@ -90,15 +149,27 @@ def decompose(sch: Schedule, where: Selection) -> Schedule:
     rewritten: list[tuple[str, fx.GraphModule]] = []
     for gpath, targets in todo.items():
         gm = get_module(root, gpath)
-        assert isinstance(gm, fx.GraphModule)
-        graph, _ = copy_graph(gm.graph)
+        own = _graph_of(gm)
+        assert own is not None
+        graph, _ = copy_graph(own)
         calls = {str(n.target): n for n in graph.nodes if n.op == "call_module"}
+        inline = _inline_linears(graph)
         for target in sorted(targets):
             full = join(gpath, target)
             linear = get_module(gm, target)
             node = calls.get(target)
             kinds = set(sch.annotations.get(full, {})) & set(_CALLED)
-            if node is None:
+            if node is None and target in inline:  # computed by the graph itself: its bias split off
+                inlined = inline[target]
+                with graph.inserting_before(inlined):
+                    x, weight = inlined.args[0], inlined.args[1] if len(inlined.args) > 1 else inlined.kwargs["weight"]
+                    bias = inlined.args[2] if len(inlined.args) > 2 else inlined.kwargs["bias"]
+                    out = graph.call_function(inlined.target, (x, weight))  # type: ignore[arg-type]
+                    out = graph.call_function(operator.add, (out, bias))
+                out.meta = dict(inlined.meta)
+                inlined.replace_all_uses_with(out)
+                graph.erase_node(inlined)
+            elif node is None:
                 problems.append(Problem(full, f"is not called by the graph of {gpath!r}", "select a called Linear"))
             elif has_hooks(linear) or kinds:
                 problems.append(
@@ -116,7 +187,7 @@ def decompose(sch: Schedule, where: Selection) -> Schedule:
                     weight = graph.get_attr(f"{target}.weight")
                     matmul = torch.matmul if is_conv1d(linear) else F.linear
                     out = graph.call_function(matmul, (node.args[0], weight))
-                    if linear.bias is not None:
+                    if linear._parameters.get("bias") is not None:
                         out = graph.call_function(operator.add, (out, graph.get_attr(f"{target}.bias")))
                 out.meta = dict(node.meta)
                 node.replace_all_uses_with(out)
