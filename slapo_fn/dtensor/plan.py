@@ -224,7 +224,7 @@ def _plan(sch: Schedule) -> Plan:
                 if out_sync is not None:
                     fwd, bwd = collective_of(Shard(-1), out_sync.layout)
                     bounds.append(Boundary(path, "output", "S(-1)", _d(out_sync.layout), ax, fwd, bwd, True, "output"))
-                else:
+                elif not partnered:  # paired with a row like a column: its features stay split for it
                     bounds.append(Boundary(path, "output", "S(-1)", "R", ax, ("all_gather",), (), False, "output"))
             else:
                 module = get_module(sch.module, path)
