@@ -220,6 +220,8 @@ def _plan(sch: Schedule) -> Plan:
                 bounds.append(_reduce_boundary(path, ax, seq, out_sync))
             elif (role.reads_ids and role.sums):
                 bounds.append(_reduce_boundary(path, ax, seq, out_sync))
+            elif role.keeps:
+                pass  # this rank's channels in and out: no boundary of its own (checks.py: fed split)
             elif (role.reads_ids and role.splits_output):
                 if out_sync is not None:
                     fwd, bwd = collective_of(Shard(-1), out_sync.layout)
