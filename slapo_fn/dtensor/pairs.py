@@ -253,3 +253,36 @@ def _half_gathered_pairs(sch: Schedule, p: Plan) -> list[Problem]:
                 f"sync {', '.join(map(repr, kept))} alike, or drop the sync on {', '.join(map(repr, gathered))}",
             ))
     return problems
+
+
+def _channels_off_pairs(sch: Schedule, p: Plan) -> list[Problem]:
+    """A module whose role keeps this rank's features (a BatchNorm or a depthwise
+    convolution split by channels, :attr:`.roles.Role.keeps`) runs on them only between a
+    column that keeps its output split and the row it feeds, as an activation between them
+    does. Anywhere else its input would arrive whole (a shape error) or its output reach
+    code that needs every channel: refused, naming the module and what it sits between."""
+    problems = []
+    for path, role in sch.annotations.of_kind(ROLE).items():
+        if not role.keeps:
+            continue
+        found = _caller(sch, path)
+        if found is None:
+            why = "slapo_fn cannot trace the forward that calls it, so it cannot tell what it sits between"
+        else:
+            parent, name, fl = found
+            through = _through(sch, parent)
+            feeders = fl.hidden_feeders(name, through) - {SIDE}
+            users = fl.consumers(name, through)
+            columns = {f for f in feeders if (m := p.modules.get(join(parent, f))) is not None and m.keeps_features
+                       and m.role is not None and m.role.mesh_axis == role.mesh_axis}
+            rows = {u for u in users if (m := p.modules.get(join(parent, u))) is not None and m.partnered
+                    and m.role is not None and m.role.splits_input and m.role.mesh_axis == role.mesh_axis}
+            if feeders and feeders == columns and users and users == rows:
+                continue
+            inputs = ", ".join(sorted(repr(f) for f in feeders - columns)) or "nothing"
+            outputs = ", ".join(sorted(repr(u) for u in users - rows)) or "nothing"
+            why = (f"runs on this rank's channels, but besides a column-parallel layer kept split for its row it "
+                   f"takes {inputs} and hands its output to {outputs}")
+        problems.append(Problem(path, why, "shard it between a column (axis=0) and its row (axis=1), e.g. "
+                                           "conv1 axis=0 -> bn1 axis=0 -> relu -> conv2 axis=1, or leave it unsharded"))
+    return problems

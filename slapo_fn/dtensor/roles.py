@@ -148,6 +148,10 @@ class Role:
         """A bias :meth:`local_forward` leaves out, to be added once to the summed output."""
         return None
 
+    def add_bias(self, y: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``y`` plus the per-feature ``b`` of :meth:`bias_after`, along :attr:`dim`."""
+        return y + b.reshape(*b.shape, *(1,) * (y.dim() - 1 - self.feature_dim(y.dim())))
+
 
 def _linear(module: nn.Module, x: torch.Tensor, bias: bool, local: Local) -> torch.Tensor:
     w = local(module.weight)  # type: ignore[arg-type]

@@ -320,9 +320,9 @@ def _role_forward(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> C
         if b is not None and _sharded_output(seq, out_sync):
             # each rank adds its share before the reduce-scatter, which adds the bias once; its
             # gradient is then the whole one on every rank (see BiasShare): no collective
-            return reduce(y + BiasShare.apply(b, size))
+            return reduce(role.add_bias(y, BiasShare.apply(b, size)))
         y = reduce(y)
-        return y if b is None else y + b
+        return y if b is None else role.add_bias(y, b)
 
     def features(y: torch.Tensor, ids: bool) -> torch.Tensor:
         if role.keeps:  # this rank's features in, the same out: between a column and its row

@@ -296,9 +296,11 @@ def _channels_plan(
     else:
         channels = groups = int(getattr(module, "num_features", 0))
     if groups % size:
-        unit = f"{groups} groups of {channels} channels" if groups != channels else f"{channels} channels"
+        grouped = isinstance(module, (*CONVOLUTIONS, nn.GroupNorm))
+        unit = f"{groups} groups of {channels} channels" if grouped else f"{channels} channels"
+        part = ": a rank would hold part of a group" if grouped else ""
         problems.append(Problem(path, f"a {kind}'s {unit} do not divide by the size {size} of mesh axis "
-                                      f"{mesh_axis!r}: a rank would hold part of a group",
+                                      f"{mesh_axis!r}{part}",
                                 f"use a mesh axis whose size divides {groups}, or leave {path!r} unsharded"))
         return None
     split = _layout(sch, Shard(0), mesh_axis)
