@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from models import WideResNet
+from torch.distributed.tensor import DTensor
 from tp_checks import full, parity
 
 import slapo_fn as sf
@@ -61,7 +62,7 @@ def _train_save_load(rank: int, world: int, folder: str) -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
     stats = dict(built.named_buffers())
-    placements = {n: tuple(map(str, b.placements)) for n, b in stats.items() if isinstance(b, torch.distributed.tensor.DTensor)}
+    placements = {n: tuple(map(str, b.placements)) for n, b in stats.items() if isinstance(b, DTensor)}
     for name, want in plain.named_buffers():
         torch.testing.assert_close(full(stats[name]), want, msg=name)
     for (name, want), got in zip(plain.named_parameters(), built.parameters(), strict=True):
