@@ -64,6 +64,7 @@ from .features import metadata as _metadata
 from .features import nodes_in as _nodes_in
 from .features import op_name as _op_name
 from .features import sizes_only as _sizes_only
+from .roles import channels_rank
 
 __all__ = ["INPUT", "OUTPUT", "SIDE", "Apart", "Flow", "flow", "own_layer", "pointwise"]
 
@@ -672,8 +673,19 @@ def _features_of(parent: nn.Module, prefix: str, node: fx.Node, one: bool) -> Wa
     (:func:`.features.along_features`); ``one``: the child returns one tensor."""
     rank = _known_rank(parent, prefix, node)
     start = At() if rank is None else At(rank, assumed=False)
+    channels = _channels_rank(parent, prefix, node)
+    if channels is not None:  # N, C, *spatial: the features are the channels, not the last dimension
+        start = At(channels, feat=1 - channels, assumed=False)
     return along_features(node, functools.partial(_pointwise_call, parent, prefix),
                           start if one else replace(start, items=None))
+
+
+def _channels_rank(parent: nn.Module, prefix: str, node: fx.Node) -> int | None:
+    """The rank of the output of the child ``node`` calls where its features are channels
+    (:func:`.roles.channels_rank`), else ``None``."""
+    if node.op != "call_module" or not str(node.target).startswith(prefix):
+        return None
+    return channels_rank(parent.get_submodule(str(node.target)[len(prefix):]))
 
 
 def _counted_by(parent: nn.Module, read: set[str], apart: Mapping[str, Apart], graph: fx.Graph,

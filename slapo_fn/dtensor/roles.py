@@ -174,6 +174,16 @@ CHANNEL_NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._Insta
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
+def channels_rank(module: nn.Module) -> int | None:
+    """The number of dimensions of ``module``'s (batched) output where its features are
+    channels, dim 1 of ``N, C, *spatial``: a convolution's, a BatchNorm2d's (4); ``None``
+    for any other module, and for a norm that takes several ranks (BatchNorm1d, GroupNorm)."""
+    if isinstance(module, CONVOLUTIONS):
+        return len(module.kernel_size) + 2
+    fixed = {nn.BatchNorm2d: 4, nn.BatchNorm3d: 5, nn.InstanceNorm2d: 4, nn.InstanceNorm3d: 5}
+    return next((rank for kind, rank in fixed.items() if isinstance(module, kind)), None)
+
+
 def _conv(module: nn.Module, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, groups: int) -> torch.Tensor:
     """``module``'s convolution with weight ``w``, bias ``b`` and ``groups`` (this rank's)."""
     assert isinstance(module, CONVOLUTIONS)

@@ -48,6 +48,26 @@ CASES: dict[str, tuple[int, Callable[[int], nn.Module], tuple[int, ...]]] = {
 }
 
 
+class Centred(nn.Module):
+    """Code between a column and its row that reduces over the channels (``dim=1``: needs
+    all of them) or over the spatial dimensions (each channel alone)."""
+
+    def __init__(self, dim: int | tuple[int, ...]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.dim = dim
+        self.a = nn.Conv2d(4, 8, 1)
+        self.b = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(torch.relu(h - h.mean(dim=self.dim, keepdim=True)))  # type: ignore[no-any-return]
+
+
+def _pair(sch: sf.Schedule) -> sf.Schedule:
+    return sf.shard(sf.shard(sch, "a", axis=0), "b", axis=1)
+
+
 def _megatron(sch: sf.Schedule) -> sf.Schedule:
     sch = sf.shard(sch, ["up", "norm", "dw"], axis=0)
     return sf.shard(sch, "down", axis=1)
@@ -59,6 +79,10 @@ def _block_tp2(rank: int, world: int) -> dict[str, Any]:
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
         r = parity(ConvBlock(dims, norm), _megatron, (x,), shape=(world,), loss=lambda o, _: o.pow(2).mean())
         out[name] = {k: r[k] for k in ("fwd", "bwd", "predicted", "grads")}
+    for dim in (1, (2, 3)):
+        x = torch.randn(2, 4, 5, 5, generator=torch.Generator().manual_seed(2))
+        r = parity(Centred(dim), _pair, (x,), shape=(world,), loss=lambda o, _: o.pow(2).mean())
+        out[f"mean over {dim}"] = {k: r[k] for k in ("fwd", "bwd", "grads")}
     return out
 
 
@@ -66,6 +90,10 @@ def _block_tp2(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.timeout(120)
 def test_conv_column_norm_depthwise_row_is_one_megatron_pair_at_tp2(dist2: Any) -> None:
     for r in dist2.run(_block_tp2, timeout=100):
+        # over the channels the code needs them all: run on DTensor activations (gathered), equal
+        assert r.pop("mean over 1")["grads"] == 4
+        # over the spatial dimensions each channel is alone: the pair runs on local shards
+        assert r.pop("mean over (2, 3)") == {"fwd": {"all_reduce": 1}, "bwd": {"all_reduce": 1}, "grads": 4}
         for name, got in r.items():
             assert got["grads"] == 8, name  # every parameter's gradient equal (parity checks each)
             # one all-reduce after the row forward, one of the column's input gradient backward
@@ -117,6 +145,15 @@ class _Holder(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.m(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(("dim", "local"), [(1, False), ((2, 3), True), (-1, True)])
+def test_code_between_a_convolution_pair_is_read_along_the_channels(dim: int | tuple[int, ...], local: bool) -> None:
+    # a reduction over dim 1 mixes the channels; over the spatial dimensions (the last one
+    # too: W, not the features) it keeps each channel alone
+    sch = _pair(sf.create_schedule(Centred(dim), mesh=fake_mesh(2)))
+    found = plan(sch).on_dtensors
+    assert not found if local else ["mean(dim=1)" in p.reason for p in found] == [True], found
 
 
 def test_a_norm_split_by_channels_outside_a_pair_is_refused_by_name() -> None:
