@@ -1,8 +1,9 @@
 """The Wide ResNet recipe at tp=2 on 2 gloo ranks: Megatron's pair over channels in each
 bottleneck (``conv1`` column, ``bn1`` and the ReLU on this rank's channels, ``conv2`` row)
 equals the unsharded model — forward, every gradient, one all-reduce each way per block —
-and trains equal in train mode: the BatchNorms' running statistics (``bn1``'s split with
-its channels) match after a step, and come back through a DCP checkpoint."""
+and trains equal in train mode (``sf.verify(..., train=True)``): the BatchNorms' running
+statistics (``bn1``'s split with its channels) match after two steps, and come back
+through a DCP checkpoint, into the sharded model and into an unsharded one."""
 
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ def _train_save_load(rank: int, world: int, folder: str) -> dict[str, Any]:
     # batch statistics over 4 images of 64x64: layer4's are over 16 values each (of 2 at 32x32, a
     # gradient so ill-conditioned that summing in another order moves it by 0.4%)
     x = _image(4, 64)
+    sf.verify(sch, x, train=True)  # what `verify --tp 2` checks: outputs, then every gradient, by module
     for model in (built, plain):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for _ in range(2):
