@@ -1,8 +1,11 @@
 """``shard``: distribute a module's weight (bias following) or a named parameter over a mesh axis.
 
+Linear layers, embeddings and convolutions shard as a whole (a column, a row); norms over
+channels and grouped convolutions keep this rank's channels between them.
+
 The primitive only records annotations — kind ``"layout"`` on each parameter path (a
 :class:`~slapo_fn.dtensor.layout.Layout`) and kind ``"tp"`` on the module path (a
-:class:`Role`: column, row, vocab, embed_dim or param) — and validates eagerly. The
+:class:`Role`: column, row, channels, vocab, embed_dim or param) — and validates eagerly. The
 ``tensor_parallel`` build phase turns them into DTensor parameters and boundary
 resharding (see :mod:`slapo_fn.dtensor.plan`).
 
@@ -434,6 +437,14 @@ def shard(
       ``axis=1`` row-parallel (input features; bias replicated, added once after the
       reduction). HF ``Conv1D`` stores (in, out): ``axis=1`` is column, ``axis=0`` row.
       ``nn.Embedding``: ``axis=0`` is vocab-parallel, ``axis=1`` shards the embedding dim.
+    * ``nn.Conv1d``/``Conv2d``/``Conv3d``: ``axis=0`` is a column over output channels (its
+      output split on dim 1 of ``N, C, ...``), ``axis=1`` a row over input channels (a
+      partial sum, the bias added once after it). A grouped or depthwise convolution, and
+      a norm over channels (``BatchNorm``, ``InstanceNorm``, ``GroupNorm``), shard
+      ``axis=0`` only: whole groups of channels on each rank, every per-channel tensor
+      with them (a BatchNorm's running statistics too); it runs on this rank's channels
+      between a column and the row it feeds, as an activation does, and is refused
+      elsewhere. Groups (or channels) that do not divide by the mesh axis are refused.
     * A parameter path (``"h.0.ln_1.weight"``): that tensor only; its module then runs
       on the gathered parameter (correct for any module, at one all-gather per use).
       A layer subclass whose forward computes more than its base (BART's and OPT's
