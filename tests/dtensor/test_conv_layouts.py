@@ -50,22 +50,27 @@ CASES: dict[str, tuple[int, Callable[[int], nn.Module], tuple[int, ...]]] = {
 
 class Centred(nn.Module):
     """Code between a column and its row that reduces over the channels (``dim=1``: needs
-    all of them) or over the spatial dimensions (each channel alone)."""
+    all of them) or over the spatial dimensions (each channel alone), after the column
+    or after a norm on its channels."""
 
-    def __init__(self, dim: int | tuple[int, ...]) -> None:
+    def __init__(self, dim: int | tuple[int, ...], norm: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.dim = dim
         self.a = nn.Conv2d(4, 8, 1)
+        self.norm = nn.BatchNorm2d(8) if norm else None
         self.b = nn.Conv2d(8, 4, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a(x)
+        if self.norm is not None:
+            h = self.norm(h)
         return self.b(torch.relu(h - h.mean(dim=self.dim, keepdim=True)))  # type: ignore[no-any-return]
 
 
 def _pair(sch: sf.Schedule) -> sf.Schedule:
-    return sf.shard(sf.shard(sch, "a", axis=0), "b", axis=1)
+    sch = sf.shard(sf.shard(sch, "a", axis=0), "b", axis=1)
+    return sf.shard(sch, "norm", axis=0) if sch.module.norm is not None else sch
 
 
 def _megatron(sch: sf.Schedule) -> sf.Schedule:
@@ -79,10 +84,10 @@ def _block_tp2(rank: int, world: int) -> dict[str, Any]:
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
         r = parity(ConvBlock(dims, norm), _megatron, (x,), shape=(world,), loss=lambda o, _: o.pow(2).mean())
         out[name] = {k: r[k] for k in ("fwd", "bwd", "predicted", "grads")}
-    for dim in (1, (2, 3)):
+    for dim, norm in ((1, False), ((2, 3), False), (1, True)):
         x = torch.randn(2, 4, 5, 5, generator=torch.Generator().manual_seed(2))
-        r = parity(Centred(dim), _pair, (x,), shape=(world,), loss=lambda o, _: o.pow(2).mean())
-        out[f"mean over {dim}"] = {k: r[k] for k in ("fwd", "bwd", "grads")}
+        r = parity(Centred(dim, norm), _pair, (x,), shape=(world,), loss=lambda o, _: o.pow(2).mean())
+        out[f"mean over {dim}" + (" after a norm" if norm else "")] = {k: r[k] for k in ("fwd", "bwd", "grads")}
     return out
 
 
@@ -92,6 +97,7 @@ def test_conv_column_norm_depthwise_row_is_one_megatron_pair_at_tp2(dist2: Any) 
     for r in dist2.run(_block_tp2, timeout=100):
         # over the channels the code needs them all: run on DTensor activations (gathered), equal
         assert r.pop("mean over 1")["grads"] == 4
+        assert r.pop("mean over 1 after a norm")["grads"] == 6
         # over the spatial dimensions each channel is alone: the pair runs on local shards
         assert r.pop("mean over (2, 3)") == {"fwd": {"all_reduce": 1}, "bwd": {"all_reduce": 1}, "grads": 4}
         for name, got in r.items():
@@ -147,11 +153,13 @@ class _Holder(nn.Module):
         return self.m(x)  # type: ignore[no-any-return]
 
 
+@pytest.mark.parametrize("norm", [False, True], ids=["after the column", "after a norm on its channels"])
 @pytest.mark.parametrize(("dim", "local"), [(1, False), ((2, 3), True), (-1, True)])
-def test_code_between_a_convolution_pair_is_read_along_the_channels(dim: int | tuple[int, ...], local: bool) -> None:
+def test_code_between_a_convolution_pair_is_read_along_the_channels(dim: int | tuple[int, ...], local: bool,
+                                                                      norm: bool) -> None:
     # a reduction over dim 1 mixes the channels; over the spatial dimensions (the last one
     # too: W, not the features) it keeps each channel alone
-    sch = _pair(sf.create_schedule(Centred(dim), mesh=fake_mesh(2)))
+    sch = _pair(sf.create_schedule(Centred(dim, norm), mesh=fake_mesh(2)))
     found = plan(sch).on_dtensors
     assert not found if local else ["mean(dim=1)" in p.reason for p in found] == [True], found
 
