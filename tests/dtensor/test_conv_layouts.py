@@ -84,10 +84,10 @@ def _block_tp2(rank: int, world: int) -> dict[str, Any]:
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
         r = parity(ConvBlock(dims, norm), _megatron, (x,), shape=(world,), loss=lambda o, _: o.pow(2).mean())
         out[name] = {k: r[k] for k in ("fwd", "bwd", "predicted", "grads")}
-    for dim, norm in ((1, False), ((2, 3), False), (1, True)):
+    for dim, after_norm in ((1, False), ((2, 3), False), (1, True)):
         x = torch.randn(2, 4, 5, 5, generator=torch.Generator().manual_seed(2))
-        r = parity(Centred(dim, norm), _pair, (x,), shape=(world,), loss=lambda o, _: o.pow(2).mean())
-        out[f"mean over {dim}" + (" after a norm" if norm else "")] = {k: r[k] for k in ("fwd", "bwd", "grads")}
+        r = parity(Centred(dim, after_norm), _pair, (x,), shape=(world,), loss=lambda o, _: o.pow(2).mean())
+        out[f"mean over {dim}" + (" after a norm" if after_norm else "")] = {k: r[k] for k in ("fwd", "bwd", "grads")}
     return out
 
 
