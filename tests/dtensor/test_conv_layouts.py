@@ -84,6 +84,11 @@ def _block_tp2(rank: int, world: int) -> dict[str, Any]:
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
         r = parity(ConvBlock(dims, norm), _megatron, (x,), shape=(world,), loss=lambda o, _: o.pow(2).mean())
         out[name] = {k: r[k] for k in ("fwd", "bwd", "predicted", "grads")}
+    for alone, axis in (("up", 0), ("down", 1)):  # a column gathers its channels, a row splits them
+        x = torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(3))
+        r = parity(ConvBlock(2, nn.BatchNorm2d), lambda s, q=alone, a=axis: sf.shard(s, q, axis=a), (x,),
+                   shape=(world,), loss=lambda o, _: o.pow(2).mean())
+        out[f"{alone} alone"] = {k: r[k] for k in ("fwd", "bwd", "predicted", "grads")}
     for dim, after_norm in ((1, False), ((2, 3), False), (1, True)):
         x = torch.randn(2, 4, 5, 5, generator=torch.Generator().manual_seed(2))
         r = parity(Centred(dim, after_norm), _pair, (x,), shape=(world,), loss=lambda o, _: o.pow(2).mean())
@@ -98,6 +103,11 @@ def test_conv_column_norm_depthwise_row_is_one_megatron_pair_at_tp2(dist2: Any) 
         # over the channels the code needs them all: run on DTensor activations (gathered), equal
         assert r.pop("mean over 1")["grads"] == 4
         assert r.pop("mean over 1 after a norm")["grads"] == 6
+        for alone, fwd, bwd in (("up", {"all_gather": 1}, {"all_reduce": 1}),
+                                ("down", {"all_reduce": 1}, {"all_gather": 1})):
+            got = r.pop(f"{alone} alone")
+            assert (got["grads"], got["fwd"], got["bwd"]) == (8, fwd, bwd), (alone, got)
+            assert got["predicted"] == {"forward": fwd, "backward": bwd}, (alone, got)
         # over the spatial dimensions each channel is alone: the pair runs on local shards
         assert r.pop("mean over (2, 3)") == {"fwd": {"all_reduce": 1}, "bwd": {"all_reduce": 1}, "grads": 4}
         for name, got in r.items():
