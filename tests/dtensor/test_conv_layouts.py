@@ -68,6 +68,22 @@ class Centred(nn.Module):
         return self.b(torch.relu(h - h.mean(dim=self.dim, keepdim=True)))  # type: ignore[no-any-return]
 
 
+class TwoColumns(nn.Module):
+    """Two columns on one input, one through a norm on its channels, added (two tensors
+    split alike) and handed to one row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Conv2d(4, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.b = nn.Conv2d(4, 8, 1)
+        self.c = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.bn(self.a(x)) + self.b(x)))  # type: ignore[no-any-return]
+
+
 def _pair(sch: sf.Schedule) -> sf.Schedule:
     sch = sf.shard(sf.shard(sch, "a", axis=0), "b", axis=1)
     return sf.shard(sch, "norm", axis=0) if sch.module.norm is not None else sch
@@ -84,6 +100,10 @@ def _block_tp2(rank: int, world: int) -> dict[str, Any]:
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
         r = parity(ConvBlock(dims, norm), _megatron, (x,), shape=(world,), loss=lambda o, _: o.pow(2).mean())
         out[name] = {k: r[k] for k in ("fwd", "bwd", "predicted", "grads")}
+    x = torch.randn(2, 4, 5, 5, generator=torch.Generator().manual_seed(4))
+    r = parity(TwoColumns(), lambda s: sf.shard(sf.shard(s, ["a", "bn", "b"], axis=0), "c", axis=1), (x,),
+               shape=(world,), loss=lambda o, _: o.pow(2).mean())
+    out["two columns added"] = {k: r[k] for k in ("fwd", "bwd", "predicted", "grads")}
     for alone, axis in (("up", 0), ("down", 1)):  # a column gathers its channels, a row splits them
         x = torch.randn(2, 4, 6, 6, generator=torch.Generator().manual_seed(3))
         r = parity(ConvBlock(2, nn.BatchNorm2d), lambda s, q=alone, a=axis: sf.shard(s, q, axis=a), (x,),
@@ -103,6 +123,10 @@ def test_conv_column_norm_depthwise_row_is_one_megatron_pair_at_tp2(dist2: Any) 
         # over the channels the code needs them all: run on DTensor activations (gathered), equal
         assert r.pop("mean over 1")["grads"] == 4
         assert r.pop("mean over 1 after a norm")["grads"] == 6
+        # both columns enter once on their one input; their split sum goes to the row as it is
+        got = r.pop("two columns added")
+        assert (got["grads"], got["fwd"], got["bwd"]) == (8, {"all_reduce": 1}, {"all_reduce": 1}), got
+        assert got["predicted"] == {"forward": got["fwd"], "backward": got["bwd"]}, got
         for alone, fwd, bwd in (("up", {"all_gather": 1}, {"all_reduce": 1}),
                                 ("down", {"all_reduce": 1}, {"all_gather": 1})):
             got = r.pop(f"{alone} alone")
