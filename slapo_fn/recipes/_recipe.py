@@ -39,7 +39,9 @@ Factory = Callable[[nn.Module, str], nn.Module]
 class Shard:
     """How one linear layer of a block shards: ``axis`` 0 = column-parallel (output
     features), 1 = row-parallel (input features) — for Hugging Face ``Conv1D`` (weight
-    stored (in, out)) the tensor axes are swapped, which the recipe states as data."""
+    stored (in, out)) the tensor axes are swapped, which the recipe states as data. A
+    convolution shards the same way over its channels, and a norm over channels between
+    a column and its row takes ``axis`` 0 (its channels split with the column's)."""
 
     axis: int
     packed: int = 1
