@@ -279,10 +279,14 @@ def _channels_off_pairs(sch: Schedule, p: Plan) -> list[Problem]:
                     and m.role is not None and m.role.splits_input and m.role.mesh_axis == role.mesh_axis}
             if feeders and feeders == columns and users and users == rows:
                 continue
-            inputs = ", ".join(sorted(repr(f) for f in feeders - columns)) or "nothing"
-            outputs = ", ".join(sorted(repr(u) for u in users - rows)) or "nothing"
-            why = (f"runs on this rank's channels, but besides a column-parallel layer kept split for its row it "
-                   f"takes {inputs} and hands its output to {outputs}")
+            wrong = []
+            if not feeders or feeders != columns:
+                whole = ", ".join(sorted(repr(f) for f in feeders - columns)) or "the parent's code"
+                wrong.append(f"its input comes whole from {whole}, not from a column kept split for its row")
+            if not users or users != rows:
+                need = ", ".join(sorted(repr(u) for u in users - rows)) or "nothing"
+                wrong.append(f"its output reaches {need}, not only rows that take this rank's channels")
+            why = "runs on this rank's channels, but " + " and ".join(wrong)
         problems.append(Problem(path, why, "shard it between a column (axis=0) and its row (axis=1), e.g. "
                                            "conv1 axis=0 -> bn1 axis=0 -> relu -> conv2 axis=1, or leave it unsharded"))
     return problems

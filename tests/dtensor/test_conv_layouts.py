@@ -203,8 +203,9 @@ def test_a_norm_split_by_channels_outside_a_pair_is_refused_by_name() -> None:
     sch = sf.shard(sf.create_schedule(ConvBlock(2, nn.BatchNorm2d), mesh=fake_mesh(2)), "norm", axis=0)
     found = refusals(sch, plan(sch))
     assert [p.path for p in found] == ["norm"], found
-    assert "takes nothing" not in found[0].reason and "'up'" in found[0].reason, found[0]
-    # between a column and a row, but the row's output would need it: gathered, then refused the same
+    assert "its input comes whole from 'up'" in found[0].reason, found[0]
+    # after a column with no row: the column gathers its output, and what the norm hands on needs every channel
     sch = sf.shard(sf.shard(sf.create_schedule(ConvBlock(2, nn.BatchNorm2d), mesh=fake_mesh(2)), "up", axis=0),
                    "norm", axis=0)
-    assert [p.path for p in refusals(sch, plan(sch))] == ["norm"]
+    found = refusals(sch, plan(sch))
+    assert [p.path for p in found] == ["norm"] and "its output reaches 'dw'" in found[0].reason, found
