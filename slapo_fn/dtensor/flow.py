@@ -64,7 +64,7 @@ from .features import metadata as _metadata
 from .features import nodes_in as _nodes_in
 from .features import op_name as _op_name
 from .features import sizes_only as _sizes_only
-from .roles import channels_rank
+from .roles import CHANNEL_NORMS, channels_rank
 
 __all__ = ["INPUT", "OUTPUT", "SIDE", "Apart", "Flow", "flow", "own_layer", "pointwise"]
 
@@ -680,12 +680,22 @@ def _features_of(parent: nn.Module, prefix: str, node: fx.Node, one: bool) -> Wa
                           start if one else replace(start, items=None))
 
 
-def _channels_rank(parent: nn.Module, prefix: str, node: fx.Node) -> int | None:
+def _channels_rank(parent: nn.Module, prefix: str, node: fx.Node, depth: int = 0) -> int | None:
     """The rank of the output of the child ``node`` calls where its features are channels
-    (:func:`.roles.channels_rank`), else ``None``."""
-    if node.op != "call_module" or not str(node.target).startswith(prefix):
+    (:func:`.roles.channels_rank`), else ``None``. A norm over channels of no fixed rank
+    (GroupNorm, BatchNorm1d) has its input's: a convolution's output, through pointwise
+    modules and elementwise code."""
+    if depth > 32 or node.op != "call_module" or not str(node.target).startswith(prefix):
         return None
-    return channels_rank(parent.get_submodule(str(node.target)[len(prefix):]))
+    child = parent.get_submodule(str(node.target)[len(prefix):])
+    rank = channels_rank(child)
+    if rank is not None or not isinstance(child, CHANNEL_NORMS):
+        return rank
+    x = next(iter(node.all_input_nodes), None)
+    while x is not None and (elementwise_op(x) or (x.op == "call_module" and str(x.target).startswith(prefix)
+                                                    and pointwise(parent.get_submodule(str(x.target)[len(prefix):])))):
+        x = next(iter(x.all_input_nodes), None)
+    return None if x is None else _channels_rank(parent, prefix, x, depth + 1)
 
 
 def _counted_by(parent: nn.Module, read: set[str], apart: Mapping[str, Apart], graph: fx.Graph,

@@ -53,12 +53,12 @@ class Centred(nn.Module):
     all of them) or over the spatial dimensions (each channel alone), after the column
     or after a norm on its channels."""
 
-    def __init__(self, dim: int | tuple[int, ...], norm: bool = False) -> None:
+    def __init__(self, dim: int | tuple[int, ...], norm: Callable[[int], nn.Module] | None = None) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.dim = dim
         self.a = nn.Conv2d(4, 8, 1)
-        self.norm = nn.BatchNorm2d(8) if norm else None
+        self.norm = None if norm is None else norm(8)
         self.b = nn.Conv2d(8, 4, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,7 +109,7 @@ def _block_tp2(rank: int, world: int) -> dict[str, Any]:
         r = parity(ConvBlock(2, nn.BatchNorm2d), lambda s, q=alone, a=axis: sf.shard(s, q, axis=a), (x,),
                    shape=(world,), loss=lambda o, _: o.pow(2).mean())
         out[f"{alone} alone"] = {k: r[k] for k in ("fwd", "bwd", "predicted", "grads")}
-    for dim, after_norm in ((1, False), ((2, 3), False), (1, True)):
+    for dim, after_norm in ((1, None), ((2, 3), None), (1, nn.BatchNorm2d)):
         x = torch.randn(2, 4, 5, 5, generator=torch.Generator().manual_seed(2))
         r = parity(Centred(dim, after_norm), _pair, (x,), shape=(world,), loss=lambda o, _: o.pow(2).mean())
         out[f"mean over {dim}" + (" after a norm" if after_norm else "")] = {k: r[k] for k in ("fwd", "bwd", "grads")}
@@ -187,10 +187,11 @@ class _Holder(nn.Module):
         return self.m(x)  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("norm", [False, True], ids=["after the column", "after a norm on its channels"])
+@pytest.mark.parametrize("norm", [None, nn.BatchNorm2d, lambda c: nn.GroupNorm(2, c)],
+                         ids=["after the column", "after a BatchNorm2d", "after a GroupNorm"])
 @pytest.mark.parametrize(("dim", "local"), [(1, False), ((2, 3), True), (-1, True)])
-def test_code_between_a_convolution_pair_is_read_along_the_channels(dim: int | tuple[int, ...], local: bool,
-                                                                      norm: bool) -> None:
+def test_code_between_a_convolution_pair_is_read_along_the_channels(
+        dim: int | tuple[int, ...], local: bool, norm: Callable[[int], nn.Module] | None) -> None:
     # a reduction over dim 1 mixes the channels; over the spatial dimensions (the last one
     # too: W, not the features) it keeps each channel alone
     sch = _pair(sf.create_schedule(Centred(dim, norm), mesh=fake_mesh(2)))
