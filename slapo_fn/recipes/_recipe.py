@@ -178,6 +178,9 @@ class Recipe:
             problems.append(Problem("", f"tp={knobs.tp}: a tensor-parallel degree is at least 1", "tp=1 is off"))
         if knobs.sequence_parallel and knobs.tp == 1:
             problems.append(Problem("", "sequence_parallel needs tp > 1", "set tp=2 (or more) or drop it"))
+        elif knobs.sequence_parallel and not [*self.sp, *(p for p in self.sp_optional if _has(sch, p))]:
+            problems.append(Problem("", f"sequence_parallel: recipe {self.name!r} names no modules to run on "
+                                        "sequence shards", "drop sequence_parallel (--sp); tp alone still applies"))
         if isinstance(knobs.checkpoint, float) and not 0.0 <= knobs.checkpoint <= 1.0:
             problems.append(Problem("", f"checkpoint ratio {knobs.checkpoint} is not in [0, 1]",
                                     "checkpoint=1.0 checkpoints every layer"))

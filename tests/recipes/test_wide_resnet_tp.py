@@ -100,3 +100,9 @@ def test_wide_resnet_recipe_plans_one_pair_per_block() -> None:
     assert {q: mp.partners for q, mp in p.modules.items() if mp.partners} == {
         f"{b}.{c}": (f"{b}.{o}",) for b in ("layer1.0", "layer1.1", "layer2.0", "layer3.0", "layer4.0")
         for c, o in (("conv1", "conv2"), ("conv2", "conv1"))}
+
+
+def test_wide_resnet_recipe_refuses_sequence_parallel_by_name() -> None:
+    # its activations have no sequence: one line says so, not a selector error about '[]'
+    with pytest.raises(sf.LayoutError, match=r"sequence_parallel: recipe 'wide_resnet' names no modules"):
+        sf.recipes.WIDE_RESNET(sf.create_schedule(WideResNet(), mesh=fake_mesh(2)), tp=2, sequence_parallel=True)
