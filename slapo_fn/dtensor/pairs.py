@@ -262,6 +262,7 @@ def _channels_off_pairs(sch: Schedule, p: Plan) -> list[Problem]:
     does. Anywhere else its input would arrive whole (a shape error) or its output reach
     code that needs every channel: refused, naming the module and what it sits between."""
     problems = []
+    syncs = sch.annotations.of_kind(SYNC)
     for path, role in sch.annotations.of_kind(ROLE).items():
         if not role.keeps:
             continue
@@ -287,6 +288,13 @@ def _channels_off_pairs(sch: Schedule, p: Plan) -> list[Problem]:
                 need = ", ".join(sorted(repr(u) for u in users - rows)) or "nothing"
                 wrong.append(f"its output reaches {need}, not only rows that take this rank's channels")
             why = "runs on this rank's channels, but " + " and ".join(wrong)
+            synced = sorted(q for n in feeders | users if (q := join(parent, n)) in syncs)
+            if synced:
+                # a sync on a neighbour to a channel split (Shard(1)) is read as a gather: only
+                # Shard(-1) is taken for a split of features yet
+                problems.append(Problem(path, why, f"drop the syncs on {', '.join(map(repr, synced))}: a column "
+                                                   "and its row keep the channels split between them without any"))
+                continue
         problems.append(Problem(path, why, "shard it between a column (axis=0) and its row (axis=1), e.g. "
                                            "conv1 axis=0 -> bn1 axis=0 -> relu -> conv2 axis=1, or leave it unsharded"))
     return problems
