@@ -30,7 +30,7 @@ from .chain_checks import (
 )
 from .heads import _features_mixed, _heads_against_flow, _packed_outputs_read_whole, _packing_against_flow
 from .lookups import _flow_of, _flows_memo, _parent
-from .pairs import _half_gathered_pairs, _unsharded_twins, _untraced_pairs
+from .pairs import _channels_off_pairs, _half_gathered_pairs, _unsharded_twins, _untraced_pairs
 from .planned import Boundary, Plan, _named
 from .shard import LAYOUT, ROLE, tied_paths
 from .statements import (
@@ -136,7 +136,7 @@ def unproven(sch: Schedule, p: Plan) -> list[Problem]:
 
 def _contradictions(sch: Schedule, p: Plan) -> list[Problem]:
     return (_unsplit_chain_inputs(sch) + _partial_sources(sch) + _sources(sch) + _role_output_syncs(sch)
-            + _bypassed(sch, p) + _whole_tp_locals(sch))
+            + _bypassed(sch, p) + _whole_tp_locals(sch) + _channels_off_pairs(sch, p))
 
 
 def _unproven(sch: Schedule, p: Plan) -> list[Problem]:

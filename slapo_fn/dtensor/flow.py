@@ -67,6 +67,7 @@ from .features import metadata as _metadata
 from .features import nodes_in as _nodes_in
 from .features import op_name as _op_name
 from .features import sizes_only as _sizes_only
+from .roles import CHANNEL_NORMS, channels_rank
 from .traced_einops import einops_on_traced_values
 
 __all__ = ["INPUT", "OUTPUT", "SIDE", "Apart", "ApartKind", "Flow", "flow", "own_layer", "pointwise"]
@@ -674,8 +675,29 @@ def _features_of(parent: nn.Module, prefix: str, node: fx.Node, one: bool) -> Wa
     (:func:`.features.along_features`); ``one``: the child returns one tensor."""
     rank = _known_rank(parent, prefix, node)
     start = At() if rank is None else At(rank, assumed=False)
+    channels = _channels_rank(parent, prefix, node)
+    if channels is not None:  # N, C, *spatial: the features are the channels, not the last dimension
+        start = At(channels, feat=1 - channels, assumed=False)
     return along_features(node, functools.partial(_pointwise_call, parent, prefix),
                           start if one else replace(start, items=None))
+
+
+def _channels_rank(parent: nn.Module, prefix: str, node: fx.Node, depth: int = 0) -> int | None:
+    """The rank of the output of the child ``node`` calls where its features are channels
+    (:func:`.roles.channels_rank`), else ``None``. A norm over channels of no fixed rank
+    (GroupNorm, BatchNorm1d) has its input's: a convolution's output, through pointwise
+    modules and elementwise code."""
+    if depth > 32 or node.op != "call_module" or not str(node.target).startswith(prefix):
+        return None
+    child = parent.get_submodule(str(node.target)[len(prefix):])
+    rank = channels_rank(child)
+    if rank is not None or not isinstance(child, CHANNEL_NORMS):
+        return rank
+    x = next(iter(node.all_input_nodes), None)
+    while x is not None and (elementwise_op(x) or (x.op == "call_module" and str(x.target).startswith(prefix)
+                                                    and pointwise(parent.get_submodule(str(x.target)[len(prefix):])))):
+        x = next(iter(x.all_input_nodes), None)
+    return None if x is None else _channels_rank(parent, prefix, x, depth + 1)
 
 
 def _counted_by(parent: nn.Module, read: set[str], apart: Mapping[str, Apart], graph: fx.Graph,

@@ -174,9 +174,11 @@ def _features_mixed(sch: Schedule, p: Plan) -> list[Problem]:
     read): a reduction, softmax or matmul over the features, a flip, a concatenation
     along them would run over this rank's share as if it were all of them, a silently
     wrong number. Read from the traced data flow (:attr:`.flow.Flow.mixes`); refused,
-    naming the op and the parent."""
+    naming the op and the parent. So must the code after a module that keeps this rank's
+    features (:attr:`.roles.Role.keeps`: a BatchNorm split by channels after a column)."""
     problems = []
-    for path in sorted(_split_outputs(sch, p.modules)):
+    kept = {q for q, mp in p.modules.items() if mp.role is not None and mp.role.keeps}
+    for path in sorted(set(_split_outputs(sch, p.modules)) | kept):
         found = _caller(sch, path)
         if found is None or (op := found[2].mixes.get(found[1])) is None:
             continue

@@ -26,6 +26,7 @@ from ..tree import caller_path, child_names, get_module, join, parent_path, spli
 from .features import Meets
 from .flow import OUTPUT, Flow, flow, pointwise
 from .local import LOCAL
+from .roles import CONVOLUTIONS
 from .sequence import SEQ, SeqSpec
 from .shard import ROLE
 from .sync import SYNC
@@ -46,6 +47,12 @@ def _siblings(root: nn.Module, path: str) -> list[str]:
 
 def _in_features(module: nn.Module) -> int | None:
     return None if (f := linear_features(module)) is None else f[0]
+
+
+def _in_width(module: nn.Module) -> int | None:
+    """The width of what a layer takes along its features: a linear layer's input features,
+    a convolution's input channels."""
+    return _in_features(module) if not isinstance(module, CONVOLUTIONS) else module.in_channels
 
 
 def per_head_operands(sch: Schedule, parent: str) -> Mapping[str, Meets]:
@@ -136,12 +143,16 @@ def _find_caller(sch: Schedule, path: str) -> tuple[str, str, Flow] | None:
 def _through(sch: Schedule, parent: str) -> Callable[[str], bool]:
     """Which children of ``parent`` a layout passes through unchanged: pointwise modules
     (activations, dropouts) with no layout of their own (a sync from a layout to the
-    same one moves nothing), and modules declared to run on
-    this rank's shard (:func:`~slapo_fn.dtensor.tp_local`: Qwen3's per-head q/k norms)."""
+    same one moves nothing), modules declared to run on this rank's shard
+    (:func:`~slapo_fn.dtensor.tp_local`: Qwen3's per-head q/k norms), and modules whose
+    role keeps this rank's features (:attr:`.roles.Role.keeps`: a BatchNorm split by channels)."""
     moving = {q for q, specs in sch.annotations.of_kind(SYNC).items()
               if any(s.mode == "bwd_post" or s.src is None or s.src != s.layout for s in specs)}
-    annotated = set(sch.annotations.of_kind(ROLE)) | set(sch.annotations.of_kind(SEQ)) | moving
-    local = set(sch.annotations.of_kind(LOCAL))  # tp_local: runs on this rank's shard as it is (per-head norms)
+    roles = sch.annotations.of_kind(ROLE)
+    keeps = {q for q, r in roles.items() if r.keeps}  # a norm over channels split with them
+    annotated = (set(roles) - keeps) | set(sch.annotations.of_kind(SEQ)) | moving
+    # tp_local: runs on this rank's shard as it is (per-head norms), as a role that keeps it does
+    local = set(sch.annotations.of_kind(LOCAL)) | keeps
     pm = get_module(sch.module, parent)
     return lambda q: join(parent, q) not in annotated and (join(parent, q) in local or pointwise(get_module(pm, q)))
 

@@ -253,3 +253,48 @@ def _half_gathered_pairs(sch: Schedule, p: Plan) -> list[Problem]:
                 f"sync {', '.join(map(repr, kept))} alike, or drop the sync on {', '.join(map(repr, gathered))}",
             ))
     return problems
+
+
+def _channels_off_pairs(sch: Schedule, p: Plan) -> list[Problem]:
+    """A module whose role keeps this rank's features (a BatchNorm or a depthwise
+    convolution split by channels, :attr:`.roles.Role.keeps`) runs on them only between a
+    column that keeps its output split and the row it feeds, as an activation between them
+    does. Anywhere else its input would arrive whole (a shape error) or its output reach
+    code that needs every channel: refused, naming the module and what it sits between."""
+    problems = []
+    syncs = sch.annotations.of_kind(SYNC)
+    for path, role in sch.annotations.of_kind(ROLE).items():
+        if not role.keeps:
+            continue
+        found = _caller(sch, path)
+        if found is None:
+            why = "slapo_fn cannot trace the forward that calls it, so it cannot tell what it sits between"
+        else:
+            parent, name, fl = found
+            through = _through(sch, parent)
+            feeders = fl.hidden_feeders(name, through) - {SIDE}
+            users = fl.consumers(name, through)
+            columns = {f for f in feeders if (m := p.modules.get(join(parent, f))) is not None and m.keeps_features
+                       and m.role is not None and m.role.mesh_axis == role.mesh_axis}
+            rows = {u for u in users if (m := p.modules.get(join(parent, u))) is not None and m.partnered
+                    and m.role is not None and m.role.splits_input and m.role.mesh_axis == role.mesh_axis}
+            if feeders and feeders == columns and users and users == rows:
+                continue
+            wrong = []
+            if not feeders or feeders != columns:
+                whole = ", ".join(sorted(repr(f) for f in feeders - columns)) or "the parent's code"
+                wrong.append(f"its input comes whole from {whole}, not from a column kept split for its row")
+            if not users or users != rows:
+                need = ", ".join(sorted(repr(u) for u in users - rows)) or "nothing"
+                wrong.append(f"its output reaches {need}, not only rows that take this rank's channels")
+            why = "runs on this rank's channels, but " + " and ".join(wrong)
+            synced = sorted(q for n in feeders | users if (q := join(parent, n)) in syncs)
+            if synced:
+                # a sync on a neighbour to a channel split (Shard(1)) is read as a gather: only
+                # Shard(-1) is taken for a split of features yet
+                problems.append(Problem(path, why, f"drop the syncs on {', '.join(map(repr, synced))}: a column "
+                                                   "and its row keep the channels split between them without any"))
+                continue
+        problems.append(Problem(path, why, "shard it between a column (axis=0) and its row (axis=1), e.g. "
+                                           "conv1 axis=0 -> bn1 axis=0 -> relu -> conv2 axis=1, or leave it unsharded"))
+    return problems

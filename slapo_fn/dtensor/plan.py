@@ -7,15 +7,20 @@ Contracts, per role (over the role's mesh axis):
 =========== ============================= =====================================
 role        input                         output
 =========== ============================= =====================================
-column      Replicate (enter: all-reduce  Shard(-1): kept local when a row-
+column      Replicate (enter: all-reduce  Shard(d): kept local when a row-
             of the input gradient, once   parallel sibling follows (Megatron
             per distinct input tensor)    pair), else all-gathered
-row         Shard(-1) (split locally if   Partial → all-reduce (bias added once)
+row         Shard(d) (split locally if    Partial → all-reduce (bias added once)
             it arrives replicated)
 vocab       Replicate ids                 Partial → all-reduce
 embed_dim   Replicate ids                 Shard(-1) → all-gathered
+channels    Shard(d), between a column    Shard(d): each channel from its own
+            and its row
 param       any                           the module runs on gathered parameters
 =========== ============================= =====================================
+
+``d`` is the role's feature dimension (:attr:`.roles.Role.dim`): ``-1`` for a linear
+layer, ``1`` for the channels of a convolution or a norm over them (``N, C, ...``).
 
 Inside a :func:`~slapo_fn.sequence_parallel` chain the residual stream is
 ``Shard(seq)``: column inputs are all-gathered (reduce-scatter backward), row and vocab
@@ -191,10 +196,10 @@ def _plan(sch: Schedule) -> Plan:
                 if not isinstance(get_module(sch.module, path), nn.Embedding) and _arrives_feature_split(
                         sch, path, ax, pre, know):
                     # split by a sync on it or before it: the column gathers its input back
-                    bounds.append(Boundary(path, "input", "S(-1)", "R", ax, ("all_gather",), (), False))
-                out = "S(-1)" if role.packed == 1 else f"S(-1)×{role.packed}"
+                    bounds.append(Boundary(path, "input", f"S({role.dim})", "R", ax, ("all_gather",), (), False))
+                out = f"S({role.dim})" if role.packed == 1 else f"S({role.dim})×{role.packed}"
                 if out_sync is not None:
-                    fwd, bwd = collective_of(Shard(-1), out_sync.layout)
+                    fwd, bwd = collective_of(Shard(role.dim), out_sync.layout)
                     bounds.append(Boundary(path, "output", out, _d(out_sync.layout), ax, fwd, bwd, True, "output"))
                 elif not partnered:
                     bounds.append(Boundary(path, "output", out, "R", ax, ("all_gather",), (), False, "output"))
@@ -206,20 +211,22 @@ def _plan(sch: Schedule) -> Plan:
                 if pre is not None and isinstance(pre.layout, Replicate):
                     # gathered by its own sync (from the columns' split): the module splits it
                     # locally (all-gather of the gradient)
-                    bounds.append(Boundary(path, "input", "R", "S(-1)", ax, (), ("all_gather",), True))
+                    bounds.append(Boundary(path, "input", "R", f"S({role.dim})", ax, (), ("all_gather",), True))
                 elif (pre is None and (not partnered or _partner_gathered(sch, partners[path], ax))
                       and not _arrives_feature_split(sch, path, ax, None, know, stated)):
                     # replicated input (or its columns' outputs gathered by syncs): split locally. A
                     # sync from Replicate() to itself states it; as one from a layout to itself, it
                     # is not believed over the data flow (a column's kept split reaching it)
                     told = isinstance(stated, SyncSpec) and isinstance(stated.layout, Replicate)
-                    bounds.append(Boundary(path, "input", "R", "S(-1)", ax, (), ("all_gather",), told))
+                    bounds.append(Boundary(path, "input", "R", f"S({role.dim})", ax, (), ("all_gather",), told))
                 else:
                     split_input = True
                 # a fwd_pre sync to Shard(-1) is the input boundary itself (added with the syncs below)
                 bounds.append(_reduce_boundary(path, ax, seq, out_sync))
             elif (role.reads_ids and role.sums):
                 bounds.append(_reduce_boundary(path, ax, seq, out_sync))
+            elif role.keeps:
+                pass  # this rank's channels in and out: no boundary of its own (checks.py: fed split)
             elif (role.reads_ids and role.splits_output):
                 if out_sync is not None:
                     fwd, bwd = collective_of(Shard(-1), out_sync.layout)

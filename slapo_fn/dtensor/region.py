@@ -385,11 +385,11 @@ def role_on_dtensors(acts: Activations, m: nn.Module, role: Role, out: Placement
         if bias is not None and isinstance(gives, Partial) and isinstance(to, Shard):
             # each rank adds its share before the reduce-scatter, which adds the bias once; its
             # gradient is then whole on every rank, as PyTorch's RowwiseParallel gets it
-            y, bias = y + BiasShare.apply(acts.to_local(bias), size), None
+            y, bias = role.add_bias(y, BiasShare.apply(acts.to_local(bias), size)), None
         result: torch.Tensor = DTensor.from_local(y, acts.mesh, places, run_check=False)
         if to is not None:
             result = relayout(acts, result, axis, to)
-        return result if bias is None else result + bias
+        return result if bias is None else role.add_bias(result, bias)
 
     return forward
 

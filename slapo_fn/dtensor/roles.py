@@ -11,12 +11,17 @@ on which role it is.
 ============  ===============  ======================  ===============================
 role          takes (input)    its input's local grad  gives (output)
 ============  ===============  ======================  ===============================
-``Column``    ``Replicate``    ``Partial``             ``Shard(-1)`` (features)
-``Row``       ``Shard(-1)``    ``Shard(-1)``           ``Partial`` (bias added after)
+``Column``    ``Replicate``    ``Partial``             ``Shard(d)`` (features)
+``Row``       ``Shard(d)``     ``Shard(d)``            ``Partial`` (bias added after)
+``Channels``  ``Shard(d)``     ``Shard(d)``            ``Shard(d)`` (each channel alone)
 ``VocabEmbed``  token ids      —                       ``Partial`` (rows outside: 0)
 ``EmbedDim``  token ids        —                       ``Shard(-1)``
 ``Gathered``  as it comes      as it comes             as it computes (parameters gathered)
 ============  ===============  ======================  ===============================
+
+``d`` is the role's :attr:`Role.dim`, the activation dimension its features are on: the
+last for a linear layer (``-1``), the channels for a convolution or a norm over channels
+(``1``, of ``N, C, ...``).
 
 Example:
     >>> import torch, torch.nn as nn
@@ -28,6 +33,8 @@ Example:
     >>> lin = nn.Linear(4, 6)
     >>> role.local_forward(lin, torch.ones(2, 4), rank=0).shape  # its own weight here: 6 features
     torch.Size([2, 6])
+    >>> Row("tp", dim=1).takes(4)  # a convolution's input channels (N, C, H, W)
+    Shard(dim=1)
 """
 
 from __future__ import annotations
@@ -41,10 +48,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.nn.utils.stateless import _reparametrize_module
 
 from ..hf import is_conv1d
 
-__all__ = ["Column", "EmbedDim", "Gathered", "Role", "Row", "VocabEmbed", "local_value"]
+__all__ = ["Channels", "Column", "EmbedDim", "Gathered", "Role", "Row", "VocabEmbed", "local_value"]
 
 
 def local_value(p: torch.Tensor | None) -> torch.Tensor | None:
@@ -60,10 +68,13 @@ Local = Callable[[torch.Tensor | None], torch.Tensor | None]
 @dataclass(frozen=True)
 class Role:
     """How a sharded module computes over ``mesh_axis`` (``packed``: the number of fused
-    chunks each sharded separately, GPT-2's [Q|K|V] is 3)."""
+    chunks each sharded separately, GPT-2's [Q|K|V] is 3; ``dim``: the activation
+    dimension its features are on, ``-1`` for a linear layer, ``1`` for the channels of a
+    convolution's ``N, C, ...``)."""
 
     mesh_axis: str
     packed: int = 1
+    dim: int = -1
     #: How ``print(sch)`` names it (``column@tp``).
     name: ClassVar[str] = ""
     #: Whether the module's own forward runs, on its parameters gathered (``Gathered``),
@@ -71,6 +82,17 @@ class Role:
     own_forward: ClassVar[bool] = False
 
     # What the planner asks of a role, answered from its transfer (no caller names a role):
+
+    def feature_dim(self, ndim: int) -> int:
+        """:attr:`dim` as a dimension of an activation with ``ndim`` dimensions."""
+        return self.dim % ndim
+
+    @property
+    def keeps(self) -> bool:
+        """Takes this rank's features and gives them back, each computed alone (a norm over
+        channels, a depthwise convolution): runs between a column and its row as an
+        activation does."""
+        return not self.own_forward and isinstance(self.takes(3), Shard) and isinstance(self.gives(3), Shard)
 
     @property
     def enters(self) -> bool:
@@ -80,8 +102,8 @@ class Role:
 
     @property
     def splits_input(self) -> bool:
-        """Takes this rank's features of an activation (a row)."""
-        return not self.own_forward and isinstance(self.takes(3), Shard)
+        """Takes this rank's features of an activation and sums over them (a row)."""
+        return not self.own_forward and isinstance(self.takes(3), Shard) and not self.keeps
 
     @property
     def sums(self) -> bool:
@@ -92,7 +114,7 @@ class Role:
     def splits_output(self) -> bool:
         """Gives this rank's features (a column, packed or not; an embedding split by its
         dimension)."""
-        return not self.own_forward and isinstance(self.gives(3), Shard | _StridedShard)
+        return not self.own_forward and isinstance(self.gives(3), Shard | _StridedShard) and not self.keeps
 
     @property
     def reads_ids(self) -> bool:
@@ -100,7 +122,8 @@ class Role:
         return not self.own_forward and self.takes(3) is None
 
     def __str__(self) -> str:
-        return f"{self.name}@{self.mesh_axis}" + (f"×{self.packed}" if self.packed > 1 else "")
+        return (f"{self.name}@{self.mesh_axis}" + (f"×{self.packed}" if self.packed > 1 else "")
+                + (f"[dim {self.dim}]" if self.dim != -1 else ""))
 
     def takes(self, ndim: int) -> Placement | None:
         """The layout its input must have over :attr:`mesh_axis`; ``None`` for token ids
@@ -125,16 +148,55 @@ class Role:
         """A bias :meth:`local_forward` leaves out, to be added once to the summed output."""
         return None
 
+    def add_bias(self, y: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``y`` plus the per-feature ``b`` of :meth:`bias_after`, along :attr:`dim`."""
+        return y + b.reshape(*b.shape, *(1,) * (y.dim() - 1 - self.feature_dim(y.dim())))
+
 
 def _linear(module: nn.Module, x: torch.Tensor, bias: bool, local: Local) -> torch.Tensor:
     w = local(module.weight)  # type: ignore[arg-type]
     b = local(module.bias) if bias else None  # type: ignore[arg-type]
     assert w is not None
+    if isinstance(module, CONVOLUTIONS):  # a column or a row over channels: its groups are whole
+        return _conv(module, x, w, b, module.groups)
     if is_conv1d(module):  # Hugging Face's Conv1D stores its weight (in, out)
         flat = x.reshape(-1, x.shape[-1])
         y = torch.addmm(b, flat, w) if b is not None else flat @ w
         return y.view(*x.shape[:-1], w.shape[1])
     return F.linear(x, w, b)
+
+
+#: The convolutions :func:`~slapo_fn.dtensor.shard` lays out over their channels.
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: The norms over channels it lays out so (their statistics per channel or per group).
+CHANNEL_NORMS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm, nn.GroupNorm)
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+def channels_rank(module: nn.Module) -> int | None:
+    """The number of dimensions of ``module``'s (batched) output where its features are
+    channels, dim 1 of ``N, C, *spatial``: a convolution's, a BatchNorm2d's (4); ``None``
+    for any other module, and for a norm that takes several ranks (BatchNorm1d, GroupNorm)."""
+    if isinstance(module, CONVOLUTIONS):
+        return len(module.kernel_size) + 2
+    fixed = {nn.BatchNorm2d: 4, nn.BatchNorm3d: 5, nn.InstanceNorm2d: 4, nn.InstanceNorm3d: 5}
+    return next((rank for kind, rank in fixed.items() if isinstance(module, kind)), None)
+
+
+def _conv(module: nn.Module, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, groups: int) -> torch.Tensor:
+    """``module``'s convolution with weight ``w``, bias ``b`` and ``groups`` (this rank's)."""
+    assert isinstance(module, CONVOLUTIONS)
+    conv = _CONV[len(module.kernel_size)]
+    if module.padding_mode != "zeros":
+        x = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
+        return conv(x, w, b, module.stride, 0, module.dilation, groups)  # type: ignore[operator]
+    return conv(x, w, b, module.stride, module.padding, module.dilation, groups)  # type: ignore[operator]
+
+
+def _local_groups(groups: int, channels: int, x: torch.Tensor) -> int:
+    """This rank's share of ``groups`` over ``channels``, read off its input's channels."""
+    return groups * x.shape[1] // channels
 
 
 @dataclass(frozen=True)
@@ -152,7 +214,8 @@ class Column(Role):
         return Partial()
 
     def gives(self, ndim: int) -> Placement:
-        return Shard(ndim - 1) if self.packed == 1 else _StridedShard(ndim - 1, split_factor=self.packed)
+        d = self.feature_dim(ndim)
+        return Shard(d) if self.packed == 1 else _StridedShard(d, split_factor=self.packed)
 
     def local_forward(self, module: nn.Module, x: torch.Tensor, rank: int, local: Local = local_value
                       ) -> torch.Tensor:
@@ -167,10 +230,10 @@ class Row(Role):
     name: ClassVar[str] = "row"
 
     def takes(self, ndim: int) -> Placement:
-        return Shard(ndim - 1)
+        return Shard(self.feature_dim(ndim))
 
     def input_grad(self, ndim: int) -> Placement:
-        return Shard(ndim - 1)
+        return Shard(self.feature_dim(ndim))
 
     def gives(self, ndim: int) -> Placement:
         return Partial()
@@ -181,6 +244,41 @@ class Row(Role):
 
     def bias_after(self, module: nn.Module) -> torch.Tensor | None:
         return module._parameters.get("bias")
+
+
+@dataclass(frozen=True)
+class Channels(Role):
+    """Every per-channel tensor split alike (a BatchNorm's weight, bias and running
+    statistics; a GroupNorm's; a grouped or depthwise convolution's output channels, whole
+    groups each): this rank's channels in, the same channels out, each computed from its
+    own alone. Between a column and its row it runs on the shard as an activation does."""
+
+    name: ClassVar[str] = "channels"
+
+    def takes(self, ndim: int) -> Placement:
+        return Shard(self.feature_dim(ndim))
+
+    def input_grad(self, ndim: int) -> Placement:
+        return Shard(self.feature_dim(ndim))
+
+    def gives(self, ndim: int) -> Placement:
+        return Shard(self.feature_dim(ndim))
+
+    def local_forward(self, module: nn.Module, x: torch.Tensor, rank: int, local: Local = local_value
+                      ) -> torch.Tensor:
+        if isinstance(module, CONVOLUTIONS):  # whole groups: this rank's groups of its channels
+            w = local(module.weight)  # type: ignore[arg-type]
+            assert w is not None
+            return _conv(module, x, w, local(module.bias), _local_groups(module.groups, module.in_channels, x))
+        if isinstance(module, nn.GroupNorm):
+            groups = _local_groups(module.num_groups, module.num_channels, x)
+            return F.group_norm(x, groups, local(module.weight), local(module.bias), module.eps)
+        # a norm with per-channel statistics: its own forward on this rank's parameters and
+        # statistics (the running ones updated in place, in this rank's shard)
+        tensors = {n: local(t) for n, t in (*module.named_parameters(recurse=False),
+                                            *module.named_buffers(recurse=False))}
+        with _reparametrize_module(module, tensors):  # type: ignore[arg-type]
+            return type(module).forward(module, x)  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)
@@ -219,7 +317,7 @@ class EmbedDim(Role):
         return None
 
     def gives(self, ndim: int) -> Placement:
-        return Shard(ndim - 1)
+        return Shard(self.feature_dim(ndim))
 
     def local_forward(self, module: nn.Module, x: torch.Tensor, rank: int, local: Local = local_value
                       ) -> torch.Tensor:

@@ -36,7 +36,7 @@ from .features import ASSUMED_RANK, Meets
 from .heads import heads_made_local
 from .layout import Layout
 from .local import LOCAL
-from .lookups import _in_features, _out_features, _parent, per_head_operands
+from .lookups import _in_width, _out_features, _parent, per_head_operands
 from .on_dtensors import install_on_dtensors
 from .plan import _local_axis, _sharded_output, param_dims, plan
 from .planned import ModulePlan, Plan
@@ -282,15 +282,16 @@ def _role_forward(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> C
     ax = role.mesh_axis
     axis, size, rank = rt.axis(ax), rt.size(ax), rt.mesh.get_local_rank(rt.dims.index(ax))
     seq = mp.seq.seq_axis if mp.seq is not None and mp.seq.mesh_axis == ax else None
-    full_in = _in_features(m)
+    full_in = _in_width(m)
     out_sync = next((s for s in mp.syncs if s.mode == "fwd_post"), None)
     group = mp.entry_group or _parent(mp.path)  # columns of one group handed one tensor enter once
     scatter = None if seq is None else _sequence_split(
         mp.path, seq, functools.partial(C.reduce_scatter, dim=seq, axis=axis))
 
     def whole_in(x: torch.Tensor) -> torch.Tensor:
-        if full_in is not None and x.shape[-1] != full_in:  # arrived sharded (a column chain)
-            x = C.gather(x, -1, axis)
+        d = role.feature_dim(x.dim())
+        if full_in is not None and x.shape[d] != full_in:  # arrived sharded (a column chain)
+            x = C.gather(x, d, axis)
         if seq is None:  # outside a chain: it enters, unless its caller entered for it
             return x if mp.entered else rt.enter(x, ax, None, group)
         if member:
@@ -302,10 +303,11 @@ def _role_forward(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> C
         return x  # its parent gathered the sequence for it
 
     def split_in(x: torch.Tensor) -> torch.Tensor:
-        if full_in is not None and size > 1 and x.shape[-1] == full_in:  # arrived replicated
+        d = role.feature_dim(x.dim())
+        if full_in is not None and size > 1 and x.shape[d] == full_in:  # arrived replicated
             if mp.split_input:
                 raise LayoutError("tensor parallel forward", [_whole_input_problem(mp, full_in, size)])
-            x = C.split(x, -1, axis)
+            x = C.split(x, d, axis)
         return x
 
     def reduce(y: torch.Tensor) -> torch.Tensor:
@@ -318,19 +320,22 @@ def _role_forward(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> C
         if b is not None and _sharded_output(seq, out_sync):
             # each rank adds its share before the reduce-scatter, which adds the bias once; its
             # gradient is then the whole one on every rank (see BiasShare): no collective
-            return reduce(y + BiasShare.apply(b, size))
+            return reduce(role.add_bias(y, BiasShare.apply(b, size)))
         y = reduce(y)
-        return y if b is None else y + b
+        return y if b is None else role.add_bias(y, b)
 
     def features(y: torch.Tensor, ids: bool) -> torch.Tensor:
+        if role.keeps:  # this rank's features in, the same out: between a column and its row
+            return y
+        d = role.feature_dim(y.dim())
         kept_local = out_sync is None and mp.partnered
         if role.packed > 1 and not kept_local and not _is_last_dim_shard(out_sync, y.dim()):
             # this rank's output is [Q_r|K_r|V_r]: gathered, the chunks are put back in order
-            full = C.unpack(C.gather(y, -1, axis), role.packed, size)
+            full = C.unpack(C.gather(y, d, axis), role.packed, size)
             return full if out_sync is None else C.redistribute(full, Replicate(), out_sync.layout, axis)
         if out_sync is not None:
-            return C.redistribute(y, Shard(y.dim() - 1), out_sync.layout, axis)
-        return y if kept_local else C.gather(y, -1, axis)
+            return C.redistribute(y, Shard(d), out_sync.layout, axis)
+        return y if kept_local else C.gather(y, d, axis)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         takes = role.takes(x.dim())
@@ -414,6 +419,9 @@ def _distribute(model: nn.Module, sch: Schedule, rt: _Runtime) -> None:
     for path, lay in targets.items():
         tokens = split(path)
         owner = get_module(model, ".".join(tokens[:-1]))
+        if tokens[-1] in owner._buffers:  # a running statistic split with its channels
+            _distribute_buffer(owner, tokens[-1], lay, rt)
+            continue
         p = owner._parameters[tokens[-1]]
         if p is None or isinstance(p, DTensor):
             continue
@@ -424,6 +432,17 @@ def _distribute(model: nn.Module, sch: Schedule, rt: _Runtime) -> None:
             new.__dict__.update({k: v for k, v in p.__dict__.items() if k != "grad"})
             memo[id(p)] = new
         owner._parameters[tokens[-1]] = memo[id(p)]
+
+
+def _distribute_buffer(owner: nn.Module, name: str, lay: Layout | None, rt: _Runtime) -> None:
+    """A buffer with a layout (a BatchNorm's running statistics, split with its channels)
+    becomes a DTensor of it, so that a checkpoint saves each rank's shard and loads it back
+    into any layout; the module's forward updates this rank's shard in place."""
+    b = owner._buffers[name]
+    if b is None or isinstance(b, DTensor) or lay is None:
+        return
+    placements = [lay.placements[rt.dims.index(d)] for d in rt.param_dims]
+    owner._buffers[name] = distribute_tensor(b, rt.param_mesh, placements, src_data_rank=None)
 
 
 def _adjust_packed_parent(model: nn.Module, path: str, role: Role, rt: _Runtime) -> None:

@@ -1,8 +1,11 @@
 """``shard``: distribute a module's weight (bias following) or a named parameter over a mesh axis.
 
+Linear layers, embeddings and convolutions shard as a whole (a column, a row); norms over
+channels and grouped convolutions keep this rank's channels between them.
+
 The primitive only records annotations — kind ``"layout"`` on each parameter path (a
 :class:`~slapo_fn.dtensor.layout.Layout`) and kind ``"tp"`` on the module path (a
-:class:`Role`: column, row, vocab, embed_dim or param) — and validates eagerly. The
+:class:`Role`: column, row, channels, vocab, embed_dim or param) — and validates eagerly. The
 ``tensor_parallel`` build phase turns them into DTensor parameters and boundary
 resharding (see :mod:`slapo_fn.dtensor.plan`).
 
@@ -41,7 +44,7 @@ from ..schedule import Key, Schedule
 from ..select import Selection
 from ..tree import get_module, join, parent_path, split, uncalled, walk
 from .layout import Layout, from_spec, packed_shard
-from .roles import Column, EmbedDim, Gathered, Role, Row, VocabEmbed
+from .roles import CHANNEL_NORMS, CONVOLUTIONS, Channels, Column, EmbedDim, Gathered, Role, Row, VocabEmbed
 
 __all__ = ["LAYOUT", "ROLE", "Role", "mesh_dims", "shard", "tied_paths"]
 
@@ -217,6 +220,8 @@ def _module_plan(
     layout: Sequence[Placement] | Sequence[str | None] | None,
     problems: list[Problem],
 ) -> _Plan | None:
+    if isinstance(module, CHANNEL_NORMS) or (isinstance(module, CONVOLUTIONS) and module.groups > 1):
+        return _channels_plan(sch, path, module, axis, mesh_axis, packed, layout, problems)
     weight = module._parameters.get("weight")
     if not _a_layer(module) or weight is None:
         problems.append(_whole_module_problem(sch.module, path, module))
@@ -248,10 +253,73 @@ def _module_plan(
     out_axis = 1 if is_conv1d(module) else 0
     if isinstance(module, nn.Embedding):
         return _Plan(path, (VocabEmbed if axis == 0 else EmbedDim)(mesh_axis, packed), (("weight", w),))
+    if isinstance(module, CONVOLUTIONS) and packed != 1:
+        problems.append(Problem(path, f"packed={packed}: a convolution's channels are not fused chunks",
+                                f"shard(sch, {path!r}, axis={axis})"))
+        return None
     column = axis == out_axis
     bias = _layout(sch, packed_shard(0, packed), mesh_axis) if column else _layout(sch, Replicate(), mesh_axis)
     params = (("weight", w), ("bias", bias)) if has_bias else (("weight", w),)
-    return _Plan(path, (Column if column else Row)(mesh_axis, packed), params)
+    dim = 1 if isinstance(module, CONVOLUTIONS) else -1  # a convolution's channels: dim 1 of N, C, ...
+    return _Plan(path, (Column if column else Row)(mesh_axis, packed, dim), params)
+
+
+def _over_channels(module: nn.Module) -> bool:
+    """A convolution or a norm over channels (``N, C, ...``)."""
+    return isinstance(module, (*CONVOLUTIONS, *CHANNEL_NORMS))
+
+
+def _channels_plan(
+    sch: Schedule,
+    path: str,
+    module: nn.Module,
+    axis: int | None,
+    mesh_axis: str,
+    packed: int,
+    layout: Sequence[Placement] | Sequence[str | None] | None,
+    problems: list[Problem],
+) -> _Plan | None:
+    """A convolution whose groups are more than one (depthwise included), or a norm over
+    channels: ``axis=0`` splits its channels, whole groups on each rank, and every
+    per-channel tensor with them (a BatchNorm's running statistics too); the module then
+    computes this rank's channels from its own (:class:`~.roles.Channels`)."""
+    assert sch.mesh is not None
+    kind = type(module).__name__
+    size = sch.mesh.size(mesh_dims(sch.mesh).index(mesh_axis))
+    if layout is not None or packed != 1 or axis not in (0, -_ndim(module)):
+        given = f"layout={tuple(layout)!r}" if layout is not None else f"axis={axis}, packed={packed}"
+        what = "its channels are its groups' own" if isinstance(module, CONVOLUTIONS) else "it computes per channel"
+        problems.append(Problem(path, f"a {kind} is sharded by its channels only ({what}); got {given}",
+                                f"shard(sch, {path!r}, axis=0): each rank holds whole groups of channels"))
+        return None
+    if isinstance(module, CONVOLUTIONS):
+        channels, groups = module.out_channels, module.groups
+    elif isinstance(module, nn.GroupNorm):
+        channels, groups = module.num_channels, module.num_groups
+    else:
+        channels = groups = int(getattr(module, "num_features", 0))
+    if groups % size:
+        grouped = isinstance(module, (*CONVOLUTIONS, nn.GroupNorm))
+        unit = f"{groups} groups of {channels} channels" if grouped else f"{channels} channels"
+        part = ": a rank would hold part of a group" if grouped else ""
+        problems.append(Problem(path, f"a {kind}'s {unit} do not divide by the size {size} of mesh axis "
+                                      f"{mesh_axis!r}{part}",
+                                f"use a mesh axis whose size divides {groups}, or leave {path!r} unsharded"))
+        return None
+    split = _layout(sch, Shard(0), mesh_axis)
+    names = ("weight", "bias", "running_mean", "running_var")
+    tensors = tuple((n, split) for n in names if _tensor_of(module, n) is not None)
+    return _Plan(path, Channels(mesh_axis, dim=1), tensors)
+
+
+def _ndim(module: nn.Module) -> int:
+    w = module._parameters.get("weight")
+    return 1 if w is None else w.dim()
+
+
+def _tensor_of(module: nn.Module, name: str) -> torch.Tensor | None:
+    """A module's own parameter or buffer ``name``, or ``None``."""
+    return module._parameters.get(name, module._buffers.get(name))
 
 
 def _split_features(module: nn.Module, role: Role | None) -> tuple[int, int] | None:
@@ -288,8 +356,9 @@ def _check_arguments(axis: object, mesh_axis: object, packed: object, layout: ob
 
 
 def _a_layer(module: nn.Module) -> bool:
-    """A Linear, Embedding or Conv1D with a weight (a subclass too)."""
-    return (isinstance(module, nn.Linear | nn.Embedding) or is_conv1d(module)) \
+    """A Linear, Embedding, Conv1D, convolution or norm over channels with a weight (a
+    subclass too)."""
+    return (isinstance(module, nn.Linear | nn.Embedding) or is_conv1d(module) or _over_channels(module)) \
         and module._parameters.get("weight") is not None
 
 
@@ -327,11 +396,14 @@ def _acts_as(module: nn.Module, base: type[nn.Linear] | type[nn.Embedding]) -> b
         return False
 
 
+_KNOWN = "Linear, Embedding, Conv1D, Conv1d/2d/3d, BatchNorm, InstanceNorm, GroupNorm"
+
+
 def _whole_module_problem(root: nn.Module, path: str, module: nn.Module) -> Problem:
     """Why ``module`` cannot be sharded as a whole, with a fix naming only paths that exist:
     its own parameters, else the shardable modules inside it, else those beside it."""
     kind = type(module).__name__
-    reason = f"cannot shard a {kind} as a whole (known: Linear, Embedding, Conv1D)"
+    reason = f"cannot shard a {kind} as a whole (known: {_KNOWN})"
     own = [join(path, n) for n, p in module._parameters.items() if p is not None]
     if own:
         return Problem(path, reason, f"shard its parameters by path, e.g. shard(sch, {own[0]!r}, axis=0)")
@@ -346,7 +418,7 @@ def _whole_module_problem(root: nn.Module, path: str, module: nn.Module) -> Prob
     reason = f"a {kind} has no parameters to shard{inner}"
     if beside:
         return Problem(path, reason, f"shard a layer beside it, e.g. {', '.join(repr(q) for q in beside[:3])}")
-    return Problem(path, reason, "select a Linear, Embedding or Conv1D module (print(sch) shows the tree)")
+    return Problem(path, reason, f"select a {_KNOWN} module (print(sch) shows the tree)")
 
 
 @primitive
@@ -365,6 +437,14 @@ def shard(
       ``axis=1`` row-parallel (input features; bias replicated, added once after the
       reduction). HF ``Conv1D`` stores (in, out): ``axis=1`` is column, ``axis=0`` row.
       ``nn.Embedding``: ``axis=0`` is vocab-parallel, ``axis=1`` shards the embedding dim.
+    * ``nn.Conv1d``/``Conv2d``/``Conv3d``: ``axis=0`` is a column over output channels (its
+      output split on dim 1 of ``N, C, ...``), ``axis=1`` a row over input channels (a
+      partial sum, the bias added once after it). A grouped or depthwise convolution, and
+      a norm over channels (``BatchNorm``, ``InstanceNorm``, ``GroupNorm``), shard
+      ``axis=0`` only: whole groups of channels on each rank, every per-channel tensor
+      with them (a BatchNorm's running statistics too); it runs on this rank's channels
+      between a column and the row it feeds, as an activation does, and is refused
+      elsewhere. Groups (or channels) that do not divide by the mesh axis are refused.
     * A parameter path (``"h.0.ln_1.weight"``): that tensor only; its module then runs
       on the gathered parameter (correct for any module, at one all-gather per use).
       A layer subclass whose forward computes more than its base (BART's and OPT's
@@ -429,9 +509,9 @@ size 4 of mesh axis 'tp'
             # replace: its parameters take the layer's layouts, gathered for each call
             plan = _Plan(path, Gathered(mesh_axis), plan.params)
         for name, lay in plan.params:
-            param = module._parameters[name]
-            assert param is not None
-            _check_param(sch, join(path, name), tuple(param.shape), lay, packed, problems)
+            tensor = _tensor_of(module, name)
+            assert tensor is not None
+            _check_param(sch, join(path, name), tuple(tensor.shape), lay, packed, problems)
         features = _split_features(module, plan.role)
         if features is not None:
             w = module._parameters["weight"]

@@ -392,7 +392,7 @@ def _role_output_syncs(sch: Schedule) -> list[Problem]:
         if role.own_forward:
             continue
         posts = [s for s in syncs.get(path, ()) if s.mode == "fwd_post"]
-        own: Placement = Shard(-1) if role.splits_output else Partial()
+        own: Placement = Partial() if role.sums else Shard(role.dim)
         if posts and posts[0].src is not None and posts[0].src != own:
             problems.append(Problem(
                 path, f"is {role.name}-parallel, so its output is {_code(own)}, but its fwd_post sync states "

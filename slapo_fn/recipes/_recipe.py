@@ -39,7 +39,9 @@ Factory = Callable[[nn.Module, str], nn.Module]
 class Shard:
     """How one linear layer of a block shards: ``axis`` 0 = column-parallel (output
     features), 1 = row-parallel (input features) — for Hugging Face ``Conv1D`` (weight
-    stored (in, out)) the tensor axes are swapped, which the recipe states as data."""
+    stored (in, out)) the tensor axes are swapped, which the recipe states as data. A
+    convolution shards the same way over its channels, and a norm over channels between
+    a column and its row takes ``axis`` 0 (its channels split with the column's)."""
 
     axis: int
     packed: int = 1
@@ -176,6 +178,9 @@ class Recipe:
             problems.append(Problem("", f"tp={knobs.tp}: a tensor-parallel degree is at least 1", "tp=1 is off"))
         if knobs.sequence_parallel and knobs.tp == 1:
             problems.append(Problem("", "sequence_parallel needs tp > 1", "set tp=2 (or more) or drop it"))
+        elif knobs.sequence_parallel and not [*self.sp, *(p for p in self.sp_optional if _has(sch, p))]:
+            problems.append(Problem("", f"sequence_parallel: recipe {self.name!r} names no modules to run on "
+                                        "sequence shards", "drop sequence_parallel (--sp); tp alone still applies"))
         if isinstance(knobs.checkpoint, float) and not 0.0 <= knobs.checkpoint <= 1.0:
             problems.append(Problem("", f"checkpoint ratio {knobs.checkpoint} is not in [0, 1]",
                                     "checkpoint=1.0 checkpoints every layer"))

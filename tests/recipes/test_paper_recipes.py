@@ -5,6 +5,7 @@ with sequence parallelism; single-process knobs (kernels, checkpointing) keep th
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -140,5 +141,6 @@ def test_wide_resnet_recipe_checkpoints_blocks_and_keeps_numbers_and_batch_stati
 
 
 def test_a_recipe_without_a_tensor_parallel_plan_refuses_tp() -> None:
-    with pytest.raises(sf.LayoutError, match=r"recipe 'wide_resnet' has no tensor-parallel plan"):
-        sf.recipes.WIDE_RESNET(sf.create_schedule(WideResNet(), mesh=fake_mesh(2)), tp=2)
+    blocks_only = dataclasses.replace(sf.recipes.WIDE_RESNET, name="blocks", stacks=(sf.recipes.Stack("layer1.*"),))
+    with pytest.raises(sf.LayoutError, match=r"recipe 'blocks' has no tensor-parallel plan"):
+        blocks_only(sf.create_schedule(WideResNet(), mesh=fake_mesh(2)), tp=2)
