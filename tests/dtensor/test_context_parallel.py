@@ -80,3 +80,20 @@ def test_llama_cp2_loss_and_every_gradient_equal_the_single_process(dist2) -> No
     for r in results:
         assert r["forward"] == {"all_gather": 2 * layers, "all_reduce": 1}, r
         assert r["all"] == {"all_gather": 2 * layers, "reduce_scatter": 2 * layers, "all_reduce": 1 + params}, r
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("family", "overrides", "load_balance"), [
+    ("qwen2", {}, True),
+    ("qwen2", {}, False),
+    # a window shorter than the sequence: the mask of the global positions holds it
+    ("mistral", {"sliding_window": 48}, True),
+    ("llama", {"num_key_value_heads": 4}, True),
+])
+def test_cp4_loss_and_every_gradient_equal_the_single_process(dist4, family: str, overrides: dict[str, object],
+                                                              load_balance: bool) -> None:
+    results = dist4.run(_parity, family, (4,), ("cp",), 128, load_balance, overrides, timeout=240)
+    _check(results)
+    for r in results:
+        assert r["forward"] == {"all_gather": 4, "all_reduce": 1}, r
