@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from dist import mesh
-from models import VOCAB, token_ids
+from models import VOCAB, tiny_gpt2, token_ids
 from torch import nn
 from tp_checks import CountCollectives, full
 
@@ -97,3 +97,89 @@ def test_cp4_loss_and_every_gradient_equal_the_single_process(dist4, family: str
     _check(results)
     for r in results:
         assert r["forward"] == {"all_gather": 4, "all_reduce": 1}, r
+
+
+# -- refusals and purity: one process, a fake mesh (nothing is communicated) ----------------
+
+
+def _cp_mesh(size: int = 2) -> Any:
+    from slapo_fn.dtensor.testing import fake_mesh
+
+    return fake_mesh(size, names=("cp",))
+
+
+def _cp_schedule(model: nn.Module, where: str | None = None, **options: Any) -> sf.Schedule:
+    return sf.context_parallel(sf.create_schedule(model, mesh=_cp_mesh()), where, **options)
+
+
+def test_context_parallel_is_pure_and_annotates_each_attention() -> None:
+    from fingerprint import fingerprint, same
+
+    model = tiny_decoder("llama")
+    before = fingerprint(model)
+    sch = sf.create_schedule(model, mesh=_cp_mesh())
+    cp = sf.context_parallel(sch)
+    assert same(before, fingerprint(model)) and not sch.annotations
+    assert sorted(cp.annotations) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    built = sf.build(cp)
+    assert type(built.model.layers[0].self_attn).__name__ == "ContextParallelAttention"
+    assert list(built.state_dict()) == list(model.state_dict())
+    assert same(before, fingerprint(model))
+
+
+def test_attention_that_makes_its_own_positions_is_refused_by_path() -> None:
+    """GPT-2 adds learned positions before its blocks and its attention takes none; BLOOM's
+    attention adds ALiBi biases of the positions it sees: both would use the chunk's."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    from slapo_fn.errors import LayoutError
+
+    with pytest.raises(LayoutError) as e:
+        _cp_schedule(tiny_gpt2(), "transformer.h.*.attn")
+    assert e.value.paths[:2] == ("transformer.h.0.attn", "transformer.h.1.attn")
+    assert "does not receive its positions" in str(e.value) and "fix:" in str(e.value)
+    bloom = BloomForCausalLM(BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=1, n_head=4))
+    with pytest.raises(LayoutError, match="ALiBi") as e:
+        _cp_schedule(bloom, "transformer.h.*.self_attention")
+    assert e.value.paths[0] == "transformer.h.0.self_attention"
+
+
+@pytest.mark.parametrize(("options", "says"), [
+    ({"mesh_axis": "sp"}, "mesh axis 'sp' is not in the mesh"),
+    ({"impl": "ring"}, "impl='ring' is not implemented"),
+])
+def test_bad_options_are_refused_at_schedule_time(options: dict[str, Any], says: str) -> None:
+    from slapo_fn.errors import LayoutError
+
+    with pytest.raises(LayoutError, match=says):
+        _cp_schedule(tiny_decoder("llama", layers=1), **options)
+    with pytest.raises(LayoutError, match="not one of the modules this kernel replaces"):  # a layer, not attention
+        _cp_schedule(tiny_decoder("llama", layers=1), "model.layers.*")
+
+
+def test_a_second_call_with_other_options_is_refused() -> None:
+    from slapo_fn.errors import LayoutError
+
+    sch = _cp_schedule(tiny_decoder("llama"), "model.layers.0.self_attn")
+    with pytest.raises(LayoutError, match="already splits the sequence"):
+        sf.context_parallel(sch, "model.layers.1.self_attn", load_balance=False)
+    assert sorted(sf.context_parallel(sch, "model.layers.1.self_attn").annotations) == [
+        "model.layers.0.self_attn", "model.layers.1.self_attn"]
+
+
+@pytest.mark.parametrize(("seq", "kwargs", "options", "says"), [
+    (6, {}, {}, "cannot be cut into 4 equal chunks over cp=2"),
+    (8, {"attention_mask": torch.tensor([[0] * 2 + [1] * 6] * 2)}, {}, "a padding attention_mask"),
+    (4, {"labels": token_ids(2, 4)}, {"inputs_split": True}, "labels arrive cut into chunks"),
+    (3, {}, {"inputs_split": True}, "3 tokens per rank"),
+])
+def test_inputs_that_cannot_be_split_are_refused_before_model_code_runs(seq: int, kwargs: dict[str, Any],
+                                                                        options: dict[str, Any], says: str) -> None:
+    from slapo_fn.errors import LayoutError
+
+    built = sf.build(_cp_schedule(tiny_decoder("llama", layers=1), **options))
+    ran: list[str] = []
+    built.model.embed_tokens.register_forward_pre_hook(lambda *_: ran.append("embed"))
+    with pytest.raises(LayoutError, match=says):
+        built(token_ids(2, seq), **kwargs)
+    assert not ran
