@@ -13,6 +13,7 @@ import torch
 from dist import mesh
 from models import VOCAB, tiny_gpt2, token_ids
 from torch import nn
+from torch.distributed.tensor import DTensor
 from tp_checks import CountCollectives, full
 
 import slapo_fn as sf
@@ -61,7 +62,9 @@ def _parity(rank: int, world: int, family: str, shape: tuple[int, ...], names: t
     got = _grads(built)
     worst = max((got[n] - g).abs().max().item() for n, g in expected.items())
     return {"loss": abs(out.loss.item() - ref.loss.item()), "grad": worst, "names": sorted(got) == sorted(expected),
-            "forward": forward, "all": dict(seen.seen), "untouched": all(p.grad is None for p in model.parameters())}
+            "forward": forward, "all": dict(seen.seen), "sharded": sum(isinstance(p, DTensor) and
+                                                                        p.to_local().numel() < p.numel()
+                                                                        for p in built.parameters()), "untouched": all(p.grad is None for p in model.parameters())}
 
 
 def _check(results: list[dict[str, Any]]) -> None:
@@ -183,3 +186,21 @@ def test_inputs_that_cannot_be_split_are_refused_before_model_code_runs(seq: int
     with pytest.raises(LayoutError, match=says):
         built(token_ids(2, seq), **kwargs)
     assert not ran
+
+
+def _megatron(sch: sf.Schedule) -> sf.Schedule:
+    from models import megatron_llama
+
+    return megatron_llama(sch)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cp2_tp2_loss_and_every_gradient_equal_the_single_process(dist4) -> None:
+    """Mesh ("cp", "tp"): heads over tp (Megatron attention and MLP), tokens over cp. K/V
+    are all-gathered over cp on each rank's heads."""
+    results = dist4.run(_parity, "llama", (2, 2), ("cp", "tp"), 128, True, None, _megatron, timeout=240)
+    _check(results)
+    for r in results:
+        # 2 layers x (q, k, v, gate, up, o, down): 14 parameters split over tp
+        assert r["sharded"] == 14 and r["forward"]["all_gather"] == 4, r
