@@ -204,3 +204,18 @@ def test_cp2_tp2_loss_and_every_gradient_equal_the_single_process(dist4) -> None
     for r in results:
         # 2 layers x (q, k, v, gate, up, o, down): 14 parameters split over tp
         assert r["sharded"] == 14 and r["forward"]["all_gather"] == 4, r
+
+
+def _checkpointed(sch: sf.Schedule) -> sf.Schedule:
+    return sf.checkpoint(sch, "model.layers.*")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_cp2_with_activation_checkpointing_recomputes_the_all_gathers(dist2) -> None:
+    """Checkpointed layers recompute their forward in backward, all-gathers included: per
+    layer 2 all-gathers forward, 2 all-gathers and 2 reduce-scatters backward."""
+    results = dist2.run(_parity, "llama", (2,), ("cp",), 128, True, None, _checkpointed, timeout=150)
+    _check(results)
+    for r in results:
+        assert r["forward"]["all_gather"] == 4 and r["all"]["all_gather"] == 8 and r["all"]["reduce_scatter"] == 4, r
