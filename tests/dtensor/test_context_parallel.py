@@ -61,10 +61,10 @@ def _parity(rank: int, world: int, family: str, shape: tuple[int, ...], names: t
         out.loss.backward()
     got = _grads(built)
     worst = max((got[n] - g).abs().max().item() for n, g in expected.items())
+    sharded = sum(isinstance(p, DTensor) and p.to_local().numel() < p.numel() for p in built.parameters())
     return {"loss": abs(out.loss.item() - ref.loss.item()), "grad": worst, "names": sorted(got) == sorted(expected),
-            "forward": forward, "all": dict(seen.seen), "sharded": sum(isinstance(p, DTensor) and
-                                                                        p.to_local().numel() < p.numel()
-                                                                        for p in built.parameters()), "untouched": all(p.grad is None for p in model.parameters())}
+            "forward": forward, "all": dict(seen.seen), "sharded": sharded,
+            "untouched": all(p.grad is None for p in model.parameters())}
 
 
 def _check(results: list[dict[str, Any]]) -> None:
@@ -219,3 +219,21 @@ def test_cp2_with_activation_checkpointing_recomputes_the_all_gathers(dist2) -> 
     _check(results)
     for r in results:
         assert r["forward"]["all_gather"] == 4 and r["all"]["all_gather"] == 8 and r["all"]["reduce_scatter"] == 4, r
+
+
+def test_explain_lists_the_cp_collectives_with_bytes_and_divides_activations() -> None:
+    """Per attention: K and V all-gathered forward (the gathered tensor's bytes: batch x seq x
+    kv heads x head dim, fp32), their gradients reduce-scattered backward; the loss and each
+    parameter's gradient all-reduced; activations per rank halved at cp2."""
+    model = tiny_decoder("llama")
+    ids = token_ids(2, 64)
+    plain = sf.explain(sf.create_schedule(model, mesh=_cp_mesh()), ids, kwargs={"labels": ids})
+    ex = sf.explain(_cp_schedule(model), ids, kwargs={"labels": ids})
+    gathered = 2 * 64 * 2 * 16 * 4  # batch, seq, kv heads, head dim, fp32
+    params = len({id(p) for p in model.parameters()})
+    assert ex.by_axis()["cp"] == {"all_gather": {"count": 4, "bytes": 4 * gathered},
+                                  "reduce_scatter": {"count": 4, "bytes": 4 * gathered},
+                                  "all_reduce": {"count": 1 + params,
+                                                 "bytes": 4 + sum(p.numel() * 4 for p in model.parameters())}}
+    before, after = plain.memory.rows[0].activation_bytes, ex.memory.rows[0].activation_bytes
+    assert before is not None and after is not None and after * 2 == pytest.approx(before, rel=0.01)
