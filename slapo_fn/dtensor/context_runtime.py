@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,9 +32,51 @@ from .context import CP, CPSpec, chunk_count, key_positions, positions, take
 from .data_parallel import DATA_PARALLEL
 from .shard import mesh_dims
 
-__all__ = ["ContextParallelAttention", "apply_context_parallel", "sum_gradients_over_cp"]
+__all__ = ["ContextParallelAttention", "ContextSplit", "apply_context_parallel", "context_split",
+           "sum_gradients_over_cp"]
 
 IGNORE_INDEX = -100
+#: The attribute of a built model's root that holds its :class:`ContextSplit`.
+_SPLIT = "_slapo_fn_context_split"
+
+
+@dataclass(frozen=True)
+class ContextSplit:
+    """How a built model splits its sequences over ``cp``: what a training loop that
+    computes the loss from the model's logits (this rank's tokens) needs."""
+
+    axis: C.Axis
+    load_balance: bool
+
+    @property
+    def rank_and_size(self) -> tuple[int, int]:
+        mesh, dim = self.axis
+        return mesh.get_local_rank(dim), mesh.size(dim)
+
+    def cut(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's chunks of ``x`` along the sequence (dim 1)."""
+        rank, size = self.rank_and_size
+        return take(x, 1, rank, size, self.load_balance)
+
+    def targets(self, labels: torch.Tensor) -> torch.Tensor:
+        """This rank's next-token targets: ``labels`` (the global batch) shifted globally
+        (position t predicts t + 1; the last predicts nothing), then cut."""
+        return self.cut(shifted(labels))
+
+    def total(self, value: float) -> float:
+        """The sum of ``value`` over the ``cp`` ranks (a loss sum of each rank's tokens)."""
+        return float(C._all_reduce(torch.tensor([value], dtype=torch.float64), self.axis)[0])
+
+
+def shifted(labels: torch.Tensor) -> torch.Tensor:
+    """``labels[:, 1:]`` padded with the ignored label: the target of each position."""
+    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def context_split(model: nn.Module) -> ContextSplit | None:
+    """The :class:`ContextSplit` of a model ``sf.build`` made from a context-parallel schedule, else ``None``."""
+    found = model.__dict__.get(_SPLIT)
+    return found if isinstance(found, ContextSplit) else None
 
 
 class ContextParallelAttention(RotaryAttention):
@@ -108,6 +151,7 @@ def apply_context_parallel(model: nn.Module, sch: Schedule) -> None:
         setattr(get_module(model, parent_path(path)), split(path)[-1], ContextParallelAttention.of(kernel, axis,
                                                                                                    spec.load_balance))
     model.forward = _splitting(model.forward, axis, spec)  # type: ignore[method-assign]
+    model.__dict__[_SPLIT] = ContextSplit(axis, spec.load_balance)
 
 
 def sum_gradients_over_cp(model: nn.Module, sch: Schedule) -> None:
@@ -199,19 +243,19 @@ def _labels(named: dict[str, Any], cut: Callable[[torch.Tensor], torch.Tensor], 
     """Shift the labels globally, cut them and count the global tokens that carry a loss
     (``num_items_in_batch``: each rank's loss is then its sum over the global count).
     Whether there are labels."""
-    labels, shifted = named.get("labels"), named.get("shift_labels")
-    if labels is None and shifted is None:
+    labels, targets = named.get("labels"), named.get("shift_labels")
+    if labels is None and targets is None:
         return False
-    if shifted is None:
+    if targets is None:
         assert labels is not None
         if spec.inputs_split:
             raise _refuse("labels arrive cut into chunks: their shift crosses chunk boundaries",
                           "pass shift_labels= shifted before the cut (slapo_fn.dtensor.context.take of "
                           "labels[:, 1:] padded with -100)")
-        shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        targets = shifted(labels)
     if named.get("num_items_in_batch") is None:
-        count = (shifted != IGNORE_INDEX).sum()
+        count = (targets != IGNORE_INDEX).sum()
         named["num_items_in_batch"] = C._all_reduce(count, axis) if spec.inputs_split else count
-    named["shift_labels"] = cut(shifted)
+    named["shift_labels"] = cut(targets)
     named["labels"] = named["shift_labels"] if labels is None else cut(labels)
     return True
