@@ -30,6 +30,7 @@ from ..tree import get_module, parent_path, split
 from . import collectives as C
 from .context import CP, CPSpec, chunk_count, key_positions, positions, take
 from .data_parallel import DATA_PARALLEL
+from .sequence import SEQ
 from .shard import mesh_dims
 
 __all__ = ["ContextParallelAttention", "ContextSplit", "apply_context_parallel", "context_split",
@@ -139,10 +140,14 @@ def apply_context_parallel(model: nn.Module, sch: Schedule) -> None:
     spec = _spec(sch)
     if spec is None:
         return
-    if sch.annotations.of_kind(DATA_PARALLEL):
-        raise LayoutError("build", [Problem("", "context_parallel does not compose with data_parallel yet (FSDP "
-                                                "would have to shard over dp x cp, as torchtitan's dp_shard_cp)",
-                                            "drop sf.data_parallel, or context_parallel")])
+    refused = [Problem(path, why, fix) for kind, path, why, fix in (
+        (DATA_PARALLEL, "", "context_parallel does not compose with data_parallel yet (FSDP would have to shard "
+                            "over dp x cp, as torchtitan's dp_shard_cp)", "drop sf.data_parallel, or context_parallel"),
+        (SEQ, "", "context_parallel does not compose with sequence_parallel yet (both split the sequence)",
+         "drop sf.sequence_parallel, or context_parallel"),
+    ) if sch.annotations.of_kind(kind)]
+    if refused:
+        raise LayoutError("build", refused)
     axis = _axis(sch, spec)
     for path in sch.annotations.of_kind(CP):
         old = get_module(model, path)

@@ -266,3 +266,17 @@ def test_inputs_split_by_the_loader_give_the_single_process_loss_and_gradients(d
     results = dist2.run(_split_inputs, timeout=150)
     _check(results)
     assert all(r["local"] == (2, 32, VOCAB) for r in results), results
+
+
+def test_layouts_it_does_not_compose_with_yet_are_refused_at_build() -> None:
+    from slapo_fn.dtensor.testing import fake_mesh
+    from slapo_fn.errors import LayoutError, ScheduleError
+
+    sch = sf.context_parallel(sf.create_schedule(tiny_decoder("llama"), mesh=fake_mesh(2, 2, names=("pp", "cp"))))
+    with pytest.raises(LayoutError, match="does not compose with data_parallel yet"):
+        sf.build(sf.data_parallel(sch, mesh_axis="pp"))
+    with pytest.raises(LayoutError, match="does not compose with sequence_parallel yet"):
+        sf.build(sf.sequence_parallel(sch, ["model.layers.*"], mesh_axis="pp"))
+    with pytest.raises(ScheduleError, match="does not compose with pipeline stages yet") as e:
+        sf.build_pipeline(sf.cut_pipeline_stage(sch, "model.layers.0"), microbatches=2, loss_fn=lambda o, t: o)
+    assert e.value.paths[-1] == "model.layers.0.self_attn"
