@@ -28,7 +28,7 @@ from ..kernels.attention import attention
 from ..schedule import Schedule
 from ..tree import get_module, parent_path, split
 from . import collectives as C
-from .context import CP, CPSpec, chunk_count, key_positions, positions, take
+from .context import CP, CPSpec, chunk_count, chunks, key_positions, positions, take
 from .data_parallel import DATA_PARALLEL
 from .sequence import SEQ
 from .shard import mesh_dims
@@ -83,9 +83,10 @@ def context_split(model: nn.Module) -> ContextSplit | None:
 class ContextParallelAttention(RotaryAttention):
     """:class:`~slapo_fn.kernels.RotaryAttention` on this rank's chunks of the sequence:
     its queries stay local, keys and values are all-gathered over the ``cp`` axis (one
-    all-gather each forward, one reduce-scatter each backward), and the mask is the
-    causal (and sliding-window) pattern of the global positions of the rank's queries
-    against every key. The mask the model built for the local tokens is not used.
+    all-gather each forward, one reduce-scatter each backward) and put in global order;
+    each of the rank's chunks attends to the keys up to its own end, with the causal
+    (and sliding-window) mask of its global positions. The mask the model built for the
+    local tokens is not used.
     """
 
     axis: C.Axis
@@ -113,13 +114,23 @@ class ContextParallelAttention(RotaryAttention):
         size, rank = mesh.size(dim), mesh.get_local_rank(dim)
         key, value = C.gather_rs(key, 2, self.axis), C.gather_rs(value, 2, self.axis)
         seq = key.shape[2]
-        q_pos = positions(rank, size, seq, self.load_balance, query.device)[:, None]
-        k_pos = key_positions(size, seq, self.load_balance, query.device)[None, :]
-        allowed = k_pos <= q_pos
-        if sliding_window is not None:
-            allowed = allowed & (k_pos > q_pos - sliding_window)
-        return attention(query, key, value, allowed[None, None], is_causal=True, scale=self.scaling,
-                         dropout_p=self.dropout_p if self.training else 0.0, backend=self.backend)
+        # the keys in global order: each of this rank's chunks then attends to the keys up to its
+        # own end only (half the work of masking every key, on average)
+        order = torch.argsort(key_positions(size, seq, self.load_balance, key.device))
+        key, value = key.index_select(2, order), value.index_select(2, order)
+        n = seq // chunk_count(size, self.load_balance)
+        outs = []
+        for i, c in enumerate(chunks(rank, size, self.load_balance)):
+            end = (c + 1) * n
+            q_pos = torch.arange(c * n, end, device=query.device)[:, None]
+            k_pos = torch.arange(end, device=query.device)[None, :]
+            allowed = k_pos <= q_pos
+            if sliding_window is not None:
+                allowed = allowed & (k_pos > q_pos - sliding_window)
+            outs.append(attention(query[:, :, i * n:(i + 1) * n], key[:, :, :end], value[:, :, :end],
+                                  allowed[None, None], is_causal=True, scale=self.scaling,
+                                  dropout_p=self.dropout_p if self.training else 0.0, backend=self.backend))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, context_parallel={'load-balanced' if self.load_balance else 'contiguous'}"
