@@ -101,8 +101,7 @@ def positions(rank: int, size: int, seq: int, load_balance: bool, device: torch.
 
 def key_positions(size: int, seq: int, load_balance: bool, device: torch.device | None = None) -> torch.Tensor:
     """The global positions of the keys an all-gather over ``size`` ranks concatenates (rank
-    0's tokens, then rank 1's, ...): attention is the same whatever the keys' order, so
-    the mask is built for this order rather than the keys reordered.
+    0's tokens, then rank 1's, ...); ``argsort`` of it puts gathered keys in global order.
 
     >>> key_positions(2, 8, load_balance=True).tolist()
     [0, 1, 6, 7, 2, 3, 4, 5]
