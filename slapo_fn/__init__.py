@@ -21,7 +21,15 @@ if TYPE_CHECKING:
     from . import func, kernels, optim, recipes
     from .build import build
     from .combinators import Primitive, Rewrite, chain, foreach, primitive, scope, when
-    from .dtensor import fork_rng, sequence_parallel, shard, sync, tp_local, vocab_parallel_cross_entropy
+    from .dtensor import (
+        context_parallel,
+        fork_rng,
+        sequence_parallel,
+        shard,
+        sync,
+        tp_local,
+        vocab_parallel_cross_entropy,
+    )
     from .dtensor.data_parallel import data_parallel
     from .dtensor.experts import expert_parallel, expert_tensor_parallel
     from .dtensor.spec import P, Packed
@@ -48,6 +56,7 @@ _EXPORTS: dict[str, str] = {
     "primitive": ".combinators",
     "scope": ".combinators",
     "when": ".combinators",
+    "context_parallel": ".dtensor",
     "fork_rng": ".dtensor",
     "sequence_parallel": ".dtensor",
     "shard": ".dtensor",
@@ -164,6 +173,7 @@ __all__ = [
     "checkpoint",
     "clip_grad_norm_",
     "compile",
+    "context_parallel",
     "create_schedule",
     "cut_pipeline_stage",
     "data_parallel",

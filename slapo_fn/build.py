@@ -4,8 +4,9 @@ Whatever order the rewrites were written in, ``build`` applies them as:
 
 1. structural rewrites (already in the tree: ``replace``, graph rewrites);
 2. materialisation of meta-device tensors (``init``) and placement (``device``);
-3. then :data:`PHASES`, in this fixed order: tensor and sequence parallelism (DTensor
-   parameters, local forwards, boundary collectives), tags, hooks, activation
+3. then :data:`PHASES`, in this fixed order: context parallelism (attention on the rank's
+   chunks, the root cutting its inputs), tensor and sequence parallelism (DTensor
+   parameters, local forwards, boundary collectives), the sum of gradients over ``cp``, tags, hooks, activation
    checkpointing, compilation, data parallelism (FSDP2 / replicate over ``dp``).
 
 Everything happens on a private structural copy of the schedule's tree, so PyTorch APIs
@@ -24,6 +25,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from .dtensor.context_runtime import apply_context_parallel, sum_gradients_over_cp
 from .dtensor.data_parallel import apply_data_parallel
 from .dtensor.runtime import apply_tensor_parallel
 from .errors import Problem, ScheduleError, ScheduleTypeError
@@ -59,6 +61,14 @@ class BuildOptions:
 Phase: TypeAlias = Callable[[nn.Module, Schedule, BuildOptions], None]
 
 
+def _context_parallel(model: nn.Module, sch: Schedule, _: BuildOptions) -> None:
+    apply_context_parallel(model, sch)
+
+
+def _cp_gradients(model: nn.Module, sch: Schedule, _: BuildOptions) -> None:
+    sum_gradients_over_cp(model, sch)
+
+
 def _tensor_parallel(model: nn.Module, sch: Schedule, options: BuildOptions) -> None:
     apply_tensor_parallel(model, sch, strict=options.strict)
 
@@ -85,7 +95,9 @@ def _data_parallel(model: nn.Module, sch: Schedule, _: BuildOptions) -> None:
 
 #: The canonical order of build phases after materialisation.
 PHASES: tuple[tuple[str, Phase], ...] = (
+    ("context_parallel", _context_parallel),
     ("tensor_parallel", _tensor_parallel),
+    ("cp_gradients", _cp_gradients),
     ("tags", _tags),
     ("hooks", _hooks),
     ("checkpoint", _checkpoint),

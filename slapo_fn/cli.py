@@ -89,6 +89,9 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, default=1, help="data-parallel degree (mesh axis 'dp')")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (mesh axis 'tp')")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages, one per rank (mesh axis 'pp')")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel degree (mesh axis 'cp'): each sequence split over --cp ranks, keys and "
+                        "values all-gathered in attention")
     p.add_argument("--dp-mode", choices=("fsdp", "ddp", "hsdp"), default=None,
                    help="data parallelism over --dp: FSDP2 (parameters sharded over the --dp ranks; the default "
                         "with --dp > 1), DDP (replicated), or HSDP (sharded over --dp-shard ranks, replicated over "
@@ -422,6 +425,7 @@ def _argument_problems(args: argparse.Namespace) -> list[Problem]:
     at_least("--dp", 1, "data-parallel ranks", "--dp 1 (no data parallelism) or more")
     at_least("--tp", 1, "tensor-parallel ranks", "--tp 1 (no tensor parallelism) or more")
     at_least("--pp", 1, "pipeline stages", "--pp 1 (no pipeline) or more")
+    at_least("--cp", 1, "context-parallel ranks", "--cp 1 (no context parallelism) or more")
     at_least("--microbatches", 1, "microbatches per pipeline step",
              "leave --microbatches out for the default, 2 x --pp")
     at_least("--batch", 1, "sequences per step", "--batch 8")
@@ -451,6 +455,7 @@ def _argument_problems(args: argparse.Namespace) -> list[Problem]:
                                     "drop --pp (pipelines are verified by their tests); use --tp/--dp"))
     if problems:  # the checks below divide by these sizes
         return problems
+    problems += _context_problems(args)
     if getattr(args, "dp_mode", None) == "hsdp" and not (args.dp_shard and 1 < args.dp_shard < args.dp
                                                          and args.dp % args.dp_shard == 0):
         problems.append(Problem("--dp-shard", f"--dp-mode hsdp shards over --dp-shard ranks and replicates over the "
@@ -616,7 +621,21 @@ def _refuse(command: str, error: BaseException) -> None:
 
 # -- running the commands -------------------------------------------------------------------------
 def _world(args: argparse.Namespace) -> int:
-    return world(dp=args.dp, tp=args.tp, pp=args.pp)
+    return world(dp=args.dp, tp=args.tp, pp=args.pp, cp=getattr(args, "cp", 1))
+
+
+def _context_problems(args: argparse.Namespace) -> list[Problem]:
+    """What ``--cp`` does not compose with yet, and a ``--seq`` it cannot split into ``2·cp`` chunks."""
+    cp = getattr(args, "cp", 1)
+    if cp == 1:
+        return []
+    problems = [Problem(flag, f"--cp {cp} does not compose with {flag} yet", f"drop {flag}, or --cp")
+                for flag, given in (("--dp", args.dp > 1 or getattr(args, "dp_mode", None) is not None),
+                                    ("--pp", args.pp > 1), ("--sp", args.sp)) if given]
+    if args.seq is not None and args.seq % (2 * cp):
+        problems.append(Problem("--seq", f"{args.seq} tokens do not split into {2 * cp} equal chunks (2 x --cp)",
+                                f"--seq {max(2 * cp, args.seq - args.seq % (2 * cp))}"))
+    return problems
 
 
 def _checked(args: argparse.Namespace, *, inputs: bool = True) -> Any:

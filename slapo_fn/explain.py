@@ -22,6 +22,7 @@ from .dtensor.explain import (
     Collective,
     TensorParallelExplanation,
     activation_shapes,
+    context_parallel_collectives,
     data_parallel_collectives,
     explain_tensor_parallel,
     loss_collectives,
@@ -285,8 +286,8 @@ def rank_collectives(sch: Schedule, tensor_parallel: tuple[Collective, ...], sha
     on the last stage's rank) once per microbatch, each of a microbatch's bytes; FSDP2 of
     each stage as a pipeline runs it; and the rank's point-to-point transfers."""
     if not sch.annotations.of_kind(PIPELINE_CUT):
-        return tensor_parallel + loss_collectives(sch, shapes) + data_parallel_collectives(sch) \
-            + pipeline_collectives(sch, shapes, microbatches)
+        return tensor_parallel + context_parallel_collectives(sch, shapes) + loss_collectives(sch, shapes) \
+            + data_parallel_collectives(sch) + pipeline_collectives(sch, shapes, microbatches)
     stages = split_stages(sch)
     micro = max(1, microbatches)
     ranks = stage_ranks(len(stages), pp_size(sch) or len(stages))
@@ -299,7 +300,8 @@ def rank_collectives(sch: Schedule, tensor_parallel: tuple[Collective, ...], sha
         share = dataclasses.replace(c, bytes=None if c.bytes is None else c.bytes // micro)
         return (share,) * micro
 
-    per_micro = tensor_parallel + (loss_collectives(sch, shapes) if stages[-1] in mine else ())
+    per_micro = tensor_parallel + context_parallel_collectives(sch, shapes) \
+        + (loss_collectives(sch, shapes) if stages[-1] in mine else ())
     out = [x for c in per_micro if c.path in held for x in each(c)]
     for st in mine:
         out += data_parallel_collectives(st.schedule, microbatches=micro)

@@ -50,7 +50,7 @@ def mesh_axes(options: Options) -> list[tuple[str, int]]:
     replicas of ``--dp-shard`` ranks apart (``dp_replicate``, ``dp``)."""
     mode = getattr(options, "dp_mode", None)
     return axes(dp=options.dp, tp=options.tp, pp=options.pp, dp_shard=options.dp_shard if mode == "hsdp" else None,
-                data_parallel=mode is not None)
+                data_parallel=mode is not None, cp=getattr(options, "cp", 1))
 
 
 def data_axes(options: Options) -> str | tuple[str, str]:
@@ -71,7 +71,7 @@ def knobs(options: Options) -> recipes.Knobs:
     """The recipe's knobs the options set."""
     return recipes.Knobs(tp=options.tp, sequence_parallel=options.sp, checkpoint=options.checkpoint,
                          stages=stages(options), dp_mode=dp_mode(options),
-                         kernels=options.kernels, compile=options.compile)
+                         kernels=options.kernels, compile=options.compile, cp=getattr(options, "cp", 1))
 
 
 def dp_mode(options: Options) -> Literal["fsdp", "ddp", "hsdp"] | None:
@@ -197,7 +197,7 @@ def check_schedule(options: Options, config: Any) -> None:
                           + (f"; did you mean {close[0]!r}?" if close else ""),
             f"one of {', '.join(SCHEDULES)}")])
     fallback_plan(config, options)
-    count = world(dp=options.dp, tp=options.tp, pp=options.pp)
+    count = world(dp=options.dp, tp=options.tp, pp=options.pp, cp=getattr(options, "cp", 1))
     if not mesh_axes(options) or options.command == "explain":
         return
     named = mesh_axes(options)

@@ -29,6 +29,7 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
+from .dtensor.context import CP
 from .dtensor.data_parallel import DATA_PARALLEL
 from .dtensor.explain import ActivationShapes
 from .dtensor.sequence import SEQ
@@ -211,10 +212,14 @@ def _factors(sch: Schedule) -> Callable[[str], float]:
     its gathered input (1); the code of a parent of sharded modules and of their
     siblings (attention, the MLP's gate product) runs on local heads or features (1/t);
     elsewhere (norms, residual stream, loss) a tensor is replicated (1), or split along
-    the sequence where sequence parallelism covers the module (1/t)."""
+    the sequence where sequence parallelism covers the module (1/t). Context parallelism
+    over ``c`` ranks runs every module on ``1/c`` of the tokens (the keys and values its
+    attention gathers to full length are counted so too: ``2·seq·kv_dim`` per layer more)."""
     roles = sch.annotations.of_kind(ROLE)
     seqs = sch.annotations.of_kind(SEQ)
     size = _axis_sizes(sch)
+    cps = {spec.mesh_axis for spec in sch.annotations.of_kind(CP).values()}
+    tokens = 1 / math.prod(size.get(axis, 1) for axis in cps)
     sharded_parents: dict[str, int] = {}
     for path, role in roles.items():
         parent = parent_path(path)
@@ -239,7 +244,7 @@ def _factors(sch: Schedule) -> Callable[[str], float]:
                 if path == p or path.startswith(p + "."):
                     out = 1 / size.get(spec.mesh_axis, 1)
                     break
-        cache[path] = out
+        cache[path] = out = out * tokens
         return out
 
     return factor

@@ -56,8 +56,9 @@ _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 
 
 def axes(*, dp: int, tp: int, pp: int, dp_shard: int | None = None,
-         data_parallel: bool = False) -> list[tuple[str, int]]:
-    """The mesh axes of ``dp/tp/pp`` larger than one, in mesh order (``dp``, ``pp``, ``tp``);
+         data_parallel: bool = False, cp: int = 1) -> list[tuple[str, int]]:
+    """The mesh axes of ``dp/cp/tp/pp`` larger than one, in mesh order (``dp``, ``pp``, ``cp``, ``tp``:
+    tensor parallelism innermost, context parallelism next, as torchtitan orders them);
     ``dp`` of one too where ``data_parallel`` asks for data parallelism over it (FSDP2 over
     one rank: ``--dp 1 --dp-mode fsdp``). With ``dp_shard`` (HSDP), the ``dp`` ranks are
     ``dp // dp_shard`` replicas (``dp_replicate``) of ``dp_shard`` ranks that shard the
@@ -67,12 +68,12 @@ def axes(*, dp: int, tp: int, pp: int, dp_shard: int | None = None,
     [('dp_replicate', 2), ('dp', 2), ('tp', 2)]
     """
     data = [("dp_replicate", dp // dp_shard), ("dp", dp_shard)] if dp_shard else [("dp", dp)]
-    return [(n, s) for n, s in (*data, ("pp", pp), ("tp", tp)) if s > 1 or (n == "dp" and data_parallel)]
+    return [(n, s) for n, s in (*data, ("pp", pp), ("cp", cp), ("tp", tp)) if s > 1 or (n == "dp" and data_parallel)]
 
 
-def world(*, dp: int, tp: int, pp: int) -> int:
-    """Ranks of a job of ``dp x tp x pp``."""
-    return dp * tp * pp
+def world(*, dp: int, tp: int, pp: int, cp: int = 1) -> int:
+    """Ranks of a job of ``dp x cp x tp x pp``."""
+    return dp * cp * tp * pp
 
 
 def parse_size(text: str) -> int:

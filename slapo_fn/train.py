@@ -67,6 +67,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .checkpoint_dir import RANK_STATE, free_bytes, step_name
 from .data import Arithmetic, ByteText
+from .dtensor.context_runtime import context_split
 from .dtensor.data_parallel import DATA_PARALLEL, DataParallelSpec
 from .errors import Problem, ScheduleError
 from .func import clip_grad_norm_, global_norm
@@ -227,6 +228,19 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, reduction: Lit
     shifted = logits[:, :-1].float().flatten(0, 1)
     target = labels[:, 1:].flatten()
     return F.cross_entropy(shifted, target, ignore_index=IGNORE_INDEX, reduction=reduction)
+
+
+def _loss_sum(model: nn.Module, out: Any, labels: torch.Tensor) -> torch.Tensor:
+    """The summed next-token loss of ``model``'s output ``out`` for the global ``labels``: on
+    this rank's tokens where the model is context-parallel (its logits are this rank's
+    chunks; the targets are shifted globally, then cut), the sum over the ranks being the
+    whole batch's."""
+    logits = _logits(out)
+    split = context_split(model)
+    if split is None:
+        return causal_lm_loss(logits, labels, reduction="sum")
+    return F.cross_entropy(logits.float().flatten(0, 1), split.targets(labels).flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
 
 
 def _targets(labels: torch.Tensor) -> int:
@@ -714,10 +728,11 @@ def _module_step(model: nn.Module, micro: list[dict[str, torch.Tensor]], autocas
         kwargs = {k: v for k, v in part.items() if k not in ("labels", "input_ids")}
         with _gradient_sync([model], i == len(micro) - 1):  # around the backward, where FSDP2 reduces
             with _autocast(device, autocast):
-                loss_sum = causal_lm_loss(_logits(model(ids, **kwargs)), labels, reduction="sum")
+                loss_sum = _loss_sum(model, model(ids, **kwargs), labels)
             (loss_sum * (dp_size / max(count, 1.0))).backward()
         total += float(loss_sum.detach())
-    return total, local
+    split = context_split(model)
+    return (total if split is None else split.total(total)), local
 
 
 def _pipeline_step(pipe: Pipeline, micro: list[dict[str, torch.Tensor]], autocast: torch.dtype | None,
@@ -775,7 +790,9 @@ def _evaluate(model: Model, data: object, batch_size: int, dp_rank: int, dp_size
                     count += 1
                 else:
                     ids = batch.pop("input_ids")
-                    total += float(causal_lm_loss(_logits(model(ids, **batch)), labels, reduction="sum"))
+                    split = context_split(model)
+                    part = float(_loss_sum(model, model(ids, **batch), labels))
+                    total += part if split is None else split.total(part)
                     count += _targets(labels)
     finally:
         for m in modules:

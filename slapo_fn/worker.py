@@ -86,7 +86,7 @@ def setup(options: Options) -> tuple[torch.device, DeviceMesh | None]:
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}") if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    ranks = world(dp=options.dp, tp=options.tp, pp=options.pp)
+    ranks = world(dp=options.dp, tp=options.tp, pp=options.pp, cp=getattr(options, "cp", 1))
     if rank_count != ranks:
         raise CommandLineError(options.command, [Problem(
             "--dp/--tp/--pp", f"{rank_count} processes started for dp*tp*pp = {ranks} ranks",
@@ -306,7 +306,7 @@ def _flops(options: Options, sch: Any, device: torch.device) -> tuple[float, flo
     ranks) and one rank's peak FLOP/s at the run's dtype (``--hardware``; ``auto``: the
     GPU's profile by its name, the CPU's without one; ``None`` for a GPU without one)."""
     total, _recompute = model_flops(sch, tokens=options.batch * options.seq, seq=options.seq)
-    ranks = world(dp=options.dp, tp=options.tp, pp=options.pp)
+    ranks = world(dp=options.dp, tp=options.tp, pp=options.pp, cp=getattr(options, "cp", 1))
     name = options.hardware
     if name == "auto":
         gpu = torch.cuda.get_device_name(device).lower() if device.type == "cuda" else ""

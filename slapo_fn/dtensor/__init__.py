@@ -3,6 +3,7 @@
 * :func:`shard` — DTensor parameters (column / row / vocab / packed / any parameter);
 * :func:`sync` — state an activation's layout at a module boundary;
 * :func:`sequence_parallel` — run a chain of modules on sequence shards;
+* :func:`context_parallel` — split long sequences over a ``cp`` axis (K/V all-gathered);
 * :func:`expert_parallel` — mixture-of-experts experts over a mesh axis, all-to-all dispatch;
 * :func:`expert_tensor_parallel` — each expert's matrices split over a mesh axis (Megatron-style);
 * :func:`fork_rng` — per-TP-rank randomness;
@@ -14,6 +15,7 @@ The ``tensor_parallel`` build phase (:func:`~slapo_fn.dtensor.runtime.apply_tens
 turns the annotations into DTensor parameters and local-tensor forwards.
 """
 
+from .context import context_parallel
 from .experts import Experts, expert_parallel, expert_tensor_parallel
 from .layout import Layout
 from .local import tp_local
@@ -39,6 +41,7 @@ __all__ = [
     "Row",
     "VocabEmbed",
     "apply_tensor_parallel",
+    "context_parallel",
     "expert_parallel",
     "expert_tensor_parallel",
     "fork_rng",

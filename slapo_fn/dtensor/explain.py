@@ -56,6 +56,7 @@ from ..hf import EXPERTS_PER_TOKEN_ATTRS, config_of, config_value, evenly_routed
 from ..render import format_bytes, format_param
 from ..schedule import Schedule
 from ..tree import get_module, join, parent_path, private_copy, walk
+from .context import CP
 from .data_parallel import DATA_PARALLEL, DataParallelSpec
 from .dryrun import dtensor_collectives
 from .experts import EXPERTS
@@ -72,7 +73,8 @@ __all__ = ["ActivationShapes", "Collective", "ParamLayout", "TensorParallelExpla
            "data_parallel_collectives", "explain_tensor_parallel", "loss_collectives"]
 
 Direction = Literal["forward", "backward"]
-Origin = Literal["shard", "sync", "sequence_parallel", "implicit", "data_parallel", "pipeline", "loss", "dtensor"]
+Origin = Literal["shard", "sync", "sequence_parallel", "implicit", "data_parallel", "pipeline", "loss", "dtensor",
+                 "context_parallel"]
 
 _SIDE_OF_MODE = {"fwd_pre": "input", "fwd_post": "output", "bwd_post": "input grad"}
 
@@ -675,4 +677,54 @@ def loss_collectives(sch: Schedule, shapes: ActivationShapes | None) -> tuple[Co
         for what in ("max", "sum exp", "target logit"):
             out.append(Collective(path, f"loss {what}", "forward", "all_reduce", "P", "R", role.mesh_axis,
                                   "loss", rows))
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------- context parallelism
+
+
+def context_parallel_collectives(sch: Schedule, shapes: ActivationShapes | None) -> tuple[Collective, ...]:
+    """The collectives :func:`~slapo_fn.dtensor.context.context_parallel` issues in one
+    step on one rank: per attention module an all-gather of K and of V forward and a
+    reduce-scatter of each one's gradient backward (``bytes``: the gathered tensor, this
+    rank's heads under tensor parallelism; ``None`` without example inputs); the loss's
+    all-reduce (one float) forward; the all-reduce of every parameter's gradient over
+    ``cp`` backward (this rank's shard of it).
+
+    >>> import torch, slapo_fn as sf
+    >>> from slapo_fn.dtensor.testing import fake_mesh
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    ...                   num_attention_heads=4, num_key_value_heads=2)
+    >>> sch = sf.context_parallel(sf.create_schedule(LlamaForCausalLM(cfg), mesh=fake_mesh(2, names=("cp",))))
+    >>> [(c.side, c.op) for c in context_parallel_collectives(sch, None)][:4]  # doctest: +NORMALIZE_WHITESPACE
+    [('key', 'all_gather'), ('value', 'all_gather'), ('key grad', 'reduce_scatter'),
+     ('value grad', 'reduce_scatter')]
+    """
+    specs = sch.annotations.of_kind(CP)
+    if not specs or sch.mesh is None:
+        return ()
+    axis = next(iter(specs.values())).mesh_axis
+    sizes = dict(zip(mesh_dims(sch.mesh), (int(s) for s in sch.mesh.shape), strict=True))
+    roles = sch.annotations.of_kind(ROLE)
+    out: list[Collective] = []
+    for path in specs:
+        for what, proj in (("key", "k_proj"), ("value", "v_proj")):
+            entry = shapes.outputs.get(join(path, proj)) if shapes is not None else None
+            role = roles.get(join(path, proj))
+            heads = sizes.get(role.mesh_axis, 1) if role is not None else 1
+            size = None if entry is None else _numel(entry[0]) * _itemsize(entry[1]) // heads
+            out.append(Collective(path, what, "forward", "all_gather", f"S(1)@{axis}", "R", axis,
+                                  "context_parallel", size))
+        for what in ("key", "value"):
+            gathered = out[-2 if what == "key" else -1].bytes
+            out.append(Collective(path, f"{what} grad", "backward", "reduce_scatter", "P", f"S(1)@{axis}", axis,
+                                  "context_parallel", gathered))
+    out.append(Collective("", "loss", "forward", "all_reduce", "P", "R", axis, "context_parallel",
+                          _itemsize(torch.float32)))
+    frozen = {n for n, q in sch.module.named_parameters() if not q.requires_grad}
+    for p in parameter_layouts(sch)[0]:
+        if p.path not in frozen:
+            out.append(Collective(parent_path(p.path), "grads", "backward", "all_reduce", "P", "R", axis,
+                                  "context_parallel", p.rank_bytes))
     return tuple(out)

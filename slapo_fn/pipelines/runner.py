@@ -55,6 +55,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from ..build import BuildOptions, build, has_meta, materialise
+from ..dtensor.context import CP
 from ..dtensor.sequence import SEQ
 from ..errors import Problem, ScheduleError, ScheduleTypeError
 from ..hf import init_owner, is_pretrained_model, reset_weights
@@ -454,6 +455,9 @@ def build_pipeline(
     stages = split_stages(sch)
     pp = _pp_axis_size(sch, mesh_axis)
     problems = _problems(stages, pp, schedule, microbatches, loss_fn)
+    problems += [Problem(path, "is context-parallel: context_parallel does not compose with pipeline stages yet (the "
+                               "model's root cuts the inputs and reduces the loss)",
+                         "drop sf.context_parallel, or the pipeline") for path in list(sch.annotations.of_kind(CP))[:1]]
     if problems:
         raise ScheduleError("build_pipeline", problems)
     group, rank, _ = _pp_group(sch, mesh_axis)

@@ -22,7 +22,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor import Shard as DShard
 
 from ..combinators import Rewrite, chain, foreach
-from ..dtensor import sequence_parallel, shard, sync, tp_local
+from ..dtensor import context_parallel, sequence_parallel, shard, sync, tp_local
 from ..dtensor.data_parallel import data_parallel
 from ..errors import LayoutError, Problem, ScheduleError, ScheduleTypeError, SelectorError
 from ..pipelines import cut_pipeline_stage
@@ -81,7 +81,10 @@ class Knobs:
     * ``dp_mode``: ``None`` or ``"fsdp"``/``"ddp"`` over ``"dp"``, or ``"hsdp"`` over
       :data:`HSDP_AXES` (replicas over ``"dp_replicate"``, each sharded over ``"dp"``);
     * ``kernels``: swap in the family's fused kernels;
-    * ``compile``: ``torch.compile`` each layer.
+    * ``compile``: ``torch.compile`` each layer;
+    * ``cp``: context-parallel degree over the mesh axis ``"cp"`` (1 = off): each
+      sequence split over ``cp`` ranks (:func:`~slapo_fn.dtensor.context.context_parallel`
+      of the recipe's ``attention``).
     """
 
     tp: int = 1
@@ -91,6 +94,7 @@ class Knobs:
     dp_mode: Literal["fsdp", "ddp", "hsdp"] | None = None
     kernels: bool = False
     compile: bool = False
+    cp: int = 1
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,9 @@ class Recipe:
     extra_tp: Callable[[Schedule], Schedule] | None = None
     heads: str = "num_attention_heads"
     kv_heads: str | None = "num_key_value_heads"
+    #: Each layer's attention module (relative to a stack's layers), which ``cp`` splits;
+    #: ``None``: the family's attention cannot be split (:func:`~slapo_fn.dtensor.context.context_parallel`).
+    attention: str | None = None
 
     def layer_paths(self, sch: Schedule) -> list[list[str]]:
         """The block paths of each stack, in order."""
@@ -125,6 +132,8 @@ class Recipe:
         steps: list[Rewrite] = []
         if knobs.kernels:
             steps += [replace.at(where, factory) for where, factory in self.kernels.items()]
+        if knobs.cp > 1:
+            steps.append(context_parallel.at([f"{stack.layers}.{self.attention}" for stack in self.stacks]))
         if knobs.tp > 1:
             for stack in self.stacks:
                 block = chain(*(shard.at(path, axis=s.axis, packed=s.packed) for path, s in stack.tp_plan.items()))
@@ -174,6 +183,10 @@ class Recipe:
                 if isinstance(count, int) and count % knobs.tp:
                     problems.append(Problem("", f"{attr}={count} is not divisible by tp={knobs.tp}",
                                             f"choose tp among the divisors of {count}"))
+        if knobs.cp > 1 and self.attention is None:
+            problems.append(Problem("", f"cp={knobs.cp}: recipe {self.name!r} names no attention module that "
+                                        "context parallelism can split",
+                                    "drop cp (cp=1, or --cp 1)"))
         if knobs.tp < 1:
             problems.append(Problem("", f"tp={knobs.tp}: a tensor-parallel degree is at least 1", "tp=1 is off"))
         if knobs.sequence_parallel and knobs.tp == 1:
@@ -191,7 +204,7 @@ class Recipe:
 
 _KNOB_TYPES: dict[str, tuple[type, ...]] = {
     "tp": (int,), "sequence_parallel": (bool,), "checkpoint": (float, int, tuple, type(None)), "stages": (int, tuple),
-    "dp_mode": (str, type(None)), "kernels": (bool,), "compile": (bool,),
+    "dp_mode": (str, type(None)), "kernels": (bool,), "compile": (bool,), "cp": (int,),
 }
 
 

@@ -29,6 +29,7 @@ LLAMA = Recipe(
         ),
     ),
     sp=("**.layers.*", "**.norm"),
+    attention="self_attn",
     kernels=MappingProxyType({
         "**.layers.*.self_attn": Attention.from_hf,
         "**.layers.*.{input,post_attention}_layernorm": RMSNorm.from_hf,

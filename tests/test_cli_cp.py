@@ -1,0 +1,53 @@
+"""``--cp N``: context parallelism from the command line (mesh axis ``cp``), checked before
+any rank starts, explained, and trained as one process trains."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slapo_fn.cli import main
+
+CLI = [sys.executable, "-m", "slapo_fn.cli"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _losses(stdout: str) -> dict[int, float]:
+    return {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"^step (\d+) loss ([\d.]+)", stdout, re.M)}
+
+
+def test_cp_flags_that_cannot_hold_are_refused_before_any_work(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--model", "llama-tiny", "--cp", "2", "--dp", "2", "--seq", "62", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "'--dp': --cp 2 does not compose with --dp yet" in err
+    assert "'--seq': 62 tokens do not split into 4 equal chunks (2 x --cp)" in err and "fix: --seq 60" in err
+    assert main(["train", "--model", "llama-tiny", "--cp", "0"]) == 2
+    assert "'--cp': must be at least 1" in capsys.readouterr().err
+
+
+def test_explain_shows_the_cp_collectives_and_a_mesh_with_a_cp_axis(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["explain", "--model", "llama-tiny", "--cp", "2", "--tp", "2", "--seq", "64", "--batch", "2",
+                 "--hardware", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh (cp=2, tp=2)" in out, out
+    assert re.search(r"cp: all_gather ×4 \(32\.0 KiB\), reduce_scatter ×4 \(32\.0 KiB\)", out), out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_cp2_and_cp2_tp2_train_as_one_process_does() -> None:
+    common = ["train", "--model", "llama-tiny", "--steps", "3", "--seq", "64", "--batch", "2", "--log-every", "1",
+              "--no-progress"]
+    runs = [subprocess.run([*CLI, *common, *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
+            for extra in ([], ["--cp", "2"], ["--cp", "2", "--tp", "2"])]
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    expected = _losses(runs[0].stdout)
+    assert sorted(expected) == [1, 2, 3]
+    for r in runs[1:]:
+        got = _losses(r.stdout)
+        assert sorted(got) == [1, 2, 3] and all(got[s] == pytest.approx(expected[s], rel=1e-5) for s in got), \
+            (expected, got)
