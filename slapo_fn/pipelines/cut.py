@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -13,6 +14,7 @@ from ..hf import is_encoder_decoder
 from ..schedule import Key, Schedule
 from ..select import Selection
 from ..tree import get_module, join, split, walk
+from .chain import Chain, layer_sequences, resolve_chain
 from .families import Family, encoder_decoder_problem, resolve_family
 
 __all__ = ["PIPELINE_CUT", "StageCut", "cut_pipeline_stage", "pp_size", "sequence_of"]
@@ -23,9 +25,12 @@ PIPELINE_CUT: Key[StageCut] = Key("pipeline_cut")
 @dataclass(frozen=True)
 class StageCut:
     """The annotation of a layer after which a new pipeline stage begins; ``family`` is
-    the stage adapter resolved (and, for a derived one, checked for parity) at the cut."""
+    the stage adapter resolved (and, for a derived one, checked for parity) at the cut;
+    ``chain`` the layer sequences of a model with several (an encoder and a decoder),
+    probed and checked for parity at the cut (:mod:`.chain`)."""
 
     family: Family | None = field(default=None, compare=False)
+    chain: Chain | None = field(default=None, compare=False)
 
     def __str__(self) -> str:
         return "stage cut after"
@@ -99,6 +104,8 @@ def cut_pipeline_stage(sch: Schedule, where: Selection) -> Schedule:
     """
     paths = where.paths(sch.module)
     existing = sch.annotations.of_kind(PIPELINE_CUT)
+    if len(layer_sequences(sch.module)) > 1:
+        return _cut_chain(sch, paths, existing)
     problems: list[Problem] = []
     seen_sequence = sequence_of(next(iter(existing))) if existing else None
     last_index = max((_index(sch.module, p) for p in existing), default=-1)
@@ -167,17 +174,8 @@ def cut_pipeline_stage(sch: Schedule, where: Selection) -> Schedule:
                 "inputs_embeds argument that skips the embedding",
             )
         )
-    size = pp_size(sch)
-    stages = len(existing) + len(new) + 1
-    if size is not None and not problems and stages > size and stages % size:
-        problems.append(
-            Problem(
-                new[-1] if new else "",
-                f"makes {stages} stages for {size} ranks on the 'pp' mesh axis: more stages than ranks must be a "
-                f"multiple of them (several stages per rank)",
-                f"cut into {size} stages, or {2 * size} for interleaved schedules, making those cuts in one call",
-            )
-        )
+    if not problems:
+        problems += _stage_count(sch, len(existing) + len(new) + 1, new)
     if problems:
         raise ScheduleError("cut_pipeline_stage", problems)
     if not new:
@@ -187,6 +185,64 @@ def cut_pipeline_stage(sch: Schedule, where: Selection) -> Schedule:
     family = known if known is not None else resolve_family(sch.module, sequence_of(new[0]))
     for path in new:
         sch = sch.annotate_path(path, PIPELINE_CUT, StageCut(family))
+    return sch
+
+
+def _stage_count(sch: Schedule, stages: int, new: list[str]) -> list[Problem]:
+    size = pp_size(sch)
+    if size is None or stages <= size or not stages % size:
+        return []
+    return [Problem(
+        new[-1] if new else "",
+        f"makes {stages} stages for {size} ranks on the 'pp' mesh axis: more stages than ranks must be a "
+        f"multiple of them (several stages per rank)",
+        f"cut into {size} stages, or {2 * size} for interleaved schedules, making those cuts in one call",
+    )]
+
+
+def _cut_chain(sch: Schedule, paths: Sequence[str], existing: dict[str, StageCut]) -> Schedule:
+    """Cuts in a model with several layer sequences: after any layer of the chain of
+    sequences its forward runs, in call order (between an encoder and a decoder too), the
+    chain probed and checked for parity once (:mod:`.chain`)."""
+    sequences = layer_sequences(sch.module)
+    problems: list[Problem] = []
+    candidates: list[str] = []
+    for path in paths:
+        tokens = split(path)
+        if not tokens or sequence_of(path) not in sequences or tokens[-1] not in get_module(
+                sch.module, sequence_of(path))._modules:
+            problems.append(Problem(path, f"is not a layer of the model's layer sequences ({', '.join(sequences)})",
+                                    _example(sch.module)))
+        else:
+            candidates.append(path)
+    if problems:
+        raise ScheduleError("cut_pipeline_stage", problems)
+    chain = next((c.chain for c in existing.values() if c.chain is not None), None) or resolve_chain(sch.module)
+    layers = chain.layers(sch.module)
+    last_index = max((layers.index(p) for p in existing), default=-1)
+    new: list[str] = []
+    for path in candidates:
+        if path not in layers:
+            problems.append(Problem(path, f"is in a sequence the forward does not run (it runs "
+                                          f"{', '.join(chain.sequences)})",
+                                    f"cut after a layer of {chain.sequences[0]!r}"))
+        elif path in existing or path in new:
+            problems.append(Problem(path, "is cut already (duplicate stage cut)", "cut each layer once"))
+        elif layers.index(path) == len(layers) - 1:
+            problems.append(Problem(path, "is the last layer the forward runs: the stage after it would be empty",
+                                    f"cut after an earlier layer, at most {layers[-2]!r}"))
+        elif layers.index(path) <= last_index:
+            problems.append(Problem(path, f"comes before the existing cut after {layers[last_index]!r} (out of order: "
+                                          f"the forward runs {' then '.join(chain.sequences)})",
+                                    "cut in the order the forward runs the layers, or make all cuts in one call"))
+        else:
+            new.append(path)
+            last_index = layers.index(path)
+    problems += _stage_count(sch, len(existing) + len(new) + 1, new) if not problems else []
+    if problems:
+        raise ScheduleError("cut_pipeline_stage", problems)
+    for path in new:
+        sch = sch.annotate_path(path, PIPELINE_CUT, StageCut(chain=chain))
     return sch
 
 

@@ -27,7 +27,6 @@ import torch
 from ..dtensor.explain import ActivationShapes, Collective
 from ..render import format_bytes
 from ..schedule import Schedule
-from ..tree import join
 from .cut import PIPELINE_CUT, pp_size
 from .runner import stage_ranks
 from .split import split_stages
@@ -125,7 +124,7 @@ def pipeline_collectives(sch: Schedule, shapes: ActivationShapes | None, microba
     for st in stages[:-1]:
         if pp_rank not in (ranks[st.index], ranks[st.index + 1]):
             continue
-        last = join(st.sequence, st.layers[-1])
+        last = st.layer_paths[-1]
         entry = shapes.outputs.get(last) if shapes is not None else None
         nbytes = None if entry is None else math.prod(entry[0]) * _itemsize(entry[1]) // micro
         for direction in ("forward", "backward"):

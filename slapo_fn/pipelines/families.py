@@ -88,6 +88,7 @@ __all__ = [
     "parity_error",
     "resolve_family",
     "roles",
+    "small_twin",
     "stage_tree",
 ]
 
@@ -442,7 +443,7 @@ def encoder_decoder_problem(root: nn.Module, sequence: str) -> Problem:
         "encoder_hidden_states=... to Pipeline.step (keyword tensors reach every stage)")
 
 
-def _small_twin(root: nn.Module) -> nn.Module | None:
+def small_twin(root: nn.Module) -> nn.Module | None:
     """``root``'s class built on the CPU from :func:`~slapo_fn.hf.small_config` of its
     config (random weights, seeded), or ``None`` where that fails."""
     config = small_config(getattr(root, "config", None))
@@ -476,7 +477,7 @@ def resolve_family(root: nn.Module, sequence: str) -> Family:
     if any(p.is_meta for p in root.parameters()):
         # nothing to compute on: check the candidates on a small real twin (same class and
         # structure, tiny sizes); the roles found are names, the same in both
-        probe = _small_twin(root)
+        probe = small_twin(root)
         if probe is None:
             raise ScheduleError("cut_pipeline_stage", [Problem(
                 sequence,

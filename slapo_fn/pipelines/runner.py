@@ -60,6 +60,7 @@ from ..errors import Problem, ScheduleError, ScheduleTypeError
 from ..hf import init_owner, is_pretrained_model, reset_weights
 from ..schedule import Schedule
 from ..tree import private_copy, walk
+from .chain import ChainRun
 from .cut import pp_size
 from .families import StageOutput
 from .split import Stage, split_stages
@@ -130,7 +131,11 @@ def _takes(module: nn.Module, name: str) -> bool:
 
 def _install_io(module: nn.Module, stage: Stage) -> None:
     """Hooks on build's private copy: inputs → the HF forward's arguments, output → a tensor
-    (a stage before the last hands on its last layer's output: :class:`.StageOutput`)."""
+    (a stage before the last hands on its last layer's output: :class:`.StageOutput`); for
+    a stage of a chain of sequences, a :class:`.ChainRun` as its forward."""
+    if stage.chain is not None:
+        ChainRun(module, stage.chain, stage.chain_layers, stage.bounds, stage.index).install()
+        return
     first = stage.pre
     no_cache = _takes(module, "use_cache")
     last = None if stage.post else stage.layer_paths[-1]
@@ -232,6 +237,9 @@ class Pipeline:
         losses); zero them with the optimizer as usual.
         """
         self._check(inputs, target, kwargs)
+        if self.stages[0].chain is not None:
+            # every stage of a chain runs the model's forward on the batch's token ids
+            kwargs = {**kwargs, "input_ids": inputs[0]}
         losses: list[torch.Tensor] = []
         self.runner.step(*inputs, target=target, losses=losses, return_outputs=False, **kwargs)
         self._sync_tied()

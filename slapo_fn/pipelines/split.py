@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from ..errors import Problem, ScheduleError
 from ..schedule import Schedule
 from ..tree import child_names, get_module, join, split
+from .chain import Chain, chain_stage_tree, stage_bounds
 from .cut import PIPELINE_CUT, sequence_of
 from .families import Family, family_of, roles, stage_tree
 
@@ -45,21 +46,33 @@ __all__ = ["Stage", "roles", "split_stages"]
 class Stage:
     """One pipeline stage of a schedule.
 
-    ``layers`` are the keys of its layers in the cut ``sequence``; ``pre``/``post``
-    whether it holds the modules before/after the sequence; ``schedule`` the stage as a
-    schedule of its own (build it with :func:`slapo_fn.build`).
+    ``layer_paths`` are its layers; ``pre``/``post`` whether it holds the modules
+    before/after the sequence (it is the first/last stage); ``schedule`` the stage as a
+    schedule of its own (build it with :func:`slapo_fn.build`); ``chain`` the layer
+    sequences of a model with several, whose stages replay the layers of the others
+    (:mod:`.chain`), ``None`` for one cut sequence (later stages fed its hidden states);
+    then ``chain_layers`` are all the chain's layers and ``bounds`` every stage's first
+    index in them (and the end).
     """
 
     index: int
-    sequence: str
-    layers: tuple[str, ...]
+    layer_paths: tuple[str, ...]
     pre: bool
     post: bool
     schedule: Schedule
+    chain: Chain | None = None
+    chain_layers: tuple[str, ...] = ()
+    bounds: tuple[int, ...] = ()
 
     @property
-    def layer_paths(self) -> tuple[str, ...]:
-        return tuple(join(self.sequence, k) for k in self.layers)
+    def sequence(self) -> str:
+        """The sequence holding the stage's last layer."""
+        return sequence_of(self.layer_paths[-1]) if self.layer_paths else ""
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        """The keys of the stage's layers in their sequences."""
+        return tuple(split(p)[-1] for p in self.layer_paths)
 
 
 def split_stages(sch: Schedule, *, family: Family | None = None) -> tuple[Stage, ...]:
@@ -73,7 +86,10 @@ def split_stages(sch: Schedule, *, family: Family | None = None) -> tuple[Stage,
     marks = sch.annotations.of_kind(PIPELINE_CUT)
     cuts = tuple(marks)
     if not cuts:
-        return (Stage(0, "", (), True, True, sch),)
+        return (Stage(0, (), True, True, sch),)
+    chain = next((c.chain for c in marks.values() if c.chain is not None), None)
+    if chain is not None:
+        return _chain_stages(sch, chain, cuts)
     sequence = sequence_of(cuts[0])
     try:
         keys = tuple(child_names(get_module(sch.module, sequence)))
@@ -94,5 +110,25 @@ def split_stages(sch: Schedule, *, family: Family | None = None) -> tuple[Stage,
         tree = stage_tree(sch.module, sequence, keep, s, s == 0, s == last, found, family)
         stage_sch = sch.with_module(tree, replaced=("",))
         stage_sch = stage_sch.evolve(annotations=stage_sch.annotations.without(PIPELINE_CUT))
-        stages.append(Stage(s, sequence, keep, s == 0, s == last, stage_sch))
+        stages.append(Stage(s, tuple(join(sequence, k) for k in keep), s == 0, s == last, stage_sch))
+    return tuple(stages)
+
+
+def _chain_stages(sch: Schedule, chain: Chain, cuts: tuple[str, ...]) -> tuple[Stage, ...]:
+    try:
+        layers = chain.layers(sch.module)
+        bounds = stage_bounds(len(layers), [layers.index(c) for c in cuts])
+    except (KeyError, ValueError):
+        raise ScheduleError(
+            "split_stages",
+            [Problem(", ".join(chain.sequences), "the cut sequences no longer hold the cut layers in the schedule's "
+                     "tree", "cut after rewriting")],
+        ) from None
+    stages = []
+    last = len(bounds) - 2
+    for s in range(last + 1):
+        tree = chain_stage_tree(sch.module, chain, bounds, s)
+        stage_sch = sch.with_module(tree, replaced=("",))
+        stage_sch = stage_sch.evolve(annotations=stage_sch.annotations.without(PIPELINE_CUT))
+        stages.append(Stage(s, layers[bounds[s]:bounds[s + 1]], s == 0, s == last, stage_sch, chain, layers, bounds))
     return tuple(stages)
