@@ -514,9 +514,11 @@ class ChainRun:
         flat: list[torch.Tensor] = []
         for seq, own in self.outputs:
             values = self.recorded[seq] if own is not None else self.received[seq]
-            # zero-bubble schedules detach stage outputs in place, which views (and the
-            # received tensors passed on) refuse: hand on copies of those
-            flat += [v.clone() if v._is_view() or own is None else v for v in values]
+            # point-to-point sends take contiguous tensors (T5's position bias is an
+            # expanded one); zero-bubble schedules detach stage outputs in place, which
+            # views (and the received tensors passed on) refuse: hand on copies of those
+            flat += [v.contiguous() if not v.is_contiguous() else v.clone() if v._is_view() or own is None else v
+                     for v in values]
         self.received.clear()
         return tuple(flat)
 
