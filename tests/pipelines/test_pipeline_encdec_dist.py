@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist import mesh
-from models import VOCAB, token_ids
-from test_pipeline_encdec import CUTS, MODELS
+from encdec_models import CUTS, MODELS
+from models import token_ids
 
 import slapo_fn as sf
 
