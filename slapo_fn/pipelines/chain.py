@@ -49,8 +49,8 @@ Example:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
-from contextlib import ExitStack
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -86,9 +86,10 @@ def _is_sequence(module: nn.Module) -> bool:
     return isinstance(module, nn.ModuleList | nn.Sequential) and all(k.isdigit() for k in module._modules)
 
 
-def layer_sequences(root: nn.Module) -> tuple[str, ...]:
-    """The paths of ``root``'s layer sequences of more than one layer that are not inside
-    another one, in registration order (a T5 block's ``layer`` list is inside ``block``).
+def layer_sequences(root: nn.Module, least: int = 2) -> tuple[str, ...]:
+    """The paths of ``root``'s layer sequences of at least ``least`` layers that are not
+    inside another one, in registration order (a T5 block's ``layer`` list is inside
+    ``block``).
 
     >>> import torch.nn as nn
     >>> m = nn.Module(); m.a = nn.ModuleList(nn.Sequential(nn.Linear(2, 2), nn.ReLU()) for _ in range(2))
@@ -97,7 +98,7 @@ def layer_sequences(root: nn.Module) -> tuple[str, ...]:
     """
     out: list[str] = []
     for path, module in walk(root):
-        if _is_sequence(module) and len(module._modules) > 1 and not any(path.startswith(p + ".") for p in out):
+        if _is_sequence(module) and len(module._modules) >= least and not any(path.startswith(p + ".") for p in out):
             out.append(path)
     return tuple(out)
 
@@ -105,19 +106,35 @@ def layer_sequences(root: nn.Module) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class Chain:
     """The layer sequences a stage split runs through, in call order, with what their
-    layers return (``layouts``) and, for each module beside them, the positions of its
-    calls (``calls``: ``(path, slots)``, a slot being the number of layer calls before it)."""
+    layers return (``layouts``); ``order`` is the layer of every layer call, in call order
+    (a layer the forward calls several times, as ALBERT's shared one, once per call), and
+    ``routed`` the sequences holding such a layer (kept whole in their stages, each call
+    run or replayed); ``calls`` gives, for each module beside the sequences, the positions
+    of its calls (``(path, slots)``, a slot being the number of layer calls before it)."""
 
     sequences: tuple[str, ...]
     layouts: tuple[Layout, ...]
     calls: tuple[tuple[str, tuple[int, ...]], ...]
-
-    def layers(self, root: nn.Module) -> tuple[str, ...]:
-        """Every layer path of the chain, in call order."""
-        return tuple(join(seq, k) for seq in self.sequences for k in child_names(get_module(root, seq)))
+    order: tuple[str, ...] = ()
+    routed: tuple[str, ...] = ()
 
     def layout(self, sequence: str) -> Layout:
         return self.layouts[self.sequences.index(sequence)]
+
+    def index(self, layer: str, call: int = 0) -> int:
+        """The position in :attr:`order` of call ``call`` (0-based) of ``layer``; a
+        ``ValueError`` where the forward calls it fewer times."""
+        seen = -1
+        for i, path in enumerate(self.order):
+            if path == layer:
+                seen += 1
+                if seen == call:
+                    return i
+        raise ValueError(f"{layer!r} is called {seen + 1} times, not {call + 1}")
+
+    def count(self, layer: str) -> int:
+        """How many times the forward calls ``layer``."""
+        return self.order.count(layer)
 
 
 class StopStage(Exception):
@@ -145,6 +162,13 @@ def _describe_layout(layout: Layout) -> str:
     return "Tensor" if layout is None else f"({', '.join('Tensor' if f else 'NoneType' for f in layout)})"
 
 
+def _rebuild(values: tuple[torch.Tensor, ...], layout: Layout) -> Any:
+    if layout is None:
+        return values[0]
+    it = iter(values)
+    return tuple(next(it) if flag else None for flag in layout)
+
+
 def _width(layout: Layout) -> int:
     return 1 if layout is None else sum(layout)
 
@@ -162,10 +186,7 @@ class Replay(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.received is None:
             raise RuntimeError(f"slapo_fn pipeline: the replay of {self.path!r} was called without its received output")
-        if self.layout is None:
-            return self.received[0]
-        values = iter(self.received)
-        return tuple(next(values) if flag else None for flag in self.layout)
+        return _rebuild(self.received, self.layout)
 
     def extra_repr(self) -> str:
         return f"{self.path!r} ran in an earlier stage"
@@ -236,6 +257,7 @@ class _Probe:
     layouts: dict[str, Layout] | None = None
     calls: dict[str, list[int]] | None = None
     counts: dict[str, int] | None = None
+    sequence: list[str] | None = None
     problem: str | None = None
 
 
@@ -243,7 +265,7 @@ def _run_probe(root: nn.Module, candidates: tuple[str, ...]) -> tuple[_Probe, di
     """One forward of ``root`` on :func:`probe_inputs`, recording the order in which the
     candidate sequences are first called, what their layers return, and where the modules
     beside them are called. Returns the record and each layer's sequence."""
-    rec = _Probe(stack=[], order=[], layouts={}, calls={}, counts={})
+    rec = _Probe(stack=[], order=[], layouts={}, calls={}, counts={}, sequence=[])
     assert rec.stack is not None and rec.order is not None and rec.layouts is not None
     assert rec.calls is not None and rec.counts is not None
     layer_of = {join(seq, k): seq for seq in candidates for k in child_names(get_module(root, seq))}
@@ -256,10 +278,11 @@ def _run_probe(root: nn.Module, candidates: tuple[str, ...]) -> tuple[_Probe, di
             layer = get_module(root, path)
 
             def before(*_: Any, path: str = path, seq: str = seq) -> None:
-                assert rec.order is not None and rec.counts is not None
+                assert rec.order is not None and rec.counts is not None and rec.sequence is not None
                 if seq not in rec.order:
                     rec.order.append(seq)
                 rec.counts[path] = rec.counts.get(path, 0) + 1
+                rec.sequence.append(path)
 
             def after(_: nn.Module, __: Any, output: Any, seq: str = seq) -> None:
                 assert rec.layouts is not None
@@ -312,7 +335,7 @@ def find_chain(root: nn.Module) -> Chain:
     its parameters are on the meta device); a :class:`ScheduleError` naming the reason
     where one probe forward on a small batch of token ids fails or finds layers it cannot
     hand on (called several times, or returning something other than tensors)."""
-    candidates = layer_sequences(root)
+    candidates = layer_sequences(root, least=1)
     if not _takes(root, "input_ids"):
         raise ScheduleError("cut_pipeline_stage", [Problem(
             ", ".join(candidates),
@@ -347,18 +370,19 @@ def find_chain(root: nn.Module) -> Chain:
         for m, flag in was:
             m.training = flag
     assert rec.order is not None and rec.layouts is not None and rec.calls is not None and rec.counts is not None
-    several = {p: n for p, n in rec.counts.items() if n > 1}
-    if several:
-        raise ScheduleError("cut_pipeline_stage", [Problem(
-            ", ".join(several), f"the forward calls {', '.join(f'{p!r} {n} times' for p, n in several.items())}: a "
-            "stage holds layers, not calls", "pipeline a model whose layers are each called once per forward")])
+    assert rec.sequence is not None
     if rec.problem is not None:
         raise ScheduleError("cut_pipeline_stage", [Problem(
             ", ".join(rec.order), f"{rec.problem}: a stage hands on only tensors",
             "pipeline a model whose layers return a tensor or a tuple of tensors")])
     sequences = tuple(rec.order)
+    routed = tuple(seq for seq in sequences if any(n > 1 for p, n in rec.counts.items() if _under(p, seq)))
     return Chain(sequences, tuple(rec.layouts[s] for s in sequences),
-                 tuple((p, tuple(slots)) for p, slots in sorted(rec.calls.items())))
+                 tuple((p, tuple(slots)) for p, slots in sorted(rec.calls.items())), tuple(rec.sequence), routed)
+
+
+def _under(path: str, sequence: str) -> bool:
+    return path.startswith(sequence + ".")
 
 
 def _first_line(e: BaseException) -> str:
@@ -416,24 +440,28 @@ def _ordinal(stage: int) -> str:
 
 
 def chain_stage_tree(root: nn.Module, chain: Chain, bounds: Sequence[int], stage: int) -> nn.Module:
-    """The tree of ``stage`` (layers ``bounds[stage]:bounds[stage + 1]`` of the chain):
-    ancestors of the sequences cloned, everything else shared (see the module docstring)."""
-    layers = chain.layers(root)
+    """The tree of ``stage`` (layer calls ``bounds[stage]:bounds[stage + 1]`` of the chain):
+    ancestors of the sequences cloned, everything else shared (see the module docstring);
+    a sequence whose layers are called several times is kept whole (its calls routed by
+    :class:`ChainRun`)."""
+    order = chain.order
     lo, hi = bounds[stage], bounds[stage + 1]
     replaced: dict[str, nn.Module] = {}
     for seq in chain.sequences:
+        if seq in chain.routed:
+            continue
         clone = shallow_clone(get_module(root, seq))
-        index = {k: layers.index(join(seq, k)) for k in clone._modules}
+        index = {k: order.index(join(seq, k)) for k in clone._modules if join(seq, k) in order}
         before = [k for k, i in index.items() if i < lo]
         kept: dict[str, nn.Module | None] = {}
         if before:
             kept[before[-1]] = Replay(join(seq, before[-1]), chain.layout(seq))
-        kept.update((k, m) for k, m in clone._modules.items() if lo <= index[k] < hi)
+        kept.update((k, m) for k, m in clone._modules.items() if k in index and lo <= index[k] < hi)
         clone._modules = type(clone._modules)(kept)  # type: ignore[assignment]
         replaced[seq] = clone
     calls = dict(chain.calls)
     for path in beside(root, chain.sequences):
-        replaced[path] = _placed(root, chain, layers, bounds, stage, path, calls.get(path, ()))
+        replaced[path] = _placed(root, chain, order, bounds, stage, path, calls.get(path, ()))
     ancestors = sorted(_ancestors(chain.sequences), key=lambda p: -len(split(p)))
     clones: dict[str, nn.Module] = {}
     for parent in ancestors:
@@ -449,40 +477,57 @@ def chain_stage_tree(root: nn.Module, chain: Chain, bounds: Sequence[int], stage
 
 
 # -- running a stage ------------------------------------------------------------------------
+@dataclass
+class _Routed:
+    """A sequence whose layers are called several times: the chain positions of its calls,
+    in order, the position of its last call in this stage, and its layers."""
+
+    sequence: str
+    layout: Layout
+    positions: tuple[int, ...]
+    own_last: int | None
+    layers: tuple[str, ...]
+
+
 class ChainRun:
     """Runs one stage of a chain: its forward takes the batch's ``input_ids`` (stage 0,
     positionally) or the received layer outputs (later stages, positionally, with the
     batch's ``input_ids`` as a keyword), sets the replays, runs the model's forward and
     returns the layer outputs later stages read (a tuple), or in the last stage the model
-    output's tensor. Install with :meth:`install` (on build's private copy), or call it."""
+    output's tensor. A layer called several times is routed call by call: a call an
+    earlier stage ran returns its received output, a call of this stage runs. Install with
+    :meth:`install` (on build's private copy), or call it."""
 
-    def __init__(self, module: nn.Module, chain: Chain, layers: tuple[str, ...], bounds: Sequence[int],
-                 stage: int) -> None:
+    def __init__(self, module: nn.Module, chain: Chain, bounds: Sequence[int], stage: int) -> None:
         self.module = module
         self.forward = module.forward
         self.stage = stage
         self.last = stage == len(bounds) - 2
         self.no_cache = _takes(module, "use_cache")
-        lo, hi = bounds[stage], bounds[stage + 1]
-        self.inputs: list[tuple[Replay | None, int]] = []  # per received sequence: its replay and width
+        order = chain.order
+        self.lo, self.hi = lo, hi = bounds[stage], bounds[stage + 1]
+        self.inputs: list[tuple[str, Replay | None, int]] = []  # per received sequence: its replay and width
         self.outputs: list[tuple[str, str | None]] = []  # per handed-on sequence: (sequence, own layer or None)
         self.recorded: dict[str, tuple[torch.Tensor, ...]] = {}
         self.received: dict[str, tuple[torch.Tensor, ...]] = {}
+        self.routed: list[_Routed] = []
         self._handles: list[Any] = []
         for seq in chain.sequences:
-            seq_layers = [i for i, p in enumerate(layers) if p.startswith(seq + ".")]
-            before = [i for i in seq_layers if i < lo]
-            own = [i for i in seq_layers if lo <= i < hi]
+            positions = tuple(i for i, p in enumerate(order) if _under(p, seq))
+            before = [i for i in positions if i < lo]
+            own = [i for i in positions if lo <= i < hi]
+            if seq in chain.routed:
+                self.routed.append(_Routed(seq, chain.layout(seq), positions, own[-1] if own else None,
+                                           tuple(dict.fromkeys(order[i] for i in positions))))
             if before:
-                replay = get_module(module, layers[before[-1]])
-                self.inputs.append((replay if isinstance(replay, Replay) else None, _width(chain.layout(seq))))
+                replay = None if seq in chain.routed else get_module(module, order[before[-1]])
+                self.inputs.append((seq, replay if isinstance(replay, Replay) else None, _width(chain.layout(seq))))
             if own:
-                self.outputs.append((seq, layers[own[-1]]))
-                self._record(seq, layers[own[-1]], chain.layout(seq), stop=own[-1] == hi - 1 and not self.last)
+                self.outputs.append((seq, order[own[-1]]))
+                if seq not in chain.routed:
+                    self._record(seq, order[own[-1]], chain.layout(seq), stop=own[-1] == hi - 1 and not self.last)
             elif before:
                 self.outputs.append((seq, None))
-        self._sequences = [seq for seq in chain.sequences
-                           if any(p.startswith(seq + ".") and i < lo for i, p in enumerate(layers))]
 
     def _record(self, seq: str, path: str, layout: Layout, stop: bool) -> None:
         def keep(_: nn.Module, __: Any, output: Any) -> None:
@@ -491,6 +536,40 @@ class ChainRun:
                 raise StopStage
 
         self._handles.append(get_module(self.module, path).register_forward_hook(keep))
+
+    def _route(self, routed: _Routed, path: str, forward: Any, cursor: Iterator[int]) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            at = next(cursor, None)
+            if at is None:
+                raise RuntimeError(f"slapo_fn pipeline: {path!r} is called more often than in the probe forward at "
+                                   "the cut: cut again with the same forward arguments")
+            if at < self.lo:
+                return _rebuild(self.received[routed.sequence], routed.layout)
+            output = forward(*args, **kwargs)
+            if at == routed.own_last:
+                self.recorded[routed.sequence] = _flat(output, routed.layout, path)
+                if at == self.hi - 1 and not self.last:
+                    raise StopStage
+            return output
+
+        return call
+
+    @contextmanager
+    def _routing(self) -> Iterator[None]:
+        """Route the calls of the layers called several times (instance ``forward``s,
+        removed after the forward: the layers may be shared with the model)."""
+        installed: list[nn.Module] = []
+        try:
+            for routed in self.routed:
+                cursor = iter(routed.positions)
+                for path in routed.layers:
+                    layer = get_module(self.module, path)
+                    layer.forward = self._route(routed, path, layer.forward, cursor)  # type: ignore[method-assign]
+                    installed.append(layer)
+            yield
+        finally:
+            for layer in installed:
+                layer.__dict__.pop("forward", None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         kwargs = dict(kwargs)
@@ -502,14 +581,16 @@ class ChainRun:
             self._receive(args)
         self.recorded.clear()
         try:
-            output = self.forward(**kwargs)
+            with self._routing():
+                output = self.forward(**kwargs)
         except StopStage:
             output = None
         finally:
-            for replay, _ in self.inputs:
+            for _, replay, _ in self.inputs:
                 if replay is not None:
                     replay.received = None
         if self.last:
+            self.received.clear()
             return output_tensor(output)
         flat: list[torch.Tensor] = []
         for seq, own in self.outputs:
@@ -523,12 +604,12 @@ class ChainRun:
         return tuple(flat)
 
     def _receive(self, args: tuple[Any, ...]) -> None:
-        want = sum(w for _, w in self.inputs)
+        want = sum(w for _, _, w in self.inputs)
         if len(args) != want:
             raise RuntimeError(f"slapo_fn pipeline: stage {self.stage} takes {want} received tensors, got {len(args)}")
         at = 0
         self.received.clear()
-        for seq, (replay, width) in zip(self._sequences, self.inputs, strict=True):
+        for seq, replay, width in self.inputs:
             values = tuple(args[at:at + width])
             at += width
             self.received[seq] = values
@@ -551,9 +632,8 @@ class ChainRun:
 def chain_parity_error(root: nn.Module, chain: Chain) -> str | None:
     """Why ``root``'s stages (up to four, chained in one process) do not give ``root``'s own
     output on a small batch; ``None`` when they do."""
-    layers = chain.layers(root)
-    parts = min(4, len(layers))
-    bounds = tuple(round(i * len(layers) / parts) for i in range(parts + 1))
+    parts = min(4, len(chain.order))
+    bounds = tuple(round(i * len(chain.order) / parts) for i in range(parts + 1))
     trees = [chain_stage_tree(root, chain, bounds, s) for s in range(parts)]
     kwargs = probe_inputs(root)
     was = [(m, m.training) for tree in (root, *trees) for m in tree.modules()]
@@ -564,7 +644,7 @@ def chain_parity_error(root: nn.Module, chain: Chain) -> str | None:
         with torch.no_grad():
             reference = output_tensor(root(**kwargs))
             # the stages share their layers with the model: hook them only after its own run
-            runs += [ChainRun(tree, chain, layers, bounds, s) for s, tree in enumerate(trees)]
+            runs += [ChainRun(tree, chain, bounds, s) for s, tree in enumerate(trees)]
             ids = kwargs.pop("input_ids")
             hidden: Any = runs[0](ids, **kwargs)
             for run in runs[1:]:

@@ -409,7 +409,8 @@ def parity_error(root: nn.Module, sequence: str, family: Family) -> str | None:
             if shared:
                 return (f"the model calls its layer(s) {', '.join(f'{k!r} {n} times' for k, n in shared.items())} "
                         "in one forward (parameters shared across calls, as ALBERT's): a stage holds layers, not "
-                        "calls, so stages cannot be cut between those calls")
+                        "calls, so stages cannot be cut between those calls this way; say after which calls with "
+                        "cut_pipeline_stage(sch, layer, calls=k)")
             hidden = ids
             for s, tree in enumerate(trees):
                 last = join(sequence, keys[bounds[s + 1] - 1]) if s < parts - 1 else None

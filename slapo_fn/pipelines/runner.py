@@ -134,7 +134,7 @@ def _install_io(module: nn.Module, stage: Stage) -> None:
     (a stage before the last hands on its last layer's output: :class:`.StageOutput`); for
     a stage of a chain of sequences, a :class:`.ChainRun` as its forward."""
     if stage.chain is not None:
-        ChainRun(module, stage.chain, stage.chain_layers, stage.bounds, stage.index).install()
+        ChainRun(module, stage.chain, stage.bounds, stage.index).install()
         return
     first = stage.pre
     no_cache = _takes(module, "use_cache")

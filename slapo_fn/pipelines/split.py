@@ -36,7 +36,7 @@ from ..errors import Problem, ScheduleError
 from ..schedule import Schedule
 from ..tree import child_names, get_module, join, split
 from .chain import Chain, chain_stage_tree, stage_bounds
-from .cut import PIPELINE_CUT, sequence_of
+from .cut import PIPELINE_CUT, StageCut, cut_positions, sequence_of
 from .families import Family, family_of, roles, stage_tree
 
 __all__ = ["Stage", "roles", "split_stages"]
@@ -51,8 +51,8 @@ class Stage:
     schedule of its own (build it with :func:`slapo_fn.build`); ``chain`` the layer
     sequences of a model with several, whose stages replay the layers of the others
     (:mod:`.chain`), ``None`` for one cut sequence (later stages fed its hidden states);
-    then ``chain_layers`` are all the chain's layers and ``bounds`` every stage's first
-    index in them (and the end).
+    then ``bounds`` are every stage's first position in the chain's layer calls (and the
+    end), and ``layer_paths`` the layer of each of its calls.
     """
 
     index: int
@@ -61,7 +61,6 @@ class Stage:
     post: bool
     schedule: Schedule
     chain: Chain | None = None
-    chain_layers: tuple[str, ...] = ()
     bounds: tuple[int, ...] = ()
 
     @property
@@ -89,7 +88,7 @@ def split_stages(sch: Schedule, *, family: Family | None = None) -> tuple[Stage,
         return (Stage(0, (), True, True, sch),)
     chain = next((c.chain for c in marks.values() if c.chain is not None), None)
     if chain is not None:
-        return _chain_stages(sch, chain, cuts)
+        return _chain_stages(sch, chain, marks)
     sequence = sequence_of(cuts[0])
     try:
         keys = tuple(child_names(get_module(sch.module, sequence)))
@@ -114,11 +113,10 @@ def split_stages(sch: Schedule, *, family: Family | None = None) -> tuple[Stage,
     return tuple(stages)
 
 
-def _chain_stages(sch: Schedule, chain: Chain, cuts: tuple[str, ...]) -> tuple[Stage, ...]:
+def _chain_stages(sch: Schedule, chain: Chain, marks: dict[str, StageCut]) -> tuple[Stage, ...]:
     try:
-        layers = chain.layers(sch.module)
-        bounds = stage_bounds(len(layers), [layers.index(c) for c in cuts])
-    except (KeyError, ValueError):
+        bounds = stage_bounds(len(chain.order), [i for p, c in marks.items() for i in cut_positions(chain, p, c)])
+    except ValueError:
         raise ScheduleError(
             "split_stages",
             [Problem(", ".join(chain.sequences), "the cut sequences no longer hold the cut layers in the schedule's "
@@ -130,5 +128,5 @@ def _chain_stages(sch: Schedule, chain: Chain, cuts: tuple[str, ...]) -> tuple[S
         tree = chain_stage_tree(sch.module, chain, bounds, s)
         stage_sch = sch.with_module(tree, replaced=("",))
         stage_sch = stage_sch.evolve(annotations=stage_sch.annotations.without(PIPELINE_CUT))
-        stages.append(Stage(s, layers[bounds[s]:bounds[s + 1]], s == 0, s == last, stage_sch, chain, layers, bounds))
+        stages.append(Stage(s, chain.order[bounds[s]:bounds[s + 1]], s == 0, s == last, stage_sch, chain, bounds))
     return tuple(stages)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from encdec_models import CUTS, MODELS, TwoStacks, t5
-from models import token_ids
+from models import VOCAB, token_ids
 from torch import nn
 
 import slapo_fn as sf
@@ -113,7 +113,7 @@ def test_cuts_out_of_call_order_and_after_the_last_layer_are_refused_all_at_once
         sf.cut_pipeline_stage(sch, ["encoder.block.0", "decoder.block.2", "decoder.block.0"])
     reasons = [(p.path, p.reason) for p in info.value.problems]
     assert reasons[0][0] == "encoder.block.0" and "out of order" in reasons[0][1]
-    assert reasons[1][0] == "decoder.block.2" and "last layer the forward runs" in reasons[1][1]
+    assert reasons[1][0] == "decoder.block.2" and "last layer call the forward makes" in reasons[1][1]
     assert reasons[2][0] == "decoder.block.0" and "cut already" in reasons[2][1]
     with pytest.raises(sf.ScheduleError, match="is not a layer of the model's layer sequences"):
         sf.cut_pipeline_stage(sch, "encoder.block.0.layer.0")
@@ -126,3 +126,58 @@ def test_a_model_with_two_stacks_whose_forward_takes_no_token_ids_is_refused_wit
 
     with pytest.raises(sf.ScheduleError, match=r"(?s)'a, b'.*forward takes no input_ids.*fix: pipeline one"):
         sf.cut_pipeline_stage(sf.create_schedule(NoIds()), "a.0")
+
+
+def _albert(**overrides: int) -> nn.Module:
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    torch.manual_seed(0)
+    return AlbertForMaskedLM(AlbertConfig(vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=4,
+                                          num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=0.0,
+                                          attention_probs_dropout_prob=0.0, **overrides)).eval()
+
+
+@pytest.mark.parametrize(("overrides", "cut", "calls"), [
+    ({}, "albert.encoder.albert_layer_groups.0", 1),  # one shared layer, called 4 times: 2 stages
+    ({}, "albert.encoder.albert_layer_groups.0", (0, 1, 2)),  # a stage per call
+    ({"num_hidden_groups": 2}, "albert.encoder.albert_layer_groups.[0,1]", 0),  # two groups, each called twice
+])
+def test_albert_is_cut_between_calls_of_its_shared_layer(overrides: dict[str, int], cut: str,
+                                                         calls: int | tuple[int, ...]) -> None:
+    model = _albert(**overrides)
+    sch = sf.cut_pipeline_stage(sf.create_schedule(model), cut, calls=calls)
+    stages = build_stages(sch)
+    assert len(stages) == (len(calls) if isinstance(calls, tuple) else cut.count(",") + 1) + 1
+    ids = token_ids(2, 7, seed=3)
+    expected = model(ids).logits
+    expected.square().mean().backward()
+    out: Any = stages[0](ids)
+    for stage in list(stages.values())[1:]:
+        out = stage(*out, input_ids=ids)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    out.square().mean().backward()
+    grads: dict[str, torch.Tensor] = {}
+    for stage in stages.values():  # the shared layer's gradients: summed over the stages that call it
+        for name, p in stage.named_parameters():
+            if p.grad is not None:
+                grads[name] = grads[name] + p.grad if name in grads else p.grad
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_albert_cut_without_calls_or_with_calls_it_lacks_is_refused_with_the_fix() -> None:
+    sch = sf.create_schedule(_albert())
+    with pytest.raises(sf.ScheduleError, match=r"only layer of its sequence.*\n.*calls=1\) starts a stage after"):
+        sf.cut_pipeline_stage(sch, "albert.encoder.albert_layer_groups.0")
+    with pytest.raises(sf.ScheduleError, match=r"calls=\[4\]: the forward calls it 4 time\(s\)"):
+        sf.cut_pipeline_stage(sch, "albert.encoder.albert_layer_groups.0", calls=4)
+    with pytest.raises(sf.ScheduleError, match=r"\(call 3\)': is the last layer call the forward makes"):
+        sf.cut_pipeline_stage(sch, "albert.encoder.albert_layer_groups.0", calls=3)
+    once = sf.cut_pipeline_stage(sch, "albert.encoder.albert_layer_groups.0", calls=0)
+    with pytest.raises(sf.ScheduleError, match=r"\(call 0\)': is cut already"):
+        sf.cut_pipeline_stage(once, "albert.encoder.albert_layer_groups.0", calls=0)
+    twice = sf.cut_pipeline_stage(once, "albert.encoder.albert_layer_groups.0", calls=2)
+    cut = twice["albert.encoder.albert_layer_groups.0"].annotations["pipeline_cut"]
+    assert str(cut) == "stage cut after calls 0, 2"
+    assert len(split_stages(twice)) == 3
