@@ -345,7 +345,7 @@ def find_chain(root: nn.Module) -> Chain:
             "encoder_hidden_states=... to Pipeline.step), or a model whose forward takes input_ids")])
     probe = root
     if any(p.is_meta for p in root.parameters()):
-        twin = small_twin(root)
+        twin = small_twin(root, same_depth=True)  # the same layers, called in the same order
         if twin is None:
             raise ScheduleError("cut_pipeline_stage", [Problem(
                 candidates[0] if candidates else "",
@@ -375,10 +375,23 @@ def find_chain(root: nn.Module) -> Chain:
         raise ScheduleError("cut_pipeline_stage", [Problem(
             ", ".join(rec.order), f"{rec.problem}: a stage hands on only tensors",
             "pipeline a model whose layers return a tensor or a tuple of tensors")])
+    missing = [p for p in dict.fromkeys(rec.sequence) if not _exists(root, p)]
+    if missing:
+        raise ScheduleError("cut_pipeline_stage", [Problem(
+            ", ".join(missing), "the small real twin probed in place of this meta-device model has layers it lacks",
+            "cut the model before moving it to the meta device (create it on the CPU)")])
     sequences = tuple(rec.order)
     routed = tuple(seq for seq in sequences if any(n > 1 for p, n in rec.counts.items() if _under(p, seq)))
     return Chain(sequences, tuple(rec.layouts[s] for s in sequences),
                  tuple((p, tuple(slots)) for p, slots in sorted(rec.calls.items())), tuple(rec.sequence), routed)
+
+
+def _exists(root: nn.Module, path: str) -> bool:
+    try:
+        get_module(root, path)
+    except KeyError:
+        return False
+    return True
 
 
 def _under(path: str, sequence: str) -> bool:
@@ -666,7 +679,7 @@ def resolve_chain(root: nn.Module) -> Chain:
     """:func:`find_chain`, checked by :func:`chain_parity_error` (on ``root``, or its small
     twin where ``root`` is on the meta device); a :class:`ScheduleError` where it fails."""
     chain = find_chain(root)
-    probe = root if not any(p.is_meta for p in root.parameters()) else small_twin(root)
+    probe = root if not any(p.is_meta for p in root.parameters()) else small_twin(root, same_depth=True)
     reason = chain_parity_error(probe, chain) if probe is not None else None
     if reason is not None:
         raise ScheduleError("cut_pipeline_stage", [Problem(

@@ -46,6 +46,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import inspect
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -58,6 +60,8 @@ from torch import nn
 
 from ..errors import Problem, ScheduleError
 from ..hf import (
+    LAYER_COUNT_ATTRS,
+    PER_LAYER_ATTRS,
     PIPELINE_STAGES,
     StageRole,
     StageStandIn,
@@ -444,12 +448,19 @@ def encoder_decoder_problem(root: nn.Module, sequence: str) -> Problem:
         "encoder_hidden_states=... to Pipeline.step (keyword tensors reach every stage)")
 
 
-def small_twin(root: nn.Module) -> nn.Module | None:
+def small_twin(root: nn.Module, *, same_depth: bool = False) -> nn.Module | None:
     """``root``'s class built on the CPU from :func:`~slapo_fn.hf.small_config` of its
-    config (random weights, seeded), or ``None`` where that fails."""
-    config = small_config(getattr(root, "config", None))
+    config (random weights, seeded), or ``None`` where that fails; with ``same_depth``,
+    with ``root``'s layer counts and per-layer lists (narrow, not shallow)."""
+    original = getattr(root, "config", None)
+    config = small_config(original)
     if config is None:
         return None
+    if same_depth:
+        for name in (*LAYER_COUNT_ATTRS, *PER_LAYER_ATTRS):
+            if hasattr(original, name):
+                with contextlib.suppress(AttributeError):
+                    setattr(config, name, copy.deepcopy(getattr(original, name)))
     try:
         with torch.device("cpu"), torch.random.fork_rng():
             torch.manual_seed(0)

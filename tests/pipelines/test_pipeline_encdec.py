@@ -181,3 +181,16 @@ def test_albert_cut_without_calls_or_with_calls_it_lacks_is_refused_with_the_fix
     cut = twice["albert.encoder.albert_layer_groups.0"].annotations["pipeline_cut"]
     assert str(cut) == "stage cut after calls 0, 2"
     assert len(split_stages(twice)) == 3
+
+
+def test_a_meta_encoder_decoder_is_probed_through_a_narrow_twin_of_the_same_depth() -> None:
+    import transformers as t
+
+    config = t.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=5, num_decoder_layers=4,
+                        num_heads=4, decoder_start_token_id=0)
+    with torch.device("meta"):
+        model = t.T5ForConditionalGeneration(config)
+    sch = sf.cut_pipeline_stage(sf.create_schedule(model), ["encoder.block.3", "decoder.block.1"])
+    assert [s.layer_paths for s in split_stages(sch)] == [
+        tuple(f"encoder.block.{i}" for i in range(4)), ("encoder.block.4", "decoder.block.0", "decoder.block.1"),
+        ("decoder.block.2", "decoder.block.3")]
