@@ -16,6 +16,11 @@ the others with the received hidden states as ``inputs_embeds``; attention masks
 position ids are keyword inputs every stage receives, so masks and RoPE are recomputed
 locally and only the hidden states cross a boundary.
 
+A schedule cut in a model with several layer sequences (an encoder and a decoder), or
+between calls of a shared layer, is split by :mod:`.chain` instead: each stage runs the
+model's forward on the batch, the layers of earlier stages replayed, and what crosses a
+boundary is the outputs of the layers later stages read.
+
 Example:
     >>> import torch.nn as nn, slapo_fn as sf
     >>> from transformers import LlamaConfig, LlamaForCausalLM
