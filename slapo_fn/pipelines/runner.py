@@ -76,6 +76,7 @@ class _Kind:
     multi: bool
     style: Literal["loop", "v"] = "loop"
     per_rank: int | None = None  # stages per rank required (None: any)
+    split_backward: bool = False  # backward in an input pass and a later weight pass
 
 
 #: The schedule names ``build_pipeline`` accepts and the torch schedule each runs.
@@ -84,8 +85,8 @@ SCHEDULES: Mapping[str, _Kind] = {
     "1f1b": _Kind(Schedule1F1B, multi=False, per_rank=1),
     "interleaved": _Kind(ScheduleInterleaved1F1B, multi=True),
     "looped-bfs": _Kind(ScheduleLoopedBFS, multi=True),
-    "zero-bubble": _Kind(ScheduleInterleavedZeroBubble, multi=True),
-    "zbv": _Kind(ScheduleZBVZeroBubble, multi=True, style="v", per_rank=2),
+    "zero-bubble": _Kind(ScheduleInterleavedZeroBubble, multi=True, split_backward=True),
+    "zbv": _Kind(ScheduleZBVZeroBubble, multi=True, style="v", per_rank=2, split_backward=True),
 }
 
 
@@ -317,6 +318,14 @@ def _problems(
     if kind is None:
         return [Problem("", f"unknown schedule {name!r}", f"use one of {', '.join(map(repr, SCHEDULES))}")]
     n = len(stages)
+    if kind.split_backward and stages[0].chain is not None:
+        # torch's weight pass walks the graph the input pass freed where a stage hands on
+        # what it received or recomputes a module from it (as a chain's stages do)
+        problems.append(Problem(
+            "", f"schedule {name!r} splits the backward into an input and a weight pass, which the stages of "
+                f"{', '.join(stages[0].chain.sequences)} (each running the model's forward with other stages' "
+                "layers replayed) do not support",
+            "use 'gpipe' or '1f1b' (a stage per rank), or 'interleaved' or 'looped-bfs' (several)"))
     if n == 1:
         problems.append(
             Problem("", "the schedule has no stage cuts", "sf.cut_pipeline_stage(sch, 'model.layers.1') first")
