@@ -32,6 +32,10 @@ reads it, its parameters held by each and their gradients summed (as tied parame
 are); one only later stages call is a :class:`~.families.NotInStage`. A stage before the
 last stops its forward after its own last layer.
 
+Recomputing differs from the model in one way: a dropout among the recomputed modules (T5's
+after the encoder's final norm) draws its own mask in each stage that recomputes it, where
+the model draws one for all its decoder layers; with dropout off the stages are exact.
+
 The probe also records what each sequence's layers return (a tensor, or a tuple of
 tensors and ``None``s) and refuses a layer called more than once per forward. The chain
 is checked for parity when the cut is made: the stages chained in one process must give

@@ -233,7 +233,8 @@ class Pipeline:
 
         Call it on every ``pp`` rank with the same arguments: ``inputs`` feed the first
         stage (``input_ids``), keyword tensors (``attention_mask``, ``position_ids``, batch
-        first) reach every stage, ``target`` the loss of the last. Gradients accumulate
+        first; an encoder-decoder's ``decoder_input_ids``) reach every stage, ``target`` the
+        loss of the last. The stages of a chain (:mod:`.chain`) each get ``input_ids`` too. Gradients accumulate
         in ``.grad`` as with ``loss.backward()`` on the whole batch (mean of microbatch
         losses); zero them with the optimizer as usual.
         """
