@@ -104,7 +104,12 @@ def test_explain_shows_the_stages_of_an_encoder_decoder() -> None:
     assert [r.layers for r in table.rows] == [
         ("model.encoder.layers.0",), ("model.encoder.layers.1",), ("model.decoder.layers.0", "model.decoder.layers.1"),
         ("model.decoder.layers.2",)]
-    assert "pipeline stages (4):" in str(sf.explain(sch))
+    text = str(sf.explain(sch))
+    assert "pipeline stages (4):" in text
+    assert "model.encoder.layers.1, model.decoder.layers.0" not in text  # stage 1 alone holds encoder layer 1
+    assert "model.decoder.layers.[0-1]" in text
+    _, two = _cut("bart", "decoder")
+    assert "model.encoder.layers.[0-1], model.decoder.layers.0" in str(stage_table(two))
 
 
 def test_cuts_out_of_call_order_and_after_the_last_layer_are_refused_all_at_once() -> None:
@@ -177,6 +182,7 @@ def test_albert_cut_without_calls_or_with_calls_it_lacks_is_refused_with_the_fix
     once = sf.cut_pipeline_stage(sch, "albert.encoder.albert_layer_groups.0", calls=0)
     with pytest.raises(sf.ScheduleError, match=r"\(call 0\)': is cut already"):
         sf.cut_pipeline_stage(once, "albert.encoder.albert_layer_groups.0", calls=0)
+    assert "albert.encoder.albert_layer_groups.0 ×3" in str(stage_table(once))
     twice = sf.cut_pipeline_stage(once, "albert.encoder.albert_layer_groups.0", calls=2)
     cut = twice["albert.encoder.albert_layer_groups.0"].annotations["pipeline_cut"]
     assert str(cut) == "stage cut after calls 0, 2"
