@@ -55,7 +55,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
 import torch
@@ -255,23 +255,25 @@ def beside(root: nn.Module, sequences: Sequence[str]) -> tuple[str, ...]:
 
 @dataclass
 class _Probe:
+    """What one probe forward saw: the sequences in the order of their first call, the
+    layer of every layer call in order, each layer's number of calls, what each sequence's
+    layers return, the slots of the calls of the modules beside them."""
+
     slot: int = 0
-    stack: list[str] | None = None
-    order: list[str] | None = None
-    layouts: dict[str, Layout] | None = None
-    calls: dict[str, list[int]] | None = None
-    counts: dict[str, int] | None = None
-    sequence: list[str] | None = None
+    stack: list[str] = field(default_factory=list)
+    sequences: list[str] = field(default_factory=list)
+    order: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    layouts: dict[str, Layout] = field(default_factory=dict)
+    calls: dict[str, list[int]] = field(default_factory=dict)
     problem: str | None = None
 
 
-def _run_probe(root: nn.Module, candidates: tuple[str, ...]) -> tuple[_Probe, dict[str, str]]:
+def _run_probe(root: nn.Module, candidates: tuple[str, ...]) -> _Probe:
     """One forward of ``root`` on :func:`probe_inputs`, recording the order in which the
-    candidate sequences are first called, what their layers return, and where the modules
-    beside them are called. Returns the record and each layer's sequence."""
-    rec = _Probe(stack=[], order=[], layouts={}, calls={}, counts={}, sequence=[])
-    assert rec.stack is not None and rec.order is not None and rec.layouts is not None
-    assert rec.calls is not None and rec.counts is not None
+    candidate sequences and their layers are called, what their layers return, and where
+    the modules beside them are called."""
+    rec = _Probe()
     layer_of = {join(seq, k): seq for seq in candidates for k in child_names(get_module(root, seq))}
     ancestors = _ancestors(candidates)
     paths_of: dict[int, list[str]] = {}
@@ -282,14 +284,12 @@ def _run_probe(root: nn.Module, candidates: tuple[str, ...]) -> tuple[_Probe, di
             layer = get_module(root, path)
 
             def before(*_: Any, path: str = path, seq: str = seq) -> None:
-                assert rec.order is not None and rec.counts is not None and rec.sequence is not None
-                if seq not in rec.order:
-                    rec.order.append(seq)
+                if seq not in rec.sequences:
+                    rec.sequences.append(seq)
                 rec.counts[path] = rec.counts.get(path, 0) + 1
-                rec.sequence.append(path)
+                rec.order.append(path)
 
             def after(_: nn.Module, __: Any, output: Any, seq: str = seq) -> None:
-                assert rec.layouts is not None
                 layout: Layout | str
                 if isinstance(output, torch.Tensor):
                     layout = None
@@ -309,11 +309,9 @@ def _run_probe(root: nn.Module, candidates: tuple[str, ...]) -> tuple[_Probe, di
             module = get_module(root, path)
 
             def push(*_: Any, path: str = path) -> None:
-                assert rec.stack is not None
                 rec.stack.append(path)
 
             def pop(*_: Any) -> None:
-                assert rec.stack is not None
                 rec.stack.pop()
 
             hooks.enter_context(module.register_forward_pre_hook(push))
@@ -322,7 +320,6 @@ def _run_probe(root: nn.Module, candidates: tuple[str, ...]) -> tuple[_Probe, di
             module = get_module(root, paths[0])
 
             def called(*_: Any, paths: list[str] = paths) -> None:
-                assert rec.stack is not None and rec.calls is not None
                 inside = rec.stack[-1] if rec.stack else None
                 for path in paths:
                     if join(*split(path)[:-1]) == inside:
@@ -331,7 +328,7 @@ def _run_probe(root: nn.Module, candidates: tuple[str, ...]) -> tuple[_Probe, di
             hooks.enter_context(module.register_forward_pre_hook(called))
         with torch.no_grad():
             root(**probe_inputs(root))
-    return rec, layer_of
+    return rec
 
 
 def find_chain(root: nn.Module) -> Chain:
@@ -361,7 +358,7 @@ def find_chain(root: nn.Module) -> Chain:
     try:
         for m, _ in was:
             m.training = False
-        rec, _ = _run_probe(probe, candidates)
+        rec = _run_probe(probe, candidates)
     except Exception as e:
         raise ScheduleError("cut_pipeline_stage", [Problem(
             ", ".join(candidates),
@@ -373,21 +370,19 @@ def find_chain(root: nn.Module) -> Chain:
     finally:
         for m, flag in was:
             m.training = flag
-    assert rec.order is not None and rec.layouts is not None and rec.calls is not None and rec.counts is not None
-    assert rec.sequence is not None
     if rec.problem is not None:
         raise ScheduleError("cut_pipeline_stage", [Problem(
-            ", ".join(rec.order), f"{rec.problem}: a stage hands on only tensors",
+            ", ".join(rec.sequences), f"{rec.problem}: a stage hands on only tensors",
             "pipeline a model whose layers return a tensor or a tuple of tensors")])
-    missing = [p for p in dict.fromkeys(rec.sequence) if not _exists(root, p)]
+    missing = [p for p in dict.fromkeys(rec.order) if not _exists(root, p)]
     if missing:
         raise ScheduleError("cut_pipeline_stage", [Problem(
             ", ".join(missing), "the small real twin probed in place of this meta-device model has layers it lacks",
             "cut the model before moving it to the meta device (create it on the CPU)")])
-    sequences = tuple(rec.order)
+    sequences = tuple(rec.sequences)
     routed = tuple(seq for seq in sequences if any(n > 1 for p, n in rec.counts.items() if _under(p, seq)))
     return Chain(sequences, tuple(rec.layouts[s] for s in sequences),
-                 tuple((p, tuple(slots)) for p, slots in sorted(rec.calls.items())), tuple(rec.sequence), routed)
+                 tuple((p, tuple(slots)) for p, slots in sorted(rec.calls.items())), tuple(rec.order), routed)
 
 
 def _exists(root: nn.Module, path: str) -> bool:
