@@ -104,3 +104,28 @@ def test_albert_cut_between_calls_matches_the_single_process_loss_and_gradients(
         assert max(r["diffs"].values()) < 1e-5, r["diffs"]
     # the shared layer lives in both stages, its gradient the sum of both stages' (the whole one)
     assert all(any(n.startswith("albert.encoder.albert_layer_groups.0.") for n in r["diffs"]) for r in results)
+
+
+def _four_ranks(rank: int, world: int, kind: str) -> dict[str, Any]:
+    make, *seqs = MODELS[kind]
+    ids, target, kwargs = _batch()
+    reference = make()
+    ref_loss = ce(reference(ids, **kwargs).logits, target)
+    ref_loss.backward()
+    sch = sf.create_schedule(make(), mesh=mesh((world,), ("pp",)))
+    sch = sf.cut_pipeline_stage(sch, [f"{seqs[s]}.{k}" for s, k in CUTS["four"]])
+    pipe = sf.build_pipeline(sch, microbatches=MICRO, schedule="1f1b", loss_fn=ce)
+    loss = pipe.step(ids, target=target, **kwargs)
+    diffs = {name: (p.grad - reference.get_parameter(name).grad).abs().max().item()
+             for name, p in pipe.named_parameters()}
+    return {"loss": loss.item(), "ref": ref_loss.item(), "diffs": diffs}
+
+
+@pytest.mark.slow
+def test_t5_on_four_pipeline_ranks_matches_the_single_process(dist4) -> None:
+    """pp=4: the encoder's output crosses two boundaries to the last decoder stage. (Bart the
+    same way did not finish within 180 s on a loaded 2-core machine: not yet understood.)"""
+    results = dist4.run(_four_ranks, "t5", timeout=180)
+    for r in results:
+        assert r["loss"] == pytest.approx(r["ref"], rel=1e-5, abs=1e-6), r
+        assert max(r["diffs"].values()) < 1e-5, r["diffs"]
