@@ -40,7 +40,7 @@ from .pipelines.split import Stage, split_stages
 from .render import format_bytes
 from .rewrites.checkpoint import CHECKPOINT
 from .schedule import Schedule
-from .tree import join, parent_path
+from .tree import parent_path
 
 __all__ = ["ActivationRow", "ActivationTable", "MemoryRow", "MemoryTable", "activation_memory", "per_rank_memory",
            "profiled_peak_bytes"]
@@ -307,8 +307,8 @@ def activation_memory(
     stages = split_stages(sch) if sch.annotations.of_kind(PIPELINE_CUT) else ()
     layer_stage: dict[str, int] = {}
     for each in stages:
-        for key in each.layers:
-            layer_stage[join(each.sequence, key)] = each.index
+        for layer_path in each.layer_paths:
+            layer_stage[layer_path] = each.index
     layer_roots = tuple(layer_stage)
     micro = max(1, microbatches if stages else 1)
     scale = 1.0
@@ -372,8 +372,8 @@ def activation_memory(
         io = 0.0
         if st is not None:
             in_flight = micro if pipeline_schedule == "gpipe" else min(pp - ranks[i], micro)
-            first = join(st.sequence, st.layers[0])
-            last_layer = join(st.sequence, st.layers[-1])
+            first = st.layer_paths[0]
+            last_layer = st.layer_paths[-1]
             io += 0 if st.pre else _nbytes(shapes.inputs.get(first)) * factor(first) * scale / micro
             io += 0 if st.post else _nbytes(shapes.outputs.get(last_layer)) * factor(last_layer) * scale / micro
         saved = in_flight * (kept[i] + io)

@@ -1,7 +1,8 @@
 """Pipeline parallelism: stage cuts on unmodified models, stage derivation, and a runner
 over ``torch.distributed.pipelining``.
 
-* :func:`cut_pipeline_stage` — a primitive: a stage boundary after a layer of a sequence;
+* :func:`cut_pipeline_stage` — a primitive: a stage boundary after a layer of a sequence
+  (of an encoder or a decoder too, or between calls of a shared layer: :mod:`.chain`);
 * :func:`split_stages` — the stages of a schedule, each a pure structural rewrite of its
   tree and a schedule of its own (:class:`Stage`);
 * :func:`build_pipeline` — this rank's built stage(s) and a :class:`Pipeline` runner

@@ -27,7 +27,6 @@ import torch
 from ..dtensor.explain import ActivationShapes, Collective
 from ..render import format_bytes
 from ..schedule import Schedule
-from ..tree import join
 from .cut import PIPELINE_CUT, pp_size
 from .runner import stage_ranks
 from .split import split_stages
@@ -60,10 +59,20 @@ class StageTable:
         if len(self.rows) < 2:
             return ""
         def fold(layers: tuple[str, ...]) -> str:
-            if len(layers) == 1:
-                return layers[0]
-            base = layers[0].rsplit(".", 1)[0]
-            return f"{base}.[{layers[0].rsplit('.', 1)[1]}-{layers[-1].rsplit('.', 1)[1]}]"
+            # per sequence in turn (an encoder's layers, then a decoder's); a layer called
+            # several times (ALBERT's shared one) once, with its number of calls
+            groups: list[tuple[str, list[str]]] = []
+            for path in layers:
+                base, _, key = path.rpartition(".")
+                if groups and groups[-1][0] == base:
+                    groups[-1][1].append(key)
+                else:
+                    groups.append((base, [key]))
+            return ", ".join(
+                (f"{base}.{keys[0]}" + (f" ×{len(keys)}" if len(keys) > 1 else "")) if len(set(keys)) == 1
+                else f"{base}.[{keys[0]}-{keys[-1]}]"
+                for base, keys in groups
+            )
 
         with_rank = any(r.rank is not None for r in self.rows)
         header = ["stage", "layers", "parameters", "bytes", "holds"] + (["pp rank"] if with_rank else [])
@@ -125,7 +134,7 @@ def pipeline_collectives(sch: Schedule, shapes: ActivationShapes | None, microba
     for st in stages[:-1]:
         if pp_rank not in (ranks[st.index], ranks[st.index + 1]):
             continue
-        last = join(st.sequence, st.layers[-1])
+        last = st.layer_paths[-1]
         entry = shapes.outputs.get(last) if shapes is not None else None
         nbytes = None if entry is None else math.prod(entry[0]) * _itemsize(entry[1]) // micro
         for direction in ("forward", "backward"):

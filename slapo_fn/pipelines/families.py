@@ -46,6 +46,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import inspect
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -58,6 +60,8 @@ from torch import nn
 
 from ..errors import Problem, ScheduleError
 from ..hf import (
+    LAYER_COUNT_ATTRS,
+    PER_LAYER_ATTRS,
     PIPELINE_STAGES,
     StageRole,
     StageStandIn,
@@ -88,6 +92,7 @@ __all__ = [
     "parity_error",
     "resolve_family",
     "roles",
+    "small_twin",
     "stage_tree",
 ]
 
@@ -408,7 +413,8 @@ def parity_error(root: nn.Module, sequence: str, family: Family) -> str | None:
             if shared:
                 return (f"the model calls its layer(s) {', '.join(f'{k!r} {n} times' for k, n in shared.items())} "
                         "in one forward (parameters shared across calls, as ALBERT's): a stage holds layers, not "
-                        "calls, so stages cannot be cut between those calls")
+                        "calls, so stages cannot be cut between those calls this way; say after which calls with "
+                        "cut_pipeline_stage(sch, layer, calls=k)")
             hidden = ids
             for s, tree in enumerate(trees):
                 last = join(sequence, keys[bounds[s + 1] - 1]) if s < parts - 1 else None
@@ -442,12 +448,19 @@ def encoder_decoder_problem(root: nn.Module, sequence: str) -> Problem:
         "encoder_hidden_states=... to Pipeline.step (keyword tensors reach every stage)")
 
 
-def _small_twin(root: nn.Module) -> nn.Module | None:
+def small_twin(root: nn.Module, *, same_depth: bool = False) -> nn.Module | None:
     """``root``'s class built on the CPU from :func:`~slapo_fn.hf.small_config` of its
-    config (random weights, seeded), or ``None`` where that fails."""
-    config = small_config(getattr(root, "config", None))
+    config (random weights, seeded), or ``None`` where that fails; with ``same_depth``,
+    with ``root``'s layer counts and per-layer lists (narrow, not shallow)."""
+    original = getattr(root, "config", None)
+    config = small_config(original)
     if config is None:
         return None
+    if same_depth:
+        for name in (*LAYER_COUNT_ATTRS, *PER_LAYER_ATTRS):
+            if hasattr(original, name):
+                with contextlib.suppress(AttributeError):
+                    setattr(config, name, copy.deepcopy(getattr(original, name)))
     try:
         with torch.device("cpu"), torch.random.fork_rng():
             torch.manual_seed(0)
@@ -476,7 +489,7 @@ def resolve_family(root: nn.Module, sequence: str) -> Family:
     if any(p.is_meta for p in root.parameters()):
         # nothing to compute on: check the candidates on a small real twin (same class and
         # structure, tiny sizes); the roles found are names, the same in both
-        probe = _small_twin(root)
+        probe = small_twin(root)
         if probe is None:
             raise ScheduleError("cut_pipeline_stage", [Problem(
                 sequence,

@@ -61,6 +61,7 @@ from ..errors import Problem, ScheduleError, ScheduleTypeError
 from ..hf import init_owner, is_pretrained_model, reset_weights
 from ..schedule import Schedule
 from ..tree import private_copy, walk
+from .chain import ChainRun
 from .cut import pp_size
 from .families import StageOutput
 from .split import Stage, split_stages
@@ -76,6 +77,7 @@ class _Kind:
     multi: bool
     style: Literal["loop", "v"] = "loop"
     per_rank: int | None = None  # stages per rank required (None: any)
+    split_backward: bool = False  # backward in an input pass and a later weight pass
 
 
 #: The schedule names ``build_pipeline`` accepts and the torch schedule each runs.
@@ -84,8 +86,8 @@ SCHEDULES: Mapping[str, _Kind] = {
     "1f1b": _Kind(Schedule1F1B, multi=False, per_rank=1),
     "interleaved": _Kind(ScheduleInterleaved1F1B, multi=True),
     "looped-bfs": _Kind(ScheduleLoopedBFS, multi=True),
-    "zero-bubble": _Kind(ScheduleInterleavedZeroBubble, multi=True),
-    "zbv": _Kind(ScheduleZBVZeroBubble, multi=True, style="v", per_rank=2),
+    "zero-bubble": _Kind(ScheduleInterleavedZeroBubble, multi=True, split_backward=True),
+    "zbv": _Kind(ScheduleZBVZeroBubble, multi=True, style="v", per_rank=2, split_backward=True),
 }
 
 
@@ -131,7 +133,11 @@ def _takes(module: nn.Module, name: str) -> bool:
 
 def _install_io(module: nn.Module, stage: Stage) -> None:
     """Hooks on build's private copy: inputs → the HF forward's arguments, output → a tensor
-    (a stage before the last hands on its last layer's output: :class:`.StageOutput`)."""
+    (a stage before the last hands on its last layer's output: :class:`.StageOutput`); for
+    a stage of a chain of sequences, a :class:`.ChainRun` as its forward."""
+    if stage.chain is not None:
+        ChainRun(module, stage.chain, stage.bounds, stage.index).install()
+        return
     first = stage.pre
     no_cache = _takes(module, "use_cache")
     last = None if stage.post else stage.layer_paths[-1]
@@ -228,11 +234,15 @@ class Pipeline:
 
         Call it on every ``pp`` rank with the same arguments: ``inputs`` feed the first
         stage (``input_ids``), keyword tensors (``attention_mask``, ``position_ids``, batch
-        first) reach every stage, ``target`` the loss of the last. Gradients accumulate
+        first; an encoder-decoder's ``decoder_input_ids``) reach every stage, ``target`` the
+        loss of the last. The stages of a chain (:mod:`.chain`) each get ``input_ids`` too. Gradients accumulate
         in ``.grad`` as with ``loss.backward()`` on the whole batch (mean of microbatch
         losses); zero them with the optimizer as usual.
         """
         self._check(inputs, target, kwargs)
+        if self.stages[0].chain is not None:
+            # every stage of a chain runs the model's forward on the batch's token ids
+            kwargs = {**kwargs, "input_ids": inputs[0]}
         losses: list[torch.Tensor] = []
         self.runner.step(*inputs, target=target, losses=losses, return_outputs=False, **kwargs)
         self._sync_tied()
@@ -310,6 +320,14 @@ def _problems(
     if kind is None:
         return [Problem("", f"unknown schedule {name!r}", f"use one of {', '.join(map(repr, SCHEDULES))}")]
     n = len(stages)
+    if kind.split_backward and stages[0].chain is not None:
+        # torch's weight pass walks the graph the input pass freed where a stage hands on
+        # what it received or recomputes a module from it (as a chain's stages do)
+        problems.append(Problem(
+            "", f"schedule {name!r} splits the backward into an input and a weight pass, which the stages of "
+                f"{', '.join(stages[0].chain.sequences)} (each running the model's forward with other stages' "
+                "layers replayed) do not support",
+            "use 'gpipe' or '1f1b' (a stage per rank), or 'interleaved' or 'looped-bfs' (several)"))
     if n == 1:
         problems.append(
             Problem("", "the schedule has no stage cuts", "sf.cut_pipeline_stage(sch, 'model.layers.1') first")

@@ -16,6 +16,11 @@ the others with the received hidden states as ``inputs_embeds``; attention masks
 position ids are keyword inputs every stage receives, so masks and RoPE are recomputed
 locally and only the hidden states cross a boundary.
 
+A schedule cut in a model with several layer sequences (an encoder and a decoder), or
+between calls of a shared layer, is split by :mod:`.chain` instead: each stage runs the
+model's forward on the batch, the layers of earlier stages replayed, and what crosses a
+boundary is the outputs of the layers later stages read.
+
 Example:
     >>> import torch.nn as nn, slapo_fn as sf
     >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -35,7 +40,8 @@ from dataclasses import dataclass
 from ..errors import Problem, ScheduleError
 from ..schedule import Schedule
 from ..tree import child_names, get_module, join, split
-from .cut import PIPELINE_CUT, sequence_of
+from .chain import Chain, chain_stage_tree, stage_bounds
+from .cut import PIPELINE_CUT, StageCut, cut_positions, sequence_of
 from .families import Family, family_of, roles, stage_tree
 
 __all__ = ["Stage", "roles", "split_stages"]
@@ -45,21 +51,32 @@ __all__ = ["Stage", "roles", "split_stages"]
 class Stage:
     """One pipeline stage of a schedule.
 
-    ``layers`` are the keys of its layers in the cut ``sequence``; ``pre``/``post``
-    whether it holds the modules before/after the sequence; ``schedule`` the stage as a
-    schedule of its own (build it with :func:`slapo_fn.build`).
+    ``layer_paths`` are its layers; ``pre``/``post`` whether it holds the modules
+    before/after the sequence (it is the first/last stage); ``schedule`` the stage as a
+    schedule of its own (build it with :func:`slapo_fn.build`); ``chain`` the layer
+    sequences of a model with several, whose stages replay the layers of the others
+    (:mod:`.chain`), ``None`` for one cut sequence (later stages fed its hidden states);
+    then ``bounds`` are every stage's first position in the chain's layer calls (and the
+    end), and ``layer_paths`` the layer of each of its calls.
     """
 
     index: int
-    sequence: str
-    layers: tuple[str, ...]
+    layer_paths: tuple[str, ...]
     pre: bool
     post: bool
     schedule: Schedule
+    chain: Chain | None = None
+    bounds: tuple[int, ...] = ()
 
     @property
-    def layer_paths(self) -> tuple[str, ...]:
-        return tuple(join(self.sequence, k) for k in self.layers)
+    def sequence(self) -> str:
+        """The sequence holding the stage's last layer."""
+        return sequence_of(self.layer_paths[-1]) if self.layer_paths else ""
+
+    @property
+    def layers(self) -> tuple[str, ...]:
+        """The keys of the stage's layers in their sequences."""
+        return tuple(split(p)[-1] for p in self.layer_paths)
 
 
 def split_stages(sch: Schedule, *, family: Family | None = None) -> tuple[Stage, ...]:
@@ -73,7 +90,10 @@ def split_stages(sch: Schedule, *, family: Family | None = None) -> tuple[Stage,
     marks = sch.annotations.of_kind(PIPELINE_CUT)
     cuts = tuple(marks)
     if not cuts:
-        return (Stage(0, "", (), True, True, sch),)
+        return (Stage(0, (), True, True, sch),)
+    chain = next((c.chain for c in marks.values() if c.chain is not None), None)
+    if chain is not None:
+        return _chain_stages(sch, chain, marks)
     sequence = sequence_of(cuts[0])
     try:
         keys = tuple(child_names(get_module(sch.module, sequence)))
@@ -94,5 +114,24 @@ def split_stages(sch: Schedule, *, family: Family | None = None) -> tuple[Stage,
         tree = stage_tree(sch.module, sequence, keep, s, s == 0, s == last, found, family)
         stage_sch = sch.with_module(tree, replaced=("",))
         stage_sch = stage_sch.evolve(annotations=stage_sch.annotations.without(PIPELINE_CUT))
-        stages.append(Stage(s, sequence, keep, s == 0, s == last, stage_sch))
+        stages.append(Stage(s, tuple(join(sequence, k) for k in keep), s == 0, s == last, stage_sch))
+    return tuple(stages)
+
+
+def _chain_stages(sch: Schedule, chain: Chain, marks: dict[str, StageCut]) -> tuple[Stage, ...]:
+    try:
+        bounds = stage_bounds(len(chain.order), [i for p, c in marks.items() for i in cut_positions(chain, p, c)])
+    except ValueError:
+        raise ScheduleError(
+            "split_stages",
+            [Problem(", ".join(chain.sequences), "the cut sequences no longer hold the cut layers in the schedule's "
+                     "tree", "cut after rewriting")],
+        ) from None
+    stages = []
+    last = len(bounds) - 2
+    for s in range(last + 1):
+        tree = chain_stage_tree(sch.module, chain, bounds, s)
+        stage_sch = sch.with_module(tree, replaced=("",))
+        stage_sch = stage_sch.evolve(annotations=stage_sch.annotations.without(PIPELINE_CUT))
+        stages.append(Stage(s, chain.order[bounds[s]:bounds[s + 1]], s == 0, s == last, stage_sch, chain, bounds))
     return tuple(stages)

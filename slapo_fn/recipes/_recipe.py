@@ -77,7 +77,8 @@ class Knobs:
     * ``checkpoint``: ``None``, a ratio of layers (``1.0`` = every layer, ``0.5`` = the
       first half) or explicit layer indices;
     * ``stages``: pipeline stages over the mesh axis ``"pp"``, cut evenly (``int``) or after
-      the given layer indices;
+      the given layer indices, over the layers of every stack in order (T5's encoder, then
+      its decoder);
     * ``dp_mode``: ``None`` or ``"fsdp"``/``"ddp"`` over ``"dp"``, or ``"hsdp"`` over
       :data:`HSDP_AXES` (replicas over ``"dp_replicate"``, each sharded over ``"dp"``);
     * ``kernels``: swap in the family's fused kernels;
@@ -155,7 +156,8 @@ class Recipe:
             steps.append(checkpoint.at(chosen))
         if knobs.compile:
             steps.append(compile.at(layers))
-        steps += [cut_pipeline_stage.at(path) for path in _cuts(stacks[0], knobs.stages)]
+        # the stages run through every stack's layers, in order (an encoder's, then a decoder's)
+        steps += [cut_pipeline_stage.at(path) for path in _cuts(list(dict.fromkeys(layers)), knobs.stages)]
         if knobs.dp_mode is not None:
             steps.append(data_parallel.at(mode=knobs.dp_mode, mesh_axis=HSDP_AXES) if knobs.dp_mode == "hsdp"
                          else data_parallel.at(mode=knobs.dp_mode))  # over data_parallel's own axis, "dp"
@@ -245,7 +247,7 @@ def _stage_problems(sch: Schedule, knobs: Knobs, recipe: Recipe) -> list[Problem
                                     f"{names or 'missing'}",
                                 'sf.create_schedule(model, mesh=init_device_mesh("cpu", (pp,), '
                                 'mesh_dim_names=("pp",))) (or add "pp" to the mesh\'s axes), or drop stages'))
-    layers = len(recipe.layer_paths(sch)[0])
+    layers = len({p for stack in recipe.layer_paths(sch) for p in stack})
     if isinstance(stages, int) and not 1 <= stages <= layers:
         problems.append(Problem("", f"stages={stages} for {layers} layers", f"use 1..{layers} stages"))
     if isinstance(stages, tuple):

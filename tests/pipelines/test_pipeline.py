@@ -179,19 +179,22 @@ def test_cut_inside_a_layer_names_the_parent_and_suggests_a_layer() -> None:
     assert "model.layers.1" in e.value.problems[0].fix
 
 
-def test_cuts_in_two_sequences_are_refused() -> None:
+def test_cuts_in_two_sequences_of_a_forward_that_fails_on_token_ids_are_refused() -> None:
+    """Several layer sequences make a chain (see test_pipeline_encdec.py), placed by one probe
+    forward on token ids: a forward that fails there is refused with its error, typed."""
+
     class TwoStacks(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.a = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
             self.b = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
 
-        def forward(self, x: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-            raise NotImplementedError
+        def forward(self, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+            raise NotImplementedError("no forward")
 
-    sch = sf.cut_pipeline_stage(sf.create_schedule(TwoStacks()), "a.0")
-    with pytest.raises(sf.ScheduleError, match="stages must form one chain"):
-        sf.cut_pipeline_stage(sch, "b.0")
+    with pytest.raises(sf.ScheduleError, match=r"(?s)'a, b'.*forward fails on a small batch of token ids.*"
+                                               r"NotImplementedError: no forward"):
+        sf.cut_pipeline_stage(sf.create_schedule(TwoStacks()), "a.0")
 
 
 def test_a_model_without_inputs_embeds_is_refused() -> None:

@@ -1,0 +1,131 @@
+"""T5 and Bart pipelined on 2 gloo ranks: the loss and every parameter gradient equal to the
+unscheduled single-process model's, cut inside the decoder (gpipe), inside the encoder
+(1f1b) and in four stages, two per rank (interleaved); ALBERT cut between calls of its
+shared layer (1f1b), the layer's gradients summed over the two stages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dist import mesh
+from encdec_models import CUTS, MODELS
+from models import VOCAB, token_ids
+
+import slapo_fn as sf
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
+
+BATCH, MICRO = 8, 4
+RUNS = (("gpipe", "decoder"), ("1f1b", "encoder"), ("interleaved", "four"))
+
+
+def ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    ids = token_ids(BATCH, 7, seed=1)
+    mask = torch.ones(BATCH, 7, dtype=torch.long)
+    mask[0, 5:] = 0
+    decoder_ids = token_ids(BATCH, 5, seed=2)
+    return ids, token_ids(BATCH, 5, seed=3), {"attention_mask": mask, "decoder_input_ids": decoder_ids}
+
+
+def _parity(rank: int, world: int, kind: str) -> list[dict[str, Any]]:
+    make, *seqs = MODELS[kind]
+    ids, target, kwargs = _batch()
+    reference = make()
+    ref_loss = ce(reference(ids, **kwargs).logits, target)
+    ref_loss.backward()
+    out = []
+    for schedule, cuts in RUNS:
+        sch = sf.create_schedule(make(), mesh=mesh((world,), ("pp",)))
+        sch = sf.cut_pipeline_stage(sch, [f"{seqs[s]}.{k}" for s, k in CUTS[cuts]])
+        pipe = sf.build_pipeline(sch, microbatches=MICRO, schedule=schedule, loss_fn=ce)
+        loss = pipe.step(ids, target=target, **kwargs)
+        diffs = {name: (p.grad - reference.get_parameter(name).grad).abs().max().item()
+                 for name, p in pipe.named_parameters()}
+        out.append({"loss": loss.item(), "ref": ref_loss.item(), "diffs": diffs})
+    try:  # zero-bubble schedules (a split backward): refused up front, by name
+        sf.build_pipeline(sch, microbatches=MICRO, schedule="zbv", loss_fn=ce)
+    except sf.ScheduleError as e:
+        out.append({"refused": str(e)})
+    return out
+
+
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+def test_an_encoder_decoder_pipeline_matches_the_single_process_loss_and_gradients(dist2, kind: str) -> None:
+    results = dist2.run(_parity, kind, timeout=180)
+    make, *_ = MODELS[kind]
+    model = make()
+    first: dict[int, str] = {}
+    canon = {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
+    for i, (schedule, _) in enumerate(RUNS):
+        per_rank = [r[i] for r in results]
+        for r in per_rank:  # the loss on every rank, equal to the single-process loss
+            assert r["loss"] == pytest.approx(r["ref"], rel=1e-5, abs=1e-6), (schedule, r)
+        covered = {canon[n] for r in per_rank for n in r["diffs"]}
+        assert covered == set(first.values()), (schedule, covered ^ set(first.values()))
+        worst = {k: v for r in per_rank for k, v in r["diffs"].items() if v >= 1e-5}
+        assert not worst, (schedule, worst)
+    for r in results:
+        assert "schedule 'zbv' splits the backward" in r[-1]["refused"]
+
+
+def _albert_parity(rank: int, world: int) -> dict[str, Any]:
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    def make() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return AlbertForMaskedLM(AlbertConfig(vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=4,
+                                              num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=0.0,
+                                              attention_probs_dropout_prob=0.0))
+
+    ids, target = token_ids(BATCH, 7, seed=1), token_ids(BATCH, 7, seed=3)
+    reference = make()
+    ref_loss = ce(reference(ids).logits, target)
+    ref_loss.backward()
+    sch = sf.create_schedule(make(), mesh=mesh((world,), ("pp",)))
+    sch = sf.cut_pipeline_stage(sch, "albert.encoder.albert_layer_groups.0", calls=1)
+    pipe = sf.build_pipeline(sch, microbatches=MICRO, schedule="1f1b", loss_fn=ce)
+    loss = pipe.step(ids, target=target)
+    diffs = {name: (p.grad - reference.get_parameter(name).grad).abs().max().item()
+             for name, p in pipe.named_parameters()}
+    return {"loss": loss.item(), "ref": ref_loss.item(), "diffs": diffs}
+
+
+def test_albert_cut_between_calls_matches_the_single_process_loss_and_gradients(dist2) -> None:
+    results = dist2.run(_albert_parity, timeout=120)
+    for r in results:
+        assert r["loss"] == pytest.approx(r["ref"], rel=1e-5, abs=1e-6), r
+        assert max(r["diffs"].values()) < 1e-5, r["diffs"]
+    # the shared layer lives in both stages, its gradient the sum of both stages' (the whole one)
+    assert all(any(n.startswith("albert.encoder.albert_layer_groups.0.") for n in r["diffs"]) for r in results)
+
+
+def _four_ranks(rank: int, world: int, kind: str) -> dict[str, Any]:
+    make, *seqs = MODELS[kind]
+    ids, target, kwargs = _batch()
+    reference = make()
+    ref_loss = ce(reference(ids, **kwargs).logits, target)
+    ref_loss.backward()
+    sch = sf.create_schedule(make(), mesh=mesh((world,), ("pp",)))
+    sch = sf.cut_pipeline_stage(sch, [f"{seqs[s]}.{k}" for s, k in CUTS["four"]])
+    pipe = sf.build_pipeline(sch, microbatches=MICRO, schedule="1f1b", loss_fn=ce)
+    loss = pipe.step(ids, target=target, **kwargs)
+    diffs = {name: (p.grad - reference.get_parameter(name).grad).abs().max().item()
+             for name, p in pipe.named_parameters()}
+    return {"loss": loss.item(), "ref": ref_loss.item(), "diffs": diffs}
+
+
+@pytest.mark.slow
+def test_t5_on_four_pipeline_ranks_matches_the_single_process(dist4) -> None:
+    """pp=4: the encoder's output crosses two boundaries to the last decoder stage. (Bart the
+    same way did not finish within 180 s on a loaded 2-core machine: not yet understood.)"""
+    results = dist4.run(_four_ranks, "t5", timeout=180)
+    for r in results:
+        assert r["loss"] == pytest.approx(r["ref"], rel=1e-5, abs=1e-6), r
+        assert max(r["diffs"].values()) < 1e-5, r["diffs"]
