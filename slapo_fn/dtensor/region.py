@@ -284,7 +284,7 @@ def reduce_partial_grads(module: nn.Module, after_backward: bool = False) -> lis
         if id(p) in seen or not isinstance(p, DTensor) or not p.requires_grad:
             continue
         seen.add(id(p))
-        if not any(isinstance(pl, Shard) for pl in p.placements):
+        if all(isinstance(pl, Replicate) for pl in p.placements):  # a split one's gradient is DTensor's own
             params.append(p)
     if after_backward:
         pending = _Pending(params)
