@@ -25,7 +25,15 @@ if TYPE_CHECKING:
     from .dtensor.data_parallel import data_parallel
     from .dtensor.experts import expert_parallel, expert_tensor_parallel
     from .dtensor.spec import P, Packed
-    from .errors import LayoutError, Problem, ScheduleError, ScheduleTypeError, SelectorError, VerificationError
+    from .errors import (
+        HardwareError,
+        LayoutError,
+        Problem,
+        ScheduleError,
+        ScheduleTypeError,
+        SelectorError,
+        VerificationError,
+    )
     from .explain import Explanation, explain
     from .func import clip_grad_norm_
     from .pipelines import Pipeline, build_pipeline, cut_pipeline_stage
@@ -59,6 +67,7 @@ _EXPORTS: dict[str, str] = {
     "expert_tensor_parallel": ".dtensor.experts",
     "P": ".dtensor.spec",
     "Packed": ".dtensor.spec",
+    "HardwareError": ".errors",
     "LayoutError": ".errors",
     "Problem": ".errors",
     "ScheduleError": ".errors",
@@ -139,6 +148,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Annotations",
     "Explanation",
+    "HardwareError",
     "Key",
     "LayoutError",
     "Match",

@@ -101,6 +101,9 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
                    help="activation checkpointing of the first RATIO of the layers (1.0 = all)")
     p.add_argument("--kernels", action="store_true", help="the family's fused kernels")
     p.add_argument("--compile", action="store_true", help="torch.compile every layer")
+    p.add_argument("--float8", action="store_true",
+                   help="the layers' linears in float8 (torchao's Float8Linear, as torchtitan): needs torchao and a "
+                        "CUDA GPU of compute capability 8.9+ (Ada, Hopper), refused before any rank starts elsewhere")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches (default: 2 x pp)")
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved, zero-bubble, zbv")
 

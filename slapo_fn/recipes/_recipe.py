@@ -5,7 +5,9 @@ layers shard (a Megatron plan: column ``0`` / row ``1`` / packed), which modules
 sequence-parallel, which modules have fused kernels, and where pipeline cuts go.
 :meth:`Recipe.__call__` turns it and a :class:`Knobs` value into one chain of public
 rewrites, in a fixed order: kernels (replace) → tensor parallel (shard) → sequence
-parallel → activation checkpointing → compile → pipeline cuts → data parallel. Nothing
+parallel → activation checkpointing → compile → pipeline cuts → data parallel (float8
+linears, where asked, replace the layers' linears first, as torchtitan converts before it
+parallelizes). Nothing
 in here knows a model class: model-specific knowledge is the recipe's data.
 """
 
@@ -24,7 +26,8 @@ from torch.distributed.tensor import Shard as DShard
 from ..combinators import Rewrite, chain, foreach
 from ..dtensor import sequence_parallel, shard, sync, tp_local
 from ..dtensor.data_parallel import data_parallel
-from ..errors import LayoutError, Problem, ScheduleError, ScheduleTypeError, SelectorError
+from ..errors import HardwareError, LayoutError, Problem, ScheduleError, ScheduleTypeError, SelectorError
+from ..kernels.float8 import float8_linear, float8_paths, float8_problem
 from ..pipelines import cut_pipeline_stage
 from ..rewrites import checkpoint, compile, replace  # noqa: A004
 from ..schedule import Schedule
@@ -79,7 +82,11 @@ class Knobs:
     * ``dp_mode``: ``None`` or ``"fsdp"``/``"ddp"`` over ``"dp"``, or ``"hsdp"`` over
       :data:`HSDP_AXES` (replicas over ``"dp_replicate"``, each sharded over ``"dp"``);
     * ``kernels``: swap in the family's fused kernels;
-    * ``compile``: ``torch.compile`` each layer.
+    * ``compile``: ``torch.compile`` each layer;
+    * ``float8``: the layers' linears as torchao's float8 training linears (torchtitan's
+      recipe; :mod:`slapo_fn.kernels.float8`), sharded as the plain ones; refused with a
+      :class:`~slapo_fn.errors.HardwareError` where this process has no CUDA GPU of
+      compute capability 8.9 or more, or no torchao.
     """
 
     tp: int = 1
@@ -89,6 +96,7 @@ class Knobs:
     dp_mode: Literal["fsdp", "ddp", "hsdp"] | None = None
     kernels: bool = False
     compile: bool = False
+    float8: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,10 @@ class Recipe:
         self._check(sch, knobs)
         stacks = self.layer_paths(sch)
         steps: list[Rewrite] = []
+        if knobs.float8:
+            converted = float8_paths(sch.module, [p for stack in stacks for p in stack], knobs.tp)
+            if converted:
+                steps.append(replace.at(converted, float8_linear))
         if knobs.kernels:
             steps += [replace.at(where, factory) for where, factory in self.kernels.items()]
         if knobs.tp > 1:
@@ -154,6 +166,8 @@ class Recipe:
         return sch
 
     def _check(self, sch: Schedule, knobs: Knobs) -> None:
+        if knobs.float8 and (hardware := float8_problem()) is not None:
+            raise HardwareError(f"recipes.{self.name}", [hardware])
         problems = []
         config = getattr(sch.module, "config", None)
         if knobs.tp > 1:
@@ -186,7 +200,7 @@ class Recipe:
 
 _KNOB_TYPES: dict[str, tuple[type, ...]] = {
     "tp": (int,), "sequence_parallel": (bool,), "checkpoint": (float, int, tuple, type(None)), "stages": (int, tuple),
-    "dp_mode": (str, type(None)), "kernels": (bool,), "compile": (bool,),
+    "dp_mode": (str, type(None)), "kernels": (bool,), "compile": (bool,), "float8": (bool,),
 }
 
 
