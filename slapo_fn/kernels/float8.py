@@ -1,9 +1,7 @@
 """float8 training linears: torchao's own converter, where the hardware multiplies in float8.
 
-:func:`float8_problem` says why this process cannot train in float8 (``None`` where it
-can): torchao is not installed, or there is no CUDA GPU of compute capability 8.9 or more
-(Ada, Hopper, Blackwell), whose ``torch._scaled_mm`` float8 matmuls are the point (torchao
-runs elsewhere only by emulating them, slower than bf16). :func:`float8_linear` converts
+:func:`.gpu.float8_problem` says where this process cannot train in float8.
+:func:`float8_linear` converts
 one ``nn.Linear`` with :func:`torchao.float8.convert_to_float8_training` (its default
 config: dynamic tensorwise scales, as torchtitan's default recipe), a factory for
 ``sf.replace``; :func:`float8_paths` names the linear layers it converts, by torchtitan's
@@ -19,38 +17,14 @@ a finer scale.
 
 from __future__ import annotations
 
-import importlib.util
-
-import torch
 from torch import nn
 
-from ..errors import Problem
 from ..tree import get_module, walk
 
-__all__ = ["MIN_CAPABILITY", "float8_linear", "float8_paths", "float8_problem"]
+__all__ = ["float8_linear", "float8_paths"]
 
-#: The CUDA compute capability of the first GPUs with float8 tensor cores (Ada: sm_89).
-MIN_CAPABILITY = (8, 9)
 #: The float8 matmul (``torch._scaled_mm``) takes widths that are multiples of this.
 _WIDTH = 16
-
-
-def float8_problem(what: str = "float8") -> Problem | None:
-    """Why this process cannot train with float8 linears (``what``: the knob or flag that
-    asks for them), or ``None``: torchao missing, no CUDA GPU, or one older than sm_89."""
-    if importlib.util.find_spec("torchao") is None:
-        return Problem(what, "needs torchao (torchao.float8), which is not installed",
-                       "pip install torchao (it pulls no other torch), or drop " + what)
-    if not torch.cuda.is_available():
-        return Problem(what, "float8 matmuls run on CUDA GPUs of compute capability 8.9 or more (Ada, Hopper, "
-                             "Blackwell); this process has no CUDA GPU (on a CPU they would only be emulated)",
-                       f"drop {what}, or run on an sm_89+ GPU")
-    cap = tuple(torch.cuda.get_device_capability())
-    if cap < MIN_CAPABILITY:
-        return Problem(what, f"the GPU {torch.cuda.get_device_name()!r} has compute capability {cap[0]}.{cap[1]}; "
-                             "float8 matmuls need 8.9 or more (Ada, Hopper, Blackwell)",
-                       f"drop {what} (bf16 is the fastest format on this GPU), or run on an sm_89+ GPU")
-    return None
 
 
 def float8_paths(root: nn.Module, under: list[str], tp: int = 1) -> list[str]:

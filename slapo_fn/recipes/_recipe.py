@@ -27,7 +27,8 @@ from ..combinators import Rewrite, chain, foreach
 from ..dtensor import sequence_parallel, shard, sync, tp_local
 from ..dtensor.data_parallel import data_parallel
 from ..errors import HardwareError, LayoutError, Problem, ScheduleError, ScheduleTypeError, SelectorError
-from ..kernels.float8 import float8_linear, float8_paths, float8_problem
+from ..kernels.float8 import float8_linear, float8_paths
+from ..kernels.gpu import async_tp_problem, float8_problem
 from ..pipelines import cut_pipeline_stage
 from ..rewrites import checkpoint, compile, replace  # noqa: A004
 from ..schedule import Schedule
@@ -86,7 +87,13 @@ class Knobs:
     * ``float8``: the layers' linears as torchao's float8 training linears (torchtitan's
       recipe; :mod:`slapo_fn.kernels.float8`), sharded as the plain ones; refused with a
       :class:`~slapo_fn.errors.HardwareError` where this process has no CUDA GPU of
-      compute capability 8.9 or more, or no torchao.
+      compute capability 8.9 or more, or no torchao;
+    * ``async_tp``: micro-pipelined tensor parallelism (torchtitan's async TP): inductor
+      fuses each sequence-parallel all-gather with the matmuls reading it and each matmul
+      with the reduce-scatter of its output, in the compiled layers (an inductor option of
+      their ``torch.compile``; PyTorch sets up the symmetric memory itself). Needs ``tp > 1``,
+      ``sequence_parallel`` and ``compile``; a :class:`~slapo_fn.errors.HardwareError` where
+      this process has no CUDA GPU.
     """
 
     tp: int = 1
@@ -97,6 +104,7 @@ class Knobs:
     kernels: bool = False
     compile: bool = False
     float8: bool = False
+    async_tp: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,7 +163,9 @@ class Recipe:
         if chosen:
             steps.append(checkpoint.at(chosen))
         if knobs.compile:
-            steps.append(compile.at(layers))
+            # async TP: inductor's micro-pipeline pass in these graphs only (no global config)
+            steps.append(compile.at(layers, options={"_micro_pipeline_tp": True}) if knobs.async_tp
+                         else compile.at(layers))
         steps += [cut_pipeline_stage.at(path) for path in _cuts(stacks[0], knobs.stages)]
         if knobs.dp_mode is not None:
             steps.append(data_parallel.at(mode=knobs.dp_mode, mesh_axis=HSDP_AXES) if knobs.dp_mode == "hsdp"
@@ -166,9 +176,16 @@ class Recipe:
         return sch
 
     def _check(self, sch: Schedule, knobs: Knobs) -> None:
-        if knobs.float8 and (hardware := float8_problem()) is not None:
-            raise HardwareError(f"recipes.{self.name}", [hardware])
+        hardware = [found for on, check in ((knobs.float8, float8_problem), (knobs.async_tp, async_tp_problem))
+                    if on and (found := check()) is not None]
+        if hardware:
+            raise HardwareError(f"recipes.{self.name}", hardware)
         problems = []
+        if knobs.async_tp and not (knobs.tp > 1 and knobs.sequence_parallel and knobs.compile):
+            problems.append(Problem("", "async_tp fuses the all-gathers and reduce-scatters of sequence parallelism "
+                                        "with their matmuls in compiled layers: it needs tp > 1, sequence_parallel "
+                                        "and compile",
+                                    "set tp=2 (or more), sequence_parallel=True and compile=True, or drop async_tp"))
         config = getattr(sch.module, "config", None)
         if knobs.tp > 1:
             names = tuple(getattr(sch.mesh, "mesh_dim_names", None) or ())
@@ -201,6 +218,7 @@ class Recipe:
 _KNOB_TYPES: dict[str, tuple[type, ...]] = {
     "tp": (int,), "sequence_parallel": (bool,), "checkpoint": (float, int, tuple, type(None)), "stages": (int, tuple),
     "dp_mode": (str, type(None)), "kernels": (bool,), "compile": (bool,), "float8": (bool,),
+    "async_tp": (bool,),
 }
 
 

@@ -15,6 +15,7 @@ from torch import nn
 import slapo_fn as sf
 from slapo_fn.dtensor.testing import fake_mesh
 from slapo_fn.kernels import float8 as f8
+from slapo_fn.kernels import gpu
 from slapo_fn.recipes import _recipe
 
 
@@ -25,7 +26,7 @@ def _gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int]) -> None:
 
 
 def test_float8_is_refused_with_the_reason_where_the_hardware_cannot_run_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    here = f8.float8_problem()
+    here = gpu.float8_problem()
     if not torch.cuda.is_available():  # this machine: no GPU (or no torchao)
         assert here is not None and ("CUDA GPU" in here.reason or "torchao" in here.reason), here
         model = tiny_llama()
@@ -34,10 +35,10 @@ def test_float8_is_refused_with_the_reason_where_the_hardware_cannot_run_it(monk
     if here is not None and "torchao" in here.reason:
         return
     _gpu(monkeypatch, (8, 0))
-    old = f8.float8_problem("--float8")
+    old = gpu.float8_problem("--float8")
     assert old is not None and "compute capability 8.0" in old.reason and "--float8" in old.fix, old
     _gpu(monkeypatch, (9, 0))
-    assert f8.float8_problem() is None
+    assert gpu.float8_problem() is None
 
 
 def test_which_linears_convert() -> None:
