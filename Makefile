@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: any other spec would pull a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[hf,dev,tune,tensorboard,wandb]"
+	$(BIN)/python -m pip install -q -e ".[hf,dev,tune,tensorboard,wandb,float8]"
 	touch $(STAMP)
 
 # The lifecycle, in under 3 minutes on 2 CPU cores: (a) a BPE tokenizer trained on the fly on the
@@ -73,9 +73,10 @@ gpu-check:
 
 # The wheels the GPU machine lacks (it has no network), for Python 3.12 on x86-64 Linux, in .whl/
 # (ignored by git; carried to the machine): the transformers this project is tested on (the machine
-# has 5.17; its other needs, tokenizers 0.23, huggingface-hub 1.x and safetensors 0.8, are there).
+# has 5.17; its other needs, tokenizers 0.23, huggingface-hub 1.x and safetensors 0.8, are there)
+# and torchao for --float8 (abi3: any Python 3.10+).
 WHEELHOUSE := .whl
-GPU_WHEELS := transformers==5.24.0
+GPU_WHEELS := transformers==5.24.0 torchao==0.18.0
 wheelhouse:
 	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -33,7 +33,15 @@ if TYPE_CHECKING:
     from .dtensor.data_parallel import data_parallel
     from .dtensor.experts import expert_parallel, expert_tensor_parallel
     from .dtensor.spec import P, Packed
-    from .errors import LayoutError, Problem, ScheduleError, ScheduleTypeError, SelectorError, VerificationError
+    from .errors import (
+        HardwareError,
+        LayoutError,
+        Problem,
+        ScheduleError,
+        ScheduleTypeError,
+        SelectorError,
+        VerificationError,
+    )
     from .explain import Explanation, explain
     from .func import clip_grad_norm_
     from .pipelines import Pipeline, build_pipeline, cut_pipeline_stage
@@ -68,6 +76,7 @@ _EXPORTS: dict[str, str] = {
     "expert_tensor_parallel": ".dtensor.experts",
     "P": ".dtensor.spec",
     "Packed": ".dtensor.spec",
+    "HardwareError": ".errors",
     "LayoutError": ".errors",
     "Problem": ".errors",
     "ScheduleError": ".errors",
@@ -148,6 +157,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Annotations",
     "Explanation",
+    "HardwareError",
     "Key",
     "LayoutError",
     "Match",

@@ -104,6 +104,12 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
                    help="activation checkpointing of the first RATIO of the layers (1.0 = all)")
     p.add_argument("--kernels", action="store_true", help="the family's fused kernels")
     p.add_argument("--compile", action="store_true", help="torch.compile every layer")
+    p.add_argument("--float8", action="store_true",
+                   help="the layers' linears in float8 (torchao's Float8Linear, as torchtitan): needs torchao and a "
+                        "CUDA GPU of compute capability 8.9+ (Ada, Hopper), refused before any rank starts elsewhere")
+    p.add_argument("--async-tp", action="store_true",
+                   help="async tensor parallelism (inductor's micro-pipelined all-gather/reduce-scatter matmuls, as "
+                        "torchtitan): with --tp > 1, --sp and --compile, on CUDA GPUs")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches (default: 2 x pp)")
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule: gpipe, 1f1b, interleaved, zero-bubble, zbv")
 
@@ -468,6 +474,11 @@ def _argument_problems(args: argparse.Namespace) -> list[Problem]:
         problems += Split(batch=args.batch, dp=1 if whole else args.dp, grad_accum=args.grad_accum if train else 1,
                           pp=1 if whole else args.pp, microbatches=args.microbatches, seq=args.seq, tp=args.tp,
                           sp=args.sp).problems()
+    if getattr(args, "async_tp", False) and not (args.tp > 1 and args.sp and args.compile):
+        missing = [f for f, on in (("--tp 2", args.tp > 1), ("--sp", args.sp), ("--compile", args.compile)) if not on]
+        problems.append(Problem("--async-tp", "fuses the all-gathers and reduce-scatters of sequence parallelism "
+                                              "with their matmuls in compiled layers: it needs --tp > 1, --sp and "
+                                              "--compile", f"add {' '.join(missing)}, or drop --async-tp"))
     if train and args.nnodes > 1 and _world(args) % args.nnodes:
         problems.append(Problem("--nnodes", f"{_world(args)} ranks (--dp {args.dp} x --tp {args.tp} x --pp "
                                             f"{args.pp}) do not split evenly over {args.nnodes} nodes",

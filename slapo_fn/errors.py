@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "CommandLineError",
+    "HardwareError",
     "LayoutError",
     "Problem",
     "ScheduleError",
@@ -92,6 +93,12 @@ class CommandLineError(ScheduleError):
 
 class ScheduleTypeError(ScheduleError, TypeError):
     """An argument of a rewrite has the wrong type (e.g. a replacement that is not a module)."""
+
+
+class HardwareError(ScheduleError):
+    """What the hardware of this process cannot run as asked: float8 linears without a
+    CUDA GPU of compute capability 8.9 or more, or without torchao. Raised before any
+    module is converted or rank started."""
 
 
 class LayoutError(ScheduleError):

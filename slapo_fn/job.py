@@ -31,6 +31,7 @@ from .data.order import PositionalRows
 from .dtensor.testing import fake_mesh, fake_world
 from .errors import CommandLineError, Problem
 from .inputs import codec, config, data_problems, packed
+from .kernels.gpu import async_tp_problem, float8_problem
 from .options import axes, eval_fraction, is_stdlib, stdlib_bytes, world
 from .pipelines import SCHEDULES, split_stages
 from .presets import build_model
@@ -71,7 +72,9 @@ def knobs(options: Options) -> recipes.Knobs:
     """The recipe's knobs the options set."""
     return recipes.Knobs(tp=options.tp, sequence_parallel=options.sp, checkpoint=options.checkpoint,
                          stages=stages(options), dp_mode=dp_mode(options),
-                         kernels=options.kernels, compile=options.compile, cp=getattr(options, "cp", 1))
+                         kernels=options.kernels, compile=options.compile, cp=getattr(options, "cp", 1),
+                         float8=bool(getattr(options, "float8", False)),
+                         async_tp=bool(getattr(options, "async_tp", False)))
 
 
 def dp_mode(options: Options) -> Literal["fsdp", "ddp", "hsdp"] | None:
@@ -186,16 +189,20 @@ def run_data(options: Options, model: Any) -> tuple[Any, Codec | None]:
 def check_schedule(options: Options, config: Any) -> None:
     """Refuse, before any rank starts, a schedule the ranks would refuse: an unknown
     pipeline schedule, a model (``config``) with neither a recipe nor a plan for the
-    knobs, and — for a job of several ranks (``explain`` builds its schedule itself) —
-    whatever building it refuses (heads that do not split over ``--tp``, a microbatch
-    short per stage), built on the meta device over a fake process group of the job's
-    size, as every rank would."""
+    knobs, ``--float8`` or ``--async-tp`` where this machine cannot run them, and — for a job of several
+    ranks (``explain`` builds its schedule itself) — whatever building it refuses (heads
+    that do not split over ``--tp``, a microbatch short per stage), built on the meta
+    device over a fake process group of the job's size, as every rank would."""
     if options.schedule not in SCHEDULES:
         close = difflib.get_close_matches(options.schedule, list(SCHEDULES), n=1)
         raise CommandLineError(options.command, [Problem(
             "--schedule", f"unknown pipeline schedule {options.schedule!r}"
                           + (f"; did you mean {close[0]!r}?" if close else ""),
             f"one of {', '.join(SCHEDULES)}")])
+    hardware = [p for flag, check in (("float8", float8_problem), ("async_tp", async_tp_problem))
+                if getattr(options, flag, False) and (p := check("--" + flag.replace("_", "-"))) is not None]
+    if hardware:
+        raise CommandLineError(options.command, hardware)
     fallback_plan(config, options)
     count = world(dp=options.dp, tp=options.tp, pp=options.pp, cp=getattr(options, "cp", 1))
     if not mesh_axes(options) or options.command == "explain":

@@ -24,6 +24,7 @@ PACKAGE = ROOT / "slapo_fn"
 #: optional extras a user may not have installed, or costly imports paid only on use.
 OPTIONAL = {
     "flash_attn": "the gpu extra; CUDA only",
+    "torchao": "the float8 extra (float8 linears, CUDA sm_89+)",
     "transformers": "the hf extra",
     "optuna": "the tune extra",
     "matplotlib": "the tune extra",

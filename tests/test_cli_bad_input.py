@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoConfig
 
 from slapo_fn.checkpoint_dir import write_manifest
@@ -121,6 +122,10 @@ CASES = [
                  ["b.txt'", "is not UTF-8 text"], id="data-not-utf8", marks=SLOW),
     pytest.param(["train", "--model", "{vocab128}", "--data", "{text}"],
                  ["'--data'", "{text}", "256 symbols", "only 128"], id="data-beyond-vocab", marks=SLOW),
+    pytest.param(["train", "--tp", "2", "--float8"], ["'--float8'", "drop --float8"], id="float8-without-sm89",
+                 marks=[SLOW, pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU may run float8")]),
+    pytest.param(["train", "--tp", "2", "--sp", "--async-tp"], ["'--async-tp'", "needs --tp > 1, --sp and --compile",
+                                                                 "add --compile"], id="async-tp-without-compile"),
     pytest.param(["explain", "--model", "{broken}"], ["{broken}", "not valid JSON", "line 2"], id="config-not-json"),
     pytest.param(["explain", "--model", "{typo}"], ["{typo}", "unknown model_type 'lama'", "close matches: 'llama'"],
                  id="config-unknown-type"),

@@ -15,6 +15,7 @@ from torch import nn
 import slapo_fn as sf
 from slapo_fn import inputs, job
 from slapo_fn.cli import _parsers
+from slapo_fn.errors import CommandLineError
 
 
 def options(**given: object) -> argparse.Namespace:
@@ -77,3 +78,14 @@ def test_explain_hsdp_replicates_over_one_axis_and_shards_over_the_other(capsys:
         "all_reduce"}
     assert main(["explain", "--dp", "4", "--dp-mode", "hsdp"]) == 2
     assert "'--dp-shard': --dp-mode hsdp shards over --dp-shard ranks" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU may run them")
+def test_float8_and_async_tp_are_refused_before_any_rank_starts_where_no_gpu_runs_them() -> None:
+    """The launcher's check (``check_schedule``), before the model is read: one problem
+    per flag, each naming it (the command line says them once, exit code 2)."""
+    options = argparse.Namespace(command="train", schedule="1f1b", float8=True, async_tp=True)
+    with pytest.raises(CommandLineError) as e:
+        job.check_schedule(options, None)
+    assert e.value.paths == ("--float8", "--async-tp"), e.value
+    assert all(p.fix.startswith("drop --") for p in e.value.problems), e.value

@@ -41,6 +41,16 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return funcol.wait_tensor(t) if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
+def _later(t: torch.Tensor) -> torch.Tensor:
+    """A collective's result, waited for where it is first used (funcol's
+    ``AsyncCollectiveTensor``: eager computation between the issue and the use overlaps
+    the transfer; a compiled graph has the ``wait_tensor`` where its scheduler puts it);
+    at once inside ``torch.func`` transforms, whose wrappers would hide the pending value."""
+    if isinstance(t, funcol.AsyncCollectiveTensor) and torch._C._are_functorch_transforms_active():
+        return _wait(t)
+    return t
+
+
 # The functional collectives run under no_grad: the Functions below define every gradient
 # themselves, and the ops' own autograd wrappers (autograd.Functions without setup_context)
 # would otherwise refuse to run inside a torch.func transform's backward.
@@ -48,7 +58,7 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def _all_reduce(t: torch.Tensor, axis: Axis, op: str = "sum") -> torch.Tensor:
-    return _wait(funcol.all_reduce(t.contiguous(), op, axis))
+    return _later(funcol.all_reduce(t.contiguous(), op, axis))
 
 
 # torch >= 2.10 names them *_single (the *_tensor names are deprecated aliases)
@@ -56,24 +66,21 @@ _gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather
 _scatter_single = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
+# Along any dimension, as PyTorch's own tensor parallelism moves activations: funcol gathers
+# into dimension 0 of one buffer and puts the ranks' chunks in place with one cat (a view where
+# the dimensions before ``dim`` have one element), and scatters from the chunks laid out by one
+# cat, the forms inductor's async-TP matcher (micro_pipeline_tp) fuses with the matmul beside
+# them; their results are contiguous (a pipeline stage sizes its receive buffers by them).
+
+
 @torch.no_grad()
 def _all_gather(t: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
-    dim %= t.dim()
-    if dim == 0:
-        return _wait(_gather_single(t.contiguous(), 0, axis))
-    moved = t.movedim(dim, 0).contiguous()
-    # contiguous: activations leave a region this way, and e.g. a pipeline stage sizes its
-    # receive buffers by them (gloo refuses non-contiguous ones)
-    return _wait(_gather_single(moved, 0, axis)).movedim(0, dim).contiguous()
+    return _later(_gather_single(t.contiguous(), dim % t.dim(), axis))
 
 
 @torch.no_grad()
 def _reduce_scatter(t: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
-    dim %= t.dim()
-    if dim == 0:
-        return _wait(_scatter_single(t.contiguous(), "sum", 0, axis))
-    moved = t.movedim(dim, 0).contiguous()
-    return _wait(_scatter_single(moved, "sum", 0, axis)).movedim(0, dim).contiguous()
+    return _later(_scatter_single(t.contiguous(), "sum", dim % t.dim(), axis))
 
 
 def _split(t: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:

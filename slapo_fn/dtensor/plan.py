@@ -303,7 +303,7 @@ def _plan(sch: Schedule) -> Plan:
                 p is not None and join(path, n) not in sch.annotations.of_kind(LAYOUT)
                 for n, p in get_module(sch.module, path)._parameters.items()
             )
-        )
+        ) or (role is not None and not role.own_forward and bool(_reduced_params(sch, ModulePlan(path, role))))
         modules[path] = ModulePlan(path, role, seq, partnered, entry, exit_, spec_syncs, rngs.get(path), local,
                                    partners=partners.get(path, ()), entry_group=group,
                                    split_input=role is not None and role.splits_input and split_input,
@@ -506,11 +506,15 @@ def _local_axis(mp: ModulePlan) -> str:
 
 
 def _reduced_params(sch: Schedule, mp: ModulePlan) -> dict[str, nn.Parameter]:
-    """A module's own replicated parameters (no layout, or a replicated one)."""
+    """A module's own replicated parameters (no layout, or a replicated one) but a bias its
+    role adds after the sum: a sharded layer's are those its local forward reads whole
+    (a LoRA's ``A`` in a column), whose local gradients are partial sums."""
     layouts = sch.annotations.of_kind(LAYOUT)
     module = get_module(sch.module, mp.path)
+    after = mp.role.bias_after(module) if mp.role is not None else None
     return {n: p for n, p in module._parameters.items()
-            if p is not None and not (join(mp.path, n) in layouts and not layouts[join(mp.path, n)].is_replicated)}
+            if p is not None and p is not after
+            and not (join(mp.path, n) in layouts and not layouts[join(mp.path, n)].is_replicated)}
 
 
 def _param_grad_boundaries(sch: Schedule, mp: ModulePlan) -> list[Boundary]:

@@ -39,8 +39,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from . import rules  # noqa: F401  (CPU attention's sharding rules, registered on import)
-from .collectives import gather, reduce, unpack
-from .roles import Role
+from .collectives import enter_all, gather, reduce, unpack
+from .roles import Role, local_value, reading, whole_params
 
 __all__ = ["Activations", "BiasShare", "OnDTensors", "region"]
 
@@ -374,7 +374,10 @@ def role_on_dtensors(acts: Activations, m: nn.Module, role: Role, out: Placement
             base = list(dt.placements)
             grad = [*base[:i], role.input_grad(dt.dim()), *base[i + 1:]]
             local = dt.to_local(grad_placements=grad)
-        y = role.local_forward(m, local, rank)
+        # the parameters it reads whole (a LoRA's A in a column): their gradients all-reduced
+        whole: list[DTensor] = [getattr(m, n) for n in whole_params(m, role)]
+        reduced = enter_all([p.to_local() for p in whole], (acts.mesh, i)) if whole else ()
+        y = role.local_forward(m, local, rank, reading(list(zip(whole, reduced, strict=True)), local_value))
         gives = role.gives(y.dim())
         if isinstance(gives, _StridedShard):
             y, gives = unpack(gather(y, -1, (acts.mesh, i)), role.packed, size), Replicate()

@@ -4,7 +4,8 @@
 A role owns, over its mesh axis, what its module takes (the layout its input must have,
 and the layout of the local gradient of that input), what it gives (its output's layout
 before any resharding), and its local forward: the module's computation on the local
-shards of its input and parameters, with no collective. The planner, the runtime on
+shards of its input and parameters, with no collective (a ``Linear``'s own forward, a
+subclass's too: float8, LoRA, quantized). The planner, the runtime on
 local shards and the DTensor regions ask a role these questions; none of them branches
 on which role it is.
 
@@ -39,9 +40,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -50,9 +51,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.nn.utils.stateless import _reparametrize_module
 
-from ..hf import is_conv1d
-
-__all__ = ["Channels", "Column", "EmbedDim", "Gathered", "Role", "Row", "VocabEmbed", "local_value"]
+__all__ = ["Channels", "Column", "EmbedDim", "Gathered", "Role", "Row", "VocabEmbed", "local_value", "reading",
+           "run_own_forward", "whole_params"]
 
 
 def local_value(p: torch.Tensor | None) -> torch.Tensor | None:
@@ -63,6 +63,27 @@ def local_value(p: torch.Tensor | None) -> torch.Tensor | None:
 #: How a local forward reads a parameter's shard (inside ``torch.func`` transforms the
 #: runtime reads it without DTensor's own ``to_local``).
 Local = Callable[[torch.Tensor | None], torch.Tensor | None]
+
+
+def whole_params(module: nn.Module, role: Role) -> tuple[str, ...]:
+    """The DTensor parameters ``role``'s local forward reads whole on every rank (a LoRA's
+    ``A`` in a column, its ``B`` in a row), but a bias added after the sum: their local
+    gradients are partial sums over the axis, to be all-reduced."""
+    after = role.bias_after(module)
+    return tuple(n for n, p in module._parameters.items() if isinstance(p, DTensor) and p is not after
+                 and all(isinstance(pl, Replicate) for pl in p.placements))
+
+
+def reading(values: Sequence[tuple[torch.Tensor, torch.Tensor]], local: Local) -> Local:
+    """``local``, but for each parameter of ``values`` (matched by identity) its given value."""
+
+    def read(p: torch.Tensor | None) -> torch.Tensor | None:
+        for q, v in values:
+            if q is p:
+                return v
+        return local(p)
+
+    return read
 
 
 @dataclass(frozen=True)
@@ -154,16 +175,35 @@ class Role:
 
 
 def _linear(module: nn.Module, x: torch.Tensor, bias: bool, local: Local) -> torch.Tensor:
+    """A linear layer's computation on this rank's shards; ``bias=False`` leaves the bias
+    out (a row adds it once, after the sum). A ``Linear`` runs its own forward (a subclass's
+    too: float8, LoRA, quantized) on the local values of its parameters; see
+    :func:`run_own_forward`."""
+    if isinstance(module, nn.Linear):
+        if type(module).forward is nn.Linear.forward:  # F.linear itself: no swap needed
+            return F.linear(x, local(module.weight), local(module.bias) if bias else None)  # type: ignore[arg-type]
+        values = {n: None if p is None or (n == "bias" and not bias) else local(p)
+                  for n, p in module._parameters.items()}
+        return run_own_forward(module, values, x)
     w = local(module.weight)  # type: ignore[arg-type]
     b = local(module.bias) if bias else None  # type: ignore[arg-type]
     assert w is not None
     if isinstance(module, CONVOLUTIONS):  # a column or a row over channels: its groups are whole
         return _conv(module, x, w, b, module.groups)
-    if is_conv1d(module):  # Hugging Face's Conv1D stores its weight (in, out)
-        flat = x.reshape(-1, x.shape[-1])
-        y = torch.addmm(b, flat, w) if b is not None else flat @ w
-        return y.view(*x.shape[:-1], w.shape[1])
-    return F.linear(x, w, b)
+    # Hugging Face's Conv1D stores its weight (in, out), and its forward reshapes to its full
+    # output width (``nf``): the product is written here
+    flat = x.reshape(-1, x.shape[-1])
+    y = torch.addmm(b, flat, w) if b is not None else flat @ w
+    return y.view(*x.shape[:-1], w.shape[1])
+
+
+def run_own_forward(module: nn.Module, values: dict[str, torch.Tensor | None], *args: Any) -> Any:
+    """The forward of ``module``'s class run on ``values`` in place of its parameters (this
+    rank's shards; ``None`` for a bias left out), as ``torch.func.functional_call`` does,
+    but calling the class's forward, not the instance's (which build replaces by the
+    sharded one)."""
+    with _reparametrize_module(module, values):  # type: ignore[arg-type]
+        return type(module).forward(module, *args)
 
 
 #: The convolutions :func:`~slapo_fn.dtensor.shard` lays out over their channels.

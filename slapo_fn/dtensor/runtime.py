@@ -42,7 +42,7 @@ from .plan import _local_axis, _sharded_output, param_dims, plan
 from .planned import ModulePlan, Plan
 from .region import Activations, BiasShare, map_first_output, map_input, output_slot
 from .rng import RNG, forked
-from .roles import Role
+from .roles import Role, reading, whole_params
 from .sequence import SEQ
 from .shard import LAYOUT, ROLE, mesh_dims
 from .sync import SYNC, SyncSpec
@@ -337,11 +337,21 @@ def _role_forward(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> C
             return C.redistribute(y, Shard(d), out_sync.layout, axis)
         return y if kept_local else C.gather(y, d, axis)
 
+    # the parameters its local forward reads whole (a LoRA's A in a column): their local
+    # gradients are partial sums, reduced as a sequence-parallel norm's are
+    whole = whole_params(m, role) if mp.local_params else ()
+
+    def local_of() -> Callable[[torch.Tensor | None], torch.Tensor | None]:
+        if not whole:
+            return _local
+        ps = [m._parameters[n] for n in whole]  # the module's, or torch.func.functional_call's
+        return reading(list(zip(ps, rt.reduced_grads(ax, ps), strict=True)), _local)  # type: ignore[arg-type]
+
     def forward(x: torch.Tensor) -> torch.Tensor:
         takes = role.takes(x.dim())
         if takes is not None:
             x = split_in(x) if isinstance(takes, Shard) else whole_in(x)
-        y = role.local_forward(m, x, rank, _local)
+        y = role.local_forward(m, x, rank, local_of())
         return summed(y) if isinstance(role.gives(y.dim()), Partial) else features(y, takes is None)
 
     return forward

@@ -44,9 +44,20 @@ from ..schedule import Key, Schedule
 from ..select import Selection
 from ..tree import get_module, join, parent_path, split, uncalled, walk
 from .layout import Layout, from_spec, packed_shard
-from .roles import CHANNEL_NORMS, CONVOLUTIONS, Channels, Column, EmbedDim, Gathered, Role, Row, VocabEmbed
+from .roles import (
+    CHANNEL_NORMS,
+    CONVOLUTIONS,
+    Channels,
+    Column,
+    EmbedDim,
+    Gathered,
+    Role,
+    Row,
+    VocabEmbed,
+    run_own_forward,
+)
 
-__all__ = ["LAYOUT", "ROLE", "Role", "mesh_dims", "shard", "tied_paths"]
+__all__ = ["LAYOUT", "ROLE", "Role", "feature_dims", "mesh_dims", "shard", "tied_paths"]
 
 LAYOUT: Key[Layout] = Key("layout")
 ROLE: Key[Role] = Key("tp")
@@ -259,7 +270,15 @@ def _module_plan(
         return None
     column = axis == out_axis
     bias = _layout(sch, packed_shard(0, packed), mesh_axis) if column else _layout(sch, Replicate(), mesh_axis)
-    params = (("weight", w), ("bias", bias)) if has_bias else (("weight", w),)
+    params: tuple[tuple[str, Layout], ...] = (("weight", w), ("bias", bias)) if has_bias else (("weight", w),)
+    if isinstance(module, nn.Linear):  # a subclass's own parameters (LoRA's A and B) split alike
+        out_f, in_f = weight.shape
+        for name, p in module._parameters.items():
+            if p is None or name in ("weight", "bias"):
+                continue
+            fdim = feature_dims(tuple(p.shape), out_f, in_f)[0 if column else 1]
+            if fdim is not None:
+                params += ((name, _layout(sch, packed_shard(fdim, packed if column else 1), mesh_axis)),)
     dim = 1 if isinstance(module, CONVOLUTIONS) else -1  # a convolution's channels: dim 1 of N, C, ...
     return _Plan(path, (Column if column else Row)(mesh_axis, packed, dim), params)
 
@@ -320,6 +339,22 @@ def _ndim(module: nn.Module) -> int:
 def _tensor_of(module: nn.Module, name: str) -> torch.Tensor | None:
     """A module's own parameter or buffer ``name``, or ``None``."""
     return module._parameters.get(name, module._buffers.get(name))
+
+
+def feature_dims(shape: Sequence[int], out_features: int, in_features: int) -> tuple[int | None, int | None]:
+    """Which dimension of a linear layer's parameter of ``shape`` indexes its output
+    features and which its input features (``None``: none does), laid out as the weight
+    ``(out, in)`` and the bias ``(out,)`` are: the first dimension where it has the output
+    width, the last (another one) where it has the input width. A column splits every
+    parameter along its output features (LoRA's ``B (out, r)`` with the weight's rows), a
+    row along its input features (LoRA's ``A (r, in)`` with the weight's columns); one with
+    neither (``A`` of a column, ``B`` of a row) is whole on every rank, its gradient a
+    partial sum all-reduced. A parameter laid out otherwise (an input scale ``(in,)`` of a
+    square layer) is read wrong, and the probe of :func:`_shards_as_a_layer` then refuses
+    the split (the module runs on gathered parameters instead)."""
+    out = 0 if shape and shape[0] == out_features else None
+    inp = len(shape) - 1 if shape and shape[-1] == in_features and len(shape) - 1 != out else None
+    return out, inp
 
 
 def _split_features(module: nn.Module, role: Role | None) -> tuple[int, int] | None:
@@ -399,6 +434,79 @@ def _acts_as(module: nn.Module, base: type[nn.Linear] | type[nn.Embedding]) -> b
 _KNOWN = "Linear, Embedding, Conv1D, Conv1d/2d/3d, BatchNorm, InstanceNorm, GroupNorm"
 
 
+#: The probe's sizes (output, input features) and its number of ranks: distinct widths, so
+#: that a dimension of one is never read as the other.
+_PROBE_OUT, _PROBE_IN, _PROBE_RANKS = 6, 4, 2
+
+
+def _shards_as_a_layer(module: nn.Module, plan: _Plan) -> bool:
+    """Whether a ``Linear`` subclass's own forward, run on each rank's shards as ``plan``'s
+    role runs it (:meth:`.roles.Role.local_forward`), gives what its forward gives on the
+    whole: a column's outputs concatenated, or a row's partial sums added up with the bias
+    after. Read on a small probe of the module (its attributes, parameters of the probe's
+    widths laid out as :func:`feature_dims` reads them, two ranks). The probe's values are
+    small integers, with the largest magnitude in every shard: a forward that casts to a low
+    precision with a scale from each tensor's largest value (float8) computes them exactly.
+    A forward mixing features (a top-k, a softmax or a norm over its outputs), or one that
+    fails on the probe, does not shard as a layer."""
+    role = plan.role
+    if not isinstance(module, nn.Linear) or not isinstance(role, Column | Row) or role.packed != 1:
+        return False
+    weight = module._parameters["weight"]
+    assert weight is not None
+    out_f, in_f = weight.shape
+    g = torch.Generator().manual_seed(0)
+    full: dict[str, torch.Tensor | None] = {}
+    split_dim: dict[str, int | None] = {}
+    column = isinstance(role, Column)
+    for name, p in module._parameters.items():
+        if p is None:
+            full[name] = None
+            continue
+        if not p.dtype.is_floating_point:
+            return False
+        dims = feature_dims(tuple(p.shape), out_f, in_f)
+        shape = [_PROBE_OUT if d == dims[0] else _PROBE_IN if d == dims[1] else n for d, n in enumerate(p.shape)]
+        split_dim[name] = dims[0] if column else dims[1]
+        full[name] = _probe_values(shape, split_dim[name], g)
+    x = _probe_values([3, _PROBE_IN], None if column else 1, g)
+    probe = copy.copy(module)  # its own __dict__: the module itself is not touched
+    vars(probe).update(in_features=_PROBE_IN, out_features=_PROBE_OUT, _modules={}, _forward_hooks={},
+                       _forward_pre_hooks={}, _parameters=dict(full))
+    bias = full.get("bias")
+    try:
+        with torch.no_grad():
+            want = run_own_forward(probe, full, x)
+            parts = []
+            for r in range(_PROBE_RANKS):
+                local = {n: _shard_of(t, split_dim.get(n), r) for n, t in full.items()}
+                if column:
+                    parts.append(run_own_forward(probe, local, x))
+                else:
+                    if "bias" in local:  # a row's bias is added once, after the sum
+                        local["bias"] = None
+                    parts.append(run_own_forward(probe, local, x.chunk(_PROBE_RANKS, -1)[r]))
+            got = torch.cat(parts, -1) if column else sum(parts[1:], parts[0]) + (0 if bias is None else bias)
+        return (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) and got.shape == want.shape
+                and bool(torch.allclose(got.float(), want.float(), rtol=1e-4, atol=1e-4)))
+    except Exception:  # the subclass's forward needs more than a layer of its kind: not one
+        return False
+
+
+def _shard_of(t: torch.Tensor | None, dim: int | None, rank: int) -> torch.Tensor | None:
+    return t if t is None or dim is None else t.chunk(_PROBE_RANKS, dim)[rank]
+
+
+def _probe_values(shape: Sequence[int], split: int | None, g: torch.Generator) -> torch.Tensor:
+    """Values of ±1 and ±2 (exact in float8), with a 2 in every shard along ``split``."""
+    t = (torch.randint(1, 3, tuple(shape), generator=g) * (torch.randint(0, 2, tuple(shape), generator=g) * 2 - 1))
+    t = t.float()
+    if t.numel():
+        for chunk in t.chunk(_PROBE_RANKS, split) if split is not None else (t,):
+            chunk[(0,) * chunk.dim()] = 2.0
+    return t
+
+
 def _whole_module_problem(root: nn.Module, path: str, module: nn.Module) -> Problem:
     """Why ``module`` cannot be sharded as a whole, with a fix naming only paths that exist:
     its own parameters, else the shardable modules inside it, else those beside it."""
@@ -447,9 +555,13 @@ def shard(
       elsewhere. Groups (or channels) that do not divide by the mesh axis are refused.
     * A parameter path (``"h.0.ln_1.weight"``): that tensor only; its module then runs
       on the gathered parameter (correct for any module, at one all-gather per use).
-      A layer subclass whose forward computes more than its base (BART's and OPT's
-      learned positions, Llama-4's router) is sharded so too: its parameters take the
-      layer's layouts, and its own forward runs on them gathered.
+      A ``Linear`` subclass with a forward of its own (float8, LoRA, quantized) is a
+      column or row too, its forward run on each rank's shards, its own parameters split
+      along the features its role splits (:func:`feature_dims`), where a probe shows that
+      this computes what its forward does on the whole. One that does not (Llama-4's
+      router, a top-k over its outputs), and an ``Embedding`` subclass computing more than
+      its base (BART's and OPT's learned positions), keep their own forward, run on their
+      parameters (the layer's layouts) gathered.
     * ``packed=k`` shards each of ``k`` fused chunks separately (GPT-2 ``c_attn`` =
       [Q|K|V]: ``axis=1, packed=3``).
     * ``layout=`` DTensor placements (one per mesh dimension) or a PartitionSpec-style
@@ -503,10 +615,10 @@ size 4 of mesh axis 'tp'
         plan = _module_plan(sch, path, module, axis, mesh_axis, packed, layout, problems)
         if plan is None:
             continue
-        if _own_forward(module) is not None:
-            # a subclass computing more than its layer (learned positions made from a mask, a
-            # router picking experts) keeps its own forward, which a sharded layer's would
-            # replace: its parameters take the layer's layouts, gathered for each call
+        if _own_forward(module) is not None and not _shards_as_a_layer(module, plan):
+            # a subclass computing more than its layer on each feature (learned positions made
+            # from a mask, a router picking experts) keeps its own forward, which a sharded
+            # layer's would replace: its parameters take the layer's layouts, gathered for each call
             plan = _Plan(path, Gathered(mesh_axis), plan.params)
         for name, lay in plan.params:
             tensor = _tensor_of(module, name)

@@ -9,6 +9,8 @@
   masks, which compiled CPU kernels fuse cheaply (``sf.fuse`` uses it);
 * :func:`linear_cross_entropy`, :class:`ChunkedLMHeadLoss`, :func:`causal_lm_loss` — an LM
   head's loss without materialising the logits.
+* :mod:`.float8` — torchao's float8 training linears (``float8=True`` on a recipe), and
+  :mod:`.gpu` — what this process's GPU runs of float8 and async tensor parallelism.
 
 Every ``Kernel.from_hf(old, path)`` is a factory for ``sf.replace(sch, where, Kernel.from_hf)``
 and raises :class:`KernelError` for a module it cannot replace.

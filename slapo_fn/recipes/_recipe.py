@@ -5,7 +5,9 @@ layers shard (a Megatron plan: column ``0`` / row ``1`` / packed), which modules
 sequence-parallel, which modules have fused kernels, and where pipeline cuts go.
 :meth:`Recipe.__call__` turns it and a :class:`Knobs` value into one chain of public
 rewrites, in a fixed order: kernels (replace) → tensor parallel (shard) → sequence
-parallel → activation checkpointing → compile → pipeline cuts → data parallel. Nothing
+parallel → activation checkpointing → compile → pipeline cuts → data parallel (float8
+linears, where asked, replace the layers' linears first, as torchtitan converts before it
+parallelizes). Nothing
 in here knows a model class: model-specific knowledge is the recipe's data.
 """
 
@@ -24,7 +26,9 @@ from torch.distributed.tensor import Shard as DShard
 from ..combinators import Rewrite, chain, foreach
 from ..dtensor import context_parallel, sequence_parallel, shard, sync, tp_local
 from ..dtensor.data_parallel import data_parallel
-from ..errors import LayoutError, Problem, ScheduleError, ScheduleTypeError, SelectorError
+from ..errors import HardwareError, LayoutError, Problem, ScheduleError, ScheduleTypeError, SelectorError
+from ..kernels.float8 import float8_linear, float8_paths
+from ..kernels.gpu import async_tp_problem, float8_problem
 from ..pipelines import cut_pipeline_stage
 from ..rewrites import checkpoint, compile, replace  # noqa: A004
 from ..schedule import Schedule
@@ -86,6 +90,16 @@ class Knobs:
     * ``cp``: context-parallel degree over the mesh axis ``"cp"`` (1 = off): each
       sequence split over ``cp`` ranks (:func:`~slapo_fn.dtensor.context.context_parallel`
       of the recipe's ``attention``).
+    * ``float8``: the layers' linears as torchao's float8 training linears (torchtitan's
+      recipe; :mod:`slapo_fn.kernels.float8`), sharded as the plain ones; refused with a
+      :class:`~slapo_fn.errors.HardwareError` where this process has no CUDA GPU of
+      compute capability 8.9 or more, or no torchao;
+    * ``async_tp``: micro-pipelined tensor parallelism (torchtitan's async TP): inductor
+      fuses each sequence-parallel all-gather with the matmuls reading it and each matmul
+      with the reduce-scatter of its output, in the compiled layers (an inductor option of
+      their ``torch.compile``; PyTorch sets up the symmetric memory itself). Needs ``tp > 1``,
+      ``sequence_parallel`` and ``compile``; a :class:`~slapo_fn.errors.HardwareError` where
+      this process has no CUDA GPU.
     """
 
     tp: int = 1
@@ -96,6 +110,8 @@ class Knobs:
     kernels: bool = False
     compile: bool = False
     cp: int = 1
+    float8: bool = False
+    async_tp: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,6 +147,10 @@ class Recipe:
         self._check(sch, knobs)
         stacks = self.layer_paths(sch)
         steps: list[Rewrite] = []
+        if knobs.float8:
+            converted = float8_paths(sch.module, [p for stack in stacks for p in stack], knobs.tp)
+            if converted:
+                steps.append(replace.at(converted, float8_linear))
         if knobs.kernels:
             steps += [replace.at(where, factory) for where, factory in self.kernels.items()]
         if knobs.cp > 1:
@@ -155,7 +175,9 @@ class Recipe:
         if chosen:
             steps.append(checkpoint.at(chosen))
         if knobs.compile:
-            steps.append(compile.at(layers))
+            # async TP: inductor's micro-pipeline pass in these graphs only (no global config)
+            steps.append(compile.at(layers, options={"_micro_pipeline_tp": True}) if knobs.async_tp
+                         else compile.at(layers))
         # the stages run through every stack's layers, in order (an encoder's, then a decoder's)
         steps += [cut_pipeline_stage.at(path) for path in _cuts(list(dict.fromkeys(layers)), knobs.stages)]
         if knobs.dp_mode is not None:
@@ -167,7 +189,16 @@ class Recipe:
         return sch
 
     def _check(self, sch: Schedule, knobs: Knobs) -> None:
+        hardware = [found for on, check in ((knobs.float8, float8_problem), (knobs.async_tp, async_tp_problem))
+                    if on and (found := check()) is not None]
+        if hardware:
+            raise HardwareError(f"recipes.{self.name}", hardware)
         problems = []
+        if knobs.async_tp and not (knobs.tp > 1 and knobs.sequence_parallel and knobs.compile):
+            problems.append(Problem("", "async_tp fuses the all-gathers and reduce-scatters of sequence parallelism "
+                                        "with their matmuls in compiled layers: it needs tp > 1, sequence_parallel "
+                                        "and compile",
+                                    "set tp=2 (or more), sequence_parallel=True and compile=True, or drop async_tp"))
         config = getattr(sch.module, "config", None)
         if knobs.tp > 1:
             names = tuple(getattr(sch.mesh, "mesh_dim_names", None) or ())
@@ -206,7 +237,8 @@ class Recipe:
 
 _KNOB_TYPES: dict[str, tuple[type, ...]] = {
     "tp": (int,), "sequence_parallel": (bool,), "checkpoint": (float, int, tuple, type(None)), "stages": (int, tuple),
-    "dp_mode": (str, type(None)), "kernels": (bool,), "compile": (bool,), "cp": (int,),
+    "dp_mode": (str, type(None)), "kernels": (bool,), "compile": (bool,), "cp": (int,), "float8": (bool,),
+    "async_tp": (bool,),
 }
 
 
