@@ -29,6 +29,7 @@ from .chains import (
     _member_over_sequence,
     _told_split,
     _whole_in_chains,
+    passive_member,
 )
 from .flow import INPUT, OUTPUT, SIDE, pointwise
 from .lookups import (
@@ -416,7 +417,7 @@ def _chains_inside_pairs(sch: Schedule, p: Plan) -> list[Problem]:
             continue
         for member in later[: later.index(row)]:
             spec = seqs.get(member)
-            if spec is not None and spec.mesh_axis == mp.role.mesh_axis:
+            if spec is not None and spec.mesh_axis == mp.role.mesh_axis and not passive_member(sch, member):
                 problems.append(Problem(
                     member,
                     f"is in a sequence_parallel chain but runs between the column {path!r} and its row partner "

@@ -310,6 +310,20 @@ def _chain_exits(sch: Schedule) -> dict[str, str]:
     return {axis: last for axis, (_, last) in _chain_ends(sch).items()}
 
 
+def passive_member(sch: Schedule, path: str) -> bool:
+    """Whether ``path`` is a sequence-parallel chain member that moves no layout: neither
+    its chain's first nor its last (the entry and exit move the sequence at the ends
+    only), with no role and no sync of its own, and pointwise (an activation, a dropout).
+    It computes on whatever layout reaches it, as it would outside the chain: between a
+    column and its row, on this rank's features (PyTorch's SP MLP test puts ``net1``,
+    ``relu`` and ``net2`` in one chain)."""
+    if path not in sch.annotations.of_kind(SEQ) or path in sch.annotations.of_kind(ROLE):
+        return False
+    if path in sch.annotations.of_kind(SYNC) or any(path in pair for pair in _chain_ends(sch).values()):
+        return False
+    return pointwise(get_module(sch.module, path))
+
+
 def _in_chain(sch: Schedule, path: str, axis: str) -> bool:
     """Whether ``path`` is in (or is) a sequence-parallel chain over ``axis``."""
     return any(s.mesh_axis == axis and (r == path or contains(r, path))

@@ -9,13 +9,13 @@ One reason to change: how columns are paired with rows.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from ..errors import Problem
 from ..schedule import Schedule
 from ..tree import get_module, join
 from .arriving import _partner_gathered, _split_by_sync
-from .chains import _in_chain
+from .chains import _in_chain, passive_member
 from .flow import INPUT, OUTPUT, SIDE
 from .lookups import (
     _caller,
@@ -59,7 +59,7 @@ def _partners(sch: Schedule) -> dict[str, tuple[str, ...]]:
         fl = _flow_of(sch, parent)
         assert fl is not None
         names = {(p[len(parent) + 1:] if parent else p): p for p in paths}
-        through = _through(sch, parent)
+        through = _through_members(sch, parent)
         cols = {n for n, p in names.items() if roles[p].splits_output}
         rows = {n for n, p in names.items() if roles[p].splits_input}
         keep = {c for c in cols if (users := fl.consumers(c, through)) and users <= rows}
@@ -83,6 +83,13 @@ def _partners(sch: Schedule) -> dict[str, tuple[str, ...]]:
                 out[names[r]] = tuple(sorted(names[c] for c in fed_r))
     out.update(_partners_across(sch, roles, out))
     return out
+
+
+def _through_members(sch: Schedule, parent: str) -> Callable[[str], bool]:
+    """:func:`_through`, and the chain members between that move no layout
+    (:func:`.chains.passive_member`)."""
+    base = _through(sch, parent)
+    return lambda q: base(q) or passive_member(sch, join(parent, q))
 
 
 def _partners_across(sch: Schedule, roles: Mapping[str, Role], paired: Mapping[str, tuple[str, ...]]

@@ -176,6 +176,21 @@ def test_mlp_training_collectives_no_more_than_pytorchs(dist2: Any, sp: bool) ->
                                                                                  r["torch"]["comms"])
 
 
+def test_the_sp_mlp_chain_pairs_its_column_and_row_through_the_relu_member() -> None:
+    """``relu``, a chain member between ``net1`` and ``net2``, moves no layout (neither the
+    chain's entry nor its exit, pointwise): the pair is Megatron's on local shards, not a
+    DTensor region."""
+    from slapo_fn.dtensor.testing import fake_mesh
+
+    sch = sf.shard(sf.shard(sf.create_schedule(MLPModule("cpu"), mesh=fake_mesh(2)), "net1", axis=0), "net2", axis=1)
+    sch = sf.sync(sf.sequence_parallel(sch, ["net1", "relu", "net2"], seq_axis=0, input_layout=Shard(0)),
+                  "net2", "fwd_post", Shard(0))
+    p = sf.dtensor.plan(sch)
+    assert p.on_dtensors == () and p.modules["net1"].partners == ("net2",)
+    assert p.counts() == {"forward": {"all_gather": 1, "reduce_scatter": 1},
+                          "backward": {"reduce_scatter": 1, "all_gather": 1}}
+
+
 def test_mlp_inference(dist2: Any) -> None:
     for r in dist2.run(_mlp_inference, timeout=60):
         assert r["torch"]["out"] < 1e-5 and r["slapo_fn"]["out"] < 1e-5, r
