@@ -26,13 +26,19 @@ four files in all).
    every later loss is bit-identical too (``resume_bit_identical``) depends on the backward
    kernels being deterministic, and is reported.
 
-Time: the parts share ``--budget-s`` (default 465 s, under the 8 minutes the script may
+5. ``levers`` (only when named in ``--parts``: the second call of a loan with time left) —
+   ``gpu_throughput.py``'s lever variants at ``recipe_compile``'s batch, each one change
+   against it: float8 linears (torchao, sm_89+; refused elsewhere) and the foreach AdamW
+   (what the fused one gains); each with its tokens/s over ``recipe_compile``'s.
+
+Time: the parts share ``--budget-s`` (default 465 s for the default parts, under the 8 minutes the script may
 take), each with its own share (``BUDGET_S``); what a part leaves unused goes to the later
 ones, and no part may eat the minimum shares of those after it. ``--smoke`` runs every
 part on a tiny model on CPU in float32 (the test suite does, so this cannot rot between
 GPU loans); ``--quick`` (with ``--smoke``) runs the cheaper subset the default suite runs.
 
     python benchmarks/gpu_check.py OUT [--smoke [--quick]] [--parts parity,throughput,explain,train]
+    python benchmarks/gpu_check.py OUT --parts throughput,levers     # the levers against recipe_compile
 """
 
 from __future__ import annotations
@@ -54,10 +60,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("parity", "throughput", "explain", "train")
+PARTS = ("parity", "throughput", "explain", "train", "levers")
+#: The parts a run without ``--parts`` runs: ``levers`` is the second call of a loan with time left.
+DEFAULT_PARTS = ("parity", "throughput", "explain", "train")
+#: The variants of ``gpu_throughput.py`` the ``levers`` part runs, one lever each against ``recipe_compile``.
+LEVERS = ("recipe_compile_float8", "recipe_compile_foreach")
 #: Seconds each step may take on a GPU (one H100 or H200); the shares add up to the budget.
 BUDGET_S = {"header": 25, "parity": 60, "hf_eager": 70, "recipe": 70, "recipe_compile": 110, "explain": 40,
-            "train": 90}
+            "train": 90, "recipe_compile_float8": 110, "recipe_compile_foreach": 100}
 #: Packages the script reports: what the machine should have, and what it may lack.
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "einops", "tqdm", "accelerate", "triton",
             "huggingface_hub", "numpy", "flash_attn", "datasets", "optuna", "tensorboard")
@@ -295,6 +305,44 @@ def throughput_part(args: argparse.Namespace, out: Path, env: dict[str, str], cl
     return part
 
 
+def levers_part(args: argparse.Namespace, out: Path, env: dict[str, str], clock: Clock, measured: dict[str, Any],
+                log: Callable[[str], None], save: Callable[[], None]) -> dict[str, Any]:
+    """Each lever of :data:`LEVERS` (``gpu_throughput.py``'s variants: float8 linears, the
+    foreach AdamW against the fused one), one process each, at ``recipe_compile``'s batch
+    where the throughput part measured it; its gain is its tokens/s over ``recipe_compile``'s.
+    A lever this machine cannot run (float8 below sm_89) is ``refused``, with the reason."""
+    base = [sys.executable, "benchmarks/gpu_throughput.py", *(["--smoke"] if args.smoke else []), "--model",
+            args.model, "--seq", str(args.seq)]
+    found = measured.get("recipe_compile")
+    batch = ["--batch", str(found["batch"])] if found else ["--batch", "auto", "--search-probes", "4"]
+    part: dict[str, Any] = {"status": "ok", "variants": {}}
+    for lever in LEVERS:
+        result = run([*base, "--variants", lever, *batch], clock.limit(lever), env, log)
+        figures = result.get("result", {}).get(lever, {})
+        if figures.get("status") == "refused":
+            log(f"levers {lever}: refused: {figures.get('error')}")
+        elif "tokens_per_s" in figures:
+            if found:
+                figures["gain_vs"] = {"recipe_compile": round(figures["tokens_per_s"] / found["tokens_per_s"], 3)}
+            log(f"levers {lever}: batch {figures['batch']}, {figures['tokens_per_s']:,.0f} tokens/s, "
+                f"MFU {figures['mfu']}" + (f", {figures['gain_vs']['recipe_compile']}x recipe_compile"
+                                          if "gain_vs" in figures else ""))
+        elif result["status"] == "ok":
+            result = {**result, "status": "failed", "error": f"no figures for {lever}"}
+        part["variants"][lever] = {**result, "result": figures}
+        if result["status"] != "ok":
+            part["status"] = "failed"
+        save()
+    return part
+
+
+def steps_of(wanted: Sequence[str], quick: bool) -> list[str]:
+    """The budgeted steps (:data:`BUDGET_S`) of the parts ``wanted``, in the order they run."""
+    return ["header", *(["parity"] if "parity" in wanted else []),
+            *(["hf_eager", "recipe"] + ([] if quick else ["recipe_compile"]) if "throughput" in wanted else []),
+            *(s for s in ("explain", "train") if s in wanted), *(LEVERS if "levers" in wanted else ())]
+
+
 def goals_met(parts: dict[str, Any]) -> dict[str, bool | None]:
     """Each goal of :data:`GOALS` against the figures (``None``: no figure for it)."""
     measured = parts.get("throughput", {}).get("measured", {})
@@ -397,10 +445,7 @@ def drive(args: argparse.Namespace) -> int:
         print(line, flush=True)
 
     wanted = [p for p in args.parts.split(",") if p]
-    steps = ["header", *(["parity"] if "parity" in wanted else []),
-             *(["hf_eager", "recipe"] + ([] if args.quick else ["recipe_compile"]) if "throughput" in wanted else []),
-             *(s for s in ("explain", "train") if s in wanted)]
-    clock = Clock(args.budget_s, steps)
+    clock = Clock(args.budget_s, steps_of(wanted, args.quick))
     env = _env(args)
     py = sys.executable
     smoke = ["--smoke"] if args.smoke else []
@@ -462,6 +507,9 @@ def drive(args: argparse.Namespace) -> int:
             parts["train"] = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
         save()
 
+    if "levers" in wanted:
+        parts["levers"] = levers_part(args, out, env, clock, measured, log, save)
+
     report["goals_met"] = goals_met(parts)
     report["seconds"] = round(args.budget_s - (clock.deadline - time.monotonic()), 1)
     report["ok"] = all(p.get("status") == "ok" for p in parts.values())
@@ -476,7 +524,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="every part on a tiny model on CPU: checks the script")
     parser.add_argument("--quick", action="store_true",
                         help="with --smoke: no compile variant; one training run (foreach), no resume")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--parts", default=",".join(DEFAULT_PARTS),
+                        help=f"comma-separated, of {', '.join(PARTS)} (default: all but levers)")
     parser.add_argument("--budget-s", type=float, default=None, help="seconds for everything (default 465; "
                         "--smoke: 600)")
     parser.add_argument("--model", default=None, help="the throughput model (default llama-1b; --smoke: llama-tiny)")
@@ -487,7 +536,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.model = args.model or ("llama-tiny" if args.smoke else "llama-1b")
     args.seq = args.seq or (32 if args.smoke else 2048)
-    args.budget_s = args.budget_s or (600.0 if args.smoke else float(sum(BUDGET_S.values())))
+    steps = steps_of([p for p in args.parts.split(",") if p], args.quick)
+    args.budget_s = args.budget_s or (600.0 if args.smoke else float(sum(BUDGET_S[s] for s in steps)))
     if args.part == "header":
         print(json.dumps(header()), flush=True)
         return 0

@@ -13,6 +13,19 @@ same random batches:
 * ``recipe_compile`` — the same plus ``torch.compile`` of every decoder layer (the recipe's
   ``compile=True``); its first step, compilation included, is ``first_step_s``.
 
+The levers GPU users train with, each one change against ``recipe_compile`` (run at its
+batch, so ``gain_vs`` is the lever's own gain):
+
+* ``recipe_compile_float8`` — the layers' linears as torchao's float8 training linears
+  (the recipe's ``float8=True``, torchtitan's conversion); where the GPU is older than
+  sm_89 or torchao is missing, the recipe refuses (``HardwareError``) and the variant's
+  entry says so instead of figures;
+* ``recipe_compile_foreach`` — AdamW's multi-tensor ``foreach`` step instead of the fused
+  kernel, the baseline that shows what ``fused=True`` (every other variant's) gains.
+
+Async tensor parallelism needs ``tp > 1``, two GPUs or more: not a variant of this
+one-process script.
+
 ``--batch auto`` finds the largest batch that fits: one full step (forward, backward,
 optimizer) at batch 1, 2, 4, … up to ``--max-batch``, then bisection between the last that
 fit and the first that ran out of memory, within ``--search-budget-s`` and
@@ -35,6 +48,7 @@ Prints one JSON line: per variant tokens/s (median of the timed steps), step tim
 memory (``torch.cuda.max_memory_allocated`` over the run), first and last loss.
 
     python benchmarks/gpu_throughput.py [--variants hf_eager,recipe,recipe_compile] [--batch auto]
+    python benchmarks/gpu_throughput.py --variants recipe_compile,recipe_compile_float8,recipe_compile_foreach
     python benchmarks/gpu_throughput.py --variants recipe --batch 8 --profile-out prof.txt
     python benchmarks/gpu_throughput.py --smoke     # the script's logic on CPU: a tiny model in fp32
 """
@@ -58,7 +72,9 @@ from slapo_fn.hardware import load_profile
 from slapo_fn.kernels import causal_lm_loss
 from slapo_fn.presets import build_model
 
-VARIANTS = ("hf_eager", "recipe", "recipe_compile")
+VARIANTS = ("hf_eager", "recipe", "recipe_compile", "recipe_compile_float8", "recipe_compile_foreach")
+#: Each lever's variant and the variant it changes one thing of.
+LEVERS = {"recipe_compile_float8": "recipe_compile", "recipe_compile_foreach": "recipe_compile"}
 #: Hardware profiles (slapo_fn/hardware) by a word of the device's name.
 PROFILES = {"H100": "h100", "H200": "h200", "A100": "a100"}
 Loss = Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -114,14 +130,17 @@ def make(variant: str, args: argparse.Namespace, device: torch.device, dtype: to
             return m(input_ids=ids, labels=ids).loss  # type: ignore[no-any-return]
     else:
         recipe = sf.recipes.for_model(base)
-        sch = recipe(sf.create_schedule(base), kernels=True, compile=variant == "recipe_compile")
+        sch = recipe(sf.create_schedule(base), kernels=True, compile=variant.startswith("recipe_compile"),
+                     float8=variant.endswith("_float8"))
         model = sf.build(sch, device=device)
         del base, sch
 
         def loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
             return causal_lm_loss(m, ids)
     _free(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    foreach = variant.endswith("_foreach")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda" and not foreach,
+                                  foreach=foreach or None)
     return model, optimizer, loss
 
 
@@ -320,7 +339,15 @@ def main() -> None:
     per_token = flops_per_token(build_model(args.model, meta=True), args.seq)
     results = {}
     for variant in variants:
-        results[variant] = run_variant(variant, args, device, dtype, peak, per_token)
+        try:
+            results[variant] = run_variant(variant, args, device, dtype, peak, per_token)
+        except sf.HardwareError as e:  # a lever this machine cannot run (float8 below sm_89): said, not measured
+            results[variant] = {"status": "refused", "error": str(e).splitlines()[0]}
+            continue
+        base_variant = LEVERS.get(variant)
+        if base_variant in results and "tokens_per_s" in results[base_variant]:
+            results[variant]["gain_vs"] = {
+                base_variant: round(results[variant]["tokens_per_s"] / results[base_variant]["tokens_per_s"], 3)}
         if variant == "hf_eager" and not args.eager_tokens_per_s:  # the later variants' speedup and profile trigger
             args.eager_tokens_per_s = results[variant]["tokens_per_s"]
     summary: dict[str, Any] = {

@@ -161,3 +161,32 @@ def test_a_wheelhouse_that_breaks_imports_is_dropped_for_the_machines_packages(t
     figures = json.loads((out / "gpu_check.json").read_text())
     assert figures["parts"]["header"] == {**figures["parts"]["header"], "status": "ok", "wheelhouse_dropped": True}
     assert figures["header"]["transformers"] != "9.9.9"
+
+
+def test_the_levers_run_only_when_named_and_the_default_budget_is_the_default_parts() -> None:
+    check = _load("gpu_check")
+    assert "levers" not in check.DEFAULT_PARTS and "levers" in check.PARTS
+    default = check.steps_of(check.DEFAULT_PARTS, quick=False)
+    assert sum(check.BUDGET_S[s] for s in default) == 465  # what a loan's first call takes
+    assert check.steps_of(["throughput", "levers"], quick=False)[-2:] == list(check.LEVERS)
+
+
+@pytest.mark.timeout(240)
+def test_float8_is_refused_by_name_where_the_hardware_cannot_run_it(tmp_path: Path) -> None:
+    """On this CPU the float8 lever is a refusal in the figures, with the reason, not a crash."""
+    result = subprocess.run([sys.executable, "benchmarks/gpu_throughput.py", "--smoke", "--variants",
+                             "recipe_compile_float8", "--batch", "1"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=220)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])["recipe_compile_float8"]
+    assert figures["status"] == "refused" and "float8" in figures["error"], figures
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_levers_part_measures_foreach_and_says_why_float8_is_refused(tmp_path: Path) -> None:
+    result, figures = _smoke(tmp_path, "--parts", "levers")
+    levers = figures["parts"]["levers"]["variants"]
+    assert levers["recipe_compile_float8"]["result"]["status"] == "refused", levers
+    assert levers["recipe_compile_foreach"]["result"]["tokens_per_s"] > 0, levers
+    assert result.returncode == 0, result.stdout[-4000:]
