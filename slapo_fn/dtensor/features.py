@@ -40,8 +40,11 @@ from typing import Any
 
 import torch.fx as fx
 
+from .view_shapes import SizeOf, op_name, shape_given, view_shape, whole_shape
+
 __all__ = ["ASSUMED_RANK", "Apart", "ApartKind", "At", "SizeOf", "Tokens", "Walk", "along_features", "along_tokens",
-           "elementwise_op", "head_operands", "metadata", "nodes_in", "sizes_only", "view_shape", "viewed_by_width"]
+           "elementwise_op", "head_operands", "metadata", "nodes_in", "op_name", "sizes_only", "view_shape",
+           "viewed_by_width"]
 
 #: The rank a traced value is taken to have where nothing in the trace says: a parent's
 #: arguments and its children's outputs are hidden states ``(batch, sequence, features)``.
@@ -186,10 +189,6 @@ def nodes_in(arg: Any) -> list[fx.Node]:
     return found
 
 
-def op_name(node: fx.Node) -> str:
-    return str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
-
-
 def along_features(node: fx.Node, elementwise: Callable[[fx.Node], bool], start: At = At()) -> Walk:
     """Follow a child's output (``node``) through the parent's code that keeps each
     feature whole (and the children ``elementwise`` accepts: activations), to where the
@@ -311,7 +310,7 @@ def _heads_view(use: fx.Node, at: At, merged: bool) -> tuple[At, bool] | None:
     heads and whether they are merged; ``None`` for any other op."""
     if op_name(use) not in ("view", "reshape") or at.rank is None:
         return None
-    shape = _shape_arg(use, at.rank)
+    shape = shape_given(use, at.rank)
     pos = at.rank + at.feat
     sized = [isinstance(d, int | SizeOf) or (isinstance(d, fx.Node) and sizes_only(d)) for d in shape]
     if not shape or not all(sized):
@@ -370,7 +369,7 @@ def _viewed_argument(arg: fx.Node, at: At, merged: bool) -> fx.Node | None:
         return None
     if arg.op not in ("call_function", "call_method") or not isinstance(arg.args[0], fx.Node):
         return None
-    return _argument_of(arg.args[0]) if len(_shape_arg(arg)) == at.rank else None
+    return _argument_of(arg.args[0]) if len(shape_given(arg)) == at.rank else None
 
 
 #: Ops an operand goes through on its way from an argument and keeps its dimensions.
@@ -508,7 +507,7 @@ def _merging(use: fx.Node, value: fx.Node, at: At) -> _Step | None:
         if at.items or at.rank is None or not -at.rank <= at.feat < -1 or use.args[0] is not value:
             return None
         if name in ("view", "reshape"):
-            shape = _shape_arg(use, at.rank)
+            shape = shape_given(use, at.rank)
             if len(shape) == 2 and _own_last_size(shape[-1], value, at.rank):
                 return _Step(At(2, -2, assumed=False, merged=(value, at)))
         if name == "flatten":
@@ -537,8 +536,8 @@ def _viewed_back(use: fx.Node, merged: fx.Node) -> bool:
     ``.view(x.size())``, ``.view_as(x)``, or ``x``'s sizes one by one, in order)."""
     if op_name(use) in ("view_as", "reshape_as"):
         return len(use.args) > 1 and use.args[1] is merged
-    shape = _shape_arg(use)
-    if len(shape) == 1 and (whole := _whole_shape(shape[0])) is not None:
+    shape = shape_given(use)
+    if len(shape) == 1 and (whole := whole_shape(shape[0])) is not None:
         return whole is merged
     n = len(shape)
     return n > 1 and all(_size_of(d, merged) in (i, i - n) for i, d in enumerate(shape))
@@ -549,18 +548,8 @@ def _viewed_as(use: fx.Node, value: fx.Node, alike: set[fx.Node]) -> bool:
     (``value.view(h.shape)``)."""
     if op_name(use) not in ("view", "reshape") or use.op not in ("call_function", "call_method") or not use.args:
         return False
-    shape = _shape_arg(use) if use.args[0] is value else ()
-    return len(shape) == 1 and _whole_shape(shape[0]) in alike
-
-
-def _whole_shape(d: Any) -> Any:
-    """The tensor whose whole shape ``d`` is (``y.shape``, ``y.size()``), else ``None``."""
-    if not isinstance(d, fx.Node):
-        return None
-    if (d.op == "call_function" and op_name(d) == "getattr" and d.args[1] == "shape") or (
-            d.op == "call_method" and op_name(d) == "size" and len(d.args) == 1):
-        return d.args[0]
-    return None
+    shape = shape_given(use) if use.args[0] is value else ()
+    return len(shape) == 1 and whole_shape(shape[0]) in alike
 
 
 def viewed_by_width(node: fx.Node, value: fx.Node) -> bool:
@@ -570,7 +559,7 @@ def viewed_by_width(node: fx.Node, value: fx.Node) -> bool:
     if node.op not in ("call_function", "call_method") or op_name(node) not in ("view", "reshape") \
             or not node.args or node.args[0] is value:
         return False
-    return any(_size_of(d, value) in (-1, ASSUMED_RANK - 1) for d in _shape_arg(node))
+    return any(_size_of(d, value) in (-1, ASSUMED_RANK - 1) for d in shape_given(node))
 
 
 def _size_of(d: Any, value: fx.Node) -> int | None:
@@ -582,7 +571,7 @@ def _size_of(d: Any, value: fx.Node) -> int | None:
         return None
     if d.op == "call_method" and op_name(d) == "size" and len(d.args) > 1 and d.args[0] is value:
         return d.args[1] if isinstance(d.args[1], int) else None
-    if d.op == "call_function" and op_name(d) == "getitem" and len(d.args) > 1 and _whole_shape(d.args[0]) is value:
+    if d.op == "call_function" and op_name(d) == "getitem" and len(d.args) > 1 and whole_shape(d.args[0]) is value:
         return d.args[1] if isinstance(d.args[1], int) else None
     return None
 
@@ -682,7 +671,7 @@ def _step(use: fx.Node, value: fx.Node, at: At, alone: bool) -> _Step:
         # they are last, any dimension after them
         return _Step(replace(at, rank=None, assumed=False) if at.feat == -1 else _text(use))
     if name == "expand":
-        sizes = _shape_arg(use, at.rank)
+        sizes = shape_given(use, at.rank)
         return _Step(replace(at, rank=len(sizes), assumed=False) if sizes else _text(use))
     if name == "expand_as":
         return _Step(replace(at, rank=None, assumed=False))
@@ -806,78 +795,6 @@ def _split(use: fx.Node, name: str, at: At, alone: bool) -> _Step:
     return _Step(Apart(ApartKind.BLOCKS, dims=(parts,) if isinstance(parts, int) else ()), ranked)
 
 
-@dataclass(frozen=True)
-class SizeOf:
-    """One size of a traced tensor that the trace holds no node for: an item of a shape
-    taken apart by Python's tuple ops, which plain fx records as calls
-    (``x.size()[:-1] + (h, d)``, ALBERT's and GPT-2's ``view``): ``of``'s size ``dim``."""
-
-    of: fx.Node
-    dim: int
-
-
-def _no_rank(_: fx.Node) -> int | None:
-    return None
-
-
-def view_shape(use: fx.Node, rank_of: Callable[[fx.Node], int | None] = _no_rank) -> tuple[Any, ...]:
-    """The shape a ``view``/``reshape``/``expand``/``permute`` call ``use`` is given, one item
-    per dimension of its result: an ``int``, a node (a size the code computes, or reads:
-    ``x.size(1)``) or a :class:`SizeOf`, however the code spelled it: sizes one by one, a
-    tuple, a tuple built from a shape by slices and concatenations (``x.size()[:-1] + (h,
-    d)``: its items evaluated, a whole shape by ``rank_of``, the number of dimensions of a
-    traced value where known). A whole shape alone (``view(y.shape)``) stays one item, as
-    written. Read off the traced values, so every spelling of one shape gives one answer."""
-    rest = use.args[1:]
-    shape = tuple(rest[0]) if len(rest) == 1 and isinstance(rest[0], tuple | list) else tuple(rest)
-    if len(shape) == 1 and _whole_shape(shape[0]) is None and (
-            found := _shape_value(shape[0], rank_of)) is not None:
-        return found
-    return tuple(_size_value(d, rank_of) for d in shape)
-
-
-def _shape_value(arg: Any, rank_of: Callable[[fx.Node], int | None], depth: int = 0) -> tuple[Any, ...] | None:
-    """The items of a traced tuple of sizes (see :func:`view_shape`), or ``None`` where
-    ``arg`` is no such tuple or its length is not known."""
-    if isinstance(arg, tuple | list):
-        return tuple(_size_value(d, rank_of, depth + 1) for d in arg)
-    if not isinstance(arg, fx.Node) or depth > 32 or arg.op != "call_function":
-        if isinstance(arg, fx.Node) and (whole := _whole_shape(arg)) is not None:
-            rank = rank_of(whole)
-            return None if rank is None else tuple(SizeOf(whole, i) for i in range(rank))
-        return None
-    name = op_name(arg)
-    if (whole := _whole_shape(arg)) is not None:
-        rank = rank_of(whole)
-        return None if rank is None else tuple(SizeOf(whole, i) for i in range(rank))
-    if name == "getitem" and len(arg.args) == 2 and isinstance(index := arg.args[1], slice) and all(
-            b is None or (isinstance(b, int) and not isinstance(b, bool))
-            for b in (index.start, index.stop, index.step)):
-        inner = _shape_value(arg.args[0], rank_of, depth + 1)
-        return None if inner is None else inner[index]
-    if name == "add" and len(arg.args) == 2:
-        left, right = (_shape_value(a, rank_of, depth + 1) for a in arg.args)
-        return None if left is None or right is None else left + right
-    return None
-
-
-def _size_value(d: Any, rank_of: Callable[[fx.Node], int | None], depth: int = 0) -> Any:
-    """One size of a shape as :func:`view_shape` gives it: an item taken by index of a
-    tuple built from a shape (``(x.size()[:-1])[0]``) is that size; anything else as given."""
-    if (isinstance(d, fx.Node) and d.op == "call_function" and op_name(d) == "getitem" and len(d.args) == 2
-            and isinstance(i := d.args[1], int) and not isinstance(i, bool) and _whole_shape(d.args[0]) is None):
-        inner = _shape_value(d.args[0], rank_of, depth + 1)
-        if inner is not None and -len(inner) <= i < len(inner):
-            return inner[i]
-    return d
-
-
-def _shape_arg(use: fx.Node, rank: int | None = None) -> tuple[Any, ...]:
-    """:func:`view_shape` of ``use``, whose first argument has ``rank`` dimensions (where known)."""
-    value = use.args[0] if use.args else None
-    return view_shape(use, lambda t: rank if t is value else None)
-
-
 def _view(use: fx.Node, name: str, at: At) -> _Step:
     """A view of the features into heads (a size after the batch and sequence sizes:
     ``view(B, S, -1, 64)``, ``unflatten(-1, (h, d))``) is taken apart for the head check;
@@ -895,10 +812,10 @@ def _view(use: fx.Node, name: str, at: At) -> _Step:
             rank = None if at.rank is None else at.rank + len(sizes) - 1
             return _Step(replace(at, rank=rank), ranked)
         return _Step(_text(use))
-    shape = _shape_arg(use, at.rank)
+    shape = shape_given(use, at.rank)
     if not shape:
         return _Step(_text(use))
-    if len(shape) == 1 and (whole := _whole_shape(shape[0])) is not None:
+    if len(shape) == 1 and (whole := whole_shape(shape[0])) is not None:
         # view(y.shape): to another tensor's shape, whose last size is the whole width where y
         # is not split alike (OPT's layer views its MLP's output back by its input's shape)
         return _Step(at if whole is use.args[0] else _text(use))  # its own: nothing moves
@@ -970,7 +887,7 @@ def _flatten(use: fx.Node, at: At) -> _Step:
 
 def _permute(use: fx.Node, at: At) -> _Step:
     given = use.kwargs.get("dims")
-    dims = _shape_arg(use, at.rank) if not isinstance(given, tuple | list) else tuple(given)
+    dims = shape_given(use, at.rank) if not isinstance(given, tuple | list) else tuple(given)
     if not dims or not all(isinstance(d, int) for d in dims):
         return _Step(_text(use))
     rank = len(dims)  # a permutation names every dimension: the rank is the code's, not assumed
