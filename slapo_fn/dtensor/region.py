@@ -26,7 +26,7 @@ Inside a region:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,7 +42,7 @@ from . import rules  # noqa: F401  (CPU attention's sharding rules, registered o
 from .collectives import enter_all, gather, reduce, unpack
 from .roles import Role, local_value, reading, whole_params
 
-__all__ = ["Activations", "BiasShare", "OnDTensors", "region"]
+__all__ = ["Activations", "BiasShare", "OnDTensors", "OncePerBackward", "reduce_together", "region"]
 
 
 class BiasShare(torch.autograd.Function):
@@ -287,7 +287,7 @@ def reduce_partial_grads(module: nn.Module, after_backward: bool = False) -> lis
         if all(isinstance(pl, Replicate) for pl in p.placements):  # a split one's gradient is DTensor's own
             params.append(p)
     if after_backward:
-        pending = _Pending(params)
+        pending = OncePerBackward(lambda: _to_placements(params))
         return [p.register_post_accumulate_grad_hook(pending.queue) for p in params]
 
     def hook(g: torch.Tensor, placements: tuple[Placement, ...]) -> torch.Tensor:
@@ -298,44 +298,58 @@ def reduce_partial_grads(module: nn.Module, after_backward: bool = False) -> lis
     return [p.register_hook(lambda g, pl=tuple(p.placements): hook(g, pl)) for p in params]
 
 
-class _Pending:
-    """The end-of-backward reduction of :func:`reduce_partial_grads`: queued once per
-    backward by the first parameter whose gradient is accumulated."""
+class OncePerBackward:
+    """``callback`` run once at the end of each backward in which :meth:`queue` is called
+    (a post-accumulate-grad hook on parameters): installed on the parameters, not in any
+    forward, so a compiler tracing the blocks sees none of it."""
 
-    def __init__(self, params: list[DTensor]) -> None:
-        self.params, self.queued = params, -1
+    def __init__(self, callback: Callable[[], None]) -> None:
+        self.callback, self.queued = callback, -1
 
     def queue(self, _: torch.Tensor) -> None:
         task = int(torch._C._current_graph_task_id())
         if task != self.queued:
             self.queued = task
-            torch.autograd.Variable._execution_engine.queue_callback(self.reduce)
+            torch.autograd.Variable._execution_engine.queue_callback(self._run)
 
-    def reduce(self) -> None:
-        """Every gradient to its parameter's placements: the ``Partial`` ones flattened
-        together per (mesh axes, dtype), in parameter order (alike on every rank), and
-        all-reduced once per axis; any other difference (a ``Shard`` gradient of a
-        replicated parameter) redistributed on its own."""
+    def _run(self) -> None:
         self.queued = -1
-        groups: dict[tuple[tuple[int, ...], torch.dtype], list[tuple[DTensor, DTensor]]] = {}
-        with torch.no_grad():
-            for p in self.params:
-                g = p.grad
-                if not isinstance(g, DTensor) or tuple(g.placements) == tuple(p.placements):
-                    continue
-                partial = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, Partial))
-                if partial and all(isinstance(pl, Partial | Replicate) for pl in g.placements):
-                    groups.setdefault((partial, g.dtype), []).append((p, g))
-                else:
-                    p.grad = g.redistribute(g.device_mesh, p.placements)
-            for (dims, _), items in groups.items():
-                flat = torch.cat([g._local_tensor.reshape(-1) for _, g in items])
-                for i in dims:
-                    flat = reduce(flat, (items[0][1].device_mesh, i))
-                pieces = flat.split([g._local_tensor.numel() for _, g in items])
-                for (p, g), piece in zip(items, pieces, strict=True):
-                    p.grad = DTensor.from_local(piece.view_as(g._local_tensor), g.device_mesh, p.placements,
-                                                run_check=False, shape=g.shape, stride=g.stride())
+        self.callback()
+
+
+def reduce_together(items: Sequence[tuple[torch.Tensor, DTensor]], dims: tuple[int, ...]) -> None:
+    """Each parameter's gradient (``items``: parameter, its ``Partial`` gradient, one dtype)
+    all-reduced over the mesh dimensions ``dims``, flattened together in the order given
+    (alike on every rank: one collective per dimension), and made ``Replicate`` there."""
+    mesh = items[0][1].device_mesh
+    with torch.no_grad():
+        flat = torch.cat([g._local_tensor.reshape(-1) for _, g in items])
+        for i in dims:
+            flat = reduce(flat, (mesh, i))
+        for (p, g), piece in zip(items, flat.split([g._local_tensor.numel() for _, g in items]), strict=True):
+            placements = [Replicate() if j in dims else pl for j, pl in enumerate(g.placements)]
+            p.grad = DTensor.from_local(piece.view_as(g._local_tensor), mesh, placements, run_check=False,
+                                        shape=g.shape, stride=g.stride())
+
+
+def _to_placements(params: list[DTensor]) -> None:
+    """At the end of a backward, every gradient of ``params`` (whole parameters) to its
+    parameter's placements: the ``Partial`` ones reduced together per (mesh dimensions,
+    dtype) (:func:`reduce_together`), any other difference (a ``Shard`` gradient of a
+    replicated parameter) redistributed on its own."""
+    groups: dict[tuple[tuple[int, ...], torch.dtype], list[tuple[torch.Tensor, DTensor]]] = {}
+    for p in params:
+        g = p.grad
+        if not isinstance(g, DTensor) or tuple(g.placements) == tuple(p.placements):
+            continue
+        partial = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, Partial))
+        if partial and all(isinstance(pl, Partial | Replicate) for pl in g.placements):
+            groups.setdefault((partial, g.dtype), []).append((p, g))
+        else:
+            with torch.no_grad():
+                p.grad = g.redistribute(g.device_mesh, p.placements)
+    for (dims, _), items in groups.items():
+        reduce_together(items, dims)
 
 
 def normalized(p: Placement, ndim: int) -> Placement:

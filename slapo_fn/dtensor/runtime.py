@@ -40,7 +40,7 @@ from .lookups import _in_width, _out_features, _parent, per_head_operands
 from .on_dtensors import install_on_dtensors
 from .plan import _local_axis, _sharded_output, param_dims, plan
 from .planned import ModulePlan, Plan
-from .region import Activations, BiasShare, map_first_output, map_input, output_slot
+from .region import Activations, BiasShare, OncePerBackward, map_first_output, map_input, output_slot, reduce_together
 from .rng import RNG, forked
 from .roles import Role, reading, whole_params
 from .sequence import SEQ
@@ -72,7 +72,6 @@ class _Runtime:
         #: the replicated parameters used on activation shards, with their mesh axis, in path
         #: order: the ones whose gradients stay Partial through backward (grads_after_backward)
         self.deferred: list[tuple[torch.Tensor, str]] = []
-        self.queued: int | None = None
         self.entries: list[tuple[torch.Tensor, tuple[str, int | None, str, bool], torch.Tensor]] | None = None
 
     def axis(self, name: str) -> C.Axis:
@@ -102,39 +101,27 @@ class _Runtime:
                      for p in dts)
 
     def defer_reductions(self) -> None:
-        """Hooks on the parameters of :attr:`deferred` that queue :meth:`_reduce_pending`
-        at the end of the backward that accumulates into them (once per backward).
-        Installed on the parameters, not in any forward: a compiler tracing the blocks sees
-        none of it."""
+        """Hooks on the parameters of :attr:`deferred` that run :meth:`_reduce_pending` at
+        the end of the backward that accumulates into them, once per backward
+        (:class:`.region.OncePerBackward`)."""
+        pending = OncePerBackward(self._reduce_pending)
         for p, _ in self.deferred:
-            p.register_post_accumulate_grad_hook(self._queue)
-
-    def _queue(self, _: torch.Tensor) -> None:
-        task = int(torch._C._current_graph_task_id())
-        if task != self.queued:
-            self.queued = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._reduce_pending)
+            p.register_post_accumulate_grad_hook(pending.queue)
 
     def _reduce_pending(self) -> None:
         """At the end of a backward: the ``Partial`` gradients of the parameters used on
         activation shards (:attr:`deferred`), all-reduced in one collective per mesh axis
-        and dtype (flattened together, in the order of their paths, alike on every rank)
-        and made ``Replicate``. A gradient already whole (``torch.autograd.grad`` leaves
-        ``.grad`` as it was; accumulating into a ``Replicate`` one reduces on the spot) is
-        left."""
-        self.queued = None
+        and dtype (:func:`.region.reduce_together`, in the order of their paths, alike on
+        every rank) and made ``Replicate``. A gradient already whole
+        (``torch.autograd.grad`` leaves ``.grad`` as it was; accumulating into a
+        ``Replicate`` one reduces on the spot) is left."""
         groups: dict[tuple[str, torch.dtype], list[tuple[torch.Tensor, DTensor]]] = {}
         for p, name in self.deferred:
             g = p.grad
             if isinstance(g, DTensor) and isinstance(g.placements[self.param_dims.index(name)], Partial):
                 groups.setdefault((name, g.dtype), []).append((p, g))
-        with torch.no_grad():
-            for (name, _), items in groups.items():
-                flat = C.reduce(torch.cat([g._local_tensor.reshape(-1) for _, g in items]), self.axis(name))
-                for (p, g), piece in zip(items, flat.split([g._local_tensor.numel() for _, g in items]), strict=True):
-                    placements = [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements]
-                    p.grad = DTensor.from_local(piece.view_as(g._local_tensor), g.device_mesh, placements,
-                                                run_check=False, shape=g.shape, stride=g.stride())
+        for (name, _), items in groups.items():
+            reduce_together(items, (self.param_dims.index(name),))
 
     def scoped(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         """``forward`` run as one pass: the entries it makes are shared by the modules it
