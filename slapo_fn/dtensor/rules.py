@@ -9,6 +9,14 @@ kernel: every operand replicated, or every operand split alike along the batch o
 heads (an attention is independent per batch row and per head); a mask or bias is split
 along the same dimension where it has it whole, and replicated where it broadcasts.
 
+DTensor picks among a rule's strategies by what moving the inputs costs in the forward,
+where splitting a replicated operand is free. Its gradient then comes back split and is
+gathered in the backward: a query split by heads beside whole keys and values would save
+one all-gather forward and cost two backward. Each rule therefore offers, per mesh axis,
+only the strategies that move the fewest of its operands either way (:func:`_cheapest`):
+the forward's query, key and value; the backward's saved ones and the gradient, so that
+the gradients leave in the layout the forward took. DTensor's own cost breaks the ties.
+
 They are registered once, when this module is imported; registering adds what PyTorch
 lacks and changes no rule PyTorch has.
 
@@ -20,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -54,16 +63,33 @@ def _strategies(n_out: int, n_in: int, mask: Any) -> list[tuple[list[Placement |
     return out
 
 
+def _cheapest(strategies: list[tuple[list[Placement | None], list[Placement | None]]],
+              operands: Sequence[Any]) -> list[tuple[list[Placement | None], list[Placement | None]]]:
+    """The ``strategies`` that, on some mesh axis, move the fewest ``operands`` (their
+    placements read off their specs): each operand whose placement differs from what a
+    strategy wants costs one collective, forward (gathering a split one) or backward
+    (gathering the gradient of a replicated one that was split)."""
+    specs = [o for o in operands if hasattr(o, "placements")]
+    if not specs:
+        return strategies
+    keep: list[int] = []
+    for axis in range(len(specs[0].placements)):
+        costs = [sum(spec.placements[axis] != wanted for spec, wanted in zip(specs, inputs, strict=False))
+                 for _, inputs in strategies]
+        keep += [i for i, c in enumerate(costs) if c == min(costs) and i not in keep]
+    return [strategies[i] for i in sorted(keep)]
+
+
 @register_sharding(_FORWARD)
 def _forward(query: Any, key: Any, value: Any, dropout_p: float = 0.0, is_causal: bool = False, *,
              attn_mask: Any = None, scale: float | None = None) -> Any:
-    return _strategies(2, 3, attn_mask)
+    return _cheapest(_strategies(2, 3, attn_mask), (query, key, value))
 
 
 @register_sharding(_BACKWARD)
 def _backward(grad_out: Any, query: Any, key: Any, value: Any, out: Any, logsumexp: Any, dropout_p: float,
               is_causal: bool, *, attn_mask: Any = None, scale: float | None = None) -> Any:
-    return _strategies(3, 6, attn_mask)
+    return _cheapest(_strategies(3, 6, attn_mask), (grad_out, query, key, value, out, logsumexp))
 
 
 def registered() -> frozenset[Any]:

@@ -485,15 +485,6 @@ KNOWN: dict[str, Defect] = {
 #: Plans on which slapo_fn issues more collectives than PyTorch's engine, the smallest found
 #: per class (the promise is a strict xfail as a whole until these are closed).
 KNOWN_COLLECTIVES: dict[str, tuple[Case, str]] = {
-    "one-split-puts-the-model-on-dtensors": (
-        Case("llama", syncs=(("model.layers.0.self_attn.q_proj", "fwd_post", "S(-1)", None),)),
-        "nothing sharded, one fwd_post sync splitting q_proj's output by features: the whole model runs on DTensor "
-        "activations, where DTensor's attention keeps the heads split (free forward, k and v split from whole values "
-        "cost an all-gather each backward) where PyTorch's math path gathers q: 5 collectives against 2"),
-    "vocab-embedding-beside-a-lone-column": (
-        Case("torch", (("layers.0.attention.wv", "col", 1), ("tok_embeddings", "vocab", 1))),
-        "PyTorch's Transformer, tok_embeddings vocabulary-parallel and wv alone column-parallel: on DTensors (the "
-        "tie sharded on one side), the attention keeps v's heads split as above: 8 collectives against 6"),
     "cross-attention-input-gradients": (
         Case("bart", tuple((f"decoder.layers.{i}.{q}", role, packed) for i in range(2)
                            for q, role, packed in _BART_CROSS)),
@@ -509,6 +500,14 @@ FIXED_COLLECTIVES: dict[str, Case] = {
                                          syncs=(("norm", "fwd_post", "S(1)", None),)),
     # ditto, and a partial sum made whole where an op makes it (25 against 33)
     "chain-without-shards": Case("llama", chain=("model.layers.*", "model.norm")),
+    # attention on DTensors takes the strategy that moves the fewest of its operands either way,
+    # not DTensor's forward-only cheapest (rules.py): q gathered once, not k and v's gradients
+    # gathered in every backward (2 against 2; was 5)
+    "one-split-puts-the-model-on-dtensors": Case(
+        "llama", syncs=(("model.layers.0.self_attn.q_proj", "fwd_post", "S(-1)", None),)),
+    # ditto, on PyTorch's Transformer with the tie sharded on one side (6 against 6; was 8)
+    "vocab-embedding-beside-a-lone-column": Case(
+        "torch", (("layers.0.attention.wv", "col", 1), ("tok_embeddings", "vocab", 1))),
 }
 
 
