@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from torch.distributed.tensor import Replicate
+
 from ..errors import Problem
 from ..schedule import Schedule
 from ..tree import get_module, join
@@ -32,7 +34,7 @@ from .planned import Plan
 from .roles import Column, Role, Row
 from .sequence import SEQ
 from .shard import ROLE
-from .sync import SYNC
+from .sync import SYNC, SyncSpec
 
 __all__: list[str] = []
 
@@ -112,7 +114,7 @@ def _partners_across(sch: Schedule, roles: Mapping[str, Role], paired: Mapping[s
     out: dict[str, tuple[str, ...]] = {}
     for (caller, axis), columns in by_caller.items():
         fl, up = _flow_of(sch, caller), _caller(sch, caller)
-        if fl is None or up is None or caller in seqs or syncs.get(caller):
+        if fl is None or up is None or caller in seqs or not _input_kept_whole(syncs.get(caller, ())):
             continue
         through = _through(sch, caller)
         names = {q[len(caller) + 1:] if caller else q: q for q in columns}
@@ -125,7 +127,8 @@ def _partners_across(sch: Schedule, roles: Mapping[str, Role], paired: Mapping[s
         for user in ofl.consumers(name, othrough):
             receiver = join(outer, user)
             rfl = _flow_of(sch, receiver) if user != OUTPUT else None
-            if rfl is None or ofl.hidden_feeders(user, othrough) != {name} or syncs.get(receiver):
+            if (rfl is None or ofl.hidden_feeders(user, othrough) != {name}
+                    or any(s.mode != "fwd_post" for s in syncs.get(receiver, ()))):  # its input is the pair's
                 break
             rthrough = _through(sch, receiver)
             taken = rfl.consumers(INPUT, rthrough)
@@ -142,6 +145,14 @@ def _partners_across(sch: Schedule, roles: Mapping[str, Role], paired: Mapping[s
                 for r in rows:
                     out[r] = tuple(sorted(columns))
     return out
+
+
+def _input_kept_whole(specs: tuple[SyncSpec, ...]) -> bool:
+    """Whether the syncs of a module that calls columns leave the pair's path alone: none
+    but ``fwd_pre`` syncs that state its input whole, as the columns take it anyway (a
+    ``fwd_post`` sync moves the columns' split output; a ``bwd_post`` one states how the
+    input gradient leaves, which the columns' backward makes)."""
+    return all(s.mode == "fwd_pre" and isinstance(s.layout, Replicate) for s in specs)
 
 
 def _pair_groups(sch: Schedule) -> dict[tuple[str, str], list[str]]:

@@ -508,6 +508,13 @@ FIXED_COLLECTIVES: dict[str, Case] = {
     # ditto, on PyTorch's Transformer with the tie sharded on one side (6 against 6; was 8)
     "vocab-embedding-beside-a-lone-column": Case(
         "torch", (("layers.0.attention.wv", "col", 1), ("tok_embeddings", "vocab", 1))),
+    # a sync stating whole the input of the module that calls BERT's q/k/v (which they take whole
+    # anyway), and one after the module that calls the row, leave the pair across parents alone
+    # (8 against 8; was 12: each column's output gathered)
+    "syncs-beside-a-pair-across-parents": Case(
+        "bert", _megatron("bert", STACKS["bert"][0]), syncs=(
+            ("encoder.layer.0.attention.self", "fwd_pre", "R", None),
+            ("encoder.layer.0.attention.output", "fwd_post", "R", None))),
 }
 
 
