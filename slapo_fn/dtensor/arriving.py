@@ -23,7 +23,7 @@ from .flow import INPUT, OUTPUT, SIDE, pointwise
 from .local import LOCAL
 from .lookups import _caller, _flow_of, _flows_memo, _model_output, _through
 from .planned import ModulePlan, _gathers_output, _last_dim
-from .roles import Column, Role
+from .roles import Role
 from .sequence import SEQ
 from .shard import ROLE
 from .sync import SYNC, SyncSpec
@@ -78,7 +78,7 @@ def _input_reaches_column(sch: Schedule, path: str, axis: str, depth: int = 0) -
     (through its children, as far as their data flow is known): that column's entry then
     all-reduces the input's gradient."""
     role = sch.annotations.get(path, ROLE)
-    if isinstance(role, Column) and role.mesh_axis == axis:
+    if role is not None and role.enters and role.mesh_axis == axis:
         return True
     fl = _flow_of(sch, path) if depth < 8 else None
     if fl is None:

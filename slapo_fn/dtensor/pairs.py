@@ -31,7 +31,7 @@ from .lookups import (
     _through,
 )
 from .planned import Plan
-from .roles import Column, Role, Row
+from .roles import Role
 from .sequence import SEQ
 from .shard import ROLE
 from .sync import SYNC, SyncSpec
@@ -106,7 +106,7 @@ def _partners_across(sch: Schedule, roles: Mapping[str, Role], paired: Mapping[s
     syncs = sch.annotations.of_kind(SYNC)
     by_caller: dict[tuple[str, str], list[str]] = {}
     for path, role in roles.items():
-        if isinstance(role, Column) and path not in paired and not syncs.get(path) and not _in_chain(
+        if role.enters and role.splits_output and path not in paired and not syncs.get(path) and not _in_chain(
                 sch, path, role.mesh_axis):
             found = _caller(sch, path)
             if found is not None:
@@ -134,7 +134,8 @@ def _partners_across(sch: Schedule, roles: Mapping[str, Role], paired: Mapping[s
             taken = rfl.consumers(INPUT, rthrough)
             row = join(receiver, next(iter(taken))) if len(taken) == 1 and OUTPUT not in taken else ""
             found_role = roles.get(row)
-            if (not isinstance(found_role, Row) or found_role.mesh_axis != axis or syncs.get(row)
+            if (found_role is None or not (found_role.splits_input and found_role.sums)
+                    or found_role.mesh_axis != axis or syncs.get(row)
                     or rfl.hidden_feeders(next(iter(taken)), rthrough) != {INPUT}):
                 break
             rows.append(row)

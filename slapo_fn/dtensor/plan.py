@@ -89,7 +89,7 @@ from .lookups import _caller, _flows_memo, _parent, _run_order, _through
 from .pairs import _partners
 from .planned import Boundary, ModulePlan, Plan, _d
 from .rng import RNG, RngSpec
-from .roles import Column, Role
+from .roles import Role
 from .sequence import SEQ, SeqSpec
 from .shard import LAYOUT, ROLE, mesh_dims
 from .sync import SYNC, SyncSpec, collective_of
@@ -422,7 +422,7 @@ def _entered_by_caller(sch: Schedule, path: str, axis: str) -> bool:
     for name in users:
         q = join(caller, name) if name != OUTPUT else ""
         role = roles.get(q)
-        if (name == OUTPUT or not isinstance(role, Column) or role.mesh_axis != axis or _in_chain(sch, q, axis)
+        if (name == OUTPUT or role is None or not role.enters or role.mesh_axis != axis or _in_chain(sch, q, axis)
                 or any(s.mode == "fwd_pre" for s in syncs.get(q, ()))):
             return False
     return True
