@@ -1,7 +1,8 @@
 """The build on DTensor activations: where the plan cannot prove a model right on local
-shards (:attr:`.plan.Plan.on_dtensors`), every planned module's forward is installed to
-run on DTensors (:mod:`.region`), with each sync and sequence-parallel boundary moving
-the DTensor it acts on to the layout it states."""
+shards (:attr:`.plan.Plan.on_dtensors`), every planned module's forward inside the region
+(:mod:`.regions`: the smallest subtree entered and left whole, else the whole model) is
+installed to run on DTensors (:mod:`.region`), with each sync and sequence-parallel
+boundary moving the DTensor it acts on to the layout it states."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from ..errors import LayoutError, Problem
+from ..rewrites._common import contains
 from ..schedule import Schedule
 from ..tree import get_module, join, parent_path, split, uncalled, walk
 from .arriving import stated_model_output
@@ -37,14 +39,16 @@ __all__ = ["install_on_dtensors"]
 
 
 def install_on_dtensors(model: nn.Module, sch: Schedule, p: Plan, acts: Activations, rank_of: Callable[[str], int],
-                        experts: Callable[[Activations, nn.Module, ModulePlan, Callable[..., Any]], Callable[..., Any]]
-                        ) -> None:
-    """The whole model as one DTensor region (:mod:`.region`): every parameter a DTensor,
-    each planned module's forward on DTensor activations, the root entered and left with
-    whole (replicated) values. The parameters are DTensors already; ``rank_of(axis)`` is
-    this rank's index on a mesh axis, ``experts`` installs an experts module's forward."""
+                        experts: Callable[[Activations, nn.Module, ModulePlan, Callable[..., Any]], Callable[..., Any]],
+                        root: str = "") -> None:
+    """The subtree at ``root`` (the whole model by default) as one DTensor region
+    (:mod:`.region`, :mod:`.regions`): every planned module's forward inside it on DTensor
+    activations, ``root`` entered and left with whole (replicated) values. The parameters
+    are DTensors already; ``rank_of(axis)`` is this rank's index on a mesh axis,
+    ``experts`` installs an experts module's forward."""
     given = chain_entries_given_split(sch)
-    for path, mp in p.modules.items():
+    inside = {q: mp for q, mp in p.modules.items() if q == root or contains(root, q)}
+    for path, mp in inside.items():
         m = get_module(model, path)
         forward: Callable[..., Any] = m.forward
         role = mp.role
@@ -60,14 +64,15 @@ def install_on_dtensors(model: nn.Module, sch: Schedule, p: Plan, acts: Activati
         if mp.rng is not None:
             forward = forked(forward, rank_of(mp.rng.mesh_axis))
         m.forward = forward  # type: ignore[method-assign]
-    planned = set(p.modules)
-    on_the_way = {join(*split(q)[:i]) for q in planned for i in range(len(split(q)) + 1)}
-    for path, m in walk(model):
-        parent = parent_path(path) if path else None
+    top = get_module(model, root)
+    on_the_way = {join(*split(q)[:i]) for q in inside for i in range(len(split(root)), len(split(q)) + 1)}
+    for path, m in walk(top, root):
+        parent = parent_path(path) if path != root else None
         if path not in on_the_way and parent in on_the_way and not uncalled(m):
             m.forward = island(acts, m, m.forward)  # type: ignore[method-assign]
-    model.forward = region(acts, model.forward, stated_model_output(sch))  # type: ignore[method-assign]
-    reduce_partial_grads(model, after_backward=p.grads_after_backward)
+    leaving = stated_model_output(sch) if not root else {}
+    top.forward = region(acts, top.forward, leaving)  # type: ignore[method-assign]
+    reduce_partial_grads(top, after_backward=p.grads_after_backward)
 
 
 def _boundaries_on_dtensors(acts: Activations, mp: ModulePlan, forward: Callable[..., Any],

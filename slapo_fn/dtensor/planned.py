@@ -131,7 +131,8 @@ class Plan:
     #: read the gradients during backward, each module's are reduced where they are made.
     grads_after_backward: bool = False
     #: Why the plan cannot prove the model right on local shards (:func:`.checks.unproven`): where
-    #: any, the build runs the model on DTensor activations (:mod:`.region`), whose
+    #: any, the build runs the smallest subtrees holding them (:mod:`.regions`; the whole model
+    #: where none fits) on DTensor activations (:mod:`.region`), whose
     #: collectives are DTensor's own (:mod:`.dryrun` counts them on example inputs), not
     #: :attr:`boundaries`.
     on_dtensors: tuple[Problem, ...] = ()

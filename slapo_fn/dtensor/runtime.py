@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from .on_dtensors import install_on_dtensors
 from .plan import _local_axis, _sharded_output, param_dims, plan
 from .planned import ModulePlan, Plan
 from .region import Activations, BiasShare, OncePerBackward, map_first_output, map_input, output_slot, reduce_together
+from .regions import regions_of
 from .rng import RNG, forked
 from .roles import Role, reading, whole_params
 from .sequence import SEQ
@@ -479,19 +481,23 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
         if problems:
             raise LayoutError("build(strict=True)", problems)
     rt = _Runtime(sch, p.grads_after_backward)
-    if p.on_dtensors:
-        _distribute(model, sch, rt)
+    _distribute(model, sch, rt)
+    regions = regions_of(sch, p)
+    for root in regions:  # what the plan cannot prove runs on DTensors there (the whole model: "")
         install_on_dtensors(model, sch, p, Activations(rt.param_mesh, rt.param_dims),
                             lambda ax: rt.mesh.get_local_rank(rt.dims.index(ax)),
-                            functools.partial(_experts_on_dtensors, rt))
+                            functools.partial(_experts_on_dtensors, rt), root)
+    if "" in regions:
         return
+    # the rest on local shards, as planned
+    p = replace(p, modules={q: mp for q, mp in p.modules.items()
+                            if not any(q == r or contains(r, q) for r in regions)})
     seq_roots = set(sch.annotations.of_kind(SEQ))
     # a column whose caller is strictly inside a chain member (attention, MLP) has its input
     # gathered by that caller, so that model code reshaping it sees the whole sequence; any
     # other (a member itself, or called by one beside the residual stream, as nanoGPT's block
     # calls its MLP's layers in a ModuleDict) gathers its own
     gathers_own = {q for q in p.modules if not any(contains(r, caller_path(model, q)) for r in seq_roots)}
-    _distribute(model, sch, rt)
     adjusted: set[tuple[int, str]] = set()
     for path, mp in p.modules.items():
         m = get_module(model, path)
@@ -516,7 +522,7 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
         if mp.rng is not None:
             forward = forked(forward, rt.mesh.get_local_rank(rt.dims.index(mp.rng.mesh_axis)))
         m.forward = forward  # type: ignore[method-assign]
-    _localise_replicated(model, sch, p)
+    _localise_replicated(model, sch, p, set(regions))
     if p.grads_after_backward:
         found = {id(param): (param, _local_axis(mp)) for mp in p.modules.values() if mp.local_params
                  for param in get_module(model, mp.path).parameters(recurse=False) if isinstance(param, DTensor)}
@@ -570,7 +576,7 @@ def _adjust_expert_count(m: nn.Module, total: int, local: int) -> None:
             object.__setattr__(m, attr, local)
 
 
-def _localise_replicated(model: nn.Module, sch: Schedule, p: Plan) -> None:
+def _localise_replicated(model: nn.Module, sch: Schedule, p: Plan, apart: set[str]) -> None:
     """Modules the plan does not give a forward of their own compute on local tensors:
     each module on the way to a planned one (attention, MLP, a decoder layer, the root)
     swaps in, for the length of its forward, the local values of its own replicated
@@ -580,17 +586,18 @@ def _localise_replicated(model: nn.Module, sch: Schedule, p: Plan) -> None:
     ``Replicate``: every rank computes the same ones on replicated activations.
 
     An FSDP block sets its own parameters in its pre-forward hook, so a block with
-    nothing planned in it localises its own subtree instead of its parent doing so."""
+    nothing planned in it localises its own subtree instead of its parent doing so. The
+    DTensor regions ``apart`` (:mod:`.regions`) read their parameters as DTensors: left out."""
     spec = sch.annotations.get("", DATA_PARALLEL)
     blocks = set(spec.blocks) if spec is not None else set()
-    planned = set(p.modules)
+    planned = set(p.modules) | apart
     on_the_way = {join(*split(q)[:i]) for q in planned for i in range(len(split(q)) + 1)}
 
     def subtree(path: str, module: nn.Module, prefix: str) -> list[str]:
         names = [join(prefix, n) for n, t in module._parameters.items() if t is not None]
         for name, child in module._modules.items():
             cp = join(path, name)
-            if child is not None and cp not in blocks:
+            if child is not None and cp not in blocks and cp not in apart:
                 names += subtree(cp, child, join(prefix, name))
         return names
 
@@ -601,7 +608,7 @@ def _localise_replicated(model: nn.Module, sch: Schedule, p: Plan) -> None:
         names: list[str] = []
         for name, child in module._modules.items():
             cp = join(path, name)
-            if child is None or cp in blocks:
+            if child is None or cp in blocks or cp in apart:
                 continue
             if cp not in on_the_way:
                 names += subtree(cp, child, join(prefix, name))
@@ -623,7 +630,7 @@ def _localise_replicated(model: nn.Module, sch: Schedule, p: Plan) -> None:
             or mp.experts is not None
             or mp.role is not None
         )
-        if uncalled(m):
+        if uncalled(m) or path in apart:
             continue
         names = [n for n, t in m._parameters.items() if t is not None] if own else []
         install(path, names + beside(path, m, ""))

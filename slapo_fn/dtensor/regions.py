@@ -1,0 +1,94 @@
+"""Where DTensor regions sit: the smallest subtrees that hold what the plan cannot prove
+on local shards (:attr:`.planned.Plan.on_dtensors`), so that the rest of the model runs on
+local shards with the plan's own collectives.
+
+A region is entered with whole activations and left with whole ones (:func:`.region.region`):
+a subtree qualifies only where the plan outside it hands it and takes from it nothing
+else. So a subtree ``r`` is a region when
+
+* it is called (a ``ModuleList`` is not) and is not the root;
+* no planned module inside it is paired with one outside, nor the other way round (a
+  column's split output would cross the boundary);
+* no sync outside it, or on it, states a layout other than whole (a split it states would
+  cross the boundary), and no sequence-parallel chain is planned;
+* no parameter inside it is tied to one outside;
+* no FSDP block is declared (its hooks swap the parameters a region reads).
+
+Each problem's region is the smallest such subtree above the module the problem names
+(its parent's code is what the problem is about); where none qualifies, the whole model
+is one region, as before. Nested regions merge into the outer one.
+
+Example:
+    >>> region_roots(("model.layers.0.self_attn.q_proj",), lambda r: r.startswith("model.layers.0"))
+    ('model.layers.0.self_attn',)
+    >>> region_roots(("lm_head",), lambda r: False)
+    ('',)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from torch import nn
+from torch.distributed.tensor import Replicate
+
+from ..rewrites._common import contains
+from ..schedule import Schedule
+from ..tree import get_module, parent_path, uncalled, walk
+from .data_parallel import DATA_PARALLEL
+from .planned import Plan
+from .sequence import SEQ
+from .sync import SYNC
+
+__all__ = ["region_roots", "regions_of"]
+
+
+def region_roots(paths: Iterable[str], fits: Callable[[str], bool]) -> tuple[str, ...]:
+    """The region roots for problems naming ``paths``: per path, the nearest ancestor
+    (strictly above it) that ``fits``, else the root ``""``; nested roots merged."""
+    roots: set[str] = set()
+    for path in paths:
+        r = parent_path(path) if path else ""
+        while r and not fits(r):
+            r = parent_path(r)
+        roots.add(r)
+    if "" in roots:
+        return ("",)
+    return tuple(sorted(r for r in roots if not any(o != r and contains(o, r) for o in roots)))
+
+
+def regions_of(sch: Schedule, p: Plan) -> tuple[str, ...]:
+    """The roots of the DTensor regions of ``sch`` under plan ``p`` (``()`` where the plan
+    proves everything; ``("",)`` where the whole model must run on DTensors)."""
+    if not p.on_dtensors:
+        return ()
+    spec = sch.annotations.get("", DATA_PARALLEL)
+    if sch.annotations.of_kind(SEQ) or (spec is not None and spec.blocks):
+        return ("",)
+    model = sch.module
+    ties = [group for group in _param_owners(model).values() if len(group) > 1]
+    paired = [(path, q) for path, mp in p.modules.items() for q in mp.partners]
+    stated = [path for path, specs in sch.annotations.of_kind(SYNC).items()
+              if any(not isinstance(s.layout, Replicate) for s in specs)]
+
+    def within(r: str, q: str) -> bool:
+        return q == r or contains(r, q)
+
+    def fits(r: str) -> bool:
+        m = get_module(model, r)
+        return (not uncalled(m) and type(m).forward is not nn.Module.forward
+                and all(within(r, a) == within(r, b) for a, b in paired)
+                and all(contains(r, q) for q in stated)
+                and all(len({within(r, o) for o in group}) == 1 for group in ties))
+
+    return region_roots((q.path if q.path != "<root>" else "" for q in p.on_dtensors), fits)
+
+
+def _param_owners(model: nn.Module) -> dict[int, list[str]]:
+    """Per parameter (by identity), the module paths that hold it (a tie: several)."""
+    owners: dict[int, list[str]] = {}
+    for path, m in walk(model):
+        for t in m._parameters.values():
+            if t is not None:
+                owners.setdefault(id(t), []).append(path)
+    return owners
