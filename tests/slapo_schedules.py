@@ -198,6 +198,13 @@ def t5(sch: sf.Schedule, prefix: str = "", *, ckpt_ratio: float = 0.0) -> sf.Sch
     """slapo/model_schedule/t5.py: self attention, cross attention and the feed-forward of
     every block; the shared embedding by vocabulary."""
     p = f"{prefix}." if prefix else ""
+    sch, blocks = _t5_blocks(sch, p)
+    sch = word_embedding(sch, f"{p}shared", _config(sch, prefix).vocab_size)
+    return checkpoint_layers(sch, blocks, ckpt_ratio)
+
+
+def _t5_blocks(sch: sf.Schedule, p: str) -> tuple[sf.Schedule, list[str]]:
+    """Slapo's T5 schedule on the blocks: attention and feed-forward pairs with their syncs."""
     enc = list(sf.select(f"{p}encoder.block.*").modules(sch.module))
     dec = list(sf.select(f"{p}decoder.block.*").modules(sch.module))
     attentions = [f"{q}.layer.0.SelfAttention" for q in enc + dec] + [f"{q}.layer.1.EncDecAttention" for q in dec]
@@ -207,8 +214,11 @@ def t5(sch: sf.Schedule, prefix: str = "", *, ckpt_ratio: float = 0.0) -> sf.Sch
     for ff in [f"{q}.layer.1.DenseReluDense" for q in enc] + [f"{q}.layer.2.DenseReluDense" for q in dec]:
         sch = column(sch, [f"{ff}.wi"])
         sch = row(sch, [f"{ff}.wo"])
-    sch = word_embedding(sch, f"{p}shared", _config(sch, prefix).vocab_size)
-    return checkpoint_layers(sch, enc + dec, ckpt_ratio)
+    # Slapo's fix_position_bias_shape: the first block's relative position bias made for this
+    # rank's heads (an embedding over buckets by heads, split by heads and kept split)
+    for path in [q for q in sch.paths() if q.endswith("relative_attention_bias")]:
+        sch = sf.sync(sf.shard(sch, path, axis=1), path, "fwd_post", Shard(-1))
+    return sch, enc + dec
 
 
 def roberta(sch: sf.Schedule, prefix: str = "roberta", *, ckpt_ratio: float = 0.0) -> sf.Schedule:
@@ -218,3 +228,23 @@ def roberta(sch: sf.Schedule, prefix: str = "roberta", *, ckpt_ratio: float = 0.
 
 SCHEDULES: dict[str, Callable[..., sf.Schedule]] = {
     "bert": bert, "roberta": roberta, "albert": albert, "gpt2": gpt2, "gpt_neo": gpt_neo, "opt": opt, "t5": t5}
+
+
+def roberta_untied_fix(sch: sf.Schedule) -> sf.Schedule:
+    """RoBERTa's schedule with what slapo_fn's refusal says to change: the masked-LM head,
+    tied to the word embedding, sharded alike (by vocabulary, as Slapo's GPT-2 shards its
+    head), its bias under both of its paths."""
+    return sf.shard(lm_head(roberta(sch), "lm_head.decoder"), "lm_head.bias", axis=0)
+
+
+def t5_untied_fix(sch: sf.Schedule) -> sf.Schedule:
+    """T5's schedule (its blocks) with what slapo_fn's refusal says to change: every path of the shared
+    embedding sharded alike. The stacks call their own ``embed_tokens`` (the same weight
+    as ``shared``, which the model never calls): Slapo's hooks go on those, and the tied
+    LM head is a vocabulary-split head as Slapo's GPT-2's."""
+    sch, _ = _t5_blocks(sch, "")
+    vocab = _config(sch, "").vocab_size
+    for path in ("encoder.embed_tokens", "decoder.embed_tokens"):
+        sch = word_embedding(sch, path, vocab)
+    sch = sf.shard(sch, "shared.weight", axis=0)
+    return lm_head(sch, "lm_head")
