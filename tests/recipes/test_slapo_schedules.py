@@ -10,6 +10,7 @@ single process for each model, and BART's."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -66,12 +67,15 @@ def _loss(out: Any, _: sf.Schedule) -> torch.Tensor:
 FIXED = {"roberta": S.roberta_untied_fix, "t5": S.t5_untied_fix}
 
 
-def _tp2(rank: int, world: int, name: str) -> dict[str, Any]:
+def _tp2(rank: int, world: int, name: str, ckpt_ratio: float = 0.0) -> dict[str, Any]:
     # CommDebugMode's module tracker fails on a module called twice (ALBERT's shared layer,
-    # T5's relative position bias): there the collectives are counted without it
+    # T5's relative position bias, a checkpointed layer's recomputation): there the
+    # collectives are counted without it
     schedule = FIXED.get(name, S.SCHEDULES[name])
+    if ckpt_ratio:
+        schedule = functools.partial(schedule, ckpt_ratio=ckpt_ratio)
     r = parity(FACTORIES[name](), schedule, _inputs(name), shape=(world,), loss=_loss, atol=2e-5,
-               tracker=name not in ("albert", "t5"), predict=False)
+               tracker=name not in ("albert", "t5") and not ckpt_ratio, predict=False)
     functional = {d: {op: n for op, n in r[d].items() if not op.endswith("_")} for d in ("fwd", "bwd")}
     return {**{k: r[k] for k in ("grads", "on_dtensors", "placements")}, **functional}
 
@@ -111,6 +115,18 @@ def test_slapos_schedule_at_tp2_is_the_unsharded_model_at_the_megatron_optimum(d
     assert r["grads"] == sum(1 for _ in FACTORIES[name]().parameters())
     assert not r["on_dtensors"]
     assert (r["fwd"], r["bwd"]) == EXPECTED[name], (r["fwd"], r["bwd"])
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+def test_slapos_checkpointing_with_tp2_keeps_the_numbers_and_recomputes_the_attention_reductions(dist2: Any) -> None:
+    # Slapo's ``ckpt_ratio=1.0``: both GPT-2 layers checkpointed. The recomputation in the
+    # backward issues the attention's forward all-reduce again; PyTorch's (non-reentrant)
+    # checkpoint stops recomputing once it has what backward saved, before the MLP's row
+    # reduction, whose output nothing inside the layer saves: one more per layer
+    got = dist2.run(_tp2, "gpt2", 1.0, timeout=200)
+    assert got[0]["grads"] == sum(1 for _ in FACTORIES["gpt2"]().parameters())
+    assert (got[0]["fwd"], got[0]["bwd"]) == (EXPECTED["gpt2"][0], {"all_reduce": 5 + 2}), got[0]
 
 
 # -- what slapo_fn refuses in Slapo's schedules, and the line that says what to change ------
