@@ -81,3 +81,17 @@ def test_a_fused_bias_gelu_on_a_column_runs_on_local_shards_at_the_unfused_count
     p = sf.dtensor.plan(ORDERS[order](sf.create_schedule(MLP(), mesh=fake_mesh(2))))
     assert p.on_dtensors == (), [f"{q.path}: {q.reason}" for q in p.on_dtensors]
     assert p.counts() == unfused.counts() == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}
+
+
+class ReadsItsColumn(MLP):
+    """A traced parent computing its column's linear itself (what ``decompose`` makes)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(F.gelu(F.linear(x, self.fc_in.weight, self.fc_in.bias)))  # type: ignore[no-any-return]
+
+
+def test_a_parent_reading_its_columns_parameters_is_told_so_not_that_fx_cannot_trace_it() -> None:
+    # fx traces it: the one reason is the read (before, also "fx cannot trace its forward")
+    p = sf.dtensor.plan(_megatron(sf.create_schedule(ReadsItsColumn(), mesh=fake_mesh(2))))
+    assert [(q.path, q.reason.split(",")[0]) for q in p.on_dtensors] == [
+        ("<root>", "reads the parameters of its child 'fc_in' itself instead of calling it")]
