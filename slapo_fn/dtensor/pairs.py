@@ -173,7 +173,11 @@ def _by_module_order(sch: Schedule, parent: str, paths: list[str]) -> bool:
     """Whether the columns and rows ``paths`` that ``parent`` calls pair by module order:
     fx cannot trace its ``forward``, or the trace does not call them all."""
     fl = _flow_of(sch, parent)
-    return fl is None or not all(fl.called(q[len(parent) + 1:] if parent else q) for q in paths)
+    return fl is None or not all(fl.called(_relative(parent, q)) for q in paths)
+
+
+def _relative(parent: str, path: str) -> str:
+    return path[len(parent) + 1:] if parent else path
 
 
 def _untraced_pairs(sch: Schedule, p: Plan) -> list[Problem]:
@@ -192,6 +196,9 @@ def _untraced_pairs(sch: Schedule, p: Plan) -> list[Problem]:
     for (parent, axis), paths in _pair_groups(sch).items():
         if _installed(sch, parent) or not _by_module_order(sch, parent, paths):
             continue  # installed: code written for this rank's share (the kernels take head counts from the recipe)
+        fl = _flow_of(sch, parent)
+        if fl is not None and any(_relative(parent, q) in fl.reads for q in paths):
+            continue  # traced, reading a column's parameters itself (a decomposed Linear): checks._functional_reads
         columns = sorted((q for q in paths if q in kept), key=lambda q: order.get(q, 0))
         if not columns:
             continue

@@ -10,9 +10,10 @@ read the same one).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -397,10 +399,32 @@ def _generic(rt: _Runtime, m: nn.Module, mp: ModulePlan, forward: Callable[..., 
                 params[n] = _local(p)  # type: ignore[assignment]
         if reduced:  # the module's replicated parameters, their gradients reduced together
             params.update(zip(reduced, rt.reduced_grads(ax, list(reduced.values())), strict=True))
-        with _reparametrize_module(m, params):
+        with _local_padding_row(m, own_code), _reparametrize_module(m, params):
             return forward(*args, **kwargs)
 
     return run
+
+
+@contextlib.contextmanager
+def _local_padding_row(m: nn.Module, own_code: bool) -> Iterator[None]:
+    """An embedding that runs its own forward on this rank's rows (its weight split by
+    vocabulary, callables around it) has its padding row (whose gradient ``nn.Embedding``
+    zeroes) as this rank's local index, or none where another rank holds it: the global
+    index would zero the gradient of another token's row here."""
+    pad = m.padding_idx if isinstance(m, nn.Embedding) and own_code else None
+    inner = None if pad is None else _underlying(m._parameters["weight"])  # type: ignore[arg-type]
+    if pad is None or not isinstance(inner, DTensor) or not any(
+            isinstance(pl, Shard) and pl.dim == 0 for pl in inner.placements):
+        yield
+        return
+    assert isinstance(m, nn.Embedding)
+    shape, offset = compute_local_shape_and_global_offset(inner.shape, inner.device_mesh, inner.placements)
+    local = pad - offset[0]
+    m.padding_idx = local if 0 <= local < shape[0] else None
+    try:
+        yield
+    finally:
+        m.padding_idx = pad
 
 
 def _distribute(model: nn.Module, sch: Schedule, rt: _Runtime) -> None:

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist import mesh
+from slapo_schedules import embedding_hooks
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 from tp_checks import parity, single_process
@@ -49,29 +50,6 @@ class Mixed(Tiny):
         return h + self.proj(self.fc(h).softmax(-1))  # type: ignore[no-any-return]
 
 
-def _embedding_hooks(sch: sf.Schedule) -> tuple[Any, Any]:
-    """Slapo's embedding masking (``shard_word_embedding``), written for slapo_fn: this
-    rank's rows of the vocabulary read off the mesh."""
-    m = sch.mesh
-    assert m is not None
-    size, rank, group = m.size(0), m.get_local_rank(0), m.get_group(0)
-    start, end = rank * VOCAB // size, (rank + 1) * VOCAB // size
-
-    def fwd_pre_hook(_module: nn.Module, args: tuple[Any, ...]) -> torch.Tensor:
-        outside = (args[0] < start) | (args[0] >= end)
-        return (args[0] - start).masked_fill(outside, 0)
-
-    def fwd_post_hook(_module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
-        outside = (args[0] < start) | (args[0] >= end)
-        output = output.masked_fill(outside.unsqueeze(-1), 0.0)
-        # as Slapo's hook: in place, outside autograd, whose backward is then the identity
-        # (every rank's output gradient is already the whole one), as Megatron's reduction
-        dist.all_reduce(output, op=dist.ReduceOp.SUM, group=group)
-        return output
-
-    return fwd_pre_hook, fwd_post_hook
-
-
 def _megatron_mlp(sch: sf.Schedule) -> sf.Schedule:
     return sf.shard(sf.shard(sch, "fc", axis=0), "proj", axis=1)
 
@@ -80,7 +58,7 @@ def _slapo_embedding(sch: sf.Schedule) -> sf.Schedule:
     """The weight's rows split by its path, as Slapo's ``shard("weight", axis=0)``, and the
     hooks around the module, stated: the ids arrive whole and go in as this rank's local
     ids (whole on every rank: ``Replicate``), the output leaves partial and is reduced."""
-    pre, post = _embedding_hooks(sch)
+    pre, post = embedding_hooks(sch, VOCAB)
     sch = sf.shard(_megatron_mlp(sch), "wte.weight", axis=0)
     sch = sf.sync(sch, "wte", "fwd_pre", Replicate(), src=Replicate(), fn=pre)
     return sf.sync(sch, "wte", "fwd_post", Replicate(), src=Partial(), fn=post)

@@ -10,45 +10,12 @@ from typing import Any
 
 import pytest
 import torch
-from models import VOCAB, WideResNet, token_ids
-from torch import nn
+from models import WideResNet, tiny_albert, tiny_gpt_neo, tiny_roberta, token_ids
 from tp_checks import parity
 
 import slapo_fn as sf
 from slapo_fn.dtensor.testing import fake_mesh
 from slapo_fn.rewrites.checkpoint import CHECKPOINT
-
-
-def tiny_albert() -> nn.Module:
-    """Two calls of one shared layer (ALBERT's ``num_hidden_groups=1``)."""
-    from transformers import AlbertConfig, AlbertModel
-
-    torch.manual_seed(0)
-    return AlbertModel(AlbertConfig(vocab_size=VOCAB, embedding_size=32, hidden_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, intermediate_size=128, hidden_dropout_prob=0.0,
-                                    attention_probs_dropout_prob=0.0, max_position_embeddings=32))
-
-
-def tiny_gpt_neo() -> nn.Module:
-    """A global and a local (window 4 < the sequence) attention layer."""
-    from transformers import GPTNeoConfig, GPTNeoForCausalLM
-
-    torch.manual_seed(0)
-    return GPTNeoForCausalLM(GPTNeoConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4,
-                                          attention_types=[[["global", "local"], 1]], window_size=4,
-                                          max_position_embeddings=32, embed_dropout=0.0, attention_dropout=0.0,
-                                          resid_dropout=0.0, use_cache=False, bos_token_id=0, eos_token_id=0))
-
-
-def tiny_roberta() -> nn.Module:
-    """The masked-LM model: its ``lm_head.decoder`` is tied to the word embeddings."""
-    from transformers import RobertaConfig, RobertaForMaskedLM
-
-    torch.manual_seed(0)
-    return RobertaForMaskedLM(RobertaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-                                            num_attention_heads=4, intermediate_size=128, hidden_dropout_prob=0.0,
-                                            attention_probs_dropout_prob=0.0, max_position_embeddings=40))
-
 
 FACTORIES = {"albert": tiny_albert, "gpt_neo": tiny_gpt_neo, "roberta": tiny_roberta}
 
