@@ -9,8 +9,9 @@ else. So a subtree ``r`` is a region when
 * it is called (a ``ModuleList`` is not) and is not the root;
 * no planned module inside it is paired with one outside, nor the other way round (a
   column's split output would cross the boundary);
-* no sync outside it, or on it, states a layout other than whole (a split it states would
-  cross the boundary), and no sequence-parallel chain is planned;
+* no sync outside every region, or on a region's root, states a layout other than whole
+  (a split it states would cross a boundary; one inside a region is left whole with it),
+  and no sequence-parallel chain is planned;
 * no parameter inside it is tied to one outside;
 * no FSDP block is declared (its hooks swap the parameters a region reads).
 
@@ -74,14 +75,20 @@ def regions_of(sch: Schedule, p: Plan) -> tuple[str, ...]:
     def within(r: str, q: str) -> bool:
         return q == r or contains(r, q)
 
-    def fits(r: str) -> bool:
+    def fits(r: str, strict: bool) -> bool:
         m = get_module(model, r)
         return (not uncalled(m) and type(m).forward is not nn.Module.forward
                 and all(within(r, a) == within(r, b) for a, b in paired)
-                and all(contains(r, q) for q in stated)
-                and all(len({within(r, o) for o in group}) == 1 for group in ties))
+                and all(len({within(r, o) for o in group}) == 1 for group in ties)
+                and (not strict or all(contains(r, q) for q in stated)))
 
-    return region_roots((q.path if q.path != "<root>" else "" for q in p.on_dtensors), fits)
+    paths = [q.path if q.path != "<root>" else "" for q in p.on_dtensors]
+    # a split stated inside any region stays there (each region is left whole); one stated
+    # outside them all, or on a region's root, would reach a boundary
+    roots = region_roots(paths, lambda r: fits(r, strict=False))
+    if all(any(contains(r, q) for r in roots) for q in stated):
+        return roots
+    return region_roots(paths, lambda r: fits(r, strict=True))
 
 
 def _param_owners(model: nn.Module) -> dict[int, list[str]]:
