@@ -37,9 +37,27 @@ def test_explain_shows_the_cp_collectives_and_a_mesh_with_a_cp_axis(capsys: pyte
     assert re.search(r"cp: all_gather ×4 \(32\.0 KiB\), reduce_scatter ×4 \(32\.0 KiB\)", out), out
 
 
+@pytest.mark.parametrize(("command", "split"), [("train", True), ("explain", False), ("verify", False)])
+def test_train_hands_each_cp_rank_its_chunks_and_the_other_commands_the_global_batch(command: str,
+                                                                                       split: bool) -> None:
+    """``train``'s loop cuts each batch for its rank (the model is built with
+    ``inputs_split=True``: it never sees the global batch); ``explain`` and ``verify`` call
+    the model with the global batch, which it cuts itself."""
+    from slapo_fn import job
+    from slapo_fn.cli import _parse
+    from slapo_fn.dtensor.context import CP
+    from slapo_fn.dtensor.testing import fake_mesh
+
+    options = _parse([command, "--model", "llama-tiny", "--cp", "2"])
+    sch = job.schedule_for(options, fake_mesh(2, names=("cp",)), meta=True)
+    specs = set(sch.annotations.of_kind(CP).values())
+    assert len(specs) == 1 and next(iter(specs)).inputs_split is split, specs
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_cp2_and_cp2_tp2_train_as_one_process_does() -> None:
+    """Through the loop's collation: each cp rank's model takes its chunks of each batch."""
     common = ["train", "--model", "llama-tiny", "--steps", "3", "--seq", "64", "--batch", "2", "--log-every", "1",
               "--no-progress"]
     runs = [subprocess.run([*CLI, *common, *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,15 +28,14 @@ from ..kernels.attention import attention
 from ..schedule import Schedule
 from ..tree import get_module, parent_path, split
 from . import collectives as C
-from .context import CP, CPSpec, chunk_count, chunks, key_positions, positions, take
+from .context import CP, IGNORE_INDEX, CPSpec, chunk_count, chunks, key_positions, positions, shifted, split_batch, take
 from .data_parallel import DATA_PARALLEL
 from .sequence import SEQ
 from .shard import mesh_dims
 
-__all__ = ["ContextParallelAttention", "ContextSplit", "apply_context_parallel", "context_split",
+__all__ = ["ContextParallelAttention", "ContextSplit", "apply_context_parallel", "context_split", "shifted",
            "sum_gradients_over_cp"]
 
-IGNORE_INDEX = -100
 #: The attribute of a built model's root that holds its :class:`ContextSplit`.
 _SPLIT = "_slapo_fn_context_split"
 
@@ -48,6 +47,8 @@ class ContextSplit:
 
     axis: C.Axis
     load_balance: bool
+    #: The model takes this rank's chunks (``inputs_split=True``): :meth:`collate` cuts them.
+    inputs_split: bool = False
 
     @property
     def rank_and_size(self) -> tuple[int, int]:
@@ -59,6 +60,15 @@ class ContextSplit:
         rank, size = self.rank_and_size
         return take(x, 1, rank, size, self.load_balance)
 
+    def collate(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What this rank's model takes of a global ``batch``: this rank's chunks
+        (:func:`~slapo_fn.dtensor.context.split_batch`: ``labels`` become ``shift_labels``)
+        where the model was built with ``inputs_split=True``, else the batch itself."""
+        if not self.inputs_split:
+            return dict(batch)
+        rank, size = self.rank_and_size
+        return split_batch(batch, rank, size, self.load_balance)
+
     def targets(self, labels: torch.Tensor) -> torch.Tensor:
         """This rank's next-token targets: ``labels`` (the global batch) shifted globally
         (position t predicts t + 1; the last predicts nothing), then cut."""
@@ -67,11 +77,6 @@ class ContextSplit:
     def total(self, value: float) -> float:
         """The sum of ``value`` over the ``cp`` ranks (a loss sum of each rank's tokens)."""
         return float(C._all_reduce(torch.tensor([value], dtype=torch.float64), self.axis)[0])
-
-
-def shifted(labels: torch.Tensor) -> torch.Tensor:
-    """``labels[:, 1:]`` padded with the ignored label: the target of each position."""
-    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
 def context_split(model: nn.Module) -> ContextSplit | None:
@@ -167,7 +172,7 @@ def apply_context_parallel(model: nn.Module, sch: Schedule) -> None:
         setattr(get_module(model, parent_path(path)), split(path)[-1], ContextParallelAttention.of(kernel, axis,
                                                                                                    spec.load_balance))
     model.forward = _splitting(model.forward, axis, spec)  # type: ignore[method-assign]
-    model.__dict__[_SPLIT] = ContextSplit(axis, spec.load_balance)
+    model.__dict__[_SPLIT] = ContextSplit(axis, spec.load_balance, spec.inputs_split)
 
 
 def sum_gradients_over_cp(model: nn.Module, sch: Schedule) -> None:

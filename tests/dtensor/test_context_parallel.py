@@ -5,6 +5,7 @@ and every parameter gradient equal to the single process's after ``backward()``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -239,33 +240,61 @@ def test_explain_lists_the_cp_collectives_with_bytes_and_divides_activations() -
     assert before is not None and after is not None and after * 2 == pytest.approx(before, rel=0.01)
 
 
+def _shape_into(seen: list[tuple[int, ...]], _: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+    seen.append(tuple(args[0].shape))
+
+
 def _split_inputs(rank: int, world: int) -> dict[str, Any]:
-    """``inputs_split=True``: a loader hands each rank its chunks (``take``) and the labels
-    shifted before the cut; the built model must give the single process's loss and gradients."""
-    from slapo_fn.dtensor.context import take
-    from slapo_fn.dtensor.context_runtime import shifted
+    """``inputs_split=True``: the loader's collation (``ContextSplit.collate``) hands each
+    rank its chunks, the labels shifted before the cut and the global positions; the built
+    model (which sees only them) gives the single process's loss and gradients, and so does
+    the training loop's loss on its logits, as on the model that cuts its own chunks."""
+    from slapo_fn.dtensor.context_runtime import context_split
+    from slapo_fn.train import _inputs, _loss_sum, _targets
 
     model = tiny_decoder("llama")
     ids = token_ids(batch=2, seq=64, seed=2)
-    ref = model(ids, labels=ids)
+    labels = ids.clone()
+    labels[1, 20:40] = -100  # tokens without a loss, across a chunk boundary of both ranks
+    ref = model(ids, labels=labels)
     ref.loss.backward()
     expected = _grads(model)
-    built = sf.build(sf.context_parallel(sf.create_schedule(model, mesh=mesh((world,), ("cp",))), inputs_split=True))
-    mine = take(ids, 1, rank, world, True)
-    out = built(mine, shift_labels=take(shifted(ids), 1, rank, world, True))
-    out.loss.backward()
-    got = _grads(built)
-    return {"loss": abs(out.loss.item() - ref.loss.item()), "grad": max((got[n] - g).abs().max().item()
-                                                                         for n, g in expected.items()),
-            "names": sorted(got) == sorted(expected), "untouched": True, "local": tuple(out.logits.shape)}
+    model.zero_grad()
+    results: dict[str, Any] = {"untouched": True}
+    for split in (False, True):
+        built = sf.build(sf.context_parallel(sf.create_schedule(model, mesh=mesh((world,), ("cp",))),
+                                             inputs_split=split))
+        seen: list[tuple[int, ...]] = []
+        built.model.embed_tokens.register_forward_pre_hook(functools.partial(_shape_into, seen))
+        cut = context_split(built)
+        assert cut is not None
+        batch = cut.collate({"input_ids": ids, "labels": labels})
+        out = built(**batch)  # the model's own loss (of shift_labels where the batch was cut)
+        out.loss.backward()
+        got = _grads(built)
+        built.zero_grad()
+        # the training loop's: its token sum over the global count, summed over cp
+        inputs, kwargs = _inputs(batch)
+        total = _loss_sum(built, built(inputs, **kwargs), batch)
+        count = cut.total(_targets(batch)) if split else _targets(batch)
+        (total / count).backward()
+        loop = _grads(built)
+        results[f"split={split}"] = {"loss": abs(out.loss.item() - ref.loss.item()),
+                                     "loop": abs(cut.total(float(total)) / count - ref.loss.item()),
+                                     "grad": max((got[n] - g).abs().max().item() for n, g in expected.items()),
+                                     "loop_grad": max((loop[n] - g).abs().max().item() for n, g in expected.items()),
+                                     "embedded": seen, "keys": sorted(batch)}
+    return results
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(200)
 def test_inputs_split_by_the_loader_give_the_single_process_loss_and_gradients(dist2) -> None:
-    results = dist2.run(_split_inputs, timeout=150)
-    _check(results)
-    assert all(r["local"] == (2, 32, VOCAB) for r in results), results
+    for r in dist2.run(_split_inputs, timeout=100):
+        for split in (False, True):
+            got = r[f"split={split}"]
+            assert all(got[k] < ATOL for k in ("loss", "loop", "grad", "loop_grad")), got
+        assert r["split=True"]["embedded"] == [(2, 32)] * 2, r  # the model never sees the global batch
+        assert r["split=True"]["keys"] == ["input_ids", "position_ids", "shift_labels"], r
+        assert r["split=False"]["keys"] == ["input_ids", "labels"], r
 
 
 def test_layouts_it_does_not_compose_with_yet_are_refused_at_build() -> None:
