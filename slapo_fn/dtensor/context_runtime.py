@@ -7,7 +7,8 @@ annotated, installed on build's private copy of the model.
   labels globally and returns the global loss;
 * :func:`sum_gradients_over_cp` (after tensor parallelism, whose parameters are the
   ones the optimizer sees): every parameter's gradient is summed over the ``cp`` axis in
-  backward, as data parallelism sums it.
+  backward, as data parallelism sums it — unless FSDP2 shards the parameters over
+  ``dp × cp`` (:func:`~slapo_fn.dtensor.data_parallel.shard_axes`) and reduces them so.
 """
 
 from __future__ import annotations
@@ -156,12 +157,12 @@ def apply_context_parallel(model: nn.Module, sch: Schedule) -> None:
     spec = _spec(sch)
     if spec is None:
         return
-    refused = [Problem(path, why, fix) for kind, path, why, fix in (
-        (DATA_PARALLEL, "", "context_parallel does not compose with data_parallel yet (FSDP would have to shard "
-                            "over dp x cp, as torchtitan's dp_shard_cp)", "drop sf.data_parallel, or context_parallel"),
-        (SEQ, "", "context_parallel does not compose with sequence_parallel yet (both split the sequence)",
-         "drop sf.sequence_parallel, or context_parallel"),
-    ) if sch.annotations.of_kind(kind)]
+    refused = [Problem("", "context_parallel does not compose with sequence_parallel yet (both split the sequence)",
+                       "drop sf.sequence_parallel, or context_parallel")] if sch.annotations.of_kind(SEQ) else []
+    dp = sch.annotations.get("", DATA_PARALLEL)
+    if dp is not None and dp.mode != "fsdp":
+        refused.append(Problem("", f"context_parallel composes with data_parallel mode 'fsdp' (FSDP2 over dp x cp, "
+                                   f"torchtitan's dp_shard_cp), not {dp.mode!r}", 'data_parallel(mode="fsdp")'))
     if refused:
         raise LayoutError("build", refused)
     axis = _axis(sch, spec)
@@ -179,7 +180,7 @@ def sum_gradients_over_cp(model: nn.Module, sch: Schedule) -> None:
     """Sum every parameter's gradient over the ``cp`` axis as backward computes it (before
     it is accumulated into ``.grad``: accumulation over micro-batches stays right)."""
     spec = _spec(sch)
-    if spec is None:
+    if spec is None or sch.annotations.get("", DATA_PARALLEL) is not None:  # FSDP2 reduces over dp x cp itself
         return
     axis = _axis(sch, spec)
     seen: set[int] = set()

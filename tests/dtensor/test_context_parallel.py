@@ -297,13 +297,57 @@ def test_inputs_split_by_the_loader_give_the_single_process_loss_and_gradients(d
         assert r["split=False"]["keys"] == ["input_ids", "labels"], r
 
 
+def _fsdp_parity(rank: int, world: int, shape: tuple[int, int], seq: int) -> dict[str, Any]:
+    """FSDP2 over dp x cp (torchtitan's dp_shard_cp): each dp rank takes its rows of the
+    batch, each cp rank its tokens; the loss of each dp group is its rows' mean, the
+    gradients (reduce-scattered over dp x cp: summed over cp, averaged over dp) those of
+    the single process on the whole batch; every parameter is sharded over all ranks."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = tiny_decoder("llama")
+    ids = token_ids(batch=2, seq=seq, seed=3)
+    ref = model(ids, labels=ids)
+    ref.loss.backward()
+    expected = _grads(model)
+    model.zero_grad()
+    dp = shape[0]
+    mine = ids.chunk(dp)[rank // shape[1]]
+    row = model(mine, labels=mine).loss.item()
+    sch = sf.context_parallel(sf.create_schedule(model, mesh=mesh(shape, ("dp", "cp"))))
+    built = sf.build(sf.data_parallel(sch))
+    out = built(mine, labels=mine)
+    out.loss.backward()
+    got = _grads(built)
+    local = [p.to_local().numel() for p in built.parameters()]
+    worst = max((got[n] - g).abs().max().item() for n, g in expected.items())
+    return {"loss": abs(out.loss.item() - row), "grad": worst,
+            "names": sorted(got) == sorted(expected), "untouched": True,
+            "sharded": sum(local) * world >= sum(p.numel() for p in model.parameters()) > sum(local) * (world - 1),
+            "fsdp": isinstance(built, FSDPModule)}
+
+
+def test_fsdp_over_cp_equals_the_single_process(dist2) -> None:
+    """dp1 x cp2: FSDP2 shards the parameters over the cp ranks and sums their gradients."""
+    for r in dist2.run(_fsdp_parity, (1, 2), 64, timeout=100):
+        _check([r])
+        assert r["sharded"] and r["fsdp"], r
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp_over_dp2_cp2_equals_the_single_process(dist4) -> None:
+    for r in dist4.run(_fsdp_parity, (2, 2), 64, timeout=240):
+        _check([r])
+        assert r["sharded"] and r["fsdp"], r
+
+
 def test_layouts_it_does_not_compose_with_yet_are_refused_at_build() -> None:
     from slapo_fn.dtensor.testing import fake_mesh
     from slapo_fn.errors import LayoutError, ScheduleError
 
     sch = sf.context_parallel(sf.create_schedule(tiny_decoder("llama"), mesh=fake_mesh(2, 2, names=("pp", "cp"))))
-    with pytest.raises(LayoutError, match="does not compose with data_parallel yet"):
-        sf.build(sf.data_parallel(sch, mesh_axis="pp"))
+    with pytest.raises(LayoutError, match="composes with data_parallel mode 'fsdp'.*not 'ddp'"):
+        sf.build(sf.data_parallel(sch, mode="ddp", mesh_axis="pp"))
     with pytest.raises(LayoutError, match="does not compose with sequence_parallel yet"):
         sf.build(sf.sequence_parallel(sch, ["model.layers.*"], mesh_axis="pp"))
     with pytest.raises(ScheduleError, match="does not compose with pipeline stages yet") as e:
