@@ -643,7 +643,6 @@ def _context_problems(args: argparse.Namespace) -> list[Problem]:
     problems = [Problem(flag, f"--cp {cp} does not compose with {flag} yet", fix)
                 for flag, given, fix in (("--dp-mode", getattr(args, "dp_mode", None) in ("ddp", "hsdp"),
                                           "--dp-mode fsdp (FSDP2 over dp x cp)"),
-                                         ("--pp", args.pp > 1, "drop --pp, or --cp"),
                                          ("--sp", args.sp, "drop --sp, or --cp")) if given]
     if args.seq is not None and args.seq % (2 * cp):
         problems.append(Problem("--seq", f"{args.seq} tokens do not split into {2 * cp} equal chunks (2 x --cp)",

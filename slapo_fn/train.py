@@ -92,6 +92,7 @@ __all__ = [
     "TrainError",
     "adamw",
     "causal_lm_loss",
+    "next_token_loss",
     "parse_dtype",
     "peak_memory",
     "precision",
@@ -225,9 +226,21 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, reduction: Lit
     >>> round(causal_lm_loss(logits, torch.tensor([[0, 1, 2]])).item(), 4) == round(math.log(4), 4)
     True
     """
-    shifted = logits[:, :-1].float().flatten(0, 1)
-    target = labels[:, 1:].flatten()
-    return F.cross_entropy(shifted, target, ignore_index=IGNORE_INDEX, reduction=reduction)
+    return next_token_loss(logits[:, :-1], labels[:, 1:], reduction=reduction)
+
+
+def next_token_loss(logits: torch.Tensor, shift_labels: torch.Tensor, *,
+                    reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor:
+    """Cross entropy in float32 of ``logits[:, t]`` against ``shift_labels[:, t]``: targets
+    already shifted (a context-parallel rank's chunks of them; ``-100`` ignored). The
+    pipeline's ``loss_fn`` under context parallelism.
+
+    >>> logits = torch.zeros(1, 3, 4)
+    >>> round(next_token_loss(logits, torch.tensor([[1, 2, -100]])).item(), 4) == round(math.log(4), 4)
+    True
+    """
+    return F.cross_entropy(logits.float().flatten(0, 1), shift_labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction=reduction)
 
 
 #: The keys of a batch that are the loss's, not the model's inputs.
@@ -249,8 +262,7 @@ def _loss_sum(model: nn.Module, out: Any, part: Mapping[str, torch.Tensor]) -> t
         return causal_lm_loss(logits, part["labels"], reduction="sum")
     else:
         targets = split.targets(part["labels"])
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
+    return next_token_loss(logits, targets, reduction="sum")
 
 
 def _targets(part: Mapping[str, torch.Tensor]) -> int:
@@ -261,10 +273,17 @@ def _targets(part: Mapping[str, torch.Tensor]) -> int:
     return int((part["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
+def _target(part: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """A pipeline's target of the batch ``part``: its ``shift_labels`` where a loader cut
+    it for context parallelism (:func:`next_token_loss`), else its ``labels``."""
+    return part["shift_labels"] if "shift_labels" in part else part["labels"]
+
+
 def _collated(model: Model, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """What ``model`` takes of a global batch: this rank's chunks where it is
     context-parallel with ``inputs_split`` (:meth:`ContextSplit.collate`), else all of it."""
-    split = context_split(model) if isinstance(model, nn.Module) else None
+    stage = next(iter(model.modules.values()), None) if isinstance(model, Pipeline) else model
+    split = context_split(stage) if stage is not None else None
     return split.collate(batch) if split is not None else dict(batch)
 
 
@@ -775,11 +794,9 @@ def _pipeline_step(pipe: Pipeline, micro: list[dict[str, torch.Tensor]], autocas
                 if p.grad is not None:
                     kept[p] = kept[p] + p.grad if p in kept else p.grad
                     p.grad = None
-        labels = part["labels"]
-        ids = part["input_ids"]
-        kwargs = {k: v for k, v in part.items() if k not in ("labels", "input_ids")}
+        ids, kwargs = _inputs(part)
         with _autocast(device, autocast):
-            total += float(pipe.step(ids, target=labels, **kwargs))
+            total += float(pipe.step(ids, target=_target(part), **kwargs))
     if len(micro) > 1:
         with torch.no_grad():
             for p in pipe.parameters():
@@ -810,9 +827,9 @@ def _evaluate(model: Model, data: object, batch_size: int, dp_rank: int, dp_size
             batch = {k: v.to(device) for k, v in batch.items()}
             with _autocast(device, autocast):
                 if isinstance(model, Pipeline):
-                    labels = batch.pop("labels")
-                    ids = batch.pop("input_ids")
-                    total += _pipeline_eval(model, ids, labels, batch)
+                    batch = _collated(model, batch)
+                    ids, kwargs = _inputs(batch)
+                    total += _pipeline_eval(model, ids, _target(batch), kwargs)
                     count += 1
                 else:
                     split = context_split(model)

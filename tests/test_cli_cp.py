@@ -57,12 +57,13 @@ def test_train_hands_each_cp_rank_its_chunks_and_the_other_commands_the_global_b
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_cp2_cp2_tp2_and_fsdp_over_cp2_train_as_one_process_does() -> None:
+def test_cp2_cp2_tp2_fsdp_over_cp2_and_pp2_cp2_train_as_one_process_does() -> None:
     """Through the loop's collation: each cp rank's model takes its chunks of each batch."""
     common = ["train", "--model", "llama-tiny", "--steps", "3", "--seq", "64", "--batch", "2", "--log-every", "1",
               "--no-progress"]
     runs = [subprocess.run([*CLI, *common, *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
-            for extra in ([], ["--cp", "2"], ["--cp", "2", "--tp", "2"], ["--cp", "2", "--dp-mode", "fsdp"])]
+            for extra in ([], ["--cp", "2"], ["--cp", "2", "--tp", "2"], ["--cp", "2", "--dp-mode", "fsdp"],
+                          ["--cp", "2", "--pp", "2", "--microbatches", "2"])]
     assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
     expected = _losses(runs[0].stdout)
     assert sorted(expected) == [1, 2, 3]

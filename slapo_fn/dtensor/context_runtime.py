@@ -34,8 +34,8 @@ from .data_parallel import DATA_PARALLEL
 from .sequence import SEQ
 from .shard import mesh_dims
 
-__all__ = ["ContextParallelAttention", "ContextSplit", "apply_context_parallel", "context_split", "shifted",
-           "sum_gradients_over_cp"]
+__all__ = ["ContextParallelAttention", "ContextSplit", "apply_context_parallel", "context_split", "pipeline_loss",
+           "pipeline_problems", "shifted", "sum_gradients_over_cp"]
 
 #: The attribute of a built model's root that holds its :class:`ContextSplit`.
 _SPLIT = "_slapo_fn_context_split"
@@ -196,6 +196,42 @@ def _summed(grad: torch.Tensor, axis: C.Axis) -> torch.Tensor:
         return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False, shape=grad.shape,
                                   stride=grad.stride())
     return C._all_reduce(grad, axis)
+
+
+def pipeline_loss(sch: Schedule, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) \
+        -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A pipeline's ``loss_fn`` on a context-parallel schedule's last stage: ``loss_fn``
+    (a mean over the targets of this rank's chunks that are not ``-100``; the targets
+    arrive shifted, ``shift_labels`` of :meth:`ContextSplit.collate`) weighted by this
+    rank's share of the microbatch's counted tokens, as a value the mean over the global
+    tokens on every ``cp`` rank with this rank's own gradient (the stages' gradients are
+    summed over ``cp`` in backward). ``loss_fn`` itself without context parallelism."""
+    spec = _spec(sch)
+    if spec is None:
+        return loss_fn
+    axis = _axis(sch, spec)
+
+    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        count = (target != IGNORE_INDEX).sum()
+        total = C._all_reduce(count, axis)
+        return _global_loss(loss_fn(output, target) * (count / total.clamp(min=1)), axis)
+
+    return loss
+
+
+def pipeline_problems(sch: Schedule) -> list[Problem]:
+    """Why the stages of a context-parallel schedule cannot run as a pipeline: a stage
+    after the first takes the hidden states of this rank's chunks, so every stage must
+    take split inputs (``inputs_split=True``: the loader cuts ``input_ids``,
+    ``position_ids`` and the shifted targets)."""
+    spec = _spec(sch)
+    if spec is None or spec.inputs_split:
+        return []
+    path = next(iter(sch.annotations.of_kind(CP)))
+    return [Problem(path, "is context-parallel on the global batch: in a pipeline, the stages after the first take "
+                          "the hidden states of this rank's chunks, which cannot be cut again",
+                    "sf.context_parallel(..., inputs_split=True) and hand each rank its chunks "
+                    "(ContextSplit.collate; the targets are its shift_labels)")]
 
 
 def _refuse(reason: str, fix: str) -> LayoutError:

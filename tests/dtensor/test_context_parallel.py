@@ -341,6 +341,46 @@ def test_fsdp_over_dp2_cp2_equals_the_single_process(dist4) -> None:
         assert r["sharded"] and r["fsdp"], r
 
 
+def _pipeline_parity(rank: int, world: int) -> dict[str, Any]:
+    """pp2 x cp2: two stages of one layer each, each stage's attention over the cp ranks
+    of its pp rank; each rank is handed its chunks (ids, global positions, targets shifted
+    before the cut) and the microbatch loss is the global token mean: the loss and the
+    stage's gradients equal the single process's (the mean of its microbatch means)."""
+    from slapo_fn.dtensor.context import split_batch
+    from slapo_fn.train import next_token_loss
+
+    model = tiny_decoder("llama")
+    ids = token_ids(batch=4, seq=64, seed=4)
+    labels = ids.clone()
+    labels[0, 10:40] = -100  # the first microbatch: fewer counted tokens, unevenly over the chunks
+    ref = torch.stack([model(i, labels=t).loss for i, t in zip(ids.chunk(2), labels.chunk(2), strict=True)]).mean()
+    ref.backward()
+    expected = _grads(model)
+    model.zero_grad()
+    sch = sf.context_parallel(sf.create_schedule(model, mesh=mesh((2, 2), ("pp", "cp"))), inputs_split=True)
+    pipe = sf.build_pipeline(sf.cut_pipeline_stage(sch, "model.layers.0"), microbatches=2, schedule="gpipe",
+                             loss_fn=next_token_loss)
+    mine = split_batch({"input_ids": ids, "labels": labels}, rank % 2, 2, True)
+    loss = pipe.step(mine["input_ids"], target=mine["shift_labels"], position_ids=mine["position_ids"])
+    got = {n: full(p.grad) for n, p in pipe.named_parameters() if p.grad is not None}
+    return {"loss": abs(loss.item() - ref.item()), "grad": max((got[n] - expected[n]).abs().max().item() for n in got),
+            "names": bool(got) and set(got) <= set(expected), "untouched": True, "params": sorted(got)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pp2_cp2_pipeline_stages_equal_the_single_process(dist4) -> None:
+    results = dist4.run(_pipeline_parity, timeout=240)
+    _check(results)
+    stages = [set(r["params"]) for r in results]
+    assert stages[0] == stages[1] and stages[2] == stages[3] and not stages[0] & stages[2], stages
+    assert stages[0] | stages[2] == set(_grads_names()), stages
+
+
+def _grads_names() -> list[str]:
+    return [n for n, _ in tiny_decoder("llama").named_parameters()]
+
+
 def test_layouts_it_does_not_compose_with_yet_are_refused_at_build() -> None:
     from slapo_fn.dtensor.testing import fake_mesh
     from slapo_fn.errors import LayoutError, ScheduleError
@@ -350,7 +390,7 @@ def test_layouts_it_does_not_compose_with_yet_are_refused_at_build() -> None:
         sf.build(sf.data_parallel(sch, mode="ddp", mesh_axis="pp"))
     with pytest.raises(LayoutError, match="does not compose with sequence_parallel yet"):
         sf.build(sf.sequence_parallel(sch, ["model.layers.*"], mesh_axis="pp"))
-    with pytest.raises(ScheduleError, match="does not compose with pipeline stages yet") as e:
+    with pytest.raises(ScheduleError, match="(?s)is context-parallel on the global batch.*inputs_split=True") as e:
         sf.build_pipeline(sf.cut_pipeline_stage(sch, "model.layers.0"), microbatches=2, loss_fn=lambda o, t: o)
     assert e.value.paths[-1] == "model.layers.0.self_attn"
 
