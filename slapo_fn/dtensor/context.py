@@ -43,6 +43,7 @@ from ..kernels._common import KernelError
 from ..rewrites._common import contains
 from ..schedule import Key, Schedule
 from ..select import Selection, select
+from .context_ring import ring_problems
 from .shard import _problem_mesh, _problem_uncalled
 
 __all__ = ["CP", "IGNORE_INDEX", "CPSpec", "chunk_count", "chunks", "context_parallel", "key_positions", "positions",
@@ -55,8 +56,10 @@ IGNORE_INDEX = -100
 #: The attention modules of a Hugging Face decoder, selected when ``where`` is not given.
 DEFAULT_WHERE = "model.layers.*.self_attn"
 
-Impl = Literal["allgather"]
-_IMPLS = ("allgather",)
+#: How attention gets the other ranks' keys and values: ``"allgather"`` (the Llama 3
+#: scheme, any device and mask) or ``"ring"`` (PyTorch's ring attention, CUDA).
+Impl = Literal["allgather", "ring"]
+_IMPLS = ("allgather", "ring")
 
 
 @dataclass(frozen=True)
@@ -236,7 +239,10 @@ def context_parallel(
     after ``backward()`` they equal the single process's.
 
     The attention modules run on :class:`~slapo_fn.kernels.RotaryAttention` with a mask of
-    the rank's global positions (a sliding window included); attention whose positions
+    the rank's global positions (a sliding window included). ``impl="ring"`` runs
+    PyTorch's own ring attention instead (:mod:`.context_ring`; CUDA meshes only,
+    load-balanced causal attention without a window or dropout: refused otherwise, by
+    path, with the fix ``impl="allgather"``). Attention whose positions
     the model does not pass (ALiBi, learned or relative biases) is refused here. The
     sequence length must be a multiple of ``2·cp`` (``cp`` without ``load_balance``):
     the first forward refuses one that is not, before any model code runs. A padding
@@ -247,10 +253,9 @@ def context_parallel(
     problems = [p for p in (_problem_mesh(sch, path, mesh_axis) for path in paths) if p is not None]
     problems += [p for p in (_problem_uncalled(sch, path) for path in paths) if p is not None]
     if impl not in _IMPLS:
-        problems.append(Problem(paths[0] if paths else "", f"impl={impl!r} is not implemented (only "
-                                f"{', '.join(map(repr, _IMPLS))}: PyTorch's ring attention does not run on CPU)",
-                                'pass impl="allgather"'))
-    spec = CPSpec(mesh_axis, load_balance, "allgather", inputs_split)
+        problems.append(Problem(paths[0] if paths else "", f"unknown impl {impl!r}",
+                                f"one of {', '.join(map(repr, _IMPLS))}"))
+    spec = CPSpec(mesh_axis, load_balance, "ring" if impl == "ring" else "allgather", inputs_split)
     existing = sch.annotations.of_kind(CP)
     for other in sorted({v for v in existing.values() if v != spec}, key=str):
         problems.append(Problem("", f"the schedule already splits the sequence as {other}, not {spec}",
@@ -262,6 +267,11 @@ def context_parallel(
                                     f"select either {inside!r} or {path!r}"))
         elif (problem := _problem_attention(sch, path)) is not None:
             problems.append(problem)
+        elif impl == "ring":
+            module = sch[path].module
+            kernel = module if isinstance(module, RotaryAttention) else RotaryAttention.from_hf(module, path)
+            assert isinstance(kernel, RotaryAttention)  # from_hf on the class builds the class
+            problems += ring_problems(path, kernel, getattr(sch.mesh, "device_type", "cpu"), load_balance)
     problems += _problems_root(sch)
     if problems:
         raise LayoutError("context_parallel", problems)

@@ -30,6 +30,7 @@ from ..schedule import Schedule
 from ..tree import get_module, parent_path, split
 from . import collectives as C
 from .context import CP, IGNORE_INDEX, CPSpec, chunk_count, chunks, key_positions, positions, shifted, split_batch, take
+from .context_ring import ring_attention
 from .data_parallel import DATA_PARALLEL
 from .sequence import SEQ
 from .shard import mesh_dims
@@ -97,15 +98,17 @@ class ContextParallelAttention(RotaryAttention):
 
     axis: C.Axis
     load_balance: bool
+    impl: str
 
     @classmethod
-    def of(cls, kernel: RotaryAttention, axis: C.Axis, load_balance: bool) -> ContextParallelAttention:
+    def of(cls, kernel: RotaryAttention, axis: C.Axis, load_balance: bool, impl: str = "allgather") \
+            -> ContextParallelAttention:
         """The context-parallel form of ``kernel`` (its own child modules, in its mode)."""
         new = cls(kernel.q_proj, kernel.k_proj, kernel.v_proj, kernel.o_proj, head_dim=kernel.head_dim,
                   scaling=kernel.scaling, dropout_p=kernel.dropout_p, layer_idx=kernel.layer_idx,
                   q_norm=kernel._modules.get("q_norm"), k_norm=kernel._modules.get("k_norm"),
                   sliding_window=kernel.sliding_window, backend=kernel.backend)
-        new.axis, new.load_balance = axis, load_balance
+        new.axis, new.load_balance, new.impl = axis, load_balance, impl
         return new.train(kernel.training)
 
     def _attend(
@@ -116,6 +119,8 @@ class ContextParallelAttention(RotaryAttention):
         attention_mask: torch.Tensor | None,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
+        if self.impl == "ring":  # PyTorch's ring attention (CUDA; checked at schedule time)
+            return ring_attention(query, key, value, self.axis, self.scaling)
         mesh, dim = self.axis
         size, rank = mesh.size(dim), mesh.get_local_rank(dim)
         key, value = C.gather_rs(key, 2, self.axis), C.gather_rs(value, 2, self.axis)
@@ -139,7 +144,8 @@ class ContextParallelAttention(RotaryAttention):
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, context_parallel={'load-balanced' if self.load_balance else 'contiguous'}"
+        balance = "load-balanced" if self.load_balance else "contiguous"
+        return f"{super().extra_repr()}, context_parallel={self.impl}, {balance}"
 
 
 def _axis(sch: Schedule, spec: CPSpec) -> C.Axis:
@@ -170,8 +176,8 @@ def apply_context_parallel(model: nn.Module, sch: Schedule) -> None:
         old = get_module(model, path)
         kernel = old if isinstance(old, RotaryAttention) else RotaryAttention.from_hf(old, path)
         assert isinstance(kernel, RotaryAttention)  # from_hf on a subclass builds that subclass
-        setattr(get_module(model, parent_path(path)), split(path)[-1], ContextParallelAttention.of(kernel, axis,
-                                                                                                   spec.load_balance))
+        split_kernel = ContextParallelAttention.of(kernel, axis, spec.load_balance, spec.impl)
+        setattr(get_module(model, parent_path(path)), split(path)[-1], split_kernel)
     model.forward = _splitting(model.forward, axis, spec)  # type: ignore[method-assign]
     model.__dict__[_SPLIT] = ContextSplit(axis, spec.load_balance, spec.inputs_split)
 

@@ -150,7 +150,11 @@ def test_attention_that_makes_its_own_positions_is_refused_by_path() -> None:
 
 @pytest.mark.parametrize(("options", "says"), [
     ({"mesh_axis": "sp"}, "mesh axis 'sp' is not in the mesh"),
-    ({"impl": "ring"}, "impl='ring' is not implemented"),
+    # PyTorch's CPU SDPA has no ring strategy: the ring is CUDA's
+    ({"impl": "ring"}, r"(?s)impl='ring' runs PyTorch's ring attention.*cpu SDPA has no ring strategy.*"
+                       r"fix: impl=\"allgather\""),
+    ({"impl": "ring", "load_balance": False}, "load_balance=False is not its layout"),
+    ({"impl": "rings"}, "unknown impl 'rings'"),
 ])
 def test_bad_options_are_refused_at_schedule_time(options: dict[str, Any], says: str) -> None:
     from slapo_fn.errors import LayoutError
@@ -159,6 +163,22 @@ def test_bad_options_are_refused_at_schedule_time(options: dict[str, Any], says:
         _cp_schedule(tiny_decoder("llama", layers=1), **options)
     with pytest.raises(LayoutError, match="not one of the modules this kernel replaces"):  # a layer, not attention
         _cp_schedule(tiny_decoder("llama", layers=1), "model.layers.*")
+
+
+def test_ring_on_cuda_takes_plain_causal_attention_and_refuses_windows_and_dropout() -> None:
+    """What PyTorch's ring attention cannot run, named by path on a CUDA mesh (the device is
+    read off the mesh: this machine needs no GPU to check it)."""
+    from slapo_fn.dtensor.context_ring import ring_problems
+    from slapo_fn.kernels import RotaryAttention
+
+    def kernel(family: str, **overrides: object) -> RotaryAttention:
+        attn = tiny_decoder(family, layers=1, **overrides).model.layers[0].self_attn
+        return RotaryAttention.from_hf(attn, "model.layers.0.self_attn")
+
+    assert ring_problems("a", kernel("llama"), "cuda", load_balance=True) == []
+    reasons = [p.reason for p in ring_problems("a", kernel("mistral", sliding_window=48, attention_dropout=0.1),
+                                               "cuda", load_balance=True)]
+    assert len(reasons) == 2 and "sliding window of 48" in reasons[0] and "dropout 0.1" in reasons[1], reasons
 
 
 def test_a_second_call_with_other_options_is_refused() -> None:
