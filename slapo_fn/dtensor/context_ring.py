@@ -25,6 +25,15 @@ from ..errors import Problem
 from ..kernels import RotaryAttention
 from . import collectives as C
 
+ring: Any
+try:  # where PyTorch keeps its ring functions: a package since 2.10, one module before
+    from torch.distributed.tensor.experimental._context_parallel import _attention as ring
+except ImportError:  # pragma: no cover - older PyTorch
+    try:
+        from torch.distributed.tensor.experimental import _attention as ring
+    except ImportError:
+        ring = None
+
 __all__ = ["ring_attention", "ring_problems"]
 
 
@@ -33,6 +42,9 @@ def ring_problems(path: str, kernel: RotaryAttention, device_type: str, load_bal
     mesh of ``device_type`` (empty: it can)."""
     fix = 'impl="allgather" (the Llama 3 all-gather of K/V: any device, any mask)'
     problems = []
+    if ring is None or not hasattr(ring, "_scaled_dot_product_ring_flash_attention"):  # pragma: no cover
+        problems.append(Problem(path, f"this PyTorch ({torch.__version__}) has no ring attention functions in "
+                                      "torch.distributed.tensor.experimental", fix))
     if device_type != "cuda":
         problems.append(Problem(path, f"impl='ring' runs PyTorch's ring attention, whose SDPA kernels are CUDA's: "
                                       f"PyTorch's {device_type} SDPA has no ring strategy (the mesh is on "
@@ -65,8 +77,6 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mesh: DeviceMesh,
                 scale: float) -> torch.Tensor:
-        from torch.distributed.tensor.experimental._context_parallel import _attention as ring
-
         flash = query.dtype in (torch.float16, torch.bfloat16)
         key, value = key.contiguous(), value.contiguous()
         if flash:
@@ -83,8 +93,6 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        from torch.distributed.tensor.experimental._context_parallel import _attention as ring
-
         query, key, value, out, lse = ctx.saved_tensors
         grad = grad.contiguous()
         if ctx.flash:
