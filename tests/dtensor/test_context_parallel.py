@@ -454,21 +454,24 @@ def _train_loop(rank: int, world: int) -> list[tuple[float, float | None, float]
     from slapo_fn.train import adamw, train
 
     runs = []
-    for cp in (False, True):
+    for cp, split in ((False, False), (True, False), (True, True)):  # one process; the model cuts; the loop cuts
         model = tiny_decoder("llama")
         if cp:
-            model = sf.build(sf.context_parallel(sf.create_schedule(model, mesh=mesh((world,), ("cp",)))))
+            model = sf.build(sf.context_parallel(sf.create_schedule(model, mesh=mesh((world,), ("cp",))),
+                                                 inputs_split=split))
         records = train(model, adamw(model, lr=1e-2), _Rows(), steps=3, batch_size=2, grad_clip=1.0, eval_every=3,
                         mesh=mesh((world,), ("cp",)) if cp else None)
-        runs.append([(r.loss, r.eval_loss, r.grad_norm) for r in records])
+        runs.append([(r.loss, r.eval_loss, r.grad_norm, r.tokens) for r in records])
     return [tuple(abs(a - b) / abs(a) for a, b in zip(x, y, strict=True) if a is not None and b is not None)
-            for x, y in zip(*runs, strict=True)]
+            for run in runs[1:] for x, y in zip(runs[0], run, strict=True)]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_the_training_loop_on_cp2_trains_as_one_process_does(dist2) -> None:
+    """The model cutting its own chunks, and the loop's collation cutting them (inputs_split):
+    the same losses, eval losses, grad norms and token counts as one process."""
     for rank in dist2.run(_train_loop, timeout=150):
-        assert len(rank) == 3 and len(rank[-1]) == 3, rank  # the last step has an eval loss
+        assert len(rank) == 6 and len(rank[2]) == len(rank[5]) == 4, rank  # the last step has an eval loss
         # relative: AdamW's first steps magnify float32 rounding of the gradients (1e-5 of the norm)
         assert all(d < 1e-4 for step in rank for d in step), rank
