@@ -11,7 +11,9 @@ sequence of ``--seq`` 1024 tokens:
 Memory is the PyTorch profiler's record of every CPU allocation and free
 (``slapo_fn.memory.profiled_peak_bytes``): the peak allocated above the step's start.
 The gradients are allocated by a warm-up step first, so the peak is activations and
-temporaries (gradient buffers are the same size at every cp). Prints one JSON line.
+temporaries (gradient buffers are the same size at every cp). Beside the measured peaks,
+``sf.explain``'s estimate of the activation bytes per rank at cp1 and cp4 (gathered keys
+and values counted at full length). Prints one JSON line.
 Run: ``python benchmarks/context_parallel_memory.py [--seq 1024] [--cp 4]``.
 """
 
@@ -76,6 +78,21 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any
     queue.put(result)
 
 
+def _predicted(args: argparse.Namespace) -> dict[str, int]:
+    """``sf.explain``'s activation bytes per rank at cp1 and at ``--cp`` (a fake mesh, in
+    this process): its estimate beside the measured peaks."""
+    from slapo_fn.dtensor.testing import fake_mesh, fake_world
+
+    ids = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(0))
+    out = {}
+    with fake_world(args.cp):
+        for name, cp in (("cp1", False), ("cp", True)):
+            sch = sf.create_schedule(_model(args), mesh=fake_mesh(args.cp, names=("cp",)))
+            ex = sf.explain(sf.context_parallel(sch) if cp else sch, ids, kwargs={"labels": ids})
+            out[name] = int(ex.memory.rows[0].activation_bytes or 0)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=1024)
@@ -100,6 +117,7 @@ def main() -> None:
             p.kill()
         raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
     results = sorted((queue.get() for _ in procs), key=lambda r: r["rank"])
+    predicted = _predicted(args)
     cp1_peak, cp1_loss = results[0]["cp1"]
     peaks = [r["cp"][0] for r in results]
     print(json.dumps({
@@ -108,6 +126,7 @@ def main() -> None:
         "cp": args.cp, "cp1_peak_bytes": cp1_peak, "cp_peak_bytes_per_rank": peaks,
         "ratio_max_rank": round(max(peaks) / cp1_peak, 4), "target_ratio": 0.35,
         "loss_cp1": round(cp1_loss, 6), "loss_cp": round(results[0]["cp"][1], 6),
+        "explain_activation_bytes": predicted, "explain_ratio": round(predicted["cp"] / predicted["cp1"], 4),
         "memory_method": "torch.profiler memory timeline (profile_memory=True), peak above step start, "
                          "gradients allocated by a warm-up step",
     }))

@@ -30,6 +30,11 @@ four files in all).
    ``gpu_throughput.py``'s lever variants at ``recipe_compile``'s batch, each one change
    against it: float8 linears (torchao, sm_89+; refused elsewhere) and the foreach AdamW
    (what the fused one gains); each with its tokens/s over ``recipe_compile``'s.
+6. ``cp`` (only when named in ``--parts``) — ``benchmarks/context_parallel_ring.py``: context
+   parallelism's ring attention (PyTorch's, ``impl="ring"``) against its all-gather attention
+   (``impl="allgather"``) at sequence 32768, bf16, forward + backward on one GPU: milliseconds,
+   peak memory, their ratio and the largest difference; the ring reports itself ``skipped``
+   without CUDA (the smoke).
 
 Time: the parts share ``--budget-s`` (default 465 s for the default parts, under the 8 minutes the script may
 take), each with its own share (``BUDGET_S``); what a part leaves unused goes to the later
@@ -39,6 +44,7 @@ GPU loans); ``--quick`` (with ``--smoke``) runs the cheaper subset the default s
 
     python benchmarks/gpu_check.py OUT [--smoke [--quick]] [--parts parity,throughput,explain,train]
     python benchmarks/gpu_check.py OUT --parts throughput,levers     # the levers against recipe_compile
+    python benchmarks/gpu_check.py OUT --parts cp                    # ring against all-gather attention
 """
 
 from __future__ import annotations
@@ -60,14 +66,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("parity", "throughput", "explain", "train", "levers")
+PARTS = ("parity", "throughput", "explain", "train", "levers", "cp")
 #: The parts a run without ``--parts`` runs: ``levers`` is the second call of a loan with time left.
 DEFAULT_PARTS = ("parity", "throughput", "explain", "train")
 #: The variants of ``gpu_throughput.py`` the ``levers`` part runs, one lever each against ``recipe_compile``.
 LEVERS = ("recipe_compile_float8", "recipe_compile_foreach")
 #: Seconds each step may take on a GPU (one H100 or H200); the shares add up to the budget.
 BUDGET_S = {"header": 25, "parity": 60, "hf_eager": 70, "recipe": 70, "recipe_compile": 110, "explain": 40,
-            "train": 90, "recipe_compile_float8": 110, "recipe_compile_foreach": 100}
+            "train": 90, "recipe_compile_float8": 110, "recipe_compile_foreach": 100, "cp_ring": 120}
 #: Packages the script reports: what the machine should have, and what it may lack.
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "einops", "tqdm", "accelerate", "triton",
             "huggingface_hub", "numpy", "flash_attn", "datasets", "optuna", "tensorboard")
@@ -336,11 +342,34 @@ def levers_part(args: argparse.Namespace, out: Path, env: dict[str, str], clock:
     return part
 
 
+def cp_part(args: argparse.Namespace, env: dict[str, str], clock: Clock, log: Callable[[str], None]) \
+        -> dict[str, Any]:
+    """``benchmarks/context_parallel_ring.py``: ring against all-gather attention (the ring
+    ``skipped`` without CUDA, with the reason); a ring that ran must agree with the
+    all-gather attention (bf16: within 0.05)."""
+    result = run([sys.executable, "benchmarks/context_parallel_ring.py", *(["--smoke"] if args.smoke else [])],
+                 clock.limit("cp_ring"), env, log)
+    figures = result.get("result", {})
+    ring, gathered = figures.get("ring", {}), figures.get("allgather", {})
+    if ring.get("status") == "skipped":
+        log(f"cp: allgather {gathered.get('ms')} ms; ring skipped: {ring.get('reason')}")
+    elif "ring_speedup" in figures:
+        log(f"cp seq {figures['seq']}: allgather {gathered['ms']} ms ({gathered.get('peak_gib')} GiB), ring "
+            f"{ring['ms']} ms ({ring.get('peak_gib')} GiB): {figures['ring_speedup']}x; "
+            f"max diff {figures['max_diff']:.3g}")
+        if figures["max_diff"] > 0.05:
+            result = {**result, "status": "failed", "error": f"ring and all-gather differ by {figures['max_diff']}"}
+    elif result["status"] == "ok":
+        result = {**result, "status": "failed", "error": "no figures for the ring"}
+    return result
+
+
 def steps_of(wanted: Sequence[str], quick: bool) -> list[str]:
     """The budgeted steps (:data:`BUDGET_S`) of the parts ``wanted``, in the order they run."""
     return ["header", *(["parity"] if "parity" in wanted else []),
             *(["hf_eager", "recipe"] + ([] if quick else ["recipe_compile"]) if "throughput" in wanted else []),
-            *(s for s in ("explain", "train") if s in wanted), *(LEVERS if "levers" in wanted else ())]
+            *(s for s in ("explain", "train") if s in wanted), *(LEVERS if "levers" in wanted else ()),
+            *(["cp_ring"] if "cp" in wanted else [])]
 
 
 def goals_met(parts: dict[str, Any]) -> dict[str, bool | None]:
@@ -509,6 +538,10 @@ def drive(args: argparse.Namespace) -> int:
 
     if "levers" in wanted:
         parts["levers"] = levers_part(args, out, env, clock, measured, log, save)
+
+    if "cp" in wanted:
+        parts["cp"] = cp_part(args, env, clock, log)
+        save()
 
     report["goals_met"] = goals_met(parts)
     report["seconds"] = round(args.budget_s - (clock.deadline - time.monotonic()), 1)

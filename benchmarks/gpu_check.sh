@@ -24,7 +24,7 @@
 set -euo pipefail
 
 if [[ $# -lt 1 || $1 == -* ]]; then
-    echo "usage: bash benchmarks/gpu_check.sh OUT [--smoke [--quick]] [--parts parity,throughput,explain,train,levers]" >&2
+    echo "usage: bash benchmarks/gpu_check.sh OUT [--smoke [--quick]] [--parts parity,throughput,explain,train,levers,cp]" >&2
     exit 2
 fi
 out=$1

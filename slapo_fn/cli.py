@@ -640,9 +640,10 @@ def _context_problems(args: argparse.Namespace) -> list[Problem]:
     cp = getattr(args, "cp", 1)
     if cp == 1:
         return []
-    problems = [Problem(flag, f"--cp {cp} does not compose with {flag} yet", f"drop {flag}, or --cp")
-                for flag, given in (("--dp", args.dp > 1 or getattr(args, "dp_mode", None) is not None),
-                                    ("--pp", args.pp > 1), ("--sp", args.sp)) if given]
+    problems = [Problem(flag, f"--cp {cp} does not compose with {flag} yet", fix)
+                for flag, given, fix in (("--dp-mode", getattr(args, "dp_mode", None) in ("ddp", "hsdp"),
+                                          "--dp-mode fsdp (FSDP2 over dp x cp)"),
+                                         ("--sp", args.sp, "drop --sp, or --cp")) if given]
     if args.seq is not None and args.seq % (2 * cp):
         problems.append(Problem("--seq", f"{args.seq} tokens do not split into {2 * cp} equal chunks (2 x --cp)",
                                 f"--seq {max(2 * cp, args.seq - args.seq % (2 * cp))}"))

@@ -73,6 +73,8 @@ def knobs(options: Options) -> recipes.Knobs:
     return recipes.Knobs(tp=options.tp, sequence_parallel=options.sp, checkpoint=options.checkpoint,
                          stages=stages(options), dp_mode=dp_mode(options),
                          kernels=options.kernels, compile=options.compile, cp=getattr(options, "cp", 1),
+                         # train's loop hands each cp rank its chunks; verify and explain pass the global batch
+                         cp_inputs_split=options.command == "train",
                          float8=bool(getattr(options, "float8", False)),
                          async_tp=bool(getattr(options, "async_tp", False)))
 

@@ -193,10 +193,13 @@ class ActivationRow:
     saved_bytes: int
     loss_bytes: int
     recompute_peak_bytes: int
+    #: Context parallelism: the gradients of one attention's all-gathered keys and values
+    #: (full length, before their reduce-scatter), beside everything saved in its backward.
+    gathered_grad_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
-        return max(self.saved_bytes + self.loss_bytes, self.recompute_peak_bytes)
+        return max(self.saved_bytes + max(self.loss_bytes, self.gathered_grad_bytes), self.recompute_peak_bytes)
 
 
 @dataclass(frozen=True)
@@ -214,7 +217,7 @@ def _factors(sch: Schedule) -> Callable[[str], float]:
     elsewhere (norms, residual stream, loss) a tensor is replicated (1), or split along
     the sequence where sequence parallelism covers the module (1/t). Context parallelism
     over ``c`` ranks runs every module on ``1/c`` of the tokens (the keys and values its
-    attention gathers to full length are counted so too: ``2·seq·kv_dim`` per layer more)."""
+    attention gathers to full length are added by :func:`_gathered_kv`)."""
     roles = sch.annotations.of_kind(ROLE)
     seqs = sch.annotations.of_kind(SEQ)
     size = _axis_sizes(sch)
@@ -248,6 +251,32 @@ def _factors(sch: Schedule) -> Callable[[str], float]:
         return out
 
     return factor
+
+
+def _gathered_kv(sch: Schedule, shapes: ActivationShapes) -> dict[str, float]:
+    """``attention path -> bytes of its keys and values at full length`` (one rank's
+    heads, the whole sequence) for each context-parallel attention: what its all-gather
+    makes and its kernel saves for backward, where the fake run of the unsharded model
+    saw them at the length of the rank's tokens only; the gradients of as much exist in
+    its backward before their reduce-scatter. From the attention's input (batch, seq)
+    and its ``k_proj``'s output features (K and V alike)."""
+    cps = sch.annotations.of_kind(CP)
+    if not cps:
+        return {}
+    size = _axis_sizes(sch)
+    factor = _factors(sch)
+    out = {}
+    for path, spec in cps.items():
+        entry = shapes.inputs.get(path)
+        k_proj = getattr(sch[path].module, "k_proj", None)
+        features = getattr(k_proj, "out_features", None)
+        if entry is None or not isinstance(features, int):
+            continue
+        shape, dtype = entry
+        tokens = math.prod(shape[:-1])
+        element = torch.empty((), dtype=dtype, device="meta").element_size()
+        out[path] = 2 * tokens * features * element * factor(path) * size.get(spec.mesh_axis, 1)
+    return out
 
 
 def _axis_sizes(sch: Schedule) -> dict[str, int]:
@@ -325,7 +354,12 @@ def activation_memory(
     recompute: dict[str, float] = {}
     largest: dict[str, float] = {}
     seen_layer = False
-    for path, nbytes in shapes.saved:
+    gathered = _gathered_kv(sch, shapes)
+    cp = {path: _axis_sizes(sch).get(spec.mesh_axis, 1) for path, spec in sch.annotations.of_kind(CP).items()}
+    grad_peak = [0.0] * n_stages
+    # a context-parallel attention holds its gathered keys and values, not the rank's share of them
+    extra = [(path, kv * (1 - 1 / cp[path]) / factor(path)) for path, kv in gathered.items()]
+    for path, nbytes in (*shapes.saved, *extra):
         size = nbytes * factor(path) * scale / micro
         layer = _under(path, layer_roots) if layer_roots else None
         if layer is not None:
@@ -335,6 +369,8 @@ def activation_memory(
             idx = stages[-1].index if seen_layer else stages[0].index
         else:
             idx = 0
+        if path in gathered:
+            grad_peak[idx] = max(grad_peak[idx], gathered[path] * scale / micro)
         c = _under(path, ckpts) if ckpts else None
         if c is not None:
             seen_layer = True
@@ -381,11 +417,14 @@ def activation_memory(
         mine = [recompute[c] for c in ckpts if ckpt_stage[c] == i and c in recompute]
         again = (pre[i] + ckpt_kept[i] + io + (in_flight - 1) * (kept[i] + io) + max(mine)) if mine else 0.0
         rows.append(ActivationRow(st.index if st is not None else None, in_flight, math.ceil(saved),
-                                  math.ceil(loss), math.ceil(again)))
+                                  math.ceil(loss), math.ceil(again + grad_peak[i] if again else 0.0),
+                                  math.ceil(grad_peak[i])))
     per_mb = "" if not stages else f", {micro} microbatches ({pipeline_schedule}) of 1/{micro} of it"
     mp = "" if scale == 1.0 else f", activations in {spec.param_dtype}"  # type: ignore[union-attr]
     note = (f"for the example inputs{per_mb}{mp}; checkpointed modules keep their input"
             + (", one recomputed at a time" if ckpts else "")
             + (f"; {selective} selectively checkpointed modules counted as not checkpointed (an upper bound)"
-               if selective else "") + "; logits and their gradient at the loss")
+               if selective else "") + "; logits and their gradient at the loss"
+            + ("; each context-parallel attention's all-gathered keys and values (and their gradients in its "
+               "backward) at full length" if gathered else ""))
     return ActivationTable(tuple(rows), note)

@@ -92,6 +92,7 @@ __all__ = [
     "TrainError",
     "adamw",
     "causal_lm_loss",
+    "next_token_loss",
     "parse_dtype",
     "peak_memory",
     "precision",
@@ -225,27 +226,70 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, reduction: Lit
     >>> round(causal_lm_loss(logits, torch.tensor([[0, 1, 2]])).item(), 4) == round(math.log(4), 4)
     True
     """
-    shifted = logits[:, :-1].float().flatten(0, 1)
-    target = labels[:, 1:].flatten()
-    return F.cross_entropy(shifted, target, ignore_index=IGNORE_INDEX, reduction=reduction)
+    return next_token_loss(logits[:, :-1], labels[:, 1:], reduction=reduction)
 
 
-def _loss_sum(model: nn.Module, out: Any, labels: torch.Tensor) -> torch.Tensor:
-    """The summed next-token loss of ``model``'s output ``out`` for the global ``labels``: on
+def next_token_loss(logits: torch.Tensor, shift_labels: torch.Tensor, *,
+                    reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor:
+    """Cross entropy in float32 of ``logits[:, t]`` against ``shift_labels[:, t]``: targets
+    already shifted (a context-parallel rank's chunks of them; ``-100`` ignored). The
+    pipeline's ``loss_fn`` under context parallelism.
+
+    >>> logits = torch.zeros(1, 3, 4)
+    >>> round(next_token_loss(logits, torch.tensor([[1, 2, -100]])).item(), 4) == round(math.log(4), 4)
+    True
+    """
+    return F.cross_entropy(logits.float().flatten(0, 1), shift_labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction=reduction)
+
+
+#: The keys of a batch that are the loss's, not the model's inputs.
+_TARGETS = ("labels", "shift_labels")
+
+
+def _loss_sum(model: nn.Module, out: Any, part: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The summed next-token loss of ``model``'s output ``out`` for the batch ``part``'s
+    targets: its ``shift_labels`` where a context-parallel model's loader cut the batch
+    (already shifted globally and cut to this rank's chunks), else its ``labels`` — on
     this rank's tokens where the model is context-parallel (its logits are this rank's
-    chunks; the targets are shifted globally, then cut), the sum over the ranks being the
-    whole batch's."""
+    chunks; the targets are shifted globally, then cut). Over the ``cp`` ranks the sums
+    add up to the whole batch's."""
     logits = _logits(out)
     split = context_split(model)
-    if split is None:
-        return causal_lm_loss(logits, labels, reduction="sum")
-    return F.cross_entropy(logits.float().flatten(0, 1), split.targets(labels).flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
+    if "shift_labels" in part:
+        targets = part["shift_labels"]
+    elif split is None:
+        return causal_lm_loss(logits, part["labels"], reduction="sum")
+    else:
+        targets = split.targets(part["labels"])
+    return next_token_loss(logits, targets, reduction="sum")
 
 
-def _targets(labels: torch.Tensor) -> int:
-    """How many tokens of ``labels`` the loss counts."""
-    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+def _targets(part: Mapping[str, torch.Tensor]) -> int:
+    """How many tokens of the batch ``part`` the loss counts (of this rank's chunks where
+    a loader cut it for context parallelism)."""
+    if "shift_labels" in part:
+        return int((part["shift_labels"] != IGNORE_INDEX).sum())
+    return int((part["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def _target(part: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """A pipeline's target of the batch ``part``: its ``shift_labels`` where a loader cut
+    it for context parallelism (:func:`next_token_loss`), else its ``labels``."""
+    return part["shift_labels"] if "shift_labels" in part else part["labels"]
+
+
+def _collated(model: Model, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What ``model`` takes of a global batch: this rank's chunks where it is
+    context-parallel with ``inputs_split`` (:meth:`ContextSplit.collate`), else all of it."""
+    stage = next(iter(model.modules.values()), None) if isinstance(model, Pipeline) else model
+    split = context_split(stage) if stage is not None else None
+    return split.collate(batch) if split is not None else dict(batch)
+
+
+def _inputs(part: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The token ids of a batch and its other keyword inputs of the model (not the targets)."""
+    return part["input_ids"], {k: v for k, v in part.items() if k not in ("input_ids", *_TARGETS)}
 
 
 # -- optimizer and precision -------------------------------------------------------------------
@@ -636,7 +680,8 @@ def train(
             for group in optimizer.param_groups:
                 group["lr"] = lr
         batch = {k: v.to(device) for k, v in data.batch(step, batch_size, dp_rank=dp_rank, dp_size=dp_size).items()}
-        micro = _split(batch, grad_accum)
+        tokens = int(batch["input_ids"].numel()) * dp_size
+        micro = _split(_collated(model, batch), grad_accum)
         if pipeline is not None:
             loss_sum, count = _pipeline_step(pipeline, micro, autocast, device)
         else:
@@ -653,7 +698,6 @@ def train(
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - began  # the step's own time: eval and saves are timed apart
-        tokens = int(batch["input_ids"].numel()) * dp_size
         if not finite:
             skipped += 1
             record = StepRecord(step=step + 1, loss=loss, lr=lr, grad_norm=float(norm), tokens=tokens,
@@ -720,18 +764,19 @@ def _module_step(model: nn.Module, micro: list[dict[str, torch.Tensor]], autocas
     of target tokens. Each micro-batch's loss is its token sum over the step's global
     count, times ``dp_size`` (data parallelism averages over ranks): the gradients are
     those of the global batch's token mean."""
-    local = float(sum(_targets(m["labels"]) for m in micro))
+    split = context_split(model)
+    local = float(sum(_targets(m) for m in micro))
+    if split is not None and split.inputs_split:  # each cp rank counted its own chunks
+        local = split.total(local)
     count = _all_sum([local], dp_group, device)[0]
     total = 0.0
     for i, part in enumerate(micro):
-        labels, ids = part["labels"], part["input_ids"]
-        kwargs = {k: v for k, v in part.items() if k not in ("labels", "input_ids")}
+        ids, kwargs = _inputs(part)
         with _gradient_sync([model], i == len(micro) - 1):  # around the backward, where FSDP2 reduces
             with _autocast(device, autocast):
-                loss_sum = _loss_sum(model, model(ids, **kwargs), labels)
+                loss_sum = _loss_sum(model, model(ids, **kwargs), part)
             (loss_sum * (dp_size / max(count, 1.0))).backward()
         total += float(loss_sum.detach())
-    split = context_split(model)
     return (total if split is None else split.total(total)), local
 
 
@@ -749,11 +794,9 @@ def _pipeline_step(pipe: Pipeline, micro: list[dict[str, torch.Tensor]], autocas
                 if p.grad is not None:
                     kept[p] = kept[p] + p.grad if p in kept else p.grad
                     p.grad = None
-        labels = part["labels"]
-        ids = part["input_ids"]
-        kwargs = {k: v for k, v in part.items() if k not in ("labels", "input_ids")}
+        ids, kwargs = _inputs(part)
         with _autocast(device, autocast):
-            total += float(pipe.step(ids, target=labels, **kwargs))
+            total += float(pipe.step(ids, target=_target(part), **kwargs))
     if len(micro) > 1:
         with torch.no_grad():
             for p in pipe.parameters():
@@ -782,18 +825,19 @@ def _evaluate(model: Model, data: object, batch_size: int, dp_rank: int, dp_size
             if limit is not None and i >= limit:
                 break
             batch = {k: v.to(device) for k, v in batch.items()}
-            labels = batch.pop("labels")
             with _autocast(device, autocast):
                 if isinstance(model, Pipeline):
-                    ids = batch.pop("input_ids")
-                    total += _pipeline_eval(model, ids, labels, batch)
+                    batch = _collated(model, batch)
+                    ids, kwargs = _inputs(batch)
+                    total += _pipeline_eval(model, ids, _target(batch), kwargs)
                     count += 1
                 else:
-                    ids = batch.pop("input_ids")
                     split = context_split(model)
-                    part = float(_loss_sum(model, model(ids, **batch), labels))
+                    batch = _collated(model, batch)
+                    ids, kwargs = _inputs(batch)
+                    part, counted = float(_loss_sum(model, model(ids, **kwargs), batch)), float(_targets(batch))
                     total += part if split is None else split.total(part)
-                    count += _targets(labels)
+                    count += split.total(counted) if split is not None and split.inputs_split else counted
     finally:
         for m in modules:
             m.train()

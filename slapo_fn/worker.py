@@ -230,7 +230,9 @@ def _train(options: Options, console: IO[str]) -> int:
     init: Literal["empty", "full"] = "empty" if weights is not None and not options.resume else "full"
     if options.pp > 1:
         micro = options.microbatches or 2 * options.pp
-        model: Any = build_pipeline(sch, microbatches=micro, schedule=options.schedule, loss_fn=loop.causal_lm_loss,
+        # under cp the loop hands each rank its chunks, with the targets shifted before the cut
+        loss_fn = loop.next_token_loss if getattr(options, "cp", 1) > 1 else loop.causal_lm_loss
+        model: Any = build_pipeline(sch, microbatches=micro, schedule=options.schedule, loss_fn=loss_fn,
                                     init=init, seed=options.seed, device=device)
     else:
         model = build(sch, init=init, seed=options.seed, device=device)

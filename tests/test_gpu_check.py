@@ -190,3 +190,29 @@ def test_the_levers_part_measures_foreach_and_says_why_float8_is_refused(tmp_pat
     assert levers["recipe_compile_float8"]["result"]["status"] == "refused", levers
     assert levers["recipe_compile_foreach"]["result"]["tokens_per_s"] > 0, levers
     assert result.returncode == 0, result.stdout[-4000:]
+
+
+@pytest.mark.timeout(120)
+def test_the_ring_benchmark_times_the_allgather_attention_and_says_why_the_ring_is_skipped_on_cpu() -> None:
+    """benchmarks/context_parallel_ring.py --smoke: the all-gather attention timed; PyTorch's
+    ring attention, CUDA's, reported as skipped with the schedule's reason."""
+    result = subprocess.run([sys.executable, "benchmarks/context_parallel_ring.py", "--smoke"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=100)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["allgather"]["status"] == "ok" and figures["allgather"]["ms"] > 0, figures
+    if not torch.cuda.is_available():
+        assert figures["ring"]["status"] == "skipped" and "no ring strategy" in figures["ring"]["reason"], figures
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_cp_part_runs_only_when_named_and_smokes_on_cpu(tmp_path: Path) -> None:
+    check = _load("gpu_check")
+    assert "cp" in check.PARTS and "cp" not in check.DEFAULT_PARTS
+    assert check.steps_of(["cp"], quick=False) == ["header", "cp_ring"]
+    result, figures = _smoke(tmp_path, "--parts", "cp")
+    assert result.returncode == 0, result.stdout[-4000:]
+    cp = figures["parts"]["cp"]
+    assert cp["status"] == "ok" and cp["result"]["allgather"]["ms"] > 0, cp
+    assert "cp: allgather" in (tmp_path / "gpu_check.log").read_text()

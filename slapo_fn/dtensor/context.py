@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -42,17 +43,23 @@ from ..kernels._common import KernelError
 from ..rewrites._common import contains
 from ..schedule import Key, Schedule
 from ..select import Selection, select
+from .context_ring import ring_problems
 from .shard import _problem_mesh, _problem_uncalled
 
-__all__ = ["CP", "CPSpec", "chunk_count", "chunks", "context_parallel", "key_positions", "positions", "take"]
+__all__ = ["CP", "IGNORE_INDEX", "CPSpec", "chunk_count", "chunks", "context_parallel", "key_positions", "positions",
+           "shifted", "split_batch", "take"]
 
 CP: Key[CPSpec] = Key("context_parallel")
+#: Label value that no loss counts, as in Hugging Face.
+IGNORE_INDEX = -100
 
 #: The attention modules of a Hugging Face decoder, selected when ``where`` is not given.
 DEFAULT_WHERE = "model.layers.*.self_attn"
 
-Impl = Literal["allgather"]
-_IMPLS = ("allgather",)
+#: How attention gets the other ranks' keys and values: ``"allgather"`` (the Llama 3
+#: scheme, any device and mask) or ``"ring"`` (PyTorch's ring attention, CUDA).
+Impl = Literal["allgather", "ring"]
+_IMPLS = ("allgather", "ring")
 
 
 @dataclass(frozen=True)
@@ -121,6 +128,52 @@ def take(x: torch.Tensor, dim: int, rank: int, size: int, load_balance: bool) ->
     return torch.cat([pieces[c] for c in chunks(rank, size, load_balance)], dim)
 
 
+def shifted(labels: torch.Tensor) -> torch.Tensor:
+    """``labels[:, 1:]`` padded with the ignored label: the target of each position.
+
+    >>> shifted(torch.tensor([[5, 6, 7]])).tolist()
+    [[6, 7, -100]]
+    """
+    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def split_batch(batch: Mapping[str, torch.Tensor], rank: int, size: int, load_balance: bool) \
+        -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s chunks of a global batch of ``(batch, seq, ...)`` tensors: what a
+    loader hands each ``cp`` rank of a model built with ``inputs_split=True``.
+
+    ``labels`` (Hugging Face's convention: lined up with ``input_ids``) become
+    ``shift_labels``, shifted over the whole sequence before the cut (the shift crosses
+    chunk boundaries); ``position_ids`` are cut, or made from the rank's global positions
+    where the batch has none; every other tensor with the sequence in dim 1 is cut. The
+    sequence must be a multiple of :func:`chunk_count` (else a :class:`LayoutError`).
+
+    >>> b = split_batch({"input_ids": torch.arange(8)[None], "labels": torch.arange(8)[None]}, 1, 2, True)
+    >>> {k: v.tolist() for k, v in b.items()}
+    {'input_ids': [[2, 3, 4, 5]], 'shift_labels': [[3, 4, 5, 6]], 'position_ids': [[2, 3, 4, 5]]}
+    """
+    ids = batch.get("input_ids", batch.get("inputs_embeds"))
+    if ids is None or ids.dim() < 2:
+        raise LayoutError("split_batch", [Problem("input_ids", "the batch has no (batch, seq) input_ids or "
+                                                  "inputs_embeds to split", "hand it the global batch")])
+    seq, n = ids.shape[1], chunk_count(size, load_balance)
+    if seq == 0 or seq % n:
+        raise LayoutError("split_batch", [Problem("input_ids", f"the sequence of {seq} tokens cannot be cut into "
+                                                  f"{n} equal chunks over cp={size}",
+                                                  f"pad or pack the sequences to a multiple of {n} tokens")])
+    out = {}
+    for k, v in batch.items():
+        if k == "labels":
+            out["shift_labels"] = take(shifted(v), 1, rank, size, load_balance)
+        elif v.dim() >= 2 and v.shape[1] == seq:
+            out[k] = take(v, 1, rank, size, load_balance)
+        else:
+            out[k] = v
+    if "position_ids" not in out:
+        out["position_ids"] = positions(rank, size, seq, load_balance, ids.device)[None].expand(ids.shape[0], -1)
+    return out
+
+
 def _takes(module: nn.Module, name: str) -> bool:
     try:
         return name in inspect.signature(module.forward).parameters
@@ -186,7 +239,10 @@ def context_parallel(
     after ``backward()`` they equal the single process's.
 
     The attention modules run on :class:`~slapo_fn.kernels.RotaryAttention` with a mask of
-    the rank's global positions (a sliding window included); attention whose positions
+    the rank's global positions (a sliding window included). ``impl="ring"`` runs
+    PyTorch's own ring attention instead (:mod:`.context_ring`; CUDA meshes only,
+    load-balanced causal attention without a window or dropout: refused otherwise, by
+    path, with the fix ``impl="allgather"``). Attention whose positions
     the model does not pass (ALiBi, learned or relative biases) is refused here. The
     sequence length must be a multiple of ``2·cp`` (``cp`` without ``load_balance``):
     the first forward refuses one that is not, before any model code runs. A padding
@@ -197,10 +253,9 @@ def context_parallel(
     problems = [p for p in (_problem_mesh(sch, path, mesh_axis) for path in paths) if p is not None]
     problems += [p for p in (_problem_uncalled(sch, path) for path in paths) if p is not None]
     if impl not in _IMPLS:
-        problems.append(Problem(paths[0] if paths else "", f"impl={impl!r} is not implemented (only "
-                                f"{', '.join(map(repr, _IMPLS))}: PyTorch's ring attention does not run on CPU)",
-                                'pass impl="allgather"'))
-    spec = CPSpec(mesh_axis, load_balance, "allgather", inputs_split)
+        problems.append(Problem(paths[0] if paths else "", f"unknown impl {impl!r}",
+                                f"one of {', '.join(map(repr, _IMPLS))}"))
+    spec = CPSpec(mesh_axis, load_balance, "ring" if impl == "ring" else "allgather", inputs_split)
     existing = sch.annotations.of_kind(CP)
     for other in sorted({v for v in existing.values() if v != spec}, key=str):
         problems.append(Problem("", f"the schedule already splits the sequence as {other}, not {spec}",
@@ -212,6 +267,11 @@ def context_parallel(
                                     f"select either {inside!r} or {path!r}"))
         elif (problem := _problem_attention(sch, path)) is not None:
             problems.append(problem)
+        elif impl == "ring":
+            module = sch[path].module
+            kernel = module if isinstance(module, RotaryAttention) else RotaryAttention.from_hf(module, path)
+            assert isinstance(kernel, RotaryAttention)  # from_hf on the class builds the class
+            problems += ring_problems(path, kernel, getattr(sch.mesh, "device_type", "cpu"), load_balance)
     problems += _problems_root(sch)
     if problems:
         raise LayoutError("context_parallel", problems)

@@ -7,14 +7,15 @@ annotated, installed on build's private copy of the model.
   labels globally and returns the global loss;
 * :func:`sum_gradients_over_cp` (after tensor parallelism, whose parameters are the
   ones the optimizer sees): every parameter's gradient is summed over the ``cp`` axis in
-  backward, as data parallelism sums it.
+  backward, as data parallelism sums it — unless FSDP2 shards the parameters over
+  ``dp × cp`` (:func:`~slapo_fn.dtensor.data_parallel.shard_axes`) and reduces them so.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,15 +29,15 @@ from ..kernels.attention import attention
 from ..schedule import Schedule
 from ..tree import get_module, parent_path, split
 from . import collectives as C
-from .context import CP, CPSpec, chunk_count, chunks, key_positions, positions, take
+from .context import CP, IGNORE_INDEX, CPSpec, chunk_count, chunks, key_positions, positions, shifted, split_batch, take
+from .context_ring import ring_attention
 from .data_parallel import DATA_PARALLEL
 from .sequence import SEQ
 from .shard import mesh_dims
 
-__all__ = ["ContextParallelAttention", "ContextSplit", "apply_context_parallel", "context_split",
-           "sum_gradients_over_cp"]
+__all__ = ["ContextParallelAttention", "ContextSplit", "apply_context_parallel", "context_split", "pipeline_loss",
+           "pipeline_problems", "shifted", "sum_gradients_over_cp"]
 
-IGNORE_INDEX = -100
 #: The attribute of a built model's root that holds its :class:`ContextSplit`.
 _SPLIT = "_slapo_fn_context_split"
 
@@ -48,6 +49,8 @@ class ContextSplit:
 
     axis: C.Axis
     load_balance: bool
+    #: The model takes this rank's chunks (``inputs_split=True``): :meth:`collate` cuts them.
+    inputs_split: bool = False
 
     @property
     def rank_and_size(self) -> tuple[int, int]:
@@ -59,6 +62,15 @@ class ContextSplit:
         rank, size = self.rank_and_size
         return take(x, 1, rank, size, self.load_balance)
 
+    def collate(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What this rank's model takes of a global ``batch``: this rank's chunks
+        (:func:`~slapo_fn.dtensor.context.split_batch`: ``labels`` become ``shift_labels``)
+        where the model was built with ``inputs_split=True``, else the batch itself."""
+        if not self.inputs_split:
+            return dict(batch)
+        rank, size = self.rank_and_size
+        return split_batch(batch, rank, size, self.load_balance)
+
     def targets(self, labels: torch.Tensor) -> torch.Tensor:
         """This rank's next-token targets: ``labels`` (the global batch) shifted globally
         (position t predicts t + 1; the last predicts nothing), then cut."""
@@ -67,11 +79,6 @@ class ContextSplit:
     def total(self, value: float) -> float:
         """The sum of ``value`` over the ``cp`` ranks (a loss sum of each rank's tokens)."""
         return float(C._all_reduce(torch.tensor([value], dtype=torch.float64), self.axis)[0])
-
-
-def shifted(labels: torch.Tensor) -> torch.Tensor:
-    """``labels[:, 1:]`` padded with the ignored label: the target of each position."""
-    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
 def context_split(model: nn.Module) -> ContextSplit | None:
@@ -91,15 +98,17 @@ class ContextParallelAttention(RotaryAttention):
 
     axis: C.Axis
     load_balance: bool
+    impl: str
 
     @classmethod
-    def of(cls, kernel: RotaryAttention, axis: C.Axis, load_balance: bool) -> ContextParallelAttention:
+    def of(cls, kernel: RotaryAttention, axis: C.Axis, load_balance: bool, impl: str = "allgather") \
+            -> ContextParallelAttention:
         """The context-parallel form of ``kernel`` (its own child modules, in its mode)."""
         new = cls(kernel.q_proj, kernel.k_proj, kernel.v_proj, kernel.o_proj, head_dim=kernel.head_dim,
                   scaling=kernel.scaling, dropout_p=kernel.dropout_p, layer_idx=kernel.layer_idx,
                   q_norm=kernel._modules.get("q_norm"), k_norm=kernel._modules.get("k_norm"),
                   sliding_window=kernel.sliding_window, backend=kernel.backend)
-        new.axis, new.load_balance = axis, load_balance
+        new.axis, new.load_balance, new.impl = axis, load_balance, impl
         return new.train(kernel.training)
 
     def _attend(
@@ -110,6 +119,8 @@ class ContextParallelAttention(RotaryAttention):
         attention_mask: torch.Tensor | None,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
+        if self.impl == "ring":  # PyTorch's ring attention (CUDA; checked at schedule time)
+            return ring_attention(query, key, value, self.axis, self.scaling)
         mesh, dim = self.axis
         size, rank = mesh.size(dim), mesh.get_local_rank(dim)
         key, value = C.gather_rs(key, 2, self.axis), C.gather_rs(value, 2, self.axis)
@@ -133,7 +144,8 @@ class ContextParallelAttention(RotaryAttention):
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, context_parallel={'load-balanced' if self.load_balance else 'contiguous'}"
+        balance = "load-balanced" if self.load_balance else "contiguous"
+        return f"{super().extra_repr()}, context_parallel={self.impl}, {balance}"
 
 
 def _axis(sch: Schedule, spec: CPSpec) -> C.Axis:
@@ -151,12 +163,12 @@ def apply_context_parallel(model: nn.Module, sch: Schedule) -> None:
     spec = _spec(sch)
     if spec is None:
         return
-    refused = [Problem(path, why, fix) for kind, path, why, fix in (
-        (DATA_PARALLEL, "", "context_parallel does not compose with data_parallel yet (FSDP would have to shard "
-                            "over dp x cp, as torchtitan's dp_shard_cp)", "drop sf.data_parallel, or context_parallel"),
-        (SEQ, "", "context_parallel does not compose with sequence_parallel yet (both split the sequence)",
-         "drop sf.sequence_parallel, or context_parallel"),
-    ) if sch.annotations.of_kind(kind)]
+    refused = [Problem("", "context_parallel does not compose with sequence_parallel yet (both split the sequence)",
+                       "drop sf.sequence_parallel, or context_parallel")] if sch.annotations.of_kind(SEQ) else []
+    dp = sch.annotations.get("", DATA_PARALLEL)
+    if dp is not None and dp.mode != "fsdp":
+        refused.append(Problem("", f"context_parallel composes with data_parallel mode 'fsdp' (FSDP2 over dp x cp, "
+                                   f"torchtitan's dp_shard_cp), not {dp.mode!r}", 'data_parallel(mode="fsdp")'))
     if refused:
         raise LayoutError("build", refused)
     axis = _axis(sch, spec)
@@ -164,17 +176,17 @@ def apply_context_parallel(model: nn.Module, sch: Schedule) -> None:
         old = get_module(model, path)
         kernel = old if isinstance(old, RotaryAttention) else RotaryAttention.from_hf(old, path)
         assert isinstance(kernel, RotaryAttention)  # from_hf on a subclass builds that subclass
-        setattr(get_module(model, parent_path(path)), split(path)[-1], ContextParallelAttention.of(kernel, axis,
-                                                                                                   spec.load_balance))
+        split_kernel = ContextParallelAttention.of(kernel, axis, spec.load_balance, spec.impl)
+        setattr(get_module(model, parent_path(path)), split(path)[-1], split_kernel)
     model.forward = _splitting(model.forward, axis, spec)  # type: ignore[method-assign]
-    model.__dict__[_SPLIT] = ContextSplit(axis, spec.load_balance)
+    model.__dict__[_SPLIT] = ContextSplit(axis, spec.load_balance, spec.inputs_split)
 
 
 def sum_gradients_over_cp(model: nn.Module, sch: Schedule) -> None:
     """Sum every parameter's gradient over the ``cp`` axis as backward computes it (before
     it is accumulated into ``.grad``: accumulation over micro-batches stays right)."""
     spec = _spec(sch)
-    if spec is None:
+    if spec is None or sch.annotations.get("", DATA_PARALLEL) is not None:  # FSDP2 reduces over dp x cp itself
         return
     axis = _axis(sch, spec)
     seen: set[int] = set()
@@ -190,6 +202,42 @@ def _summed(grad: torch.Tensor, axis: C.Axis) -> torch.Tensor:
         return DTensor.from_local(local, grad.device_mesh, grad.placements, run_check=False, shape=grad.shape,
                                   stride=grad.stride())
     return C._all_reduce(grad, axis)
+
+
+def pipeline_loss(sch: Schedule, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) \
+        -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A pipeline's ``loss_fn`` on a context-parallel schedule's last stage: ``loss_fn``
+    (a mean over the targets of this rank's chunks that are not ``-100``; the targets
+    arrive shifted, ``shift_labels`` of :meth:`ContextSplit.collate`) weighted by this
+    rank's share of the microbatch's counted tokens, as a value the mean over the global
+    tokens on every ``cp`` rank with this rank's own gradient (the stages' gradients are
+    summed over ``cp`` in backward). ``loss_fn`` itself without context parallelism."""
+    spec = _spec(sch)
+    if spec is None:
+        return loss_fn
+    axis = _axis(sch, spec)
+
+    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        count = (target != IGNORE_INDEX).sum()
+        total = C._all_reduce(count, axis)
+        return _global_loss(loss_fn(output, target) * (count / total.clamp(min=1)), axis)
+
+    return loss
+
+
+def pipeline_problems(sch: Schedule) -> list[Problem]:
+    """Why the stages of a context-parallel schedule cannot run as a pipeline: a stage
+    after the first takes the hidden states of this rank's chunks, so every stage must
+    take split inputs (``inputs_split=True``: the loader cuts ``input_ids``,
+    ``position_ids`` and the shifted targets)."""
+    spec = _spec(sch)
+    if spec is None or spec.inputs_split:
+        return []
+    path = next(iter(sch.annotations.of_kind(CP)))
+    return [Problem(path, "is context-parallel on the global batch: in a pipeline, the stages after the first take "
+                          "the hidden states of this rank's chunks, which cannot be cut again",
+                    "sf.context_parallel(..., inputs_split=True) and hand each rank its chunks "
+                    "(ContextSplit.collate; the targets are its shift_labels)")]
 
 
 def _refuse(reason: str, fix: str) -> LayoutError:

@@ -9,13 +9,15 @@ compilation, on its private copy, so parameter names stay those of the original 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ..combinators import primitive
 from ..errors import LayoutError, Problem, ScheduleError
@@ -23,9 +25,10 @@ from ..rewrites._common import contains
 from ..schedule import Key, Schedule, path_exists
 from ..select import Selection
 from ..tree import get_module, walk
-from .shard import _problem_mesh
+from .context import CP
+from .shard import _problem_mesh, mesh_dims
 
-__all__ = ["DATA_PARALLEL", "DataParallelSpec", "apply_data_parallel", "data_parallel", "find_blocks"]
+__all__ = ["DATA_PARALLEL", "DataParallelSpec", "apply_data_parallel", "data_parallel", "find_blocks", "shard_axes"]
 
 DATA_PARALLEL: Key[DataParallelSpec] = Key("data_parallel")
 Mode = Literal["fsdp", "ddp", "hsdp"]
@@ -137,17 +140,56 @@ def data_parallel(
     return sch.annotate_path("", DATA_PARALLEL, spec)
 
 
+def shard_axes(sch: Schedule) -> tuple[str, ...]:
+    """The mesh axes FSDP2 shards parameters over: the data-parallel axes, and where the
+    schedule is context-parallel, its ``cp`` axis too (torchtitan's ``dp_shard_cp``: the
+    ``cp`` ranks hold different tokens, so their gradients are reduced as data
+    parallelism's are), in mesh order. Empty without ``data_parallel``."""
+    spec: DataParallelSpec | None = sch.annotations.get("", DATA_PARALLEL)
+    if spec is None or sch.mesh is None:
+        return ()
+    return tuple(n for n in mesh_dims(sch.mesh) if n in (*spec.mesh_axes, *_cp_axes(sch)))
+
+
+def _fsdp_mesh(sch: Schedule, spec: DataParallelSpec) -> tuple[DeviceMesh, int]:
+    """The mesh FSDP2 shards over (:func:`shard_axes`, flattened into one dimension where
+    they are several) and the data-parallel degree its gradients are averaged over (the
+    ``cp`` ranks' gradients are summed: each holds its tokens' share of the loss)."""
+    assert sch.mesh is not None
+    axes = shard_axes(sch)
+    mesh = sch.mesh[axes[0]] if len(axes) == 1 else sch.mesh[axes]._flatten("_".join(axes))
+    return mesh, math.prod(sch.mesh[a].size() for a in spec.mesh_axes if a not in _cp_axes(sch))
+
+
+def _cp_axes(sch: Schedule) -> set[str]:
+    return {s.mesh_axis for s in sch.annotations.of_kind(CP).values()}
+
+
 def apply_data_parallel(model: nn.Module, sch: Schedule) -> None:
     """Wrap ``model`` (build's private copy) as the schedule says; a no-op without it."""
     spec: DataParallelSpec | None = sch.annotations.get("", DATA_PARALLEL)
     if spec is None:
         return
     assert sch.mesh is not None
-    mesh = sch.mesh[spec.mesh_axes[0]] if len(spec.mesh_axes) == 1 else sch.mesh[spec.mesh_axes]
     mp = MixedPrecisionPolicy(param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype)
+    if spec.mode == "fsdp" and _cp_axes(sch):
+        mesh, dp = _fsdp_mesh(sch, spec)
+        _shard(model, spec, mesh, mp)
+        for m in model.modules():  # sum over cp, average over dp
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(float(dp))
+                if mesh.device_type == "cpu":  # gloo has no PREMUL_SUM: a sum, then the division
+                    m.set_force_sum_reduction_for_comms(True)
+        return
+    mesh = sch.mesh[spec.mesh_axes[0]] if len(spec.mesh_axes) == 1 else sch.mesh[spec.mesh_axes]
     if spec.mode == "ddp":
         replicate(model, mesh=mesh, mp_policy=mp)
         return
+    _shard(model, spec, mesh, mp)
+
+
+def _shard(model: nn.Module, spec: DataParallelSpec, mesh: DeviceMesh, mp: MixedPrecisionPolicy) -> None:
+    """``fully_shard`` each block of ``spec`` that ``model`` holds, then the root."""
     for path in spec.blocks:
         if not path_exists(model, path):  # a pipeline stage holds only its own blocks
             continue

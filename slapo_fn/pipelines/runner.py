@@ -55,7 +55,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from ..build import BuildOptions, build, has_meta, materialise
-from ..dtensor.context import CP
+from ..dtensor.context_runtime import pipeline_loss, pipeline_problems
 from ..dtensor.sequence import SEQ
 from ..errors import Problem, ScheduleError, ScheduleTypeError
 from ..hf import init_owner, is_pretrained_model, reset_weights
@@ -453,7 +453,11 @@ def build_pipeline(
     stages per rank, round robin) or ``"zbv"`` (ZBVZeroBubble: two stages per rank in a V).
     ``loss_fn(output, target)`` gets the last stage's output tensor (logits for a causal
     LM) for one microbatch; it should be a mean over the microbatch (gradients are
-    averaged over microbatches). ``init``/``device``/``seed``/``copy`` are passed to
+    averaged over microbatches). On a context-parallel schedule (``inputs_split=True``:
+    each rank is handed its chunks, ``ContextSplit.collate``) it gets this rank's chunks
+    of the logits and of the shifted targets; its mean is weighted to the global token
+    mean over ``cp`` (:func:`~slapo_fn.dtensor.context_runtime.pipeline_loss`).
+    ``init``/``device``/``seed``/``copy`` are passed to
     :func:`slapo_fn.build` for every stage. Refused up front (a :class:`ScheduleError`
     listing every problem): no ``pp`` axis on the mesh, a stage count the schedule
     cannot place on the ``pp`` ranks, fewer microbatches than stages. A batch that does
@@ -473,9 +477,7 @@ def build_pipeline(
     stages = split_stages(sch)
     pp = _pp_axis_size(sch, mesh_axis)
     problems = _problems(stages, pp, schedule, microbatches, loss_fn)
-    problems += [Problem(path, "is context-parallel: context_parallel does not compose with pipeline stages yet (the "
-                               "model's root cuts the inputs and reduces the loss)",
-                         "drop sf.context_parallel, or the pipeline") for path in list(sch.annotations.of_kind(CP))[:1]]
+    problems += pipeline_problems(sch)
     if problems:
         raise ScheduleError("build_pipeline", problems)
     group, rank, _ = _pp_group(sch, mesh_axis)
@@ -488,6 +490,7 @@ def build_pipeline(
         where = next((p.device for p in module.parameters()), torch.device("cpu"))
         pipeline_stages.append(PipelineStage(module, index, len(stages), where, group=group))
     runner: PipelineScheduleSingle | PipelineScheduleMulti
+    loss_fn = pipeline_loss(sch, loss_fn)  # context parallelism: the global token mean on every cp rank
     if kind.multi:
         runner = kind.cls(pipeline_stages, n_microbatches=microbatches, loss_fn=loss_fn)  # type: ignore[call-arg,arg-type]
     else:

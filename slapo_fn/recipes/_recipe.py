@@ -89,7 +89,11 @@ class Knobs:
     * ``compile``: ``torch.compile`` each layer;
     * ``cp``: context-parallel degree over the mesh axis ``"cp"`` (1 = off): each
       sequence split over ``cp`` ranks (:func:`~slapo_fn.dtensor.context.context_parallel`
-      of the recipe's ``attention``).
+      of the recipe's ``attention``);
+    * ``cp_inputs_split``: with ``cp > 1``, the model takes each rank's chunks of the
+      sequence from its loader (``inputs_split=True``; the training loop cuts them,
+      :meth:`~slapo_fn.dtensor.context_runtime.ContextSplit.collate`) instead of the
+      global batch;
     * ``float8``: the layers' linears as torchao's float8 training linears (torchtitan's
       recipe; :mod:`slapo_fn.kernels.float8`), sharded as the plain ones; refused with a
       :class:`~slapo_fn.errors.HardwareError` where this process has no CUDA GPU of
@@ -110,6 +114,7 @@ class Knobs:
     kernels: bool = False
     compile: bool = False
     cp: int = 1
+    cp_inputs_split: bool = False
     float8: bool = False
     async_tp: bool = False
 
@@ -154,7 +159,8 @@ class Recipe:
         if knobs.kernels:
             steps += [replace.at(where, factory) for where, factory in self.kernels.items()]
         if knobs.cp > 1:
-            steps.append(context_parallel.at([f"{stack.layers}.{self.attention}" for stack in self.stacks]))
+            steps.append(context_parallel.at([f"{stack.layers}.{self.attention}" for stack in self.stacks],
+                                             inputs_split=knobs.cp_inputs_split))
         if knobs.tp > 1:
             for stack in self.stacks:
                 block = chain(*(shard.at(path, axis=s.axis, packed=s.packed) for path, s in stack.tp_plan.items()))
@@ -238,7 +244,7 @@ class Recipe:
 _KNOB_TYPES: dict[str, tuple[type, ...]] = {
     "tp": (int,), "sequence_parallel": (bool,), "checkpoint": (float, int, tuple, type(None)), "stages": (int, tuple),
     "dp_mode": (str, type(None)), "kernels": (bool,), "compile": (bool,), "cp": (int,), "float8": (bool,),
-    "async_tp": (bool,),
+    "async_tp": (bool,), "cp_inputs_split": (bool,),
 }
 
 
