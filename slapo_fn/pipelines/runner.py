@@ -42,6 +42,7 @@ from typing import Any, Literal, TypeAlias
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
@@ -307,6 +308,34 @@ class Pipeline:
                     p.grad.copy_(total)
 
 
+def _owner_groups(mesh: DeviceMesh, mesh_axis: str, owners: tuple[tuple[int, ...], ...],
+                  rank: int) -> dict[tuple[int, ...], dist.ProcessGroup | None]:
+    """The process group of each set of ``pp`` ranks in ``owners`` that this ``pp`` rank
+    (``rank``) is in: ``None`` for itself alone.
+
+    Every rank of the mesh creates the group of every owner set in every ``pp`` group of the
+    mesh, in one order, as a ``DeviceMesh`` creates its groups. Groups made only by their
+    members (``use_local_synchronization``) are named by how many groups each member has
+    already made, so members that made different groups before (ranks 0, 2, 3 a group
+    without rank 1, then all four) would wait for each other under different names."""
+    ranks = mesh.mesh
+    dim = tuple(mesh.mesh_dim_names or ()).index(mesh_axis)
+    rows = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist()
+    me = dist.get_rank()
+    groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+    for tie in dict.fromkeys(owners):
+        if len(tie) == 1:
+            if rank in tie:
+                groups[tie] = None
+            continue
+        for row in rows:
+            members = [row[r] for r in tie]
+            made = dist.new_group(members)
+            if me in members:
+                groups[tie] = made
+    return groups
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
@@ -493,15 +522,7 @@ def build_pipeline(
     else:
         runner = kind.cls(pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss_fn)  # type: ignore[call-arg,arg-type]
     tied = _tied_groups(stages, placement)
-    tied_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-    for tie in tied:
-        if tie.ranks in tied_groups or rank not in tie.ranks:
-            continue
-        if len(tie.ranks) == 1:
-            tied_groups[tie.ranks] = None
-        else:
-            global_ranks = [dist.get_global_rank(group, r) for r in tie.ranks]
-            tied_groups[tie.ranks] = dist.new_group(global_ranks, use_local_synchronization=True)
+    assert sch.mesh is not None
     return Pipeline(
         modules=modules,
         stages=stages,
@@ -512,5 +533,5 @@ def build_pipeline(
         pipeline_stages=tuple(pipeline_stages),
         group=group,
         tied=tied,
-        tied_groups=tied_groups,
+        tied_groups=_owner_groups(sch.mesh, mesh_axis, tuple(t.ranks for t in tied), rank),
     )
