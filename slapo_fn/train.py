@@ -71,6 +71,7 @@ from .dtensor.context_runtime import context_split
 from .dtensor.data_parallel import DATA_PARALLEL, DataParallelSpec
 from .errors import Problem, ScheduleError
 from .func import clip_grad_norm_, global_norm
+from .hf import config_of, config_value, is_encoder_decoder
 from .loggers import ConsoleLog, JsonlLog, StepRecord, TensorBoardLog
 from .options import Split
 from .pipelines import Pipeline
@@ -86,6 +87,7 @@ __all__ = [
     "JsonlLog",
     "LRSchedule",
     "NonFiniteError",
+    "Seq2Seq",
     "StepRecord",
     "TensorBoardLog",
     "TokenBatches",
@@ -230,12 +232,60 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, reduction: Lit
     return F.cross_entropy(shifted, target, ignore_index=IGNORE_INDEX, reduction=reduction)
 
 
-def _loss_sum(model: nn.Module, out: Any, labels: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class Seq2Seq:
+    """The objective of an encoder-decoder, as Hugging Face's models train when given
+    ``labels``: the encoder reads ``input_ids``; the decoder reads ``labels`` shifted right
+    by one (``decoder_start`` first, ``-100`` read as ``pad``), and ``logits[:, t]``
+    predicts ``labels[:, t]`` (no shift in the loss). On language-model data, whose labels
+    are the input tokens, the model learns to reproduce its input.
+
+    >>> s = Seq2Seq(decoder_start=0, pad=1)
+    >>> s.inputs({"input_ids": torch.tensor([[5, 6, 7]]), "labels": torch.tensor([[5, 6, -100]])})["decoder_input_ids"]
+    tensor([[0, 5, 6]])
+    >>> round(s.loss(torch.zeros(1, 3, 4), torch.tensor([[0, 1, -100]])).item(), 4) == round(math.log(4), 4)
+    True
+    """
+
+    decoder_start: int
+    pad: int
+
+    @classmethod
+    def of(cls, model: nn.Module) -> Seq2Seq | None:
+        """The objective of ``model`` where it is a Hugging Face encoder-decoder (its config's
+        ``decoder_start_token_id`` and ``pad_token_id``); ``None`` for a causal LM."""
+        if not is_encoder_decoder(model):
+            return None
+        config = config_of(model)
+        start = config_value(config, "decoder_start_token_id", default=None)
+        pad = config_value(config, "pad_token_id", default=None)
+        start = pad if start is None else start
+        return cls(int(start or 0), int(pad if pad is not None else start or 0))
+
+    def inputs(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``batch`` with ``decoder_input_ids`` (its labels shifted right) where it has none."""
+        if "decoder_input_ids" in batch:
+            return dict(batch)
+        labels = batch["labels"]
+        shifted = torch.cat([torch.full_like(labels[:, :1], self.decoder_start), labels[:, :-1]], dim=1)
+        return {**batch, "decoder_input_ids": shifted.masked_fill(shifted == IGNORE_INDEX, self.pad)}
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, *,
+             reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor:
+        """Cross entropy in float32 of ``logits[:, t]`` against ``labels[:, t]``, ``-100``
+        ignored; the mean over counted tokens or their sum. Also a pipeline's ``loss_fn``."""
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction=reduction)
+
+
+def _loss_sum(model: nn.Module, out: Any, labels: torch.Tensor, seq2seq: Seq2Seq | None = None) -> torch.Tensor:
     """The summed next-token loss of ``model``'s output ``out`` for the global ``labels``: on
     this rank's tokens where the model is context-parallel (its logits are this rank's
     chunks; the targets are shifted globally, then cut), the sum over the ranks being the
-    whole batch's."""
+    whole batch's; an encoder-decoder's (``seq2seq``) unshifted."""
     logits = _logits(out)
+    if seq2seq is not None:
+        return seq2seq.loss(logits, labels, reduction="sum")
     split = context_split(model)
     if split is None:
         return causal_lm_loss(logits, labels, reduction="sum")
@@ -243,9 +293,10 @@ def _loss_sum(model: nn.Module, out: Any, labels: torch.Tensor) -> torch.Tensor:
                            reduction="sum")
 
 
-def _targets(labels: torch.Tensor) -> int:
-    """How many tokens of ``labels`` the loss counts."""
-    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+def _targets(labels: torch.Tensor, seq2seq: Seq2Seq | None = None) -> int:
+    """How many tokens of ``labels`` the loss counts (all but the first, which no token
+    predicts, for a causal LM)."""
+    return int(((labels if seq2seq is not None else labels[:, 1:]) != IGNORE_INDEX).sum())
 
 
 # -- optimizer and precision -------------------------------------------------------------------
@@ -576,6 +627,7 @@ def train(
     say: Callable[[str], None] | None = None,
     flops: float | None = None,
     peak_flops: float | None = None,
+    seq2seq: Seq2Seq | None = None,
 ) -> list[StepRecord]:
     """Train ``model`` (``sf.build``) or a pipeline (``sf.build_pipeline``) from step
     ``start_step`` up to step ``steps``; every rank calls it. Returns the records of the
@@ -609,6 +661,9 @@ def train(
     * ``flops``: the FLOPs of one step on one rank (:func:`slapo_fn.explain.model_flops`
       over the ranks), ``peak_flops`` one rank's peak FLOP/s (a hardware profile's, at
       the compute dtype): each record then has the rank's TFLOP/s and MFU.
+    * ``seq2seq``: the objective of an encoder-decoder (:class:`Seq2Seq`): every batch gets
+      its ``decoder_input_ids`` from its labels and the loss is not shifted (a pipeline's
+      ``loss_fn`` should be :meth:`Seq2Seq.loss`); ``None``: a causal LM's.
 
     A record's ``seconds`` is the step's own time — forward, backward and the optimizer
     update — with its evaluation and its checkpoint save timed apart (``eval_seconds``,
@@ -636,11 +691,14 @@ def train(
             for group in optimizer.param_groups:
                 group["lr"] = lr
         batch = {k: v.to(device) for k, v in data.batch(step, batch_size, dp_rank=dp_rank, dp_size=dp_size).items()}
+        if seq2seq is not None:
+            batch = seq2seq.inputs(batch)
         micro = _split(batch, grad_accum)
         if pipeline is not None:
             loss_sum, count = _pipeline_step(pipeline, micro, autocast, device)
         else:
-            loss_sum, count = _module_step(model, micro, autocast, device, dp_size, dp_group)  # type: ignore[arg-type]
+            loss_sum, count = _module_step(model, micro, autocast, device, dp_size, dp_group,  # type: ignore[arg-type]
+                                           seq2seq)
         loss_sum, count = _all_sum([loss_sum, count], dp_group, device)
         if grad_clip is not None:  # the global norm, across meshes and stages, before clipping
             norm = clip_grad_norm_(model, grad_clip)
@@ -675,7 +733,7 @@ def train(
         if eval_every and (step + 1) % eval_every == 0:
             began = time.perf_counter()
             eval_loss = _evaluate(model, data, batch_size, dp_rank, dp_size, dp_group, autocast, device,
-                                  eval_batches)
+                                  eval_batches, seq2seq)
             eval_seconds = time.perf_counter() - began
         mem = _step_memory(device, base_memory) if memory else {}
         try:
@@ -715,12 +773,13 @@ def _mesh_of(model: Model) -> DeviceMesh | None:
 
 
 def _module_step(model: nn.Module, micro: list[dict[str, torch.Tensor]], autocast: torch.dtype | None,
-                 device: torch.device, dp_size: int, dp_group: dist.ProcessGroup | None) -> tuple[float, float]:
+                 device: torch.device, dp_size: int, dp_group: dist.ProcessGroup | None,
+                 seq2seq: Seq2Seq | None = None) -> tuple[float, float]:
     """Forward and backward of every micro-batch; returns this rank's loss sum and count
     of target tokens. Each micro-batch's loss is its token sum over the step's global
     count, times ``dp_size`` (data parallelism averages over ranks): the gradients are
     those of the global batch's token mean."""
-    local = float(sum(_targets(m["labels"]) for m in micro))
+    local = float(sum(_targets(m["labels"], seq2seq) for m in micro))
     count = _all_sum([local], dp_group, device)[0]
     total = 0.0
     for i, part in enumerate(micro):
@@ -728,7 +787,7 @@ def _module_step(model: nn.Module, micro: list[dict[str, torch.Tensor]], autocas
         kwargs = {k: v for k, v in part.items() if k not in ("labels", "input_ids")}
         with _gradient_sync([model], i == len(micro) - 1):  # around the backward, where FSDP2 reduces
             with _autocast(device, autocast):
-                loss_sum = _loss_sum(model, model(ids, **kwargs), labels)
+                loss_sum = _loss_sum(model, model(ids, **kwargs), labels, seq2seq)
             (loss_sum * (dp_size / max(count, 1.0))).backward()
         total += float(loss_sum.detach())
     split = context_split(model)
@@ -769,7 +828,7 @@ def _pipeline_step(pipe: Pipeline, micro: list[dict[str, torch.Tensor]], autocas
 @torch.no_grad()
 def _evaluate(model: Model, data: object, batch_size: int, dp_rank: int, dp_size: int,
               dp_group: dist.ProcessGroup | None, autocast: torch.dtype | None, device: torch.device,
-              limit: int | None) -> float:
+              limit: int | None, seq2seq: Seq2Seq | None = None) -> float:
     """The token-mean loss over the data's eval batches (a pipeline: the mean of its
     microbatch means), over every data-parallel rank; modules in eval mode meanwhile."""
     modules = _modules(model)
@@ -782,6 +841,8 @@ def _evaluate(model: Model, data: object, batch_size: int, dp_rank: int, dp_size
             if limit is not None and i >= limit:
                 break
             batch = {k: v.to(device) for k, v in batch.items()}
+            if seq2seq is not None:
+                batch = seq2seq.inputs(batch)
             labels = batch.pop("labels")
             with _autocast(device, autocast):
                 if isinstance(model, Pipeline):
@@ -791,9 +852,9 @@ def _evaluate(model: Model, data: object, batch_size: int, dp_rank: int, dp_size
                 else:
                     ids = batch.pop("input_ids")
                     split = context_split(model)
-                    part = float(_loss_sum(model, model(ids, **batch), labels))
+                    part = float(_loss_sum(model, model(ids, **batch), labels, seq2seq))
                     total += part if split is None else split.total(part)
-                    count += _targets(labels)
+                    count += _targets(labels, seq2seq)
     finally:
         for m in modules:
             m.train()

@@ -67,7 +67,8 @@ from .cut import pp_size
 from .families import StageOutput
 from .split import Stage, split_stages
 
-__all__ = ["SCHEDULES", "Pipeline", "ScheduleName", "TiedGroup", "build_pipeline", "build_stages", "stage_ranks"]
+__all__ = ["SCHEDULES", "Pipeline", "ScheduleName", "TiedGroup", "build_pipeline", "build_stages", "schedule_problem",
+           "stage_ranks"]
 
 ScheduleName: TypeAlias = Literal["gpipe", "1f1b", "interleaved", "looped-bfs", "zero-bubble", "zbv"]
 
@@ -341,6 +342,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+def schedule_problem(stages: tuple[Stage, ...], name: str) -> Problem | None:
+    """Why schedule ``name`` cannot run ``stages``, or ``None``: a zero-bubble schedule
+    (a backward split into an input and a weight pass) refuses the stages of several
+    layer sequences (an encoder-decoder's). Torch's weight pass walks the graph its input
+    pass freed where a stage hands on what it received or recomputes a module from it,
+    as those stages do."""
+    kind = SCHEDULES.get(name)
+    if kind is None or not kind.split_backward or not stages or stages[0].chain is None:
+        return None
+    return Problem("",
+                   f"schedule {name!r} splits the backward in two, which the stages of "
+                   f"{' and '.join(stages[0].chain.sequences)} do not support",
+                   "use 'gpipe' or '1f1b', or 'interleaved' or 'looped-bfs' for several stages per rank")
+
+
 def _problems(
     stages: tuple[Stage, ...], pp: int, name: str, microbatches: int, loss_fn: object
 ) -> list[Problem]:
@@ -349,14 +365,9 @@ def _problems(
     if kind is None:
         return [Problem("", f"unknown schedule {name!r}", f"use one of {', '.join(map(repr, SCHEDULES))}")]
     n = len(stages)
-    if kind.split_backward and stages[0].chain is not None:
-        # torch's weight pass walks the graph the input pass freed where a stage hands on
-        # what it received or recomputes a module from it (as a chain's stages do)
-        problems.append(Problem(
-            "", f"schedule {name!r} splits the backward into an input and a weight pass, which the stages of "
-                f"{', '.join(stages[0].chain.sequences)} (each running the model's forward with other stages' "
-                "layers replayed) do not support",
-            "use 'gpipe' or '1f1b' (a stage per rank), or 'interleaved' or 'looped-bfs' (several)"))
+    unsupported = schedule_problem(stages, name)
+    if unsupported is not None:
+        problems.append(unsupported)
     if n == 1:
         problems.append(
             Problem("", "the schedule has no stage cuts", "sf.cut_pipeline_stage(sch, 'model.layers.1') first")
