@@ -1,10 +1,13 @@
 """T5 and Bart pipelined on 2 gloo ranks: the loss and every parameter gradient equal to the
 unscheduled single-process model's, cut inside the decoder (gpipe), inside the encoder
 (1f1b) and in four stages, two per rank (interleaved); ALBERT cut between calls of its
-shared layer (1f1b), the layer's gradients summed over the two stages."""
+shared layer (1f1b), the layer's gradients summed over the two stages. Bart (and T5, slow)
+on 4 ranks, and the tied-gradient groups that rule needs. Dropout on in checkpointed
+stages: the recomputation draws the forward's masks."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -156,3 +159,38 @@ def test_tied_gradient_groups_whose_owner_sets_nest_are_made_on_every_rank(dist4
     results = dist4.run(_nested_owner_groups, timeout=60)
     for rank, r in enumerate(results):
         assert r == {str(t): float(len(t)) for t in ((0, 2, 3), (0, 1, 2, 3), (2, 3), (1,)) if rank in t}
+
+
+def _dropout_run(rank: int, world: int, kind: str) -> list[dict[str, Any]]:
+    make, *seqs = MODELS[kind]
+    ids, target, kwargs = _batch()
+    like = make()
+    config = copy.deepcopy(like.config)
+    config.dropout_rate = config.dropout = 0.2  # T5's and Bart's name of it
+    out = []
+    for checkpointed, seed in ((False, 0), (True, 0), (True, 1)):
+        torch.manual_seed(0)  # the same weights each time
+        model = type(like)(config)
+        sch = sf.create_schedule(model, mesh=mesh((world,), ("pp",)))
+        if checkpointed:  # every layer recomputed in the backward
+            sch = sf.checkpoint(sch, [f"{seq}.{k}" for seq in seqs for k in range(2)])
+        sch = sf.cut_pipeline_stage(sch, [f"{seqs[s]}.{k}" for s, k in CUTS["encoder"]])
+        pipe = sf.build_pipeline(sch, microbatches=MICRO, schedule="1f1b", loss_fn=ce)
+        for module in pipe.modules.values():
+            module.train()
+        torch.manual_seed(seed)
+        loss = pipe.step(ids, target=target, **kwargs)
+        out.append({"loss": loss.item(), "grads": {n: p.grad.clone() for n, p in pipe.named_parameters()}})
+    return out
+
+
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+def test_dropout_in_checkpointed_stages_draws_the_masks_of_the_forward(dist2, kind: str) -> None:
+    """Dropout on, every layer checkpointed: the recomputation in the backward restores the
+    RNG state of the forward, so loss and gradients equal the pipeline without checkpoints
+    (and another seed, other masks, differs: dropout is really on)."""
+    for plain, checkpointed, other in dist2.run(_dropout_run, kind, timeout=120):
+        assert checkpointed["loss"] == plain["loss"] != other["loss"]
+        assert checkpointed["grads"].keys() == plain["grads"].keys()
+        for name, grad in plain["grads"].items():
+            torch.testing.assert_close(checkpointed["grads"][name], grad, rtol=0, atol=0, msg=name)
