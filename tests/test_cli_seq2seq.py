@@ -57,7 +57,8 @@ def test_t5_trains_at_dp2_through_the_command_line_as_one_process_does(capsys: p
     assert got == pytest.approx(reference, rel=1e-4)
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.slow  # two ranks started by the command (about 30 s on a loaded machine); the recipe at tp=2 is
+@pytest.mark.timeout(200)  # checked in the default suite by tests/recipes/test_bart_recipe.py
 def test_verify_at_tp2_finds_bart_equal_to_the_unscheduled_model() -> None:
     done = run("verify", "--model", "bart-tiny", "--tp", "2", "--seq", "8", "--batch", "2")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

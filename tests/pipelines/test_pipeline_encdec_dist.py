@@ -184,7 +184,7 @@ def _dropout_run(rank: int, world: int, kind: str) -> list[dict[str, Any]]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["t5", "bart"])
+@pytest.mark.parametrize("kind", ["t5", pytest.param("bart", marks=pytest.mark.slow)])
 def test_dropout_in_checkpointed_stages_draws_the_masks_of_the_forward(dist2, kind: str) -> None:
     """Dropout on, every layer checkpointed: the recomputation in the backward restores the
     RNG state of the forward, so loss and gradients equal the pipeline without checkpoints
