@@ -315,12 +315,18 @@ def _owner_groups(mesh: DeviceMesh, mesh_axis: str, owners: tuple[tuple[int, ...
     (``rank``) is in: ``None`` for itself alone.
 
     Every rank of the mesh creates the group of every owner set in every ``pp`` group of the
-    mesh, in one order, as a ``DeviceMesh`` creates its groups. Groups made only by their
-    members (``use_local_synchronization``) are named by how many groups each member has
-    already made, so members that made different groups before (ranks 0, 2, 3 a group
-    without rank 1, then all four) would wait for each other under different names."""
-    ranks = mesh.mesh
-    dim = tuple(mesh.mesh_dim_names or ()).index(mesh_axis)
+    mesh, in one order, as a ``DeviceMesh`` creates its groups (of the whole mesh where
+    ``mesh`` is a slice of one: the other slices' ranks make their groups in the same calls).
+    Groups made only by their members (``use_local_synchronization``) are named by how
+    many groups each member has already made, so members that made different groups
+    before (ranks 0, 2, 3 a group without rank 1, then all four) would wait for each other
+    under different names."""
+    root = getattr(mesh, "_get_root_mesh", None)  # a slice (mesh["pp"]): its whole mesh
+    whole = root() if callable(root) else mesh
+    if mesh_axis not in tuple(whole.mesh_dim_names or ()):
+        whole = mesh
+    ranks = whole.mesh
+    dim = tuple(whole.mesh_dim_names or ()).index(mesh_axis)
     rows = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist()
     me = dist.get_rank()
     groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}

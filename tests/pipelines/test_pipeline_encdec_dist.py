@@ -135,12 +135,8 @@ def test_an_encoder_decoder_on_four_pipeline_ranks_matches_the_single_process(di
         assert max(r["diffs"].values()) < 1e-5, r["diffs"]
 
 
-def _nested_owner_groups(rank: int, world: int) -> dict[str, float]:
-    from slapo_fn.pipelines.runner import _owner_groups
-
-    grid = mesh((1, world), ("dp", "pp"))
-    owners = ((0, 2, 3), (0, 1, 2, 3), (2, 3), (1,))
-    groups = _owner_groups(grid, "pp", owners, rank)
+def _owner_sums(groups: dict[tuple[int, ...], Any], owners: tuple[tuple[int, ...], ...],
+                rank: int) -> dict[str, float]:
     out = {}
     for tie in owners:
         if rank in tie:
@@ -152,13 +148,25 @@ def _nested_owner_groups(rank: int, world: int) -> dict[str, float]:
     return out
 
 
+def _nested_owner_groups(rank: int, world: int) -> dict[str, Any]:
+    from slapo_fn.pipelines.runner import _owner_groups
+
+    owners = ((0, 2, 3), (0, 1, 2, 3), (2, 3), (1,))
+    nested = _owner_sums(_owner_groups(mesh((1, world), ("dp", "pp")), "pp", owners, rank), owners, rank)
+    # two pp groups of 2, the schedule's mesh a slice of the 2 x 2 one: each row its own group
+    pp = mesh((2, world // 2), ("dp", "pp"))["pp"]
+    sliced = _owner_sums(_owner_groups(pp, "pp", ((0, 1),), rank % 2), ((0, 1),), rank % 2)
+    return {"nested": nested, "sliced": sliced}
+
+
 def test_tied_gradient_groups_whose_owner_sets_nest_are_made_on_every_rank(dist4) -> None:
     """The rule behind Bart at pp=4: a group of ranks 0, 2, 3 and then one of all four
     (torch names a group made only by its members by how many groups each has made:
     rank 1 would wait under another name)."""
     results = dist4.run(_nested_owner_groups, timeout=60)
     for rank, r in enumerate(results):
-        assert r == {str(t): float(len(t)) for t in ((0, 2, 3), (0, 1, 2, 3), (2, 3), (1,)) if rank in t}
+        assert r["nested"] == {str(t): float(len(t)) for t in ((0, 2, 3), (0, 1, 2, 3), (2, 3), (1,)) if rank in t}
+        assert r["sliced"] == {"(0, 1)": 2.0}
 
 
 def _dropout_run(rank: int, world: int, kind: str) -> list[dict[str, Any]]:
