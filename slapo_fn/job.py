@@ -33,7 +33,7 @@ from .errors import CommandLineError, Problem
 from .inputs import codec, config, data_problems, packed
 from .kernels.gpu import async_tp_problem, float8_problem
 from .options import axes, eval_fraction, is_stdlib, stdlib_bytes, world
-from .pipelines import SCHEDULES, split_stages
+from .pipelines import SCHEDULES, schedule_problem, split_stages
 from .presets import build_model
 from .recipes import HSDP_AXES
 from .schedule import Schedule, create_schedule
@@ -214,7 +214,11 @@ def check_schedule(options: Options, config: Any) -> None:
         mesh = fake_mesh(*(s for _, s in named), names=tuple(n for n, _ in named))
         sch = schedule_for(options, mesh, meta=True, say=False)
     if options.command == "train" and options.pp > 1:
-        count, micro = len(split_stages(sch)), options.microbatches or 2 * options.pp
+        stages = split_stages(sch)
+        count, micro = len(stages), options.microbatches or 2 * options.pp
+        unsupported = schedule_problem(stages, options.schedule)
+        if unsupported is not None:
+            raise CommandLineError(options.command, [Problem("--schedule", unsupported.reason, unsupported.fix)])
         if micro < count:
             raise CommandLineError(options.command, [Problem(
                 "--microbatches", f"{micro} microbatches for {count} pipeline stages (--schedule "

@@ -1,6 +1,7 @@
 """Named model configurations for the ``slapo-fn`` command (random weights: no hub needed).
 
-``build_model(name_or_path, meta=...)`` returns a Hugging Face causal LM built from a
+``build_model(name_or_path, meta=...)`` returns a Hugging Face language model (a causal
+LM, or an encoder-decoder's sequence-to-sequence LM) built from a
 preset below or from a local config (a ``config.json`` file or a folder holding one).
 A Hugging Face *folder* may also hold weights (:func:`weights_of`: ``model.safetensors``
 or a sharded ``model.safetensors.index.json``) and a tokenizer (:func:`tokenizer_of`);
@@ -9,7 +10,7 @@ reads them straight into each rank's shards (``sf.build(sch, init="empty")`` +
 ``sf.load_hf``).
 
 >>> sorted(PRESETS)[:3]
-['gpt-neo-tiny', 'gpt2-small', 'gpt2-tiny']
+['bart-tiny', 'gpt-neo-tiny', 'gpt2-small']
 """
 
 from __future__ import annotations
@@ -55,6 +56,15 @@ PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
     "opt-tiny": {"model_type": "opt", "use_cache": False, "vocab_size": 256, "hidden_size": 64, "ffn_dim": 128,
                  "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 256,
                  "word_embed_proj_dim": 64, "dropout": 0.0, "attention_dropout": 0.0},
+    # encoder-decoders: the decoder reads the labels shifted right (slapo_fn.train.Seq2Seq)
+    "t5-tiny": {"model_type": "t5", "use_cache": False, "vocab_size": 256, "d_model": 64, "d_kv": 16, "d_ff": 128,
+                "num_layers": 2, "num_heads": 4, "dropout_rate": 0.0, "decoder_start_token_id": 0,
+                "pad_token_id": 0, "eos_token_id": 1},
+    "bart-tiny": {"model_type": "bart", "use_cache": False, "vocab_size": 256, "d_model": 64, "encoder_layers": 2,
+                  "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+                  "encoder_ffn_dim": 128, "decoder_ffn_dim": 128, "max_position_embeddings": 256, "dropout": 0.0,
+                  "attention_dropout": 0.0, "activation_dropout": 0.0, "pad_token_id": 1, "bos_token_id": 0,
+                  "eos_token_id": 2, "decoder_start_token_id": 2},
 })
 
 
@@ -100,7 +110,8 @@ def tokenizer_of(name_or_path: str | Path) -> Path | None:
 
 def config_for(name_or_path: str, *, causal: bool = False) -> Any:
     """The Hugging Face config of a preset name or a local config file/folder; with
-    ``causal``, one that ``AutoModelForCausalLM`` can build.
+    ``causal``, one of a language model :func:`build_model` can build: a causal LM
+    (``AutoModelForCausalLM``) or an encoder-decoder (``AutoModelForSeq2SeqLM``).
 
     A file that is not JSON, has no or an unknown ``model_type`` (with close matches, not
     the list of every type), or values transformers refuses, is one
@@ -115,7 +126,7 @@ def config_for(name_or_path: str, *, causal: bool = False) -> Any:
     slapo_fn.errors.ScheduleError: model: '.../config.json': unknown model_type 'lama'; close matches: 'llama', ...
           fix: a model_type of transformers (transformers.CONFIG_MAPPING), e.g. 'llama' or 'gpt2'
     """
-    from transformers import CONFIG_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     path = Path(name_or_path)
     file = path / "config.json" if path.is_dir() else path
@@ -156,25 +167,41 @@ def config_for(name_or_path: str, *, causal: bool = False) -> Any:
         except Exception as e:  # transformers' own complaint about the config's values, in one line
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
             raise refuse(f"transformers cannot make a {kind!r} config of it: {type(e).__name__}: {first}") from None
-    if causal and type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+    if causal and _auto_class(config) is None:
         raise ScheduleError("model", [Problem(
             name_or_path if name_or_path in PRESETS else str(file),
-            f"model_type {config.model_type!r} has no causal language model in transformers "
-            "(AutoModelForCausalLM): slapo-fn builds, trains and explains causal LMs",
-            "the config of a causal LM, e.g. model_type 'llama', 'qwen2', 'gpt2' or 'opt'")])
+            f"model_type {config.model_type!r} has no language model in transformers (AutoModelForCausalLM or, "
+            "for an encoder-decoder, AutoModelForSeq2SeqLM): slapo-fn builds, trains and explains language models",
+            "the config of a language model, e.g. model_type 'llama', 'qwen2', 'gpt2', 'opt', 't5' or 'bart'")])
     return config
 
 
-def build_model(name_or_path: str, *, meta: bool = False, pretrained: bool = True) -> nn.Module:
-    """A causal LM for ``name_or_path``: on the meta device if ``meta``; else with the
-    folder's weights where it has some (:func:`weights_of`, and ``pretrained``), random
-    ones otherwise."""
-    from transformers import AutoModelForCausalLM
+def _auto_class(config: Any) -> Any:
+    """The transformers auto class that builds ``config``'s language model: the
+    sequence-to-sequence one for an encoder-decoder config (Bart also has a decoder-only
+    causal LM), the causal one otherwise; ``None`` where it has neither."""
+    from transformers import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING,
+        AutoModelForCausalLM,
+        AutoModelForSeq2SeqLM,
+    )
 
+    if getattr(config, "is_encoder_decoder", False) and type(config) in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING:
+        return AutoModelForSeq2SeqLM
+    return AutoModelForCausalLM if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else None
+
+
+def build_model(name_or_path: str, *, meta: bool = False, pretrained: bool = True) -> nn.Module:
+    """A language model for ``name_or_path`` (a causal LM, or an encoder-decoder's
+    sequence-to-sequence LM): on the meta device if ``meta``; else with the folder's
+    weights where it has some (:func:`weights_of`, and ``pretrained``), random ones
+    otherwise."""
     config = config_for(name_or_path, causal=True)
+    auto = _auto_class(config)
     if meta:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
+            return auto.from_config(config)  # type: ignore[no-any-return]
     if pretrained and weights_of(name_or_path) is not None:
-        return AutoModelForCausalLM.from_pretrained(str(name_or_path), config=config, local_files_only=True)
-    return AutoModelForCausalLM.from_config(config)
+        return auto.from_pretrained(str(name_or_path), config=config, local_files_only=True)  # type: ignore[no-any-return]
+    return auto.from_config(config)  # type: ignore[no-any-return]

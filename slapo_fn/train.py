@@ -71,6 +71,7 @@ from .dtensor.context_runtime import context_split
 from .dtensor.data_parallel import DATA_PARALLEL, DataParallelSpec
 from .errors import Problem, ScheduleError
 from .func import clip_grad_norm_, global_norm
+from .hf import config_of, config_value, is_encoder_decoder
 from .loggers import ConsoleLog, JsonlLog, StepRecord, TensorBoardLog
 from .options import Split
 from .pipelines import Pipeline
@@ -86,6 +87,7 @@ __all__ = [
     "JsonlLog",
     "LRSchedule",
     "NonFiniteError",
+    "Seq2Seq",
     "StepRecord",
     "TensorBoardLog",
     "TokenBatches",
@@ -247,14 +249,64 @@ def next_token_loss(logits: torch.Tensor, shift_labels: torch.Tensor, *,
 _TARGETS = ("labels", "shift_labels")
 
 
-def _loss_sum(model: nn.Module, out: Any, part: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The summed next-token loss of ``model``'s output ``out`` for the batch ``part``'s
-    targets: its ``shift_labels`` where a context-parallel model's loader cut the batch
-    (already shifted globally and cut to this rank's chunks), else its ``labels`` — on
-    this rank's tokens where the model is context-parallel (its logits are this rank's
-    chunks; the targets are shifted globally, then cut). Over the ``cp`` ranks the sums
-    add up to the whole batch's."""
+@dataclass(frozen=True)
+class Seq2Seq:
+    """The objective of an encoder-decoder, as Hugging Face's models train when given
+    ``labels``: the encoder reads ``input_ids``; the decoder reads ``labels`` shifted right
+    by one (``decoder_start`` first, ``-100`` read as ``pad``), and ``logits[:, t]``
+    predicts ``labels[:, t]`` (no shift in the loss). On language-model data, whose labels
+    are the input tokens, the model learns to reproduce its input.
+
+    >>> s = Seq2Seq(decoder_start=0, pad=1)
+    >>> s.inputs({"input_ids": torch.tensor([[5, 6, 7]]), "labels": torch.tensor([[5, 6, -100]])})["decoder_input_ids"]
+    tensor([[0, 5, 6]])
+    >>> round(s.loss(torch.zeros(1, 3, 4), torch.tensor([[0, 1, -100]])).item(), 4) == round(math.log(4), 4)
+    True
+    """
+
+    decoder_start: int
+    pad: int
+
+    @classmethod
+    def of(cls, model: nn.Module) -> Seq2Seq | None:
+        """The objective of ``model`` where it is a Hugging Face encoder-decoder (its config's
+        ``decoder_start_token_id`` and ``pad_token_id``); ``None`` for a causal LM."""
+        if not is_encoder_decoder(model):
+            return None
+        config = config_of(model)
+        start = config_value(config, "decoder_start_token_id", default=None)
+        pad = config_value(config, "pad_token_id", default=None)
+        start = pad if start is None else start
+        return cls(int(start or 0), int(pad if pad is not None else start or 0))
+
+    def inputs(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``batch`` with ``decoder_input_ids`` (its labels shifted right) where it has none."""
+        if "decoder_input_ids" in batch:
+            return dict(batch)
+        labels = batch["labels"]
+        shifted = torch.cat([torch.full_like(labels[:, :1], self.decoder_start), labels[:, :-1]], dim=1)
+        return {**batch, "decoder_input_ids": shifted.masked_fill(shifted == IGNORE_INDEX, self.pad)}
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, *,
+             reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor:
+        """Cross entropy in float32 of ``logits[:, t]`` against ``labels[:, t]``, ``-100``
+        ignored; the mean over counted tokens or their sum. Also a pipeline's ``loss_fn``."""
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction=reduction)
+
+
+def _loss_sum(model: nn.Module, out: Any, part: Mapping[str, torch.Tensor],
+              seq2seq: Seq2Seq | None = None) -> torch.Tensor:
+    """The summed loss of ``model``'s output ``out`` for the batch ``part``'s targets: an
+    encoder-decoder's (``seq2seq``) on its labels unshifted; else the next-token loss on
+    its ``shift_labels`` where a context-parallel model's loader cut the batch (already
+    shifted globally and cut to this rank's chunks), or on its ``labels`` — on this rank's
+    tokens where the model is context-parallel (its logits are this rank's chunks; the
+    targets are shifted globally, then cut). Over the ``cp`` ranks the sums add up to the
+    whole batch's."""
     logits = _logits(out)
+    if seq2seq is not None:
+        return seq2seq.loss(logits, part["labels"], reduction="sum")
     split = context_split(model)
     if "shift_labels" in part:
         targets = part["shift_labels"]
@@ -265,12 +317,14 @@ def _loss_sum(model: nn.Module, out: Any, part: Mapping[str, torch.Tensor]) -> t
     return next_token_loss(logits, targets, reduction="sum")
 
 
-def _targets(part: Mapping[str, torch.Tensor]) -> int:
+def _targets(part: Mapping[str, torch.Tensor], seq2seq: Seq2Seq | None = None) -> int:
     """How many tokens of the batch ``part`` the loss counts (of this rank's chunks where
-    a loader cut it for context parallelism)."""
+    a loader cut it for context parallelism; all but the first of each row, which no token
+    predicts, for a causal LM; all for an encoder-decoder)."""
     if "shift_labels" in part:
         return int((part["shift_labels"] != IGNORE_INDEX).sum())
-    return int((part["labels"][:, 1:] != IGNORE_INDEX).sum())
+    labels = part["labels"]
+    return int(((labels if seq2seq is not None else labels[:, 1:]) != IGNORE_INDEX).sum())
 
 
 def _target(part: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -620,6 +674,7 @@ def train(
     say: Callable[[str], None] | None = None,
     flops: float | None = None,
     peak_flops: float | None = None,
+    seq2seq: Seq2Seq | None = None,
 ) -> list[StepRecord]:
     """Train ``model`` (``sf.build``) or a pipeline (``sf.build_pipeline``) from step
     ``start_step`` up to step ``steps``; every rank calls it. Returns the records of the
@@ -653,6 +708,9 @@ def train(
     * ``flops``: the FLOPs of one step on one rank (:func:`slapo_fn.explain.model_flops`
       over the ranks), ``peak_flops`` one rank's peak FLOP/s (a hardware profile's, at
       the compute dtype): each record then has the rank's TFLOP/s and MFU.
+    * ``seq2seq``: the objective of an encoder-decoder (:class:`Seq2Seq`): every batch gets
+      its ``decoder_input_ids`` from its labels and the loss is not shifted (a pipeline's
+      ``loss_fn`` should be :meth:`Seq2Seq.loss`); ``None``: a causal LM's.
 
     A record's ``seconds`` is the step's own time — forward, backward and the optimizer
     update — with its evaluation and its checkpoint save timed apart (``eval_seconds``,
@@ -681,11 +739,14 @@ def train(
                 group["lr"] = lr
         batch = {k: v.to(device) for k, v in data.batch(step, batch_size, dp_rank=dp_rank, dp_size=dp_size).items()}
         tokens = int(batch["input_ids"].numel()) * dp_size
+        if seq2seq is not None:
+            batch = seq2seq.inputs(batch)
         micro = _split(_collated(model, batch), grad_accum)
         if pipeline is not None:
             loss_sum, count = _pipeline_step(pipeline, micro, autocast, device)
         else:
-            loss_sum, count = _module_step(model, micro, autocast, device, dp_size, dp_group)  # type: ignore[arg-type]
+            loss_sum, count = _module_step(model, micro, autocast, device, dp_size, dp_group,  # type: ignore[arg-type]
+                                           seq2seq)
         loss_sum, count = _all_sum([loss_sum, count], dp_group, device)
         if grad_clip is not None:  # the global norm, across meshes and stages, before clipping
             norm = clip_grad_norm_(model, grad_clip)
@@ -719,7 +780,7 @@ def train(
         if eval_every and (step + 1) % eval_every == 0:
             began = time.perf_counter()
             eval_loss = _evaluate(model, data, batch_size, dp_rank, dp_size, dp_group, autocast, device,
-                                  eval_batches)
+                                  eval_batches, seq2seq)
             eval_seconds = time.perf_counter() - began
         mem = _step_memory(device, base_memory) if memory else {}
         try:
@@ -759,13 +820,14 @@ def _mesh_of(model: Model) -> DeviceMesh | None:
 
 
 def _module_step(model: nn.Module, micro: list[dict[str, torch.Tensor]], autocast: torch.dtype | None,
-                 device: torch.device, dp_size: int, dp_group: dist.ProcessGroup | None) -> tuple[float, float]:
+                 device: torch.device, dp_size: int, dp_group: dist.ProcessGroup | None,
+                 seq2seq: Seq2Seq | None = None) -> tuple[float, float]:
     """Forward and backward of every micro-batch; returns this rank's loss sum and count
     of target tokens. Each micro-batch's loss is its token sum over the step's global
     count, times ``dp_size`` (data parallelism averages over ranks): the gradients are
     those of the global batch's token mean."""
     split = context_split(model)
-    local = float(sum(_targets(m) for m in micro))
+    local = float(sum(_targets(m, seq2seq) for m in micro))
     if split is not None and split.inputs_split:  # each cp rank counted its own chunks
         local = split.total(local)
     count = _all_sum([local], dp_group, device)[0]
@@ -774,7 +836,7 @@ def _module_step(model: nn.Module, micro: list[dict[str, torch.Tensor]], autocas
         ids, kwargs = _inputs(part)
         with _gradient_sync([model], i == len(micro) - 1):  # around the backward, where FSDP2 reduces
             with _autocast(device, autocast):
-                loss_sum = _loss_sum(model, model(ids, **kwargs), part)
+                loss_sum = _loss_sum(model, model(ids, **kwargs), part, seq2seq)
             (loss_sum * (dp_size / max(count, 1.0))).backward()
         total += float(loss_sum.detach())
     return (total if split is None else split.total(total)), local
@@ -812,7 +874,7 @@ def _pipeline_step(pipe: Pipeline, micro: list[dict[str, torch.Tensor]], autocas
 @torch.no_grad()
 def _evaluate(model: Model, data: object, batch_size: int, dp_rank: int, dp_size: int,
               dp_group: dist.ProcessGroup | None, autocast: torch.dtype | None, device: torch.device,
-              limit: int | None) -> float:
+              limit: int | None, seq2seq: Seq2Seq | None = None) -> float:
     """The token-mean loss over the data's eval batches (a pipeline: the mean of its
     microbatch means), over every data-parallel rank; modules in eval mode meanwhile."""
     modules = _modules(model)
@@ -825,6 +887,8 @@ def _evaluate(model: Model, data: object, batch_size: int, dp_rank: int, dp_size
             if limit is not None and i >= limit:
                 break
             batch = {k: v.to(device) for k, v in batch.items()}
+            if seq2seq is not None:
+                batch = seq2seq.inputs(batch)
             with _autocast(device, autocast):
                 if isinstance(model, Pipeline):
                     batch = _collated(model, batch)
@@ -835,7 +899,8 @@ def _evaluate(model: Model, data: object, batch_size: int, dp_rank: int, dp_size
                     split = context_split(model)
                     batch = _collated(model, batch)
                     ids, kwargs = _inputs(batch)
-                    part, counted = float(_loss_sum(model, model(ids, **kwargs), batch)), float(_targets(batch))
+                    part, counted = (float(_loss_sum(model, model(ids, **kwargs), batch, seq2seq)),
+                                     float(_targets(batch, seq2seq)))
                     total += part if split is None else split.total(part)
                     count += split.total(counted) if split is not None and split.inputs_split else counted
     finally:

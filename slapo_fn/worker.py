@@ -225,13 +225,15 @@ def _train(options: Options, console: IO[str]) -> int:
     if tokens is not None and rank == 0:
         print(f"data: {getattr(data, 'data', data)}", flush=True)
     sch, autocast = loop.precision(sch, options.dtype)
+    seq2seq = loop.Seq2Seq.of(sch.module)  # an encoder-decoder: the decoder reads the labels shifted right
     weights = weights_of(options.model)
     # a resumed run loads its checkpoint instead of the folder's weights
     init: Literal["empty", "full"] = "empty" if weights is not None and not options.resume else "full"
     if options.pp > 1:
         micro = options.microbatches or 2 * options.pp
         # under cp the loop hands each rank its chunks, with the targets shifted before the cut
-        loss_fn = loop.next_token_loss if getattr(options, "cp", 1) > 1 else loop.causal_lm_loss
+        loss_fn = (seq2seq.loss if seq2seq is not None
+                   else loop.next_token_loss if getattr(options, "cp", 1) > 1 else loop.causal_lm_loss)
         model: Any = build_pipeline(sch, microbatches=micro, schedule=options.schedule, loss_fn=loss_fn,
                                     init=init, seed=options.seed, device=device)
     else:
@@ -286,7 +288,7 @@ def _train(options: Options, console: IO[str]) -> int:
                    if options.checkpoint_dir else None,
                    log=loggers, memory=bool(options.metrics or options.tensorboard), on_step=on_step,
                    nonfinite=options.nonfinite, max_skipped=options.max_skipped, say=_say, flops=flops,
-                   peak_flops=peak)
+                   peak_flops=peak, seq2seq=seq2seq)
         if console_log is not None:
             console_log.finish()
     finally:
@@ -429,9 +431,11 @@ def _verify(options: Options, console: IO[str]) -> int:
         print(f"loaded weights from {options.model}", flush=True)
     vocab = hf.vocab_size(sch.module)
     ids = torch.randint(0, vocab, (options.batch, options.seq), generator=torch.Generator().manual_seed(0))
+    seq2seq = loop.Seq2Seq.of(sch.module)  # an encoder-decoder's decoder reads the tokens shifted right
+    kwargs = {} if seq2seq is None else {"decoder_input_ids": seq2seq.inputs({"labels": ids})["decoder_input_ids"]}
     code = 0
     try:
-        report = verify_schedule(sch, ids, rtol=options.rtol, atol=options.atol)
+        report = verify_schedule(sch, ids, rtol=options.rtol, atol=options.atol, kwargs=kwargs)
     except VerificationError as e:
         if rank == 0:
             print(f"FAILED: {e}", flush=True)

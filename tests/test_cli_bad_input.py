@@ -129,7 +129,7 @@ CASES = [
     pytest.param(["explain", "--model", "{broken}"], ["{broken}", "not valid JSON", "line 2"], id="config-not-json"),
     pytest.param(["explain", "--model", "{typo}"], ["{typo}", "unknown model_type 'lama'", "close matches: 'llama'"],
                  id="config-unknown-type"),
-    pytest.param(["explain", "--model", "{vit}"], ["config.json", "'vit'", "no causal language model"],
+    pytest.param(["explain", "--model", "{vit}"], ["config.json", "'vit'", "has no language model"],
                  id="config-not-causal-lm"),
     pytest.param(["train", "--tp", "3"], ["num_attention_heads=4", "tp=3"], id="heads-over-tp"),
     pytest.param(["train", "--pp", "2", "--schedule", "bogus"], ["'--schedule'", "'bogus'", "1f1b"],

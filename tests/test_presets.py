@@ -16,7 +16,7 @@ CASES = {
     "no model_type": ('{"hidden_size": 64}', r'config.json\': has no "model_type"'),
     "unknown model_type": ('{"model_type": "lama"}', r"unknown model_type 'lama'; close matches: 'llama'"),
     "bad values": ('{"model_type": "llama", "rope_parameters": 3}', r"transformers cannot make a 'llama' config"),
-    "not a causal LM": ('{"model_type": "vit", "hidden_size": 64}', r"model_type 'vit' has no causal language model"),
+    "not a language model": ('{"model_type": "vit", "hidden_size": 64}', r"model_type 'vit' has no language model"),
 }
 
 

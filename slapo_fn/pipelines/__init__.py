@@ -22,7 +22,16 @@ Example:
 from .cut import StageCut, cut_pipeline_stage
 from .explain import StageRow, StageTable, stage_table
 from .families import FAMILIES, Family
-from .runner import SCHEDULES, Pipeline, ScheduleName, TiedGroup, build_pipeline, build_stages, stage_ranks
+from .runner import (
+    SCHEDULES,
+    Pipeline,
+    ScheduleName,
+    TiedGroup,
+    build_pipeline,
+    build_stages,
+    schedule_problem,
+    stage_ranks,
+)
 from .split import Stage, roles, split_stages
 
 __all__ = [
@@ -40,6 +49,7 @@ __all__ = [
     "build_stages",
     "cut_pipeline_stage",
     "roles",
+    "schedule_problem",
     "split_stages",
     "stage_ranks",
     "stage_table",

@@ -42,6 +42,7 @@ from typing import Any, Literal, TypeAlias
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
@@ -66,7 +67,8 @@ from .cut import pp_size
 from .families import StageOutput
 from .split import Stage, split_stages
 
-__all__ = ["SCHEDULES", "Pipeline", "ScheduleName", "TiedGroup", "build_pipeline", "build_stages", "stage_ranks"]
+__all__ = ["SCHEDULES", "Pipeline", "ScheduleName", "TiedGroup", "build_pipeline", "build_stages", "schedule_problem",
+           "stage_ranks"]
 
 ScheduleName: TypeAlias = Literal["gpipe", "1f1b", "interleaved", "looped-bfs", "zero-bubble", "zbv"]
 
@@ -307,9 +309,58 @@ class Pipeline:
                     p.grad.copy_(total)
 
 
+def _owner_groups(mesh: DeviceMesh, mesh_axis: str, owners: tuple[tuple[int, ...], ...],
+                  rank: int) -> dict[tuple[int, ...], dist.ProcessGroup | None]:
+    """The process group of each set of ``pp`` ranks in ``owners`` that this ``pp`` rank
+    (``rank``) is in: ``None`` for itself alone.
+
+    Every rank of the mesh creates the group of every owner set in every ``pp`` group of the
+    mesh, in one order, as a ``DeviceMesh`` creates its groups (of the whole mesh where
+    ``mesh`` is a slice of one: the other slices' ranks make their groups in the same calls).
+    Groups made only by their members (``use_local_synchronization``) are named by how
+    many groups each member has already made, so members that made different groups
+    before (ranks 0, 2, 3 a group without rank 1, then all four) would wait for each other
+    under different names."""
+    root = getattr(mesh, "_get_root_mesh", None)  # a slice (mesh["pp"]): its whole mesh
+    whole = root() if callable(root) else mesh
+    if mesh_axis not in tuple(whole.mesh_dim_names or ()):
+        whole = mesh
+    ranks = whole.mesh
+    dim = tuple(whole.mesh_dim_names or ()).index(mesh_axis)
+    rows = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist()
+    me = dist.get_rank()
+    groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+    for tie in dict.fromkeys(owners):
+        if len(tie) == 1:
+            if rank in tie:
+                groups[tie] = None
+            continue
+        for row in rows:
+            members = [row[r] for r in tie]
+            made = dist.new_group(members)
+            if me in members:
+                groups[tie] = made
+    return groups
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
+
+
+def schedule_problem(stages: tuple[Stage, ...], name: str) -> Problem | None:
+    """Why schedule ``name`` cannot run ``stages``, or ``None``: a zero-bubble schedule
+    (a backward split into an input and a weight pass) refuses the stages of several
+    layer sequences (an encoder-decoder's). Torch's weight pass walks the graph its input
+    pass freed where a stage hands on what it received or recomputes a module from it,
+    as those stages do."""
+    kind = SCHEDULES.get(name)
+    if kind is None or not kind.split_backward or not stages or stages[0].chain is None:
+        return None
+    return Problem("",
+                   f"schedule {name!r} splits the backward in two, which the stages of "
+                   f"{' and '.join(stages[0].chain.sequences)} do not support",
+                   "use 'gpipe' or '1f1b', or 'interleaved' or 'looped-bfs' for several stages per rank")
 
 
 def _problems(
@@ -320,14 +371,9 @@ def _problems(
     if kind is None:
         return [Problem("", f"unknown schedule {name!r}", f"use one of {', '.join(map(repr, SCHEDULES))}")]
     n = len(stages)
-    if kind.split_backward and stages[0].chain is not None:
-        # torch's weight pass walks the graph the input pass freed where a stage hands on
-        # what it received or recomputes a module from it (as a chain's stages do)
-        problems.append(Problem(
-            "", f"schedule {name!r} splits the backward into an input and a weight pass, which the stages of "
-                f"{', '.join(stages[0].chain.sequences)} (each running the model's forward with other stages' "
-                "layers replayed) do not support",
-            "use 'gpipe' or '1f1b' (a stage per rank), or 'interleaved' or 'looped-bfs' (several)"))
+    unsupported = schedule_problem(stages, name)
+    if unsupported is not None:
+        problems.append(unsupported)
     if n == 1:
         problems.append(
             Problem("", "the schedule has no stage cuts", "sf.cut_pipeline_stage(sch, 'model.layers.1') first")
@@ -496,15 +542,7 @@ def build_pipeline(
     else:
         runner = kind.cls(pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss_fn)  # type: ignore[call-arg,arg-type]
     tied = _tied_groups(stages, placement)
-    tied_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-    for tie in tied:
-        if tie.ranks in tied_groups or rank not in tie.ranks:
-            continue
-        if len(tie.ranks) == 1:
-            tied_groups[tie.ranks] = None
-        else:
-            global_ranks = [dist.get_global_rank(group, r) for r in tie.ranks]
-            tied_groups[tie.ranks] = dist.new_group(global_ranks, use_local_synchronization=True)
+    assert sch.mesh is not None
     return Pipeline(
         modules=modules,
         stages=stages,
@@ -515,5 +553,5 @@ def build_pipeline(
         pipeline_stages=tuple(pipeline_stages),
         group=group,
         tied=tied,
-        tied_groups=tied_groups,
+        tied_groups=_owner_groups(sch.mesh, mesh_axis, tuple(t.ranks for t in tied), rank),
     )

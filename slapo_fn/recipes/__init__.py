@@ -36,6 +36,7 @@ from ..select import select
 from ..tree import parent_path
 from ._recipe import HSDP_AXES, Knobs, Recipe, Shard, Stack
 from .albert import ALBERT
+from .bart import BART
 from .bert import BERT
 from .fused_qkv import BLOOM, FALCON
 from .gpt2 import GPT2
@@ -46,14 +47,14 @@ from .opt import OPT
 from .t5 import T5
 from .wide_resnet import WIDE_RESNET
 
-__all__ = ["ALBERT", "BERT", "BLOOM", "FALCON", "GPT2", "GPT_NEO", "HSDP_AXES", "LLAMA", "MIXTRAL", "OPT",
+__all__ = ["ALBERT", "BART", "BERT", "BLOOM", "FALCON", "GPT2", "GPT_NEO", "HSDP_AXES", "LLAMA", "MIXTRAL", "OPT",
            "QWEN2_MOE", "QWEN3", "QWEN3_MOE", "RECIPES",
            "T5", "WIDE_RESNET", "Knobs", "MoeRecipe", "Recipe", "Shard", "Stack", "check_tp_plan", "for_model",
            "from_model_plan", "from_tp_plan", "plan_stacks", "tp_plan_of"]
 
 #: Every recipe, by name.
 RECIPES: Mapping[str, Recipe] = MappingProxyType({r.name: r for r in (LLAMA, QWEN3, GPT2, GPT_NEO, BERT, ALBERT, OPT,
-                                                                       T5, BLOOM, FALCON, MIXTRAL, QWEN2_MOE,
+                                                                       T5, BART, BLOOM, FALCON, MIXTRAL, QWEN2_MOE,
                                                                        QWEN3_MOE, WIDE_RESNET)})
 
 

@@ -185,7 +185,11 @@ class Recipe:
             steps.append(compile.at(layers, options={"_micro_pipeline_tp": True}) if knobs.async_tp
                          else compile.at(layers))
         # the stages run through every stack's layers, in order (an encoder's, then a decoder's)
-        steps += [cut_pipeline_stage.at(path) for path in _cuts(list(dict.fromkeys(layers)), knobs.stages)]
+        # in one call: one cut at a time would pass through stage counts the pp axis cannot
+        # place (3 stages of 4 on 2 ranks)
+        cuts = _cuts(list(dict.fromkeys(layers)), knobs.stages)
+        if cuts:
+            steps.append(cut_pipeline_stage.at(cuts))
         if knobs.dp_mode is not None:
             steps.append(data_parallel.at(mode=knobs.dp_mode, mesh_axis=HSDP_AXES) if knobs.dp_mode == "hsdp"
                          else data_parallel.at(mode=knobs.dp_mode))  # over data_parallel's own axis, "dp"

@@ -146,10 +146,12 @@ def apply_checkpoints(model: nn.Module, sch: Schedule) -> None:
     for path, spec in regions.items():
         module = get_module(model, path)
         context_fn = _keeping_running_stats(module, spec.context_fn())
+        # the recomputation restores the forward's RNG state: a dropout in the region draws
+        # the forward's masks again (pipeline schedules run other forwards in between)
         if context_fn is None:
-            composable_checkpoint(module)
+            composable_checkpoint(module, preserve_rng_state=True)
         else:
-            composable_checkpoint(module, context_fn=context_fn)
+            composable_checkpoint(module, context_fn=context_fn, preserve_rng_state=True)
 
 
 Contexts = tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]
