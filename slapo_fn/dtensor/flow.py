@@ -139,6 +139,11 @@ class Flow:
     # the children the forward calls, in the order of its code's first call to each (OPT's decoder
     # registers its final norm before its layers and calls it after them)
     order: tuple[str, ...] = ()
+    # the parent's result as named fields (a ``ModelOutput``, a dict): what reaches each field
+    fields: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    # for each child whose output reaches the parent's result, the fields read off it on the way
+    # (``outputs.past_key_values``), with ``""`` for the output read otherwise (whole, by position)
+    returned: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
     def same_input(self, a: str, b: str) -> bool:
         """Whether children ``a`` and ``b`` are called on the very same tensor (q/k/v on the
@@ -591,6 +596,7 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
     handed: dict[str, frozenset[str]] = {}
     output: frozenset[str] = frozenset()
     leaves: tuple[frozenset[str], ...] = ()
+    fields: dict[str, frozenset[str]] = {}
     per_head: dict[str, Meets] = {}
     attends = False
     # a pointwise child called more than once (T5's one dropout after the embedding and after the
@@ -646,6 +652,9 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
             result = _concatenated(node.args[0])
             main = result[0] if isinstance(result, tuple | list) and result else result
             output = frozenset().union(*(sources.get(a, frozenset()) for a in _nodes_in(main)))
+            if isinstance(result, Mapping):
+                fields = {str(k): frozenset().union(*(sources.get(a, frozenset()) for a in _nodes_in(v)))
+                          for k, v in result.items()}
             leaves = tuple(sources.get(a, frozenset()) for a in _nodes_in(result))
         elif _metadata(node):
             sources[node] = frozenset()  # a shape or dtype carries no data: x.size() to view by
@@ -666,8 +675,38 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
                  leaves, MappingProxyType(hidden), MappingProxyType(handed), MappingProxyType(mixes), attends,
                  MappingProxyType(ranked), _tokens(graph, parent, prefix, one), MappingProxyType(inner),
                  frozenset(read), MappingProxyType(per_head), MappingProxyType(counts), MappingProxyType(by_width),
-                 tuple(dict.fromkeys(called)))
+                 tuple(dict.fromkeys(called)), MappingProxyType(fields), _returned(graph, prefix))
     return found, read
+
+
+def _returned(graph: fx.Graph, prefix: str) -> Mapping[str, frozenset[str]]:
+    """For each child whose output reaches the graph's result by the parent's own code (not
+    through another child: :attr:`Flow.feeds` says which children it reaches), the fields
+    of it read on the way (``getattr(out, "cache")``, ``out["cache"]``), ``""`` standing for
+    a use that reads it otherwise (whole, or by position): :attr:`Flow.returned`."""
+    ancestors: set[fx.Node] = set()
+    todo = [n for n in graph.nodes if n.op == "output"]
+    while todo:
+        node = todo.pop()
+        if node.op == "call_module" and str(node.target).startswith(prefix):
+            continue  # what reaches a child's arguments reaches the result through it
+        for a in node.all_input_nodes:
+            if a not in ancestors:
+                ancestors.add(a)
+                todo.append(a)
+    out: dict[str, set[str]] = {}
+    for node in ancestors:
+        if node.op != "call_module" or not str(node.target).startswith(prefix):
+            continue
+        name = str(node.target)[len(prefix):]
+        for user in node.users:
+            if user.op == "output":
+                out.setdefault(name, set()).add("")
+            elif user in ancestors:
+                named = (user.op == "call_function" and user.target in (getattr, operator.getitem)
+                         and len(user.args) == 2 and isinstance(user.args[1], str))
+                out.setdefault(name, set()).add(str(user.args[1]) if named else "")
+    return MappingProxyType({name: frozenset(got) for name, got in out.items()})
 
 
 def _features_of(parent: nn.Module, prefix: str, node: fx.Node, one: bool) -> Walk:

@@ -230,6 +230,39 @@ def _downstream(sch: Schedule, path: str) -> tuple[list[_Level], str | None]:
     return levels, start
 
 
+def _read_by(sch: Schedule, path: str) -> frozenset[str] | None:
+    """The modules that read ``path``'s output (through pointwise ones), up the tree while
+    it leaves its parent, as :func:`_downstream` finds them, but following a parent's
+    result by its named fields (a ``ModelOutput``): a model's ``last_hidden_state`` read
+    by its caller's LM head reaches the caller's result only if a field holding it does.
+    ``None`` where some of it may reach the model's result, or a flow is unknown."""
+    users: set[str] = set()
+    start, fields = path, None  # the fields of start's result that hold it (None: not known)
+    while start:
+        found = _caller(sch, start)
+        if found is None:
+            return None
+        parent, name, fl = found
+        through = _through(sch, parent)
+        users |= {join(parent, q) for q in fl.consumers(name, through) - {OUTPUT}}
+        carriers, todo = {name}, [name]  # it, and the pointwise children it passes through
+        while todo:
+            here = todo.pop()
+            for q in [q for q, src in fl.feeds.items() if here in src and through(q) and q not in carriers]:
+                carriers.add(q)
+                todo.append(q)
+        if not (carriers & fl.output or any(carriers & leaf for leaf in fl.leaves)):
+            return frozenset(users)  # in no tensor of the parent's result (a tuple's second included)
+        # through a pointwise child it reaches the result by no field of its own
+        alone = carriers == {name}
+        returned = fl.returned.get(name, frozenset({""}))
+        if alone and fields is not None and "" not in returned and not returned & fields:
+            return frozenset(users)  # only other fields of its output reach the result
+        held = frozenset(k for k, src in fl.fields.items() if name in src)
+        start, fields = parent, (held if fl.fields and alone else None)
+    return None
+
+
 def _installed(sch: Schedule, path: str) -> bool:
     """Whether ``path`` is, or is inside, a module installed by ``sf.replace``: code written
     for this rank's share (slapo_fn's attention kernels take their head counts from the

@@ -280,7 +280,7 @@ def _role_forward(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> C
         if full_in is not None and x.shape[d] != full_in:  # arrived sharded (a column chain)
             x = C.gather(x, d, axis)
         if seq is None:  # outside a chain: it enters, unless its caller entered for it
-            return x if mp.entered else rt.enter(x, ax, None, group)
+            return x if mp.entered or mp.entered_at else rt.enter(x, ax, None, group)
         if member:
             return rt.enter(x, ax, seq, group)
         if mp.shared_gather or mp.side_input:
@@ -548,7 +548,7 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
     # columns entering one by one share an entry per input tensor within one pass of the root,
     # or of their parent (see _Runtime.scoped)
     matched = {caller_path(model, mp.path) for mp in p.modules.values()
-               if mp.enters and not mp.entered}
+               if mp.enters and not (mp.entered or mp.entered_at)}
     for path in sorted(matched | ({""} if matched else set())):
         pm = get_module(model, path)
         pm.forward = rt.scoped(pm.forward)  # type: ignore[method-assign]
@@ -873,7 +873,10 @@ def _wrap_boundaries(rt: _Runtime, mp: ModulePlan, forward: Callable[..., Any], 
             out = map_first_output(out, convert(s.src or Replicate(), s.layout, s.mesh_axis))
         if mp.exit is not None and not post:
             x = mp.exit
-            out = map_first_output(out, convert(Shard(x.seq_axis), Replicate(), x.mesh_axis))
+            # read by columns alone: the gather is their entry (reduce-scatter of their gradients)
+            gather = (functools.partial(C.gather_rs, dim=x.seq_axis, axis=rt.axis(x.mesh_axis)) if mp.exit_columns
+                      else convert(Shard(x.seq_axis), Replicate(), x.mesh_axis))
+            out = map_first_output(out, gather)
         return out
 
     return run
