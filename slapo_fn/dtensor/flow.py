@@ -144,6 +144,12 @@ class Flow:
     # for each child whose output reaches the parent's result, the fields read off it on the way
     # (``outputs.past_key_values``), with ``""`` for the output read otherwise (whole, by position)
     returned: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    # for each child called once, the parameters of its forward handed a traced value, each with
+    # the node of that value (``{"key_value_states": "a2"}``): one value handed down unchanged
+    # through several modules is one tensor (:func:`.lookups._origin`)
+    args: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # the parameters of the parent's forward its placeholders ``a0``..``a3`` stand for, in order
+    params: tuple[str, ...] = ()
 
     def same_input(self, a: str, b: str) -> bool:
         """Whether children ``a`` and ``b`` are called on the very same tensor (q/k/v on the
@@ -597,6 +603,8 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
     output: frozenset[str] = frozenset()
     leaves: tuple[frozenset[str], ...] = ()
     fields: dict[str, frozenset[str]] = {}
+    args: dict[str, Mapping[str, str]] = {}
+    feeds_seen: set[str] = set()
     per_head: dict[str, Meets] = {}
     attends = False
     # a pointwise child called more than once (T5's one dropout after the embedding and after the
@@ -629,6 +637,8 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
             if name not in first and isinstance(arg, fx.Node):
                 first[name] = arg.name
             handed[name] = handed.get(name, frozenset()) | _handed(parent.get_submodule(name), node)
+            args[name] = _argument_nodes(parent.get_submodule(name), node) if name not in feeds_seen else {}
+            feeds_seen.add(name)
             sources[node] = frozenset({name})
             if name not in apart:
                 walked = _features_of(parent, prefix, node, one[name])
@@ -675,8 +685,19 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
                  leaves, MappingProxyType(hidden), MappingProxyType(handed), MappingProxyType(mixes), attends,
                  MappingProxyType(ranked), _tokens(graph, parent, prefix, one), MappingProxyType(inner),
                  frozenset(read), MappingProxyType(per_head), MappingProxyType(counts), MappingProxyType(by_width),
-                 tuple(dict.fromkeys(called)), MappingProxyType(fields), _returned(graph, prefix))
+                 tuple(dict.fromkeys(called)), MappingProxyType(fields), _returned(graph, prefix),
+                 MappingProxyType({n: MappingProxyType(dict(a)) for n, a in args.items()}),
+                 tuple(p.name for p in params[:4]))
     return found, read
+
+
+def _argument_nodes(child: nn.Module, node: fx.Node) -> dict[str, str]:
+    """The parameters of ``child``'s forward that the call ``node`` hands a traced value,
+    each with that value's node (:attr:`Flow.args`)."""
+    params = _positional(child) or []
+    out = {params[i].name: a.name for i, a in enumerate(node.args[: len(params)]) if isinstance(a, fx.Node)}
+    out.update({k: v.name for k, v in node.kwargs.items() if isinstance(v, fx.Node)})
+    return out
 
 
 def _returned(graph: fx.Graph, prefix: str) -> Mapping[str, frozenset[str]]:

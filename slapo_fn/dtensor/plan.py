@@ -85,7 +85,7 @@ from .experts import EXPERTS, Experts
 from .flow import INPUT, OUTPUT, SIDE, pointwise
 from .layout import Layout, shard_axes
 from .local import LOCAL
-from .lookups import _caller, _flows_memo, _parent, _read_by, _run_order, _through
+from .lookups import _caller, _flows_memo, _origin, _read_by, _run_order, _through
 from .pairs import _partners
 from .planned import Boundary, ModulePlan, Plan, _d
 from .rng import RNG, RngSpec
@@ -162,9 +162,12 @@ def _plan(sch: Schedule) -> Plan:
             if role.enters:
                 in_seq = seq is not None and seq.mesh_axis == ax
                 pre = _moving(spec_syncs, "fwd_pre")
-                # a column that a sync hands a converted tensor enters the region with it alone
-                group = f"{_parent(path)} {ax} " + (_entry_key(sch, path) if pre is None else f"own {path}")
-                entered = seq is None and pre is None and _entered_by_caller(sch, path, ax)
+                # (a chain's exit entering for it, its caller need not)
+                entered = seq is None and pre is None and path not in entered_at and _entered_by_caller(sch, path, ax)
+                # a column that a sync hands a converted tensor enters the region with it alone; one
+                # whose caller enters for it shares that caller's entry (with its siblings) alone
+                group = f"{ax} " + (f"own {path}" if pre is not None else f"by {caller!r}" if entered
+                                    else _entry_key(sch, path))
                 leader = group not in fused
                 fused.add(group)
                 if in_seq and on_side:
@@ -465,16 +468,18 @@ def _exit_columns(sch: Schedule, seq_roots: list[str]) -> dict[str, tuple[str, .
 
 
 def _entry_key(sch: Schedule, path: str) -> str:
-    """Columns of one parent with equal keys read one input tensor and enter the tensor-
-    parallel region once (one backward all-reduce for all): the value they are called on
-    where the parent's data flow is known, else the column's own (fx cannot trace the
-    parent, so which columns read one tensor is unknown; equal input widths are no proof:
-    an attention's ``v`` and ``o``). The runtime shares an entry only within one key
-    (:attr:`.planned.ModulePlan.entry_group`), so it makes what the plan counts."""
-    found = _caller(sch, path)
-    if found is not None and found[1] in found[2].first:
-        return "value " + found[2].first[found[1]]
-    return f"own {path}"
+    """Columns with equal keys read one input tensor and enter the tensor-parallel region
+    once (one backward all-reduce for all, of their partial input gradients summed by
+    autograd, as Megatron's "f" at the tensor's fan-out): the value they are called on,
+    where the data flow is known, followed out through the modules that hand it on
+    unchanged (:func:`.lookups._origin`): q/k/v on one attention's hidden states, and the
+    cross-attention k/v of every decoder layer on the encoder's output. Else the column's
+    own (fx cannot trace the parent, so which columns read one tensor is unknown; equal
+    input widths are no proof: an attention's ``v`` and ``o``). The runtime shares an entry
+    only within one key (:attr:`.planned.ModulePlan.entry_group`), so it makes what the plan
+    counts."""
+    origin = _origin(sch, path)
+    return f"own {path}" if origin is None else f"value {origin[1]} of {origin[0]!r}"
 
 
 def _reads_side(sch: Schedule, path: str) -> bool:

@@ -144,19 +144,23 @@ class _Runtime:
         """Enter the TP region once per input tensor within a pass: columns of one entry
         ``group`` (:attr:`.plan.ModulePlan.entry_group`: siblings the plan knows are called
         on one value) handed the same tensor share one entry, so autograd sums their input
-        gradients before a single collective. Tensors are matched by identity or as whole
-        aliases of one base (module backward hooks hand each module its own alias), never
-        by storage address, so ``torch.func`` transforms and ``torch.compile`` see plain
-        code; every rank runs the same module code, so every rank hits or misses alike.
-        Anything else enters again: one more collective, the same numbers. Columns of
-        different parents enter apart even on one tensor (T5's cross-attention k/v of every
-        decoder block read the encoder's output), as the plan counts them. ``sliced``: a
+        gradients before a single collective. A group is one value wherever the columns
+        sit (:func:`.plan._entry_key`): the cross-attention k/v of every decoder block read
+        the encoder's output, and enter once for all of them. Tensors are matched by
+        identity or as whole aliases of one base (module backward hooks hand each module
+        its own alias), never by storage address, so ``torch.func`` transforms and
+        ``torch.compile`` see plain code; every rank runs the same module code, so every
+        rank hits or misses alike. Anything else enters again: one more collective, the
+        same numbers. The pass remembers its last :data:`_RECENT` entries, the one hit
+        last counting as new (a decoder block's entry on the encoder's output is hit by
+        the next block's). ``sliced``: a
         gather along ``seq`` whose gradient is whole on every rank (this rank's slice of it
         comes back), where more than columns read what it gathers (:func:`.chains._shared_gathers`)."""
         key = (name, seq, group, sliced)
         if self.entries is not None:
-            for prev, prev_key, entered in self.entries:
+            for i, (prev, prev_key, entered) in enumerate(self.entries):
                 if prev_key == key and _same_tensor(prev, x):
+                    self.entries.append(self.entries.pop(i))
                     return entered
         axis = self.axis(name)
         entered = (C.enter(x, axis) if seq is None else C.gather(x, seq, axis) if sliced
