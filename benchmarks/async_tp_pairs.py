@@ -37,10 +37,11 @@ def _counting_backend(found: dict[str, int]) -> Any:
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.fx_passes import micro_pipeline_tp as mp
-    from torch._inductor.fx_passes.post_grad import view_to_reshape
+    from torch._inductor.fx_passes.post_grad import remove_noop_ops, view_to_reshape
 
     def count(gm: Any, _: Any) -> Any:
-        view_to_reshape(gm)  # as inductor hands its post-grad passes the graph
+        view_to_reshape(gm)  # as inductor hands its post-grad passes the graph,
+        remove_noop_ops(gm.graph)  # and as they drop aliases and whole slices before the async-TP pass
         gathers = mp.find_all_gather_patterns(gm.graph)
         scatters = mp.find_reduce_scatter_patterns(gm.graph)
         found["all_gathers"] += len(gathers)

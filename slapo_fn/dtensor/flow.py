@@ -139,6 +139,17 @@ class Flow:
     # the children the forward calls, in the order of its code's first call to each (OPT's decoder
     # registers its final norm before its layers and calls it after them)
     order: tuple[str, ...] = ()
+    # the parent's result as named fields (a ``ModelOutput``, a dict): what reaches each field
+    fields: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    # for each child whose output reaches the parent's result, the fields read off it on the way
+    # (``outputs.past_key_values``), with ``""`` for the output read otherwise (whole, by position)
+    returned: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    # for each child called once, the parameters of its forward handed a traced value, each with
+    # the node of that value (``{"key_value_states": "a2"}``): one value handed down unchanged
+    # through several modules is one tensor (:func:`.lookups._origin`)
+    args: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # the parameters of the parent's forward its placeholders ``a0``..``a3`` stand for, in order
+    params: tuple[str, ...] = ()
 
     def same_input(self, a: str, b: str) -> bool:
         """Whether children ``a`` and ``b`` are called on the very same tensor (q/k/v on the
@@ -591,6 +602,9 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
     handed: dict[str, frozenset[str]] = {}
     output: frozenset[str] = frozenset()
     leaves: tuple[frozenset[str], ...] = ()
+    fields: dict[str, frozenset[str]] = {}
+    args: dict[str, Mapping[str, str]] = {}
+    feeds_seen: set[str] = set()
     per_head: dict[str, Meets] = {}
     attends = False
     # a pointwise child called more than once (T5's one dropout after the embedding and after the
@@ -623,6 +637,8 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
             if name not in first and isinstance(arg, fx.Node):
                 first[name] = arg.name
             handed[name] = handed.get(name, frozenset()) | _handed(parent.get_submodule(name), node)
+            args[name] = _argument_nodes(parent.get_submodule(name), node) if name not in feeds_seen else {}
+            feeds_seen.add(name)
             sources[node] = frozenset({name})
             if name not in apart:
                 walked = _features_of(parent, prefix, node, one[name])
@@ -646,6 +662,9 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
             result = _concatenated(node.args[0])
             main = result[0] if isinstance(result, tuple | list) and result else result
             output = frozenset().union(*(sources.get(a, frozenset()) for a in _nodes_in(main)))
+            if isinstance(result, Mapping):
+                fields = {str(k): frozenset().union(*(sources.get(a, frozenset()) for a in _nodes_in(v)))
+                          for k, v in result.items()}
             leaves = tuple(sources.get(a, frozenset()) for a in _nodes_in(result))
         elif _metadata(node):
             sources[node] = frozenset()  # a shape or dtype carries no data: x.size() to view by
@@ -666,8 +685,49 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
                  leaves, MappingProxyType(hidden), MappingProxyType(handed), MappingProxyType(mixes), attends,
                  MappingProxyType(ranked), _tokens(graph, parent, prefix, one), MappingProxyType(inner),
                  frozenset(read), MappingProxyType(per_head), MappingProxyType(counts), MappingProxyType(by_width),
-                 tuple(dict.fromkeys(called)))
+                 tuple(dict.fromkeys(called)), MappingProxyType(fields), _returned(graph, prefix),
+                 MappingProxyType({n: MappingProxyType(dict(a)) for n, a in args.items()}),
+                 tuple(p.name for p in params[:4]))
     return found, read
+
+
+def _argument_nodes(child: nn.Module, node: fx.Node) -> dict[str, str]:
+    """The parameters of ``child``'s forward that the call ``node`` hands a traced value,
+    each with that value's node (:attr:`Flow.args`)."""
+    params = _positional(child) or []
+    out = {params[i].name: a.name for i, a in enumerate(node.args[: len(params)]) if isinstance(a, fx.Node)}
+    out.update({k: v.name for k, v in node.kwargs.items() if isinstance(v, fx.Node)})
+    return out
+
+
+def _returned(graph: fx.Graph, prefix: str) -> Mapping[str, frozenset[str]]:
+    """For each child whose output reaches the graph's result by the parent's own code (not
+    through another child: :attr:`Flow.feeds` says which children it reaches), the fields
+    of it read on the way (``getattr(out, "cache")``, ``out["cache"]``), ``""`` standing for
+    a use that reads it otherwise (whole, or by position): :attr:`Flow.returned`."""
+    ancestors: set[fx.Node] = set()
+    todo = [n for n in graph.nodes if n.op == "output"]
+    while todo:
+        node = todo.pop()
+        if node.op == "call_module" and str(node.target).startswith(prefix):
+            continue  # what reaches a child's arguments reaches the result through it
+        for a in node.all_input_nodes:
+            if a not in ancestors:
+                ancestors.add(a)
+                todo.append(a)
+    out: dict[str, set[str]] = {}
+    for node in ancestors:
+        if node.op != "call_module" or not str(node.target).startswith(prefix):
+            continue
+        name = str(node.target)[len(prefix):]
+        for user in node.users:
+            if user.op == "output":
+                out.setdefault(name, set()).add("")
+            elif user in ancestors:
+                named = (user.op == "call_function" and user.target in (getattr, operator.getitem)
+                         and len(user.args) == 2 and isinstance(user.args[1], str))
+                out.setdefault(name, set()).add(str(user.args[1]) if named else "")
+    return MappingProxyType({name: frozenset(got) for name, got in out.items()})
 
 
 def _features_of(parent: nn.Module, prefix: str, node: fx.Node, one: bool) -> Walk:

@@ -230,6 +230,66 @@ def _downstream(sch: Schedule, path: str) -> tuple[list[_Level], str | None]:
     return levels, start
 
 
+def _read_by(sch: Schedule, path: str) -> frozenset[str] | None:
+    """The modules that read ``path``'s output (through pointwise ones), up the tree while
+    it leaves its parent, as :func:`_downstream` finds them, but following a parent's
+    result by its named fields (a ``ModelOutput``): a model's ``last_hidden_state`` read
+    by its caller's LM head reaches the caller's result only if a field holding it does.
+    ``None`` where some of it may reach the model's result, or a flow is unknown."""
+    users: set[str] = set()
+    start, fields = path, None  # the fields of start's result that hold it (None: not known)
+    while start:
+        found = _caller(sch, start)
+        if found is None:
+            return None
+        parent, name, fl = found
+        through = _through(sch, parent)
+        users |= {join(parent, q) for q in fl.consumers(name, through) - {OUTPUT}}
+        carriers, todo = {name}, [name]  # it, and the pointwise children it passes through
+        while todo:
+            here = todo.pop()
+            for q in [q for q, src in fl.feeds.items() if here in src and through(q) and q not in carriers]:
+                carriers.add(q)
+                todo.append(q)
+        if not (carriers & fl.output or any(carriers & leaf for leaf in fl.leaves)):
+            return frozenset(users)  # in no tensor of the parent's result (a tuple's second included)
+        # through a pointwise child it reaches the result by no field of its own
+        alone = carriers == {name}
+        returned = fl.returned.get(name, frozenset({""}))
+        if alone and fields is not None and "" not in returned and not returned & fields:
+            return frozenset(users)  # only other fields of its output reach the result
+        held = frozenset(k for k, src in fl.fields.items() if name in src)
+        start, fields = parent, (held if fl.fields and alone else None)
+    return None
+
+
+def _origin(sch: Schedule, path: str) -> tuple[str, str] | None:
+    """Where the tensor ``path`` is called on is made: the module whose traced code makes it
+    and its node there, following it out of each caller that merely hands on an argument
+    of its own other than its first (:attr:`.flow.Flow.args`): every decoder layer's
+    cross-attention k/v read the one tensor the model makes of the encoder's output. Not
+    out of a module whose first argument it is, nor out of one with syncs or in a
+    sequence-parallel chain: build's forwards convert those modules' inputs (an entry into
+    the region, a gather, a stated layout), so what their children read is another
+    tensor. ``None`` where its caller's flow is unknown."""
+    found = _caller(sch, path)
+    if found is None or found[1] not in found[2].first:
+        return None
+    here, _, fl = found
+    node = fl.first[found[1]]
+    converting = set(sch.annotations.of_kind(SYNC)) | set(sch.annotations.of_kind(SEQ))
+    while here:
+        params = fl.params
+        index = int(node[1:]) if node[:1] == "a" and node[1:].isdigit() else -1
+        held = here in converting or any(contains(r, here) for r in sch.annotations.of_kind(SEQ))
+        up = _caller(sch, here) if 0 < index < len(params) and not held else None
+        handed = None if up is None else up[2].args.get(up[1], {}).get(params[index])
+        if up is None or handed is None:
+            break
+        here, fl, node = up[0], up[2], handed
+    return here, node
+
+
 def _installed(sch: Schedule, path: str) -> bool:
     """Whether ``path`` is, or is inside, a module installed by ``sf.replace``: code written
     for this rank's share (slapo_fn's attention kernels take their head counts from the

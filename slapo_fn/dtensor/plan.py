@@ -85,7 +85,7 @@ from .experts import EXPERTS, Experts
 from .flow import INPUT, OUTPUT, SIDE, pointwise
 from .layout import Layout, shard_axes
 from .local import LOCAL
-from .lookups import _caller, _flows_memo, _parent, _run_order, _through
+from .lookups import _caller, _flows_memo, _origin, _read_by, _run_order, _through
 from .pairs import _partners
 from .planned import Boundary, ModulePlan, Plan, _d
 from .rng import RNG, RngSpec
@@ -136,6 +136,8 @@ def _plan(sch: Schedule) -> Plan:
     fused: set[str] = set()  # the entry groups a leader has entered
     partners = _partners(sch)
     know = _features_by_axis(sch, partners)  # what the data flow brings, per mesh axis
+    exit_columns = _exit_columns(sch, seq_roots)
+    entered_at = {q: path for path, columns in exit_columns.items() for q in columns}
 
     for path in sorted(set(roles) | set(seqs) | set(syncs) | set(rngs), key=lambda p: order.get(p, 0)):
         role = roles.get(path)
@@ -160,9 +162,12 @@ def _plan(sch: Schedule) -> Plan:
             if role.enters:
                 in_seq = seq is not None and seq.mesh_axis == ax
                 pre = _moving(spec_syncs, "fwd_pre")
-                # a column that a sync hands a converted tensor enters the region with it alone
-                group = f"{_parent(path)} {ax} " + (_entry_key(sch, path) if pre is None else f"own {path}")
-                entered = seq is None and pre is None and _entered_by_caller(sch, path, ax)
+                # (a chain's exit entering for it, its caller need not)
+                entered = seq is None and pre is None and path not in entered_at and _entered_by_caller(sch, path, ax)
+                # a column that a sync hands a converted tensor enters the region with it alone; one
+                # whose caller enters for it shares that caller's entry (with its siblings) alone
+                group = f"{ax} " + (f"own {path}" if pre is not None else f"by {caller!r}" if entered
+                                    else _entry_key(sch, path))
                 leader = group not in fused
                 fused.add(group)
                 if in_seq and on_side:
@@ -191,6 +196,8 @@ def _plan(sch: Schedule) -> Plan:
                             ("reduce_scatter",) if leader else (),
                         )
                     )
+                elif path in entered_at:
+                    pass  # the chain's exit gathers the sequence for it (reduce-scatter backward)
                 else:
                     bounds.append(Boundary(path, "input", "R", "R", ax, (), ("all_reduce",) if leader else ()))
                 if not isinstance(get_module(sch.module, path), nn.Embedding) and _arrives_feature_split(
@@ -270,9 +277,12 @@ def _plan(sch: Schedule) -> Plan:
                 )
             if path == same[-1] and out_sync is None and not (own is not None and own.enters):
                 exit_ = spec
+                # read by columns alone, the gather is their entry: their partial input gradients,
+                # summed by autograd, are reduce-scattered back (as where a chain gathers into them)
+                bwd = ("reduce_scatter",) if path in exit_columns else ()
                 bounds.append(
                     Boundary(
-                        path, "output", f"S({spec.seq_axis})", "R", spec.mesh_axis, ("all_gather",), (), True, "output"
+                        path, "output", f"S({spec.seq_axis})", "R", spec.mesh_axis, ("all_gather",), bwd, True, "output"
                     )
                 )
         for s in spec_syncs:
@@ -307,7 +317,9 @@ def _plan(sch: Schedule) -> Plan:
         modules[path] = ModulePlan(path, role, seq, partnered, entry, exit_, spec_syncs, rngs.get(path), local,
                                    partners=partners.get(path, ()), entry_group=group,
                                    split_input=role is not None and role.splits_input and split_input,
-                                   shared_gather=shares, side_input=on_side, entered=entered)
+                                   shared_gather=shares, side_input=on_side, entered=entered,
+                                   exit_columns=exit_columns.get(path, ()) if exit_ is not None else (),
+                                   entered_at=entered_at.get(path, ""))
     # modules with parameters inside a sequence-parallel chain (norms): replicated, Partial gradients;
     # not inside a parent that gathers the sequence (an unsharded q beside sharded k and v): they
     # run on all of it, so their gradients are whole, unless declared to run on this rank's heads
@@ -428,17 +440,46 @@ def _entered_by_caller(sch: Schedule, path: str, axis: str) -> bool:
     return True
 
 
+def _exit_columns(sch: Schedule, seq_roots: list[str]) -> dict[str, tuple[str, ...]]:
+    """For each sequence-parallel chain whose last member (its exit, in run order) has an
+    output read by nothing but columns over the chain's axis (by the data flow, up the
+    tree: an LM head after the final norm), those columns: the exit's all-gather is their
+    entry into the region, as where a chain's parent gathers for its columns, and autograd
+    sums their partial input gradients before one reduce-scatter (Megatron's
+    sequence-parallel entry; the all-reduce of each column's and the slice the exit's own
+    gather takes back would cost more). Columns that a sync converts, or that sit in a
+    chain themselves, enter as they would anyway, and keep the exit as it is."""
+    seqs: dict[str, SeqSpec] = sch.annotations.of_kind(SEQ)
+    roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
+    syncs: dict[str, tuple[SyncSpec, ...]] = sch.annotations.of_kind(SYNC)
+    out: dict[str, tuple[str, ...]] = {}
+    for axis in dict.fromkeys(seqs[r].mesh_axis for r in seq_roots):
+        last = [r for r in seq_roots if seqs[r].mesh_axis == axis][-1]
+        own = roles.get(last)
+        if syncs.get(last) or (own is not None and own.mesh_axis == axis):
+            continue
+        readers = _read_by(sch, last)
+        if not readers or not all(isinstance(roles.get(q), Column) and roles[q].mesh_axis == axis
+                                  and not roles[q].own_forward and not syncs.get(q) and not _in_chain(sch, q, axis)
+                                  for q in readers):
+            continue
+        out[last] = tuple(sorted(readers))
+    return out
+
+
 def _entry_key(sch: Schedule, path: str) -> str:
-    """Columns of one parent with equal keys read one input tensor and enter the tensor-
-    parallel region once (one backward all-reduce for all): the value they are called on
-    where the parent's data flow is known, else the column's own (fx cannot trace the
-    parent, so which columns read one tensor is unknown; equal input widths are no proof:
-    an attention's ``v`` and ``o``). The runtime shares an entry only within one key
-    (:attr:`.planned.ModulePlan.entry_group`), so it makes what the plan counts."""
-    found = _caller(sch, path)
-    if found is not None and found[1] in found[2].first:
-        return "value " + found[2].first[found[1]]
-    return f"own {path}"
+    """Columns with equal keys read one input tensor and enter the tensor-parallel region
+    once (one backward all-reduce for all, of their partial input gradients summed by
+    autograd, as Megatron's "f" at the tensor's fan-out): the value they are called on,
+    where the data flow is known, followed out through the modules that hand it on
+    unchanged (:func:`.lookups._origin`): q/k/v on one attention's hidden states, and the
+    cross-attention k/v of every decoder layer on the encoder's output. Else the column's
+    own (fx cannot trace the parent, so which columns read one tensor is unknown; equal
+    input widths are no proof: an attention's ``v`` and ``o``). The runtime shares an entry
+    only within one key (:attr:`.planned.ModulePlan.entry_group`), so it makes what the plan
+    counts."""
+    origin = _origin(sch, path)
+    return f"own {path}" if origin is None else f"value {origin[1]} of {origin[0]!r}"
 
 
 def _reads_side(sch: Schedule, path: str) -> bool:

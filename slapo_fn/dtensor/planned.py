@@ -87,6 +87,12 @@ class ModulePlan:
     #: states), so the caller's forward enters it once (one all-reduce of its gradient, as
     #: autograd sums the columns' partial ones first), decided here, not matched at run time
     entered: bool = False
+    #: a sequence-parallel chain's exit read by columns alone (:func:`.plan._exit_columns`):
+    #: those columns; its all-gather enters the region for them, and its backward
+    #: reduce-scatters their partial input gradients, summed by autograd
+    exit_columns: tuple[str, ...] = ()
+    #: a column entered by such an exit: the exit's path (it enters no region of its own)
+    entered_at: str = ""
 
     @property
     def enters(self) -> bool:

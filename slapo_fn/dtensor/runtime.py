@@ -148,19 +148,23 @@ class _Runtime:
         """Enter the TP region once per input tensor within a pass: columns of one entry
         ``group`` (:attr:`.plan.ModulePlan.entry_group`: siblings the plan knows are called
         on one value) handed the same tensor share one entry, so autograd sums their input
-        gradients before a single collective. Tensors are matched by identity or as whole
-        aliases of one base (module backward hooks hand each module its own alias), never
-        by storage address, so ``torch.func`` transforms and ``torch.compile`` see plain
-        code; every rank runs the same module code, so every rank hits or misses alike.
-        Anything else enters again: one more collective, the same numbers. Columns of
-        different parents enter apart even on one tensor (T5's cross-attention k/v of every
-        decoder block read the encoder's output), as the plan counts them. ``sliced``: a
+        gradients before a single collective. A group is one value wherever the columns
+        sit (:func:`.plan._entry_key`): the cross-attention k/v of every decoder block read
+        the encoder's output, and enter once for all of them. Tensors are matched by
+        identity or as whole aliases of one base (module backward hooks hand each module
+        its own alias), never by storage address, so ``torch.func`` transforms and
+        ``torch.compile`` see plain code; every rank runs the same module code, so every
+        rank hits or misses alike. Anything else enters again: one more collective, the
+        same numbers. The pass remembers its last :data:`_RECENT` entries, the one hit
+        last counting as new (a decoder block's entry on the encoder's output is hit by
+        the next block's). ``sliced``: a
         gather along ``seq`` whose gradient is whole on every rank (this rank's slice of it
         comes back), where more than columns read what it gathers (:func:`.chains._shared_gathers`)."""
         key = (name, seq, group, sliced)
         if self.entries is not None:
-            for prev, prev_key, entered in self.entries:
+            for i, (prev, prev_key, entered) in enumerate(self.entries):
                 if prev_key == key and _same_tensor(prev, x):
+                    self.entries.append(self.entries.pop(i))
                     return entered
         axis = self.axis(name)
         entered = (C.enter(x, axis) if seq is None else C.gather(x, seq, axis) if sliced
@@ -284,7 +288,7 @@ def _role_forward(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> C
         if full_in is not None and x.shape[d] != full_in:  # arrived sharded (a column chain)
             x = C.gather(x, d, axis)
         if seq is None:  # outside a chain: it enters, unless its caller entered for it
-            return x if mp.entered else rt.enter(x, ax, None, group)
+            return x if mp.entered or mp.entered_at else rt.enter(x, ax, None, group)
         if member:
             return rt.enter(x, ax, seq, group)
         if mp.shared_gather or mp.side_input:
@@ -578,7 +582,7 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
     # columns entering one by one share an entry per input tensor within one pass of the root,
     # or of their parent (see _Runtime.scoped)
     matched = {caller_path(model, mp.path) for mp in p.modules.values()
-               if mp.enters and not mp.entered}
+               if mp.enters and not (mp.entered or mp.entered_at)}
     for path in sorted(matched | ({""} if matched else set())):
         pm = get_module(model, path)
         pm.forward = rt.scoped(pm.forward)  # type: ignore[method-assign]
@@ -904,7 +908,10 @@ def _wrap_boundaries(rt: _Runtime, mp: ModulePlan, forward: Callable[..., Any], 
             out = map_first_output(out, convert(s.src or Replicate(), s.layout, s.mesh_axis))
         if mp.exit is not None and not post:
             x = mp.exit
-            out = map_first_output(out, convert(Shard(x.seq_axis), Replicate(), x.mesh_axis))
+            # read by columns alone: the gather is their entry (reduce-scatter of their gradients)
+            gather = (functools.partial(C.gather_rs, dim=x.seq_axis, axis=rt.axis(x.mesh_axis)) if mp.exit_columns
+                      else convert(Shard(x.seq_axis), Replicate(), x.mesh_axis))
+            out = map_first_output(out, gather)
         return out
 
     return run

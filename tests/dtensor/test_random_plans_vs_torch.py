@@ -485,11 +485,6 @@ KNOWN: dict[str, Defect] = {
 #: Plans on which slapo_fn issues more collectives than PyTorch's engine, the smallest found
 #: per class (the promise is a strict xfail as a whole until these are closed).
 KNOWN_COLLECTIVES: dict[str, tuple[Case, str]] = {
-    "cross-attention-input-gradients": (
-        Case("bart", tuple((f"decoder.layers.{i}.{q}", role, packed) for i in range(2)
-                           for q, role, packed in _BART_CROSS)),
-        "BART's cross-attention k/v in both decoder layers read the encoder's output: slapo_fn all-reduces each "
-        "layer's input gradient apart (4 backward), PyTorch sums the Partial gradients first (3): 6 against 5"),
 }
 
 #: Former :data:`KNOWN_COLLECTIVES`, fixed: each smallest case costs no more than PyTorch's now.
@@ -515,6 +510,10 @@ FIXED_COLLECTIVES: dict[str, Case] = {
         "bert", _megatron("bert", STACKS["bert"][0]), syncs=(
             ("encoder.layer.0.attention.self", "fwd_pre", "R", None),
             ("encoder.layer.0.attention.output", "fwd_post", "R", None))),
+    # BART's cross-attention k/v in both decoder layers read the encoder's output: one entry for all
+    # of them, traced to the one tensor (5 against 5; was 6, each layer's input gradient all-reduced)
+    "cross-attention-input-gradients": Case("bart", tuple((f"decoder.layers.{i}.{q}", role, packed) for i in range(2)
+                                                          for q, role, packed in _BART_CROSS)),
 }
 
 

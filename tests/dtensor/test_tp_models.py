@@ -152,6 +152,70 @@ def test_sequence_parallel_llama_all_gathers_and_reduce_scatters_activations(dis
         assert r["predicted"] == {"forward": r["fwd"], "backward": r["bwd"]}
 
 
+def _sp_head(rank: int, world: int, returned: bool) -> dict:
+    """A sequence-parallel LLaMA with its LM head column-parallel (torchtitan's layout);
+    ``returned``: a model that also returns the final norm's output (read beside the head)."""
+    model = tiny_llama(1)
+
+    class Both(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model, self.lm_head = model.model, model.lm_head
+
+        def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.model(ids).last_hidden_state
+            return self.lm_head(h), h
+
+    def rw(s: sf.Schedule) -> sf.Schedule:
+        s = sf.sequence_parallel(megatron_llama(s, "model.layers.*"), ["model.layers.*", "model.norm"])
+        return sf.shard(s, "lm_head", axis=0)
+
+    if not returned:
+        return parity(model, rw, (token_ids(seq=8),), shape=(world,))
+    return parity(Both(), rw, (token_ids(seq=8),), shape=(world,),
+                  loss=lambda out, _: out[0].pow(2).mean() + out[1].pow(3).mean())
+
+
+@pytest.mark.parametrize("returned", [False, True], ids=["head-alone", "also-returned"])
+def test_a_column_after_the_chain_is_entered_by_its_exit(dist2, returned: bool) -> None:
+    """The final norm's output, read by the column-parallel LM head alone, is gathered along
+    the sequence by the chain's exit with a reduce-scatter of its gradient (PyTorch's
+    ``ColwiseParallel(input_layouts=Shard(1))``): the head enters no region of its own, and
+    the async-TP matcher sees the gather and the scatter beside the head's matmuls. Where
+    the model returns that output too, its gradient is whole: the exit slices it back and
+    the head's input gradient is all-reduced, as before."""
+    for r in dist2.run(_sp_head, returned, timeout=150):
+        assert r["predicted"] == {"forward": r["fwd"], "backward": r["bwd"]}, r
+        # the layer's 2, the exit's and the head's logits; the layer's 2
+        assert r["fwd"] == {"all_gather": 4, "reduce_scatter": 2}, r
+        if returned:  # the head's input gradient and the norms' gradients all-reduced
+            assert r["bwd"] == {"all_gather": 3, "reduce_scatter": 2, "all_reduce": 2}, r
+        else:  # the exit's reduce-scatter; the norms' gradients alone are all-reduced
+            assert r["bwd"] == {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 1}, r
+
+
+def _bart_cross(rank: int, world: int) -> dict:
+    from models import tiny_bart
+
+    def rw(s: sf.Schedule) -> sf.Schedule:
+        attn = "decoder.layers.*.encoder_attn."
+        return sf.shard(sf.shard(s, attn + "{q_proj,k_proj,v_proj}", axis=0), attn + "out_proj", axis=1)
+
+    ids = token_ids()
+    return parity(tiny_bart(), rw, (ids, torch.ones_like(ids), token_ids(seed=1)), shape=(world,), tracker=False,
+                  loss=lambda out, _: out.last_hidden_state.float().pow(2).mean())
+
+
+def test_columns_in_different_layers_reading_one_tensor_enter_once(dist2) -> None:
+    """Every decoder layer's cross-attention k/v read the encoder's output, handed down
+    unchanged through the decoder and its layers: one entry for all of them (their
+    partial input gradients summed by autograd, then one all-reduce, as PyTorch's Partial
+    DTensor gradients are), beside each layer's q entered on its own hidden states."""
+    for r in dist2.run(_bart_cross, timeout=120):
+        assert r["fwd"] == {"all_reduce": 2} and r["bwd"] == {"all_reduce": 3}, r
+        assert r["predicted"] == {"forward": r["fwd"], "backward": r["bwd"]}, r
+
+
 def _two_d(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     from models import MLP
