@@ -459,8 +459,8 @@ def _exit_columns(sch: Schedule, seq_roots: list[str]) -> dict[str, tuple[str, .
         if syncs.get(last) or (own is not None and own.mesh_axis == axis):
             continue
         readers = _read_by(sch, last)
-        if not readers or not all(isinstance(roles.get(q), Column) and roles[q].mesh_axis == axis
-                                  and not roles[q].own_forward and not syncs.get(q) and not _in_chain(sch, q, axis)
+        if not readers or not all((r := roles.get(q)) is not None and r.enters and r.splits_output
+                                  and r.mesh_axis == axis and not syncs.get(q) and not _in_chain(sch, q, axis)
                                   for q in readers):
             continue
         out[last] = tuple(sorted(readers))
