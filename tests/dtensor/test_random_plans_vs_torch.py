@@ -485,6 +485,21 @@ KNOWN: dict[str, Defect] = {
 #: Plans on which slapo_fn issues more collectives than PyTorch's engine, the smallest found
 #: per class (the promise is a strict xfail as a whole until these are closed).
 KNOWN_COLLECTIVES: dict[str, tuple[Case, str]] = {
+    "gathered-attention-output-before-a-row": (
+        Case("bert", _megatron("bert", STACKS["bert"][0]),
+             syncs=(("encoder.layer.1.attention.self", "fwd_post", "R", None),)),
+        "BERT Megatron, attention.self's output stated whole before the row that takes it split: slapo_fn gathers "
+        "each column's output (3 all-gathers) where PyTorch gathers the attention's once: 14 against 10"),
+    "stated-whole-column-output-before-its-row": (
+        Case("torch", _megatron("torch", STACKS["torch"][0]),
+             syncs=(("layers.0.attention", "fwd_pre", "R", None), ("layers.0.feed_forward.w1", "fwd_post", "R", None))),
+        "PyTorch's Transformer, w1's output stated whole before w2 (a row): the row's input gradient is gathered "
+        "back where PyTorch's keeps it split through the pointwise op: 10 against 9"),
+    "split-inside-a-region-beside-cross-attention": (
+        Case("bart", _megatron("bart", STACKS["bart"][0]), syncs=(("encoder.layers.0.fc1", "fwd_post", "S(1)", None),)),
+        "BART's encoder Megatron with a token split stated on one fc1: that layer runs as a DTensor region, and the "
+        "input gradients around it are all-reduced apart (in the random set, both stacks: 13 all-reduces backward "
+        "against PyTorch's 11, 27 collectives against 26)"),
 }
 
 #: Former :data:`KNOWN_COLLECTIVES`, fixed: each smallest case costs no more than PyTorch's now.
