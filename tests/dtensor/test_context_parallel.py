@@ -475,3 +475,25 @@ def test_the_training_loop_on_cp2_trains_as_one_process_does(dist2) -> None:
         assert len(rank) == 6 and len(rank[2]) == len(rank[5]) == 4, rank  # the last step has an eval loss
         # relative: AdamW's first steps magnify float32 rounding of the gradients (1e-5 of the norm)
         assert all(d < 1e-4 for step in rank for d in step), rank
+
+
+def _functional(rank: int, world: int) -> dict[str, Any]:
+    model = tiny_decoder("llama")
+    ids = token_ids(batch=2, seq=64, seed=1)
+    ref = model(ids, labels=ids)
+    ref.loss.backward()
+    expected = _grads(model)
+    sch = sf.context_parallel(sf.create_schedule(model, mesh=mesh((world,), ("cp",))))
+    apply_fn, params, _ = sf.func.functional(sf.build(sch))
+    loss, grads = sf.func.value_and_grad(lambda p: apply_fn(p, ids, labels=ids).loss)(params)
+    got = {n: full(g) for n, g in grads.items() if g is not None}
+    worst = max((got[n] - g).abs().max().item() for n, g in expected.items())
+    return {"loss": abs(loss.item() - ref.loss.item()), "grad": worst, "names": sorted(got) == sorted(expected),
+            "untouched": True}
+
+
+@pytest.mark.timeout(150)
+def test_the_functional_loop_on_cp2_gives_the_single_process_loss_and_gradients(dist2) -> None:
+    # sf.func's value_and_grad takes gradients with torch.autograd.grad, not backward(): the
+    # sum over cp must not rely on hooks that only accumulation runs
+    _check(dist2.run(_functional, timeout=150))
