@@ -9,8 +9,9 @@ else. So a subtree ``r`` is a region when
 * it is called (a ``ModuleList`` is not) and is not the root;
 * no planned module inside it is paired with one outside, nor the other way round (a
   column's split output would cross the boundary);
-* no sync outside every region, or on a region's root, states a layout other than whole
-  (a split it states would cross a boundary; one inside a region is left whole with it),
+* no sync outside every region, or on a region's root, states a layout other than whole,
+  nor one inside whose split output reaches the region's result (a split it states would
+  cross a boundary; one that stays inside a region is left there),
   and no sequence-parallel chain is planned;
 * no parameter inside it is tied to one outside;
 * no FSDP block is declared (its hooks swap the parameters a region reads).
@@ -39,6 +40,8 @@ from ..schedule import Schedule
 from ..tree import get_module, parent_path, uncalled, walk
 from .chains import _gathering_parents, _whole_in_chains
 from .data_parallel import DATA_PARALLEL
+from .flow import OUTPUT
+from .lookups import _downstream
 from .planned import Plan
 from .sequence import SEQ, SeqSpec
 from .sync import SYNC
@@ -96,7 +99,8 @@ def regions_of(sch: Schedule, p: Plan) -> tuple[str, ...]:
         return (not uncalled(m) and type(m).forward is not nn.Module.forward and bounded(r)
                 and all(within(r, a) == within(r, b) for a, b in paired)
                 and all(len({within(r, o) for o in group}) == 1 for group in ties)
-                and (not strict or all(contains(r, q) for q in stated)))
+                and (not strict or all(contains(r, q) for q in stated))
+                and not any(contains(r, q) and _leaves(sch, q, r) for q in stated))
 
     paths = [q.path if q.path != "<root>" else "" for q in p.on_dtensors]
     # a split stated inside any region stays there (each region is left as it was entered);
@@ -119,6 +123,17 @@ def region_edge(sch: Schedule, root: str) -> tuple[str, Placement] | None:
     if spec is None or member in _gathering_parents(sch) or root in _whole_in_chains(sch):
         return None
     return spec.mesh_axis, Shard(spec.seq_axis)
+
+
+def _leaves(sch: Schedule, path: str, root: str) -> bool:
+    """Whether ``path``'s output (which a sync states split) may reach ``root``'s result by
+    the data flow: the region would hand it on whole where the plan outside takes it split.
+    Where a flow on the way is unknown, it may."""
+    levels, stop = _downstream(sch, path)
+    for level in levels:
+        if level.parent == root:
+            return OUTPUT in level.users
+    return stop is not None
 
 
 def _chains(seqs: dict[str, SeqSpec]) -> list[tuple[list[str], bool]]:
