@@ -51,8 +51,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.nn.utils.stateless import _reparametrize_module
 
-__all__ = ["Channels", "Column", "EmbedDim", "Gathered", "Role", "Row", "VocabEmbed", "local_value", "reading",
-           "run_own_forward", "whole_params"]
+__all__ = ["Channels", "Column", "EmbedDim", "Gathered", "Role", "Row", "VocabEmbed", "adds_bias", "local_value",
+           "reading", "run_own_forward", "whole_params"]
 
 
 def local_value(p: torch.Tensor | None) -> torch.Tensor | None:
@@ -63,6 +63,12 @@ def local_value(p: torch.Tensor | None) -> torch.Tensor | None:
 #: How a local forward reads a parameter's shard (inside ``torch.func`` transforms the
 #: runtime reads it without DTensor's own ``to_local``).
 Local = Callable[[torch.Tensor | None], torch.Tensor | None]
+
+
+def adds_bias(module: nn.Module) -> bool:
+    """Whether ``module``'s forward adds its own ``bias`` (a layer whose class says
+    ``adds_bias = False`` leaves it to its caller: :func:`~slapo_fn.decompose`'s)."""
+    return bool(getattr(type(module), "adds_bias", True))
 
 
 def whole_params(module: nn.Module, role: Role) -> tuple[str, ...]:
@@ -283,7 +289,7 @@ class Row(Role):
         return _linear(module, x, False, local)
 
     def bias_after(self, module: nn.Module) -> torch.Tensor | None:
-        return module._parameters.get("bias")
+        return module._parameters.get("bias") if adds_bias(module) else None
 
 
 @dataclass(frozen=True)
