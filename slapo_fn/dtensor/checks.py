@@ -11,7 +11,10 @@ in :mod:`.pairs`, :mod:`.heads`, :mod:`.chain_checks` and :mod:`.statements`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from torch import nn
+from torch.distributed.tensor import Replicate
 
 from ..errors import Problem
 from ..schedule import Schedule
@@ -105,6 +108,7 @@ def _functional_reads(sch: Schedule, p: Plan) -> list[Problem]:
         reads = set(fl.reads) if fl is not None else set()
         if isinstance(pm, nn.MultiheadAttention):
             reads.add("out_proj")  # F.multi_head_attention_forward(..., self.out_proj.weight, ...)
+        problems += _operands_off_features(sch, p, parent, fl.operands if fl is not None else {})
         for child in sorted(reads):
             path = join(parent, child)
             if path in planned:
@@ -115,6 +119,46 @@ def _functional_reads(sch: Schedule, p: Plan) -> list[Problem]:
                     f"leave {path!r} unsharded and out of syncs and sequence_parallel chains, or replace "
                     f"{parent or '<root>'!r} (sf.replace) with a module that calls {child!r}",
                 ))
+    return problems
+
+
+def _operands_off_features(sch: Schedule, p: Plan, parent: str, operands: Mapping[str, frozenset[str]]
+                           ) -> list[Problem]:
+    """The operands of a child's output (:attr:`.flow.Flow.operands`: the bias ``decompose``
+    adds after a Linear's matmul) whose layout is not that output's: the parent combines
+    this rank's share of each with the child's local output, so an output kept as this
+    rank's features (a column paired with its rows) needs the operand split alike along
+    its one dimension, and a whole output a whole operand."""
+    layouts = sch.annotations.of_kind(LAYOUT)
+    problems = []
+    for child, names in sorted(operands.items()):
+        path = join(parent, child)
+        mp = p.modules.get(path)
+        axis = mp.role.mesh_axis if mp is not None and mp.keeps_features and mp.role is not None else None
+        if mp is not None and (mp.seq is not None or mp.local_params):
+            problems.append(Problem(
+                parent or "<root>",
+                f"adds parameters of {path!r} to its output itself, on sequence shards or a tp_local module's "
+                "activations, where their gradients would be partial sums no one reduces",
+                f"leave {path!r} out of sequence_parallel chains and tp_local, or do not decompose it",
+            ))
+            continue
+        for name in sorted(names):
+            layout, value = layouts.get(join(path, name)), get_module(sch.module, path)._parameters.get(name)
+            whole = layout is None or layout.is_replicated
+            split = (layout is not None and value is not None and value.dim() == 1
+                     and layout.axes_of(0, 1) == ((axis, 1),)
+                     and all(isinstance(q, Replicate) for d, q in zip(layout.mesh_dims, layout.placements,
+                                                                      strict=True) if d != axis))
+            if (whole and axis is None) or (axis is not None and split):
+                continue
+            problems.append(Problem(
+                parent or "<root>",
+                f"adds {join(path, name)!r} to the output of {path!r} itself, and that output is "
+                + (f"this rank's features over {axis!r} while the operand is laid out {layout}" if axis is not None
+                   else f"whole while the operand is split ({layout})"),
+                f"shard {path!r} as a whole (sf.shard(sch, {path!r}, axis=0)) with its row, or leave it unsharded",
+            ))
     return problems
 
 

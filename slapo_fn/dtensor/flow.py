@@ -67,6 +67,7 @@ from .features import metadata as _metadata
 from .features import nodes_in as _nodes_in
 from .features import op_name as _op_name
 from .features import sizes_only as _sizes_only
+from .operands import combiners, operand_of, read_of_a_child
 from .roles import CHANNEL_NORMS, channels_rank
 from .traced_einops import einops_on_traced_values
 
@@ -150,6 +151,13 @@ class Flow:
     args: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     # the parameters of the parent's forward its placeholders ``a0``..``a3`` stand for, in order
     params: tuple[str, ...] = ()
+    # for each child, its parameters the parent's code reads only to combine them, element by
+    # element, with that child's output (the bias ``decompose`` adds after a Linear's matmul):
+    # operands on the output's features, not reads that bypass the child (:attr:`reads`)
+    operands: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    # the children that combine, element by element, one activation with such operands alone
+    # (``fuse``'s ``gelu(x + bias)``): a layout passes through them as through an activation
+    combines: frozenset[str] = frozenset()
 
     def same_input(self, a: str, b: str) -> bool:
         """Whether children ``a`` and ``b`` are called on the very same tensor (q/k/v on the
@@ -243,17 +251,20 @@ def pointwise(module: nn.Module) -> bool:
 _ELEMENTWISE_CODE: dict[tuple[Any, ...], bool] = {}
 
 
-def _elementwise_code(module: nn.Module) -> bool:
+def _elementwise_code(module: nn.Module, operands: bool = False) -> bool:
     """Whether fx traces ``module``'s forward, on one tensor, into ops that each act on
     every element alone (BLOOM's ``BloomGelu``, an ``autograd.Function`` whose forward is
-    ``x * 0.5 * (1 + tanh(...))``). A module of any other code, or one fx cannot trace, is
-    not taken for elementwise."""
-    key = (type(module), type(module).forward, tuple((k, v) for k, v in vars(module).items() if isinstance(v, _PLAIN)))
+    ``x * 0.5 * (1 + tanh(...))``); with ``operands``, on several tensors it combines so
+    (``fuse``'s ``gelu(x + bias)``). A module of any other code, or one fx cannot trace,
+    is not taken for elementwise."""
+    key = (type(module), type(module).forward, operands,
+           tuple((k, v) for k, v in vars(module).items() if isinstance(v, _PLAIN)))
     if key in _ELEMENTWISE_CODE:
         return _ELEMENTWISE_CODE[key]
     params = _positional(module)
     found = False
-    if params and len([p for p in params if p.default is inspect.Parameter.empty]) == 1:
+    required = len([p for p in params or () if p.default is inspect.Parameter.empty])
+    if params and (required == 1 or (operands and required > 1)):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -263,8 +274,8 @@ def _elementwise_code(module: nn.Module) -> bool:
         if graph is not None:
             inputs = [n for n in graph.nodes if n.op == "placeholder"]
             ops = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
-            found = bool(inputs) and all(elementwise_op(n) for n in ops) and all(
-                not n.users for n in inputs[1:])
+            found = bool(inputs) and all(elementwise_op(n) for n in ops) and (operands or all(
+                not n.users for n in inputs[1:]))
     if len(_ELEMENTWISE_CODE) > _SHAPES_MAX:
         _ELEMENTWISE_CODE.clear()
     _ELEMENTWISE_CODE[key] = found
@@ -606,6 +617,7 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
     args: dict[str, Mapping[str, str]] = {}
     feeds_seen: set[str] = set()
     per_head: dict[str, Meets] = {}
+    operands: dict[str, set[str]] = {}
     attends = False
     # a pointwise child called more than once (T5's one dropout after the embedding and after the
     # final norm) is traced as the code it is: one name for both calls would feed the first
@@ -624,8 +636,11 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
             target = str(node.target)
             used = any(not _metadata(user) for user in node.users)  # self.wo.weight.dtype is no read
             if target.startswith(prefix) and used:
-                name = target[len(prefix) :].rsplit(".", 1)[0]
-                if name in _child_paths(parent):
+                name, _, attr = target[len(prefix) :].rpartition(".")
+                if name in _child_paths(parent) and operand_of(node, prefix + name,
+                                                                 functools.partial(_pointwise_call, parent, prefix)):
+                    operands.setdefault(name, set()).add(attr)
+                elif name in _child_paths(parent):
                     reads.add(name)
             sources[node] = frozenset()
         elif node.op == "call_module" and str(node.target).startswith(prefix):
@@ -681,13 +696,17 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
         if hidden_in is not None and viewed_by_width(node, hidden_in):
             for name in sorted(sources.get(node.args[0], frozenset()) - {INPUT, SIDE}):  # type: ignore[arg-type]
                 by_width.setdefault(name, f"{_op_name(node)}(..., {params[0].name}'s width)")
+    combining = combiners(graph, prefix, lambda n: _pointwise_call(parent, prefix, n) and not pointwise(
+        parent.get_submodule(str(n.target)[len(prefix):])))
     found = Flow(MappingProxyType(feeds), output, frozenset(reads), MappingProxyType(first), MappingProxyType(apart),
                  leaves, MappingProxyType(hidden), MappingProxyType(handed), MappingProxyType(mixes), attends,
                  MappingProxyType(ranked), _tokens(graph, parent, prefix, one), MappingProxyType(inner),
                  frozenset(read), MappingProxyType(per_head), MappingProxyType(counts), MappingProxyType(by_width),
                  tuple(dict.fromkeys(called)), MappingProxyType(fields), _returned(graph, prefix),
                  MappingProxyType({n: MappingProxyType(dict(a)) for n, a in args.items()}),
-                 tuple(p.name for p in params[:4]))
+                 tuple(p.name for p in params[:4]),
+                 MappingProxyType({n: frozenset(a) for n, a in operands.items() if n not in reads}),
+                 frozenset(combining))
     return found, read
 
 
@@ -946,9 +965,18 @@ def _products_of_activations(node: fx.Node) -> bool:
 
 
 def _pointwise_call(parent: nn.Module, prefix: str, node: fx.Node) -> bool:
-    """Whether ``node`` calls a pointwise child of ``parent`` (an activation, a dropout)."""
+    """Whether ``node`` calls a pointwise child of ``parent`` (an activation, a dropout),
+    or a child whose code combines, element by element, one activation with parameters
+    of its siblings alone (``fuse``'s ``gelu(x + bias)`` handed a Linear's bias)."""
     target = str(node.target)
-    return target.startswith(prefix) and pointwise(parent.get_submodule(target[len(prefix):]))
+    if not target.startswith(prefix):
+        return False
+    child = parent.get_submodule(target[len(prefix):])
+    if pointwise(child):
+        return True
+    values = [a for a in _nodes_in((node.args, node.kwargs)) if not read_of_a_child(a, prefix, _child_paths(parent))]
+    return (len(values) == 1 and not any(True for _ in child.parameters()) and not child._modules
+            and not child._buffers and _elementwise_code(child, operands=True))
 
 
 def _child_paths(parent: nn.Module) -> set[str]:

@@ -154,7 +154,10 @@ def _through(sch: Schedule, parent: str) -> Callable[[str], bool]:
     # tp_local: runs on this rank's shard as it is (per-head norms), as a role that keeps it does
     local = set(sch.annotations.of_kind(LOCAL)) | keeps
     pm = get_module(sch.module, parent)
-    return lambda q: join(parent, q) not in annotated and (join(parent, q) in local or pointwise(get_module(pm, q)))
+    fl = _flow_of(sch, parent)
+    combines = fl.combines if fl is not None else frozenset()
+    return lambda q: join(parent, q) not in annotated and (join(parent, q) in local or q in combines
+                                                           or pointwise(get_module(pm, q)))
 
 
 def _out_features(module: nn.Module) -> int | None:

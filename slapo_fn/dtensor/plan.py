@@ -89,7 +89,7 @@ from .lookups import _caller, _flows_memo, _origin, _read_by, _run_order, _throu
 from .pairs import _partners
 from .planned import Boundary, ModulePlan, Plan, _d
 from .rng import RNG, RngSpec
-from .roles import Role
+from .roles import Role, left_apart
 from .sequence import SEQ, SeqSpec
 from .shard import LAYOUT, ROLE, mesh_dims
 from .sync import SYNC, SyncSpec, collective_of
@@ -552,9 +552,9 @@ def _reduced_params(sch: Schedule, mp: ModulePlan) -> dict[str, nn.Parameter]:
     (a LoRA's ``A`` in a column), whose local gradients are partial sums."""
     layouts = sch.annotations.of_kind(LAYOUT)
     module = get_module(sch.module, mp.path)
-    after = mp.role.bias_after(module) if mp.role is not None else None
+    apart = left_apart(module, mp.role)
     return {n: p for n, p in module._parameters.items()
-            if p is not None and p is not after
+            if p is not None and not any(p is q for q in apart)
             and not (join(mp.path, n) in layouts and not layouts[join(mp.path, n)].is_replicated)}
 
 

@@ -51,8 +51,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.nn.utils.stateless import _reparametrize_module
 
-__all__ = ["Channels", "Column", "EmbedDim", "Gathered", "Role", "Row", "VocabEmbed", "local_value", "reading",
-           "run_own_forward", "whole_params"]
+__all__ = ["Channels", "Column", "EmbedDim", "Gathered", "Role", "Row", "VocabEmbed", "adds_bias", "left_apart",
+           "local_value", "reading", "run_own_forward", "whole_params"]
 
 
 def local_value(p: torch.Tensor | None) -> torch.Tensor | None:
@@ -65,13 +65,30 @@ def local_value(p: torch.Tensor | None) -> torch.Tensor | None:
 Local = Callable[[torch.Tensor | None], torch.Tensor | None]
 
 
+def adds_bias(module: nn.Module) -> bool:
+    """Whether ``module``'s forward adds its own ``bias`` (a layer whose class says
+    ``adds_bias = False`` leaves it to its caller: :func:`~slapo_fn.decompose`'s)."""
+    return bool(getattr(type(module), "adds_bias", True))
+
+
 def whole_params(module: nn.Module, role: Role) -> tuple[str, ...]:
     """The DTensor parameters ``role``'s local forward reads whole on every rank (a LoRA's
     ``A`` in a column, its ``B`` in a row), but a bias added after the sum: their local
-    gradients are partial sums over the axis, to be all-reduced."""
-    after = role.bias_after(module)
-    return tuple(n for n, p in module._parameters.items() if isinstance(p, DTensor) and p is not after
-                 and all(isinstance(pl, Replicate) for pl in p.placements))
+    gradients are partial sums over the axis, to be all-reduced. A bias the module's forward
+    leaves to its caller (:func:`adds_bias`) it does not read at all."""
+    apart = left_apart(module, role)
+    return tuple(n for n, p in module._parameters.items() if isinstance(p, DTensor)
+                 and not any(p is q for q in apart) and all(isinstance(pl, Replicate) for pl in p.placements))
+
+
+def left_apart(module: nn.Module, role: Role | None) -> tuple[torch.Tensor, ...]:
+    """The parameters of ``module`` its local forward under ``role`` does not combine with
+    this rank's activations: a bias ``role`` adds after the sum, and one the module's own
+    forward leaves to its caller (:func:`adds_bias`). Their gradients are whole on every
+    rank, never partial sums."""
+    after = role.bias_after(module) if role is not None else None
+    unread = None if adds_bias(module) else module._parameters.get("bias")
+    return tuple(p for p in (after, unread) if p is not None)
 
 
 def reading(values: Sequence[tuple[torch.Tensor, torch.Tensor]], local: Local) -> Local:
@@ -283,7 +300,7 @@ class Row(Role):
         return _linear(module, x, False, local)
 
     def bias_after(self, module: nn.Module) -> torch.Tensor | None:
-        return module._parameters.get("bias")
+        return module._parameters.get("bias") if adds_bias(module) else None
 
 
 @dataclass(frozen=True)

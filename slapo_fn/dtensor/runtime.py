@@ -39,7 +39,7 @@ from .features import ASSUMED_RANK, Meets
 from .heads import heads_made_local
 from .layout import Layout
 from .local import LOCAL
-from .lookups import _in_width, _out_features, _parent, per_head_operands
+from .lookups import _flow_of, _in_width, _out_features, _parent, per_head_operands
 from .on_dtensors import install_on_dtensors
 from .plan import _local_axis, _sharded_output, param_dims, plan
 from .planned import ModulePlan, Plan
@@ -573,6 +573,11 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
         if operands and counts is not None:
             pm.forward = _per_head(rt, parent, pm, operands, heads_of[parent], *counts)  # type: ignore[method-assign]
         pm.forward = _explained(parent, pm.forward)  # type: ignore[method-assign]
+    # a parent adding its children's operands to their outputs itself (a decomposed Linear's
+    # bias) adds this rank's share of each: the one its child's output holds
+    for parent, names in sorted(_operand_reads(sch, model, p).items()):
+        pm = get_module(model, parent)
+        pm.forward = _reading_local(pm, names, pm.forward)  # type: ignore[method-assign]
     # a caller whose first argument reaches its columns alone enters the region for them, once
     entering = {caller_path(model, mp.path): mp.role.mesh_axis for mp in p.modules.values()
                 if mp.entered and mp.role is not None}
@@ -586,6 +591,31 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
     for path in sorted(matched | ({""} if matched else set())):
         pm = get_module(model, path)
         pm.forward = rt.scoped(pm.forward)  # type: ignore[method-assign]
+
+
+def _operand_reads(sch: Schedule, model: nn.Module, p: Plan) -> dict[str, tuple[str, ...]]:
+    """Per parent of a module planned on local shards, the parameters of its planned
+    children its code adds to their outputs itself (:attr:`.flow.Flow.operands`), by their
+    paths relative to it."""
+    found: dict[str, set[str]] = {}
+    for path in p.modules:
+        parent = caller_path(model, path) if path else None
+        fl = _flow_of(sch, parent) if parent is not None else None
+        child = path[len(parent) + 1:] if parent else path
+        if fl is not None and child in fl.operands:
+            found.setdefault(parent or "", set()).update(join(child, n) for n in fl.operands[child])
+    return {parent: tuple(sorted(names)) for parent, names in found.items()}
+
+
+def _reading_local(module: nn.Module, names: Sequence[str], forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` of ``module`` with its children's parameters ``names`` read as this
+    rank's shards (plain tensors whose gradients flow back to the parameters')."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with _reparametrize_module(module, {n: _local(module.get_parameter(n)) for n in names}):  # type: ignore[misc]
+            return forward(*args, **kwargs)
+
+    return run
 
 
 def _local_value(p: torch.Tensor) -> torch.Tensor:

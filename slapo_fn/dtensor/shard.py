@@ -54,6 +54,7 @@ from .roles import (
     Role,
     Row,
     VocabEmbed,
+    adds_bias,
     run_own_forward,
 )
 
@@ -473,7 +474,7 @@ def _shards_as_a_layer(module: nn.Module, plan: _Plan) -> bool:
     probe = copy.copy(module)  # its own __dict__: the module itself is not touched
     vars(probe).update(in_features=_PROBE_IN, out_features=_PROBE_OUT, _modules={}, _forward_hooks={},
                        _forward_pre_hooks={}, _parameters=dict(full))
-    bias = full.get("bias")
+    bias = full.get("bias") if adds_bias(module) else None
     try:
         with torch.no_grad():
             want = run_own_forward(probe, full, x)

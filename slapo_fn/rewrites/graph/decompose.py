@@ -5,6 +5,7 @@ own, or their code inlined by ``trace(flatten=True)``)."""
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -20,9 +21,31 @@ from ...select import Selection
 from ...tree import get_module, join, set_at, split
 from ._graph import copy_graph, has_hooks, rebuild
 
-__all__ = ["decompose"]
+__all__ = ["SeparateBiasLinear", "decompose"]
 
 _CALLED = ("hooks", "checkpoint", "compile")
+
+
+class SeparateBiasLinear(nn.Linear):
+    """An ``nn.Linear`` whose forward is its matmul alone: the caller adds :attr:`bias`
+    (what :func:`decompose` leaves of a called Linear). It keeps the Linear's parameters
+    and their FQNs, and is still called, so a layout planned for it (a column) runs its
+    matmul on this rank's shard."""
+
+    #: Its forward leaves the bias out; whoever calls it adds it (read by a row's layout).
+    adds_bias = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> SeparateBiasLinear:
+        """``linear``'s parameters, attributes and mode under this class (``linear`` is
+        not touched; it has no hooks: :func:`decompose` refuses those)."""
+        new = cls.__new__(cls)
+        vars(new).update(vars(linear), _parameters=dict(linear._parameters), _buffers=dict(linear._buffers),
+                         _modules=dict(linear._modules))
+        return new
 
 
 #: The linear functions a traced graph calls: fx's ``F.linear``, torch.export's ``aten.linear``.
@@ -94,17 +117,19 @@ def decompose(sch: Schedule, where: Selection) -> Schedule:
     (GPT-2) becomes ``torch.matmul(x, weight) + bias`` the same way.
 
     ``where`` names Linear modules called from a traced ancestor's graph, or a traced
-    module (then every Linear it calls). The Linear modules stay in the tree, holding
-    their parameters under the same FQNs; they are no longer called, so one with hooks
-    or checkpoint/compile annotations is refused. Returns a new schedule; the input is
-    unchanged.
+    module (then every Linear it calls). A plain ``nn.Linear`` stays called for its
+    matmul, as a :class:`SeparateBiasLinear` holding the same parameters under the same
+    FQNs (so a layout planned for it still applies); the graph adds its bias after the
+    call. Other Linears (Conv1D, a subclass, one inlined by ``torch.export``) are computed
+    by the graph itself and no longer called, so one with hooks or checkpoint/compile
+    annotations is refused. Returns a new schedule; the input is unchanged.
 
     Example:
         >>> import torch.nn as nn, slapo_fn as sf
         >>> sch = sf.trace(sf.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.ReLU())), "")
         >>> sch = sf.decompose(sch, "0")
-        >>> [str(n.target) for n in sch.module.graph.nodes if n.op == "get_attr"]
-        ['0.weight', '0.bias']
+        >>> [(n.op, str(n.target)) for n in sch.module.graph.nodes][1:4]
+        [('call_module', '0'), ('get_attr', '0.bias'), ('call_function', '<built-in function add>')]
     """
     paths = where.modules(sch.module)
     todo: dict[str, set[str]] = {}
@@ -182,6 +207,15 @@ def decompose(sch: Schedule, where: Selection) -> Schedule:
                 )
             elif len(node.args) != 1 or node.kwargs:
                 problems.append(Problem(full, "is called with more than one input", "leave it as it is"))
+            elif type(linear) is nn.Linear:  # still called for its matmul; the bias added after it
+                gm = set_at(gm, target, SeparateBiasLinear.of(linear))  # type: ignore[assignment]
+                if linear.bias is not None:
+                    with graph.inserting_after(node):
+                        bias = graph.get_attr(f"{target}.bias")
+                    with graph.inserting_after(bias):
+                        out = graph.call_function(operator.add, (node, bias))
+                    out.meta = dict(node.meta)
+                    node.replace_all_uses_with(out, delete_user_cb=functools.partial(operator.is_not, out))
             else:
                 with graph.inserting_before(node):
                     weight = graph.get_attr(f"{target}.weight")

@@ -58,7 +58,7 @@ def fuse(
         >>> match, = sf.find(sch, "", lambda x, b: F.gelu(x + b))
         >>> sch = sf.fuse(sch, "", match, compiler=None)
         >>> [n.op for n in sch.module.graph.nodes]
-        ['placeholder', 'get_attr', 'call_function', 'get_attr', 'call_module', 'output']
+        ['placeholder', 'call_module', 'get_attr', 'call_module', 'output']
         >>> report = sf.verify(sch, torch.randn(2, 4))
     """
     paths = where.modules(sch.module)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import slapo_fn as sf
+from slapo_fn.rewrites.graph.decompose import SeparateBiasLinear
 from tests.fingerprint import fingerprint, same
 from tests.models import Net, tiny_gpt2, tiny_llama
 
@@ -116,12 +117,18 @@ def test_decompose_keeps_numbers_and_fqns() -> None:
     model = GptMLP()
     sch = sf.decompose(sf.trace(sf.create_schedule(model), ""), "fc_in")
     ops = [n.target for n in sch.module.graph.nodes if n.op in ("call_function", "call_module")]
-    assert ops[:2] == [F.linear, __import__("operator").add] and "fc_out" in ops
-    assert sch["fc_in"].module is model.fc_in
-    report = sf.verify(sch, torch.randn(3, 16))
+    assert ops[:2] == ["fc_in", __import__("operator").add] and "fc_out" in ops
+    # still called, for its matmul alone: the same parameters under the same FQNs
+    fc_in = sch["fc_in"].module
+    assert type(fc_in) is SeparateBiasLinear and type(model.fc_in) is nn.Linear
+    assert fc_in.weight is model.fc_in.weight and fc_in.bias is model.fc_in.bias
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(fc_in(x) + fc_in.bias, model.fc_in(x), rtol=0, atol=0)
+    report = sf.verify(sch, x)
     assert report.max_output_diff == 0 and len(report.gradients) == 4
     every = sf.decompose(sf.trace(sf.create_schedule(model), ""), "")
-    assert not [n for n in every.module.graph.nodes if n.op == "call_module"]
+    assert all(type(every[n.target].module) is SeparateBiasLinear
+               for n in every.module.graph.nodes if n.op == "call_module")
 
 
 def test_decompose_errors() -> None:
