@@ -99,9 +99,9 @@ EXPECTED: dict[str, tuple[dict[str, int], dict[str, int]]] = {
     "roberta": ({"all_reduce": 4, "all_gather": 2}, {"all_reduce": 5}),
     # T5: 2 encoder blocks (attention, MLP) and 2 decoder blocks (self attention, cross
     # attention, MLP): 10 pairs; a cross attention's columns read two inputs (q the decoder's
-    # states, k/v the encoder's output), whose gradients are each all-reduced, as Megatron's
-    # query and key_value columns do: 10 + 2 backward, and the LM head's
-    "t5": ({"all_reduce": 10, "all_gather": 1}, {"all_reduce": 13}),
+    # states, k/v the encoder's output): the k/v of both decoder blocks read one tensor, whose
+    # partial gradients are summed before one all-reduce: 10 + 1 backward, and the LM head's
+    "t5": ({"all_reduce": 10, "all_gather": 1}, {"all_reduce": 12}),
 }
 
 
