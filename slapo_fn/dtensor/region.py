@@ -156,15 +156,11 @@ def _tree(fn: Callable[[Any], Any], value: Any) -> Any:
     return pytree.tree_map(lambda v: fn(v) if isinstance(v, torch.Tensor) else v, value)
 
 
-def region(acts: Activations, forward: Callable[..., Any], leaving: Mapping[str, Placement],
-           edge: tuple[str, Placement] | None = None) -> Callable[..., Any]:
-    """``forward`` (a region root's) run on DTensor activations: the plain tensors it is
-    handed count as replicated where an op first meets them with a DTensor (:class:`OnDTensors`),
+def region(acts: Activations, forward: Callable[..., Any], leaving: Mapping[str, Placement]) -> Callable[..., Any]:
+    """``forward`` (the root's) run on DTensor activations: the plain tensors it is handed
+    count as replicated where an op first meets them with a DTensor (:class:`OnDTensors`),
     and each tensor it returns leaves as a local tensor, whole on every mesh axis but
-    those ``leaving`` states a layout for (a sync keeping the model's output split). A
-    region on a chain's token shards (``edge``: a mesh axis and the split) takes its first
-    input as this rank's shard and hands its first output back as one (:func:`map_input`,
-    :func:`map_first_output`)."""
+    those ``leaving`` states a layout for (a sync keeping the model's output split)."""
 
     def local(t: torch.Tensor) -> torch.Tensor:
         if not isinstance(t, DTensor):
@@ -173,24 +169,9 @@ def region(acts: Activations, forward: Callable[..., Any], leaving: Mapping[str,
                        for d, p in zip(acts.dims, t.placements, strict=True))
         return acts.to_local(t, places)
 
-    def shard_in(x: torch.Tensor) -> torch.Tensor:
-        assert edge is not None
-        if isinstance(x, DTensor):
-            return x
-        return DTensor.from_local(x, acts.mesh, acts.placements(**{edge[0]: normalized(edge[1], x.dim())}),
-                                  run_check=False)
-
-    def shard_out(t: torch.Tensor) -> torch.Tensor:
-        assert edge is not None
-        return acts.to_local(acts.to_dtensor(t), acts.placements(**{edge[0]: normalized(edge[1], t.dim())}))
-
     def run(*args: Any, **kwargs: Any) -> Any:
-        if edge is not None:
-            args, kwargs = map_input(args, kwargs, shard_in)
         with OnDTensors():
             out = forward(*args, **kwargs)
-        if edge is not None:
-            out = map_first_output(out, shard_out)
         return _tree(local, out)
 
     return run

@@ -32,21 +32,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor import Replicate
 
 from ..rewrites._common import contains
 from ..schedule import Schedule
 from ..tree import get_module, parent_path, uncalled, walk
-from .chains import _gathering_parents, _whole_in_chains
 from .data_parallel import DATA_PARALLEL
 from .flow import OUTPUT
 from .lookups import _downstream
 from .planned import Plan
-from .sequence import SEQ, SeqSpec
+from .sequence import SEQ
 from .sync import SYNC
 
-__all__ = ["region_edge", "region_roots", "regions_of"]
+__all__ = ["region_roots", "regions_of"]
 
 
 def region_roots(paths: Iterable[str], fits: Callable[[str], bool]) -> tuple[str, ...]:
@@ -69,60 +67,32 @@ def regions_of(sch: Schedule, p: Plan) -> tuple[str, ...]:
     if not p.on_dtensors:
         return ()
     spec = sch.annotations.get("", DATA_PARALLEL)
-    if spec is not None and spec.blocks:
+    if sch.annotations.of_kind(SEQ) or (spec is not None and spec.blocks):
         return ("",)
     model = sch.module
     ties = [group for group in _param_owners(model).values() if len(group) > 1]
     paired = [(path, q) for path, mp in p.modules.items() for q in mp.partners]
     stated = [path for path, specs in sch.annotations.of_kind(SYNC).items()
               if any(not isinstance(s.layout, Replicate) for s in specs)]
-    seqs: dict[str, SeqSpec] = sch.annotations.of_kind(SEQ)
-    chains = _chains(seqs)
 
     def within(r: str, q: str) -> bool:
         return q == r or contains(r, q)
 
-    def bounded(r: str) -> bool:
-        """Its boundary is one the plan knows: whole (every chain wholly inside it or apart
-        from it), or a chain member's token shard (:func:`region_edge`)."""
-        if region_edge(sch, r) is not None:
-            return True
-        if any(contains(m, r) or m == r for m in seqs):
-            return False
-        # a chain partly inside would hand a token shard across; one handed its input split
-        # takes it from outside itself
-        return all(len({within(r, m) for m in members}) == 1 and (within(r, members[0]) or not given)
-                   for members, given in chains)
-
     def fits(r: str, strict: bool) -> bool:
         m = get_module(model, r)
-        return (not uncalled(m) and type(m).forward is not nn.Module.forward and bounded(r)
+        return (not uncalled(m) and type(m).forward is not nn.Module.forward
                 and all(within(r, a) == within(r, b) for a, b in paired)
                 and all(len({within(r, o) for o in group}) == 1 for group in ties)
                 and (not strict or all(contains(r, q) for q in stated))
                 and not any(contains(r, q) and _leaves(sch, q, r) for q in stated))
 
     paths = [q.path if q.path != "<root>" else "" for q in p.on_dtensors]
-    # a split stated inside any region stays there (each region is left as it was entered);
-    # one stated outside them all, or on a region's root, would reach a boundary
+    # a split stated inside any region stays there (each region is left whole); one stated
+    # outside them all, or on a region's root, would reach a boundary
     roots = region_roots(paths, lambda r: fits(r, strict=False))
     if all(any(contains(r, q) for r in roots) for q in stated):
         return roots
     return region_roots(paths, lambda r: fits(r, strict=True))
-
-
-def region_edge(sch: Schedule, root: str) -> tuple[str, Placement] | None:
-    """The layout a region at ``root`` is entered with and left with, where it is not whole:
-    a child of a sequence-parallel chain member runs on the member's token shards (its first
-    input and first output split along the chain's sequence dimension over its mesh axis),
-    unless the member gathers the sequence for it (a member that calls columns itself) or
-    the plan runs it on the whole sequence. ``None``: whole."""
-    seqs: dict[str, SeqSpec] = sch.annotations.of_kind(SEQ)
-    member = parent_path(root) if root else None
-    spec = seqs.get(member) if member is not None else None
-    if spec is None or member in _gathering_parents(sch) or root in _whole_in_chains(sch):
-        return None
-    return spec.mesh_axis, Shard(spec.seq_axis)
 
 
 def _leaves(sch: Schedule, path: str, root: str) -> bool:
@@ -134,14 +104,6 @@ def _leaves(sch: Schedule, path: str, root: str) -> bool:
         if level.parent == root:
             return OUTPUT in level.users
     return stop is not None
-
-
-def _chains(seqs: dict[str, SeqSpec]) -> list[tuple[list[str], bool]]:
-    """The members of each chain (those sharing a spec), with whether its input is given split."""
-    by_spec: dict[SeqSpec, list[str]] = {}
-    for path, spec in seqs.items():
-        by_spec.setdefault(spec, []).append(path)
-    return [(members, spec.sharded_input) for spec, members in by_spec.items()]
 
 
 def _param_owners(model: nn.Module) -> dict[int, list[str]]:

@@ -69,29 +69,3 @@ def test_the_region_runs_equal_with_one_gather(dist2: Any) -> None:
         assert r["close"], r
         assert r["forward"] == 1, r  # q gathered once for the attention (heads whole), nothing else
         assert r["entered"] == {"model.layers.0.self_attn"}, r
-
-
-def _lone_packed_column_in_a_chain() -> Any:
-    from test_random_plans_vs_torch import Case
-
-    # GPT-2's c_attn column-parallel in both layers with no row after it, inside a sequence-parallel chain
-    return Case("gpt2", (("transformer.h.0.attn.c_attn", "col", 3), ("transformer.h.1.attn.c_attn", "col", 3)),
-                chain=("transformer.h.*",))
-
-
-def test_a_region_inside_a_chain_member_is_entered_and_left_on_its_token_shards() -> None:
-    from test_random_plans_vs_torch import _model
-
-    from slapo_fn.dtensor.regions import region_edge
-
-    case = _lone_packed_column_in_a_chain()
-    sch = case.apply(sf.create_schedule(_model(case.family), mesh=fake_mesh(2)))
-    assert regions_of(sch, plan(sch)) == ("transformer.h.0.attn", "transformer.h.1.attn")
-    assert region_edge(sch, "transformer.h.0.attn") == ("tp", Shard(1))
-    assert region_edge(sch, "transformer.h.0") is None  # a member itself: its chain's ends are whole
-
-
-def test_a_region_on_token_shards_runs_equal_within_pytorchs_count(dist2: Any) -> None:
-    from test_random_plans_vs_torch import check
-
-    assert check(_lone_packed_column_in_a_chain(), dist2) is None
