@@ -111,8 +111,9 @@ def _partners_across(sch: Schedule, roles: Mapping[str, Role], paired: Mapping[s
     syncs = sch.annotations.of_kind(SYNC)
     by_caller: dict[tuple[str, str], list[str]] = {}
     for path, role in roles.items():
-        if role.enters and role.splits_output and path not in paired and not syncs.get(path) and not _in_chain(
-                sch, path, role.mesh_axis):
+        # a column's fwd_pre syncs move its input alone (a split one it gathers back), not its output
+        if role.enters and role.splits_output and path not in paired and all(
+                s.mode == "fwd_pre" for s in syncs.get(path, ())) and not _in_chain(sch, path, role.mesh_axis):
             found = _caller(sch, path)
             if found is not None:
                 by_caller.setdefault((found[0], role.mesh_axis), []).append(path)

@@ -536,6 +536,11 @@ FIXED_COLLECTIVES: dict[str, Case] = {
     "stated-whole-column-output-before-its-row": Case(
         "torch", _megatron("torch", STACKS["torch"][0]),
         syncs=(("layers.0.attention", "fwd_pre", "R", None), ("layers.0.feed_forward.w1", "fwd_post", "R", None))),
+    # a column paired across parents whose input a sync splits: it gathers its input back, and keeps
+    # its output split for the row (10 against 10; was 12, its output gathered and split again)
+    "split-input-of-a-column-paired-across-parents": Case(
+        "bert", _megatron("bert", STACKS["bert"][0]),
+        syncs=(("encoder.layer.1.intermediate.dense", "fwd_pre", "S(-1)", None),)),
 }
 
 
