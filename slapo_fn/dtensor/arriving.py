@@ -128,6 +128,17 @@ def _stated_output(sch: Schedule, path: str, axis: str) -> Placement | None:
     return _stated_by(sch, join(path, next(iter(reach))), axis)
 
 
+def _output_before_syncs(sch: Schedule, know: Callable[[str], _Features], path: str, axis: str) -> Placement | None:
+    """The layout over ``axis`` of ``path``'s output before its ``fwd_post`` syncs, where the
+    plan knows it: what a sync states on the child that alone makes it
+    (:func:`_stated_output`), else, for a module with no role, what the data flow makes
+    (:meth:`_Features.made`: columns kept split up to a caller that gathers, their ``Shard(-1)``)."""
+    stated = _stated_output(sch, path, axis)
+    if stated is not None or sch.annotations.get(path, ROLE) is not None:
+        return stated
+    return know(axis).made(path, own_syncs=False)
+
+
 def _stated_by(sch: Schedule, module: str, axis: str) -> Placement | None:
     """The layout over ``axis`` that ``module``'s last ``fwd_post`` sync states for its
     output, else the one its children state (:func:`_stated_output`)."""

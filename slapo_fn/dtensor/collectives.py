@@ -176,6 +176,21 @@ class _Split(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.axis), None, None
 
 
+class _SplitPadded(_Split):
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        x, ctx.dim, ctx.axis = inputs
+        ctx.whole = x.shape[ctx.dim]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        mesh, mdim = ctx.axis
+        n, d = grad.shape[ctx.dim], ctx.dim % grad.dim()
+        before = mesh.get_local_rank(mdim) * n
+        pad = [0, 0] * (grad.dim() - 1 - d) + [before, ctx.whole - before - n]
+        return torch.nn.functional.pad(grad, pad), None, None
+
+
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
@@ -243,6 +258,16 @@ def split(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
     """This rank's chunk along ``dim`` forward (no communication); all-gather backward."""
     _even(x, dim, axis, "split")
     return _Split.apply(x, dim, axis)  # type: ignore[no-any-return]
+
+
+def split_padded(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
+    """This rank's chunk along ``dim`` forward; backward, the gradient put back in its place
+    among zeros (no communication). Right only where what reads the whole gradient keeps this
+    rank's chunk alone: ``x`` made by a :func:`gather` of this rank's chunk through
+    elementwise code (a row splitting a column's output that a sync gathered), whose
+    backward slices it back, as :func:`split` then :func:`gather` would leave it."""
+    _even(x, dim, axis, "split")
+    return _SplitPadded.apply(x, dim, axis)  # type: ignore[no-any-return]
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:

@@ -14,11 +14,12 @@ from collections.abc import Callable, Mapping
 from torch.distributed.tensor import Replicate
 
 from ..errors import Problem
+from ..rewrites._common import contains
 from ..schedule import Schedule
 from ..tree import get_module, join
 from .arriving import _partner_gathered, _split_by_sync
 from .chains import _in_chain, passive_member
-from .flow import INPUT, OUTPUT, SIDE
+from .flow import INPUT, OUTPUT, SIDE, Flow
 from .lookups import (
     _caller,
     _flow_of,
@@ -100,60 +101,135 @@ def _partners_across(sch: Schedule, roles: Mapping[str, Role], paired: Mapping[s
     and returns what its code makes of them alone, and its caller hands that result only to
     the first argument of siblings (``attention.output``) whose first argument reaches a row
     alone. The columns keep their outputs split (``attention.self``'s code then runs on this
-    rank's heads, checked as any parent's between a pair) and the row takes them so.
+    rank's heads, checked as any parent's between a pair) and the row takes them so. A
+    ``fwd_post`` sync on the caller that gathers its output (:func:`_leaves_pair`) is left
+    out where those rows alone read it (:func:`_elided_gathers`: they would split it
+    again); with no such rows, the columns stay split up to the caller's output, paired
+    with the caller itself, and its sync gathers there once, not each column's output.
     Outside sequence-parallel chains (:func:`.chain_checks._sequence_pairs_across` reads them inside)."""
     seqs = sch.annotations.of_kind(SEQ)
     syncs = sch.annotations.of_kind(SYNC)
     by_caller: dict[tuple[str, str], list[str]] = {}
     for path, role in roles.items():
-        if role.enters and role.splits_output and path not in paired and not syncs.get(path) and not _in_chain(
-                sch, path, role.mesh_axis):
+        # a column's fwd_pre syncs move its input alone (a split one it gathers back), not its output
+        if role.enters and role.splits_output and path not in paired and all(
+                s.mode == "fwd_pre" for s in syncs.get(path, ())) and not _in_chain(sch, path, role.mesh_axis):
             found = _caller(sch, path)
             if found is not None:
                 by_caller.setdefault((found[0], role.mesh_axis), []).append(path)
     out: dict[str, tuple[str, ...]] = {}
     for (caller, axis), columns in by_caller.items():
         fl, up = _flow_of(sch, caller), _caller(sch, caller)
-        if fl is None or up is None or caller in seqs or not _input_kept_whole(syncs.get(caller, ())):
+        specs = syncs.get(caller, ())
+        if fl is None or up is None or caller in seqs or not _leaves_pair(specs, axis):
             continue
         through = _through(sch, caller)
         names = {q[len(caller) + 1:] if caller else q: q for q in columns}
         if not all(fl.consumers(n, through) == {OUTPUT} for n in names) or (
                 fl.reaching_output(through) - {SIDE} != set(names)):
             continue
-        outer, name, ofl = up
-        othrough = _through(sch, outer)
-        rows = []
-        for user in ofl.consumers(name, othrough):
-            receiver = join(outer, user)
-            rfl = _flow_of(sch, receiver) if user != OUTPUT else None
-            if (rfl is None or ofl.hidden_feeders(user, othrough) != {name}
-                    or any(s.mode != "fwd_post" for s in syncs.get(receiver, ()))):  # its input is the pair's
-                break
-            rthrough = _through(sch, receiver)
-            taken = rfl.consumers(INPUT, rthrough)
-            row = join(receiver, next(iter(taken))) if len(taken) == 1 and OUTPUT not in taken else ""
-            found_role = roles.get(row)
-            if (found_role is None or not (found_role.splits_input and found_role.sums)
-                    or found_role.mesh_axis != axis or syncs.get(row)
-                    or rfl.hidden_feeders(next(iter(taken)), rthrough) != {INPUT}):
-                break
-            rows.append(row)
-        else:
-            if rows:
-                for q in columns:
-                    out[q] = tuple(sorted(rows))
-                for r in rows:
-                    out[r] = tuple(sorted(columns))
+        rows = _rows_taking(sch, roles, up, axis)
+        if rows:
+            # a gather the caller's sync states is left out (:func:`_elided_gathers`): the rows
+            # would split the whole value again, and nothing else reads it
+            for q in columns:
+                out[q] = rows
+            for r in rows:
+                out[r] = tuple(sorted(columns))
+        elif any(s.mode == "fwd_post" for s in specs):
+            # the caller's own sync gathers its output: the columns stay split up to it (its code on
+            # this rank's heads), one gather there, whatever takes the whole value after it
+            for q in columns:
+                out[q] = (caller,)
     return out
 
 
-def _input_kept_whole(specs: tuple[SyncSpec, ...]) -> bool:
-    """Whether the syncs of a module that calls columns leave the pair's path alone: none
-    but ``fwd_pre`` syncs that state its input whole, as the columns take it anyway (a
-    ``fwd_post`` sync moves the columns' split output; a ``bwd_post`` one states how the
-    input gradient leaves, which the columns' backward makes)."""
-    return all(s.mode == "fwd_pre" and isinstance(s.layout, Replicate) for s in specs)
+def _rows_taking(sch: Schedule, roles: Mapping[str, Role], up: tuple[str, str, Flow], axis: str) -> tuple[str, ...]:
+    """The rows over ``axis`` that alone take the output of the module ``up`` names (its
+    caller, its name there, the caller's flow): each module its caller hands that output
+    to takes it as its first argument alone and hands it to one row alone (BERT's
+    ``attention.output`` to its ``dense``), with no sync but ``fwd_post`` ones on the way.
+    ``()`` where anything else reads it."""
+    syncs = sch.annotations.of_kind(SYNC)
+    outer, name, ofl = up
+    othrough = _through(sch, outer)
+    rows = []
+    for user in ofl.consumers(name, othrough):
+        receiver = join(outer, user)
+        rfl = _flow_of(sch, receiver) if user != OUTPUT else None
+        if (rfl is None or ofl.hidden_feeders(user, othrough) != {name}
+                or any(s.mode != "fwd_post" for s in syncs.get(receiver, ()))):  # its input is the pair's
+            return ()
+        rthrough = _through(sch, receiver)
+        taken = rfl.consumers(INPUT, rthrough)
+        row = join(receiver, next(iter(taken))) if len(taken) == 1 and OUTPUT not in taken else ""
+        found_role = roles.get(row)
+        if (found_role is None or not (found_role.splits_input and found_role.sums)
+                or found_role.mesh_axis != axis or syncs.get(row)
+                or rfl.hidden_feeders(next(iter(taken)), rthrough) != {INPUT}):
+            return ()
+        rows.append(row)
+    return tuple(sorted(rows))
+
+
+def _elided_gathers(sch: Schedule, partners: Mapping[str, tuple[str, ...]]) -> frozenset[str]:
+    """The modules whose ``fwd_post`` syncs gather what columns they call keep split for
+    rows in other modules (a pair across parents, :func:`_partners_across`): only those
+    rows read the whole value, and they split it again, so the plan leaves the gather out
+    (each row takes the columns' split as it is, as PyTorch's output layouts leave a
+    DTensor's placements where the stated one is already whole)."""
+    roles: Mapping[str, Role] = sch.annotations.of_kind(ROLE)
+    syncs = sch.annotations.of_kind(SYNC)
+    out = set()
+    for path, rows in partners.items():
+        role, found = roles.get(path), _caller(sch, path)
+        if role is None or not role.enters or found is None or not any(
+                s.mode == "fwd_post" for s in syncs.get(found[0], ())):
+            continue
+        if all((r := roles.get(q)) is not None and r.splits_input and not contains(found[0], q) for q in rows):
+            out.add(found[0])
+    return frozenset(out)
+
+
+def _gathered_through_elementwise(sch: Schedule, row: str, columns: tuple[str, ...], axis: str) -> bool:
+    """Whether row ``row`` takes the outputs of its ``columns`` (siblings, not packed) that
+    their own ``fwd_post`` syncs gather whole over ``axis``, through nothing but elementwise
+    code: pointwise modules, and parent code that neither mixes, views, takes apart nor
+    reads by rank any of them (:class:`.flow.Flow`). The row's split of the whole value then
+    needs no gather of its gradient: the columns' gathers keep this rank's share of it
+    alone, and elementwise code makes that share from the row's share alone
+    (:func:`.collectives.split_padded`), as PyTorch's DTensors keep it split backward."""
+    found = _caller(sch, row)
+    if found is None or not columns:
+        return False
+    parent, name, fl = found
+    roles: Mapping[str, Role] = sch.annotations.of_kind(ROLE)
+    syncs = sch.annotations.of_kind(SYNC)
+    through = _through(sch, parent)
+    for c in columns:
+        role, found_c = roles.get(c), _caller(sch, c)
+        posts = [s for s in syncs.get(c, ()) if s.mode == "fwd_post"]
+        if (role is None or role.packed != 1 or found_c is None or found_c[0] != parent or len(posts) != 1
+                or posts[0].mesh_axis != axis or not isinstance(posts[0].layout, Replicate)):
+            return False
+    names = {_relative(parent, c) for c in columns}
+    if fl.feeders(name, through) - {SIDE} != names:
+        return False
+    between = names | {q for q in fl.feeds if through(q) and name in fl.consumers(q, through)}
+    return not any(q in table for q in between
+                   for table in (fl.mixes, fl.apart, fl.counts, fl.by_width, fl.ranked, fl.inner))
+
+
+def _leaves_pair(specs: tuple[SyncSpec, ...], axis: str) -> bool:
+    """Whether the syncs of a module that calls columns keep them split up to its output:
+    ``fwd_pre`` syncs that state its input whole, as the columns take it anyway, and
+    ``fwd_post`` syncs over ``axis`` without ``src=`` that gather its output whole (from
+    the columns' split, once there, as PyTorch's output layouts do). Any other moves what
+    the columns take or make (a ``bwd_post`` one states how the input gradient leaves,
+    which the columns' backward makes)."""
+    return all((s.mode == "fwd_pre" and isinstance(s.layout, Replicate))
+               or (s.mode == "fwd_post" and s.mesh_axis == axis and s.src is None and isinstance(s.layout, Replicate))
+               for s in specs)
 
 
 def _pair_groups(sch: Schedule) -> dict[tuple[str, str], list[str]]:

@@ -65,9 +65,9 @@ from .arriving import (
     _features_by_axis,
     _input_reaches_column,
     _moving,
+    _output_before_syncs,
     _partner_gathered,
     _split_outputs,
-    _stated_output,
 )
 from .chains import (
     _chain_entries,
@@ -86,7 +86,7 @@ from .flow import INPUT, OUTPUT, SIDE, pointwise
 from .layout import Layout, shard_axes
 from .local import LOCAL
 from .lookups import _caller, _flows_memo, _origin, _read_by, _run_order, _through
-from .pairs import _partners
+from .pairs import _elided_gathers, _gathered_through_elementwise, _partners
 from .planned import Boundary, ModulePlan, Plan, _d
 from .rng import RNG, RngSpec
 from .roles import Role, left_apart
@@ -136,6 +136,8 @@ def _plan(sch: Schedule) -> Plan:
     fused: set[str] = set()  # the entry groups a leader has entered
     partners = _partners(sch)
     know = _features_by_axis(sch, partners)  # what the data flow brings, per mesh axis
+    for path in _elided_gathers(sch, partners):  # a gather only rows read, to split it again
+        syncs = {**syncs, path: tuple(s for s in syncs[path] if s.mode != "fwd_post")}
     exit_columns = _exit_columns(sch, seq_roots)
     entered_at = {q: path for path, columns in exit_columns.items() for q in columns}
 
@@ -150,12 +152,12 @@ def _plan(sch: Schedule) -> Plan:
         spec_syncs = _resolved_syncs(path, _restated(sch, path, _whole_syncs(syncs.get(path, ()), whole.get(path))),
                                      roles.get(path),
                                      seqs, entries,
-                                     functools.partial(_stated_output, sch, path), partnered,
+                                     functools.partial(_output_before_syncs, sch, know, path), partnered,
                                      functools.partial(_arriving, sch, know, path),
                                      role is None and pointwise(get_module(sch.module, path)))
         out_sync = next((s for s in spec_syncs if s.mode == "fwd_post"), None)
         group = ""
-        split_input = False
+        split_input = pads = False
         entered = False
         if role is not None:
             ax = role.mesh_axis
@@ -225,7 +227,9 @@ def _plan(sch: Schedule) -> Plan:
                     # sync from Replicate() to itself states it; as one from a layout to itself, it
                     # is not believed over the data flow (a column's kept split reaching it)
                     told = isinstance(stated, SyncSpec) and isinstance(stated.layout, Replicate)
-                    bounds.append(Boundary(path, "input", "R", f"S({role.dim})", ax, (), ("all_gather",), told))
+                    pads = partnered and _gathered_through_elementwise(sch, path, partners[path], ax)
+                    bounds.append(Boundary(path, "input", "R", f"S({role.dim})", ax, (),
+                                           () if pads else ("all_gather",), told))
                 else:
                     split_input = True
                 # a fwd_pre sync to Shard(-1) is the input boundary itself (added with the syncs below)
@@ -317,6 +321,7 @@ def _plan(sch: Schedule) -> Plan:
         modules[path] = ModulePlan(path, role, seq, partnered, entry, exit_, spec_syncs, rngs.get(path), local,
                                    partners=partners.get(path, ()), entry_group=group,
                                    split_input=role is not None and role.splits_input and split_input,
+                                   pads_split=role is not None and role.splits_input and pads,
                                    shared_gather=shares, side_input=on_side, entered=entered,
                                    exit_columns=exit_columns.get(path, ()) if exit_ is not None else (),
                                    entered_at=entered_at.get(path, ""))
@@ -389,7 +394,8 @@ def _resolved_syncs(path: str, specs: tuple[SyncSpec, ...], role: Role | None, s
     shard on a chain member (after its entry; a row or vocab embedding first in a chain
     takes its input whole), the columns' ``Shard(-1)`` at the input of a row in a
     Megatron pair, for an output the layout a sync states on the child that alone makes
-    it (``inner(axis)``, :func:`.arriving._stated_output`), for an input the features the data flow
+    it, else the features the data flow makes there (``inner(axis)``,
+    :func:`.arriving._output_before_syncs`), for an input the features the data flow
     brings (``arriving(axis)``: a sync before it split them), else ``Replicate()``. A
     module that ``passes`` its input's layout on (pointwise) has, at its output, the layout
     its ``fwd_pre`` syncs left, else what arrives (whichever order the syncs were stated

@@ -68,6 +68,10 @@ class ModulePlan:
     #: a row: the plan takes its input as this rank's features (from its partners, a sync, or as
     #: stated), so it counts no split of its own; a whole-width input then contradicts the plan
     split_input: bool = False
+    #: a row that splits its whole input locally, made by its columns' own gathers through
+    #: elementwise code alone (:func:`.pairs._gathered_through_elementwise`): its split's
+    #: backward puts this rank's gradient among zeros, with no gather of it
+    pads_split: bool = False
     #: an output that reaches its parent's code as this rank's features, where that code was
     #: read with the output taken as (batch, sequence, features): the first such op, as text.
     #: The runtime refuses an output of another rank (a 2-D ``(batch, features)``), for which

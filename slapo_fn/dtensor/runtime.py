@@ -302,7 +302,7 @@ def _role_forward(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> C
         if full_in is not None and size > 1 and x.shape[d] == full_in:  # arrived replicated
             if mp.split_input:
                 raise LayoutError("tensor parallel forward", [_whole_input_problem(mp, full_in, size)])
-            x = C.split(x, d, axis)
+            x = (C.split_padded if mp.pads_split else C.split)(x, d, axis)
         return x
 
     def reduce(y: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,17 @@ class Block(nn.Module):
         return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
 
 
+class Softmaxed(nn.Module):
+    """``fc2(softmax(fc1(x)))``: code between the pair that mixes the features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.softmax(self.fc1(x), dim=-1))
+
+
 class Gated(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -187,11 +198,17 @@ def test_a_pair_whose_activation_a_sync_gathers_counts_the_rows_local_split() ->
     kept = plan(pair).counts()
     assert kept == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}
     gathered = plan(sf.sync(pair, "0.fc1", "fwd_post", Replicate())).counts()
-    # the sync all-gathers forward; the row splits the whole input itself: its gradient all-gathers
-    assert gathered == {"forward": {"all_gather": 1, "all_reduce": 1},
-                        "backward": {"all_gather": 1, "all_reduce": 1}}
+    # the sync all-gathers forward; the row splits the whole input itself, made from the column's
+    # gather through GELU alone: its gradient is put among zeros, which the gather slices back
+    assert gathered == {"forward": {"all_gather": 1, "all_reduce": 1}, "backward": {"all_reduce": 1}}
+    # a gather stated on the row's input: its split's gradient all-gathers (a fwd_pre sync may sit
+    # after code that needs the whole gradient)
     pre = plan(sf.sync(pair, "0.fc2", "fwd_pre", Replicate())).counts()
-    assert pre == gathered
+    assert pre == {"forward": {"all_gather": 1, "all_reduce": 1}, "backward": {"all_gather": 1, "all_reduce": 1}}
+    # code between that mixes the features (a softmax over them): the gradient is gathered
+    mixed = plan(sf.sync(sf.shard(sf.shard(schedule(nn.Sequential(Softmaxed())), "0.fc1", axis=0), "0.fc2", axis=1),
+                         "0.fc1", "fwd_post", Replicate())).counts()
+    assert mixed == pre
 
 
 def test_a_column_handed_split_features_counts_its_gather_and_enters_alone() -> None:

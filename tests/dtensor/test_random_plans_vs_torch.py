@@ -485,16 +485,6 @@ KNOWN: dict[str, Defect] = {
 #: Plans on which slapo_fn issues more collectives than PyTorch's engine, the smallest found
 #: per class (the promise is a strict xfail as a whole until these are closed).
 KNOWN_COLLECTIVES: dict[str, tuple[Case, str]] = {
-    "gathered-attention-output-before-a-row": (
-        Case("bert", _megatron("bert", STACKS["bert"][0]),
-             syncs=(("encoder.layer.1.attention.self", "fwd_post", "R", None),)),
-        "BERT Megatron, attention.self's output stated whole before the row that takes it split: slapo_fn gathers "
-        "each column's output (3 all-gathers) where PyTorch gathers the attention's once: 14 against 10"),
-    "stated-whole-column-output-before-its-row": (
-        Case("torch", _megatron("torch", STACKS["torch"][0]),
-             syncs=(("layers.0.attention", "fwd_pre", "R", None), ("layers.0.feed_forward.w1", "fwd_post", "R", None))),
-        "PyTorch's Transformer, w1's output stated whole before w2 (a row): the row's input gradient is gathered "
-        "back where PyTorch's keeps it split through the pointwise op: 10 against 9"),
     "split-inside-a-region-beside-cross-attention": (
         Case("bart", _megatron("bart", STACKS["bart"][0]), syncs=(("encoder.layers.0.fc1", "fwd_post", "S(1)", None),)),
         "BART's encoder Megatron with a token split stated on one fc1: that layer runs as a DTensor region, and the "
@@ -529,6 +519,28 @@ FIXED_COLLECTIVES: dict[str, Case] = {
     # of them, traced to the one tensor (5 against 5; was 6, each layer's input gradient all-reduced)
     "cross-attention-input-gradients": Case("bart", tuple((f"decoder.layers.{i}.{q}", role, packed) for i in range(2)
                                                           for q, role, packed in _BART_CROSS)),
+    # a gather stated on the module that calls BERT's q/k/v, whose output only the row in a sibling
+    # takes (to split it again), is left out: the pair across parents holds (8 against 8; was 12,
+    # each column's output gathered and the row's input gradient gathered back)
+    "gathered-attention-output-before-a-row": Case(
+        "bert", _megatron("bert", STACKS["bert"][0]),
+        syncs=(("encoder.layer.1.attention.self", "fwd_post", "R", None),)),
+    # the same gather with no row after it: the columns stay split up to it, one gather there
+    # (not one per column: 2 against 6; was 4)
+    "gathered-attention-output-without-a-row": Case(
+        "bert", tuple((f"encoder.layer.1.attention.self.{q}", "col", 1) for q in ("query", "key", "value")),
+        syncs=(("encoder.layer.1.attention.self", "fwd_post", "R", None),)),
+    # a column's own gather read by its row through elementwise code alone (GELU): the row's split
+    # puts its gradient back among zeros, which the gather's backward slices, with no gather of it
+    # (9 against 9; was 10)
+    "stated-whole-column-output-before-its-row": Case(
+        "torch", _megatron("torch", STACKS["torch"][0]),
+        syncs=(("layers.0.attention", "fwd_pre", "R", None), ("layers.0.feed_forward.w1", "fwd_post", "R", None))),
+    # a column paired across parents whose input a sync splits: it gathers its input back, and keeps
+    # its output split for the row (10 against 10; was 12, its output gathered and split again)
+    "split-input-of-a-column-paired-across-parents": Case(
+        "bert", _megatron("bert", STACKS["bert"][0]),
+        syncs=(("encoder.layer.1.intermediate.dense", "fwd_pre", "S(-1)", None),)),
 }
 
 
