@@ -36,12 +36,13 @@ from torch.distributed.tensor import Replicate
 
 from ..rewrites._common import contains
 from ..schedule import Schedule
-from ..tree import get_module, parent_path, uncalled, walk
+from ..tree import get_module, parent_path, uncalled
 from .data_parallel import DATA_PARALLEL
 from .flow import OUTPUT
-from .lookups import _downstream
+from .lookups import _downstream, _flows_memo
 from .planned import Plan
 from .sequence import SEQ
+from .shard import tied_paths
 from .sync import SYNC
 
 __all__ = ["region_roots", "regions_of"]
@@ -63,14 +64,20 @@ def region_roots(paths: Iterable[str], fits: Callable[[str], bool]) -> tuple[str
 
 def regions_of(sch: Schedule, p: Plan) -> tuple[str, ...]:
     """The roots of the DTensor regions of ``sch`` under plan ``p`` (``()`` where the plan
-    proves everything; ``("",)`` where the whole model must run on DTensors)."""
+    proves everything; ``("",)`` where the whole model must run on DTensors). The data
+    flows it reads are looked up once per path, as within :func:`.plan.plan`."""
+    with _flows_memo():
+        return _regions_of(sch, p)
+
+
+def _regions_of(sch: Schedule, p: Plan) -> tuple[str, ...]:
     if not p.on_dtensors:
         return ()
     spec = sch.annotations.get("", DATA_PARALLEL)
     if sch.annotations.of_kind(SEQ) or (spec is not None and spec.blocks):
         return ("",)
     model = sch.module
-    ties = [group for group in _param_owners(model).values() if len(group) > 1]
+    ties = {tuple(parent_path(q) for q in group) for group in tied_paths(model).values()}
     paired = [(path, q) for path, mp in p.modules.items() for q in mp.partners]
     stated = [path for path, specs in sch.annotations.of_kind(SYNC).items()
               if any(not isinstance(s.layout, Replicate) for s in specs)]
@@ -104,13 +111,3 @@ def _leaves(sch: Schedule, path: str, root: str) -> bool:
         if level.parent == root:
             return OUTPUT in level.users
     return stop is not None
-
-
-def _param_owners(model: nn.Module) -> dict[int, list[str]]:
-    """Per parameter (by identity), the module paths that hold it (a tie: several)."""
-    owners: dict[int, list[str]] = {}
-    for path, m in walk(model):
-        for t in m._parameters.values():
-            if t is not None:
-                owners.setdefault(id(t), []).append(path)
-    return owners
