@@ -112,8 +112,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ring, gathered = result["ring"], result["allgather"]
         if ring["status"] == "ok":
             result["ring_speedup"] = round(gathered["ms"] / ring["ms"], 3)
-            result["max_diff"] = max(float((a - b).abs().max()) for a, b in zip(ring["_out"], gathered["_out"],
-                                                                                strict=True))
+            pairs = list(zip(ring["_out"], gathered["_out"], strict=True))
+            result["max_diff"] = max(float((a - b).abs().max()) for a, b in pairs)
+            # relative to each tensor's largest magnitude: bf16 rounds to 2^-8 of it
+            result["max_rel_diff"] = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in pairs)
         for impl in ("allgather", "ring"):
             result[impl].pop("_out", None)
         return result

@@ -120,9 +120,9 @@ def test_resumed_losses_are_compared_step_by_step(tmp_path: Path) -> None:
 
 def test_the_parts_share_the_budget_and_keep_the_later_ones_shares() -> None:
     check = _load("gpu_check")
-    clock = check.Clock(100.0, ["parity", "train"])
-    assert clock.limit("parity") == pytest.approx(100.0 - check.BUDGET_S["train"], abs=0.5)
-    assert clock.limit("train") == pytest.approx(100.0, abs=0.5)  # the last part gets what is left
+    clock = check.Clock(300.0, ["parity", "train"])
+    assert clock.limit("parity") == pytest.approx(300.0 - check.BUDGET_S["train"], abs=0.5)
+    assert clock.limit("train") == pytest.approx(300.0, abs=0.5)  # the last part gets what is left
     assert check.hardware_of("NVIDIA H100 80GB HBM3") == "h100" and check.hardware_of("NVIDIA H200") == "h200"
 
 
@@ -169,6 +169,21 @@ def test_the_levers_run_only_when_named_and_the_default_budget_is_the_default_pa
     default = check.steps_of(check.DEFAULT_PARTS, quick=False)
     assert sum(check.BUDGET_S[s] for s in default) == 465  # what a loan's first call takes
     assert check.steps_of(["throughput", "levers"], quick=False)[-2:] == list(check.LEVERS)
+    # alone, the levers measure their own baseline first, at one batch with them
+    assert check.steps_of(["levers"], quick=False) == ["header", "recipe_compile", *check.LEVERS]
+    assert check.steps_of(["throughput", "levers"], quick=True)[-3:] == ["recipe_compile", *check.LEVERS]
+
+
+def test_a_budget_under_the_shares_shrinks_each_share_instead_of_starving_the_first() -> None:
+    """A second call of a loan with `--budget-s 330` for throughput, levers and cp once gave
+    the header 5 s (it was killed, and every part after it ran without its figures)."""
+    check = _load("gpu_check")
+    steps = check.steps_of(["throughput", "levers", "cp"], quick=False)
+    clock = check.Clock(330, steps)
+    share = 330 / sum(check.BUDGET_S[s] for s in steps)
+    assert abs(clock.limit("header") - share * check.BUDGET_S["header"]) < 1
+    roomy = check.Clock(10_000, steps)  # above the shares' sum: the first step gets what the others leave
+    assert roomy.limit("header") > 10_000 - sum(check.BUDGET_S[s] for s in steps)
 
 
 @pytest.mark.timeout(240)
@@ -189,6 +204,10 @@ def test_the_levers_part_measures_foreach_and_says_why_float8_is_refused(tmp_pat
     levers = figures["parts"]["levers"]["variants"]
     assert levers["recipe_compile_float8"]["result"]["status"] == "refused", levers
     assert levers["recipe_compile_foreach"]["result"]["tokens_per_s"] > 0, levers
+    # without the throughput part, its own baseline at the levers' batch, and the gain over it
+    baseline = figures["parts"]["levers"]["baseline"]["result"]
+    assert baseline["batch"] == levers["recipe_compile_foreach"]["result"]["batch"], figures["parts"]["levers"]
+    assert levers["recipe_compile_foreach"]["result"]["gain_vs"]["recipe_compile"] > 0
     assert result.returncode == 0, result.stdout[-4000:]
 
 
