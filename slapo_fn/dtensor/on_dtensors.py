@@ -71,7 +71,7 @@ def install_on_dtensors(model: nn.Module, sch: Schedule, p: Plan, acts: Activati
         if path not in on_the_way and parent in on_the_way and not uncalled(m):
             m.forward = island(acts, m, m.forward)  # type: ignore[method-assign]
     leaving = stated_model_output(sch) if not root else {}
-    top.forward = region(acts, top.forward, leaving)  # type: ignore[method-assign]
+    top.forward = region(acts, top.forward, leaving, whole_in=bool(root))  # type: ignore[method-assign]
     reduce_partial_grads(top, after_backward=p.grads_after_backward)
 
 

@@ -156,11 +156,17 @@ def _tree(fn: Callable[[Any], Any], value: Any) -> Any:
     return pytree.tree_map(lambda v: fn(v) if isinstance(v, torch.Tensor) else v, value)
 
 
-def region(acts: Activations, forward: Callable[..., Any], leaving: Mapping[str, Placement]) -> Callable[..., Any]:
+def region(acts: Activations, forward: Callable[..., Any], leaving: Mapping[str, Placement],
+           whole_in: bool = False) -> Callable[..., Any]:
     """``forward`` (the root's) run on DTensor activations: the plain tensors it is handed
     count as replicated where an op first meets them with a DTensor (:class:`OnDTensors`),
     and each tensor it returns leaves as a local tensor, whole on every mesh axis but
-    those ``leaving`` states a layout for (a sync keeping the model's output split)."""
+    those ``leaving`` states a layout for (a sync keeping the model's output split).
+    ``whole_in``: the root is handed whole values (a subtree's root, entered from code on
+    local shards), and each activation among them enters once, as one replicated DTensor:
+    every reader's partial input gradient (q, k and v's) is then summed on it and
+    all-reduced once, where each reader entering it alone would reduce its own. The
+    model's root is not: a sequence-parallel chain may be told its input arrives split."""
 
     def local(t: torch.Tensor) -> torch.Tensor:
         if not isinstance(t, DTensor):
@@ -169,7 +175,13 @@ def region(acts: Activations, forward: Callable[..., Any], leaving: Mapping[str,
                        for d, p in zip(acts.dims, t.placements, strict=True))
         return acts.to_local(t, places)
 
+    def entered(t: Any) -> Any:
+        takes_grad = isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
+        return acts.to_dtensor(t) if takes_grad and not isinstance(t, DTensor) else t
+
     def run(*args: Any, **kwargs: Any) -> Any:
+        if whole_in:
+            args, kwargs = pytree.tree_map(entered, (args, kwargs))
         with OnDTensors():
             out = forward(*args, **kwargs)
         return _tree(local, out)

@@ -485,15 +485,28 @@ KNOWN: dict[str, Defect] = {
 #: Plans on which slapo_fn issues more collectives than PyTorch's engine, the smallest found
 #: per class (the promise is a strict xfail as a whole until these are closed).
 KNOWN_COLLECTIVES: dict[str, tuple[Case, str]] = {
-    "split-inside-a-region-beside-cross-attention": (
-        Case("bart", _megatron("bart", STACKS["bart"][0]), syncs=(("encoder.layers.0.fc1", "fwd_post", "S(1)", None),)),
-        "BART's encoder Megatron with a token split stated on one fc1: that layer runs as a DTensor region, and the "
-        "input gradients around it are all-reduced apart (in the random set, both stacks: 13 all-reduces backward "
-        "against PyTorch's 11, 27 collectives against 26)"),
+    "region-output-beside-a-stated-gather": (
+        Case("bart", _megatron("bart", STACKS["bart"][0]),
+             syncs=(("encoder.layers.1.self_attn.v_proj", "fwd_post", "R", None),)),
+        "BART's encoder Megatron with a gather stated on one v_proj: its attention runs as a DTensor region, which "
+        "hands every tensor it returns on whole, the attention weights (split by heads) too, which the layer never "
+        "reads; backward, v's gradient comes back split by tokens and is moved to features (13 collectives against "
+        "PyTorch's 11)"),
+    "token-split-before-a-row-on-dtensors": (
+        Case("bert", _megatron("bert", STACKS["bert"][0]), syncs=(("encoder.layer.1.output", "fwd_pre", "S(1)", None),),
+             local=("embeddings.LayerNorm",)),
+        "BERT's Megatron with a token split stated on the input of a row's caller, the whole model on DTensors: the "
+        "split and the row's own move back to features are each undone in backward, where PyTorch's engine moves "
+        "the gradient once (12 collectives against 11)"),
 }
 
 #: Former :data:`KNOWN_COLLECTIVES`, fixed: each smallest case costs no more than PyTorch's now.
 FIXED_COLLECTIVES: dict[str, Case] = {
+    # a region's root enters each activation it is handed once, as one replicated DTensor, so q, k
+    # and v's partial input gradients are summed on it and all-reduced once (12 against 13; was 14,
+    # each of them all-reducing its own)
+    "split-inside-a-region-beside-cross-attention": Case(
+        "bart", _megatron("bart", STACKS["bart"][0]), syncs=(("encoder.layers.0.fc1", "fwd_post", "S(1)", None),)),
     # a region's replicated parameters with Partial gradients reduced together at the end of backward
     # (27 against 36), not one by one (39)
     "sync-inside-a-megatron-chain": Case("torch", _megatron("torch", STACKS["torch"][0]), chain=("layers.*", "norm"),
