@@ -43,6 +43,7 @@ from .pipelines.runner import SCHEDULES, stage_ranks
 from .pipelines.split import Stage, split_stages
 from .render import format_bytes, format_dtype
 from .rewrites.checkpoint import CHECKPOINT
+from .rewrites.compile import COMPILE
 from .schedule import Schedule
 from .tree import parent_path
 
@@ -376,7 +377,12 @@ def activation_memory(
       float32 copies of the logits, the chunked loss one chunk of them and a gradient of
       the head), in place of what the root's code saved after its last module (the loss
       of a model called with labels, :func:`_loss_saves`);
-    * a ``param_dtype`` of FSDP mixed precision scales float activations.
+    * a ``param_dtype`` of FSDP mixed precision scales float activations;
+    * a module compiled with ``sf.compile`` is counted as it runs eager, and the note says
+      so: Inductor's min-cut partitioner recomputes cheap elementwise ops in backward
+      instead of saving their outputs, so its saves are fewer (an upper bound: on CPU a
+      compiled LLaMA layer saved 0.68 of what the eager one did), by how much depends on
+      the graph and on the attention kernel, which the fake run does not see.
 
     >>> import torch, torch.nn as nn, slapo_fn as sf
     >>> from slapo_fn.dtensor.explain import activation_shapes
@@ -387,6 +393,7 @@ def activation_memory(
     192
     """
     factor = _factors(sch)
+    compiled = len(sch.annotations.of_kind(COMPILE))
     every_ckpt = sch.annotations.of_kind(CHECKPOINT)
     ckpts = tuple(sorted(p for p, spec in every_ckpt.items() if spec.context_fn() is None))  # full ones
     selective = len(every_ckpt) - len(ckpts)
@@ -481,7 +488,10 @@ def activation_memory(
     note = (f"for the example inputs{per_mb}{mp}; checkpointed modules keep their input"
             + (", one recomputed at a time" if ckpts else "")
             + (f"; {selective} selectively checkpointed modules counted as not checkpointed (an upper bound)"
-               if selective else "") + f"; the loss holds {loss.describe()}"
+               if selective else "")
+            + (f"; {compiled} compiled modules counted as eager (Inductor recomputes some of what eager saves: "
+               "an upper bound)" if compiled else "")
+            + f"; the loss holds {loss.describe()}"
             + ("; each context-parallel attention's all-gathered keys and values (and their gradients in its "
                "backward) at full length" if gathered else ""))
     return ActivationTable(tuple(rows), note)

@@ -99,3 +99,12 @@ def test_the_predicted_peak_follows_the_loss_the_run_computes() -> None:
     for name, (predicted, measured) in out.items():
         assert abs(predicted - measured) <= 0.15 * measured, (name, out)
     assert out["chunked"][1] < 0.5 * out["hf labels"][1], out
+
+
+def test_compiled_modules_are_counted_as_eager_and_the_note_says_so() -> None:
+    model, x = llama(), ids()
+    eager = sf.explain(sf.create_schedule(model), x).memory
+    compiled = sf.explain(sf.compile(sf.create_schedule(model), "model.layers.*"), x).memory
+    assert eager is not None and compiled is not None
+    assert compiled.rows[0].activation_bytes == eager.rows[0].activation_bytes
+    assert "2 compiled modules counted as eager" in str(compiled) and "compiled" not in str(eager)
