@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 import slapo_fn as sf
+from slapo_fn.dtensor.explain import activation_shapes
 from slapo_fn.kernels import CHUNKED_LOSS, FULL_LOGITS_LOSS, ChunkedLMHeadLoss, LossFootprint, causal_lm_loss
-from slapo_fn.memory import profiled_peak_bytes
+from slapo_fn.memory import activation_memory, profiled_peak_bytes
 
 VOCAB = 4096
 
@@ -56,21 +57,19 @@ def test_adamw_states_are_counted_in_the_params_dtype(dtype: torch.dtype) -> Non
 
 def test_a_chunked_loss_counts_no_full_logits() -> None:
     model, x = llama(), ids()
-    logits = x.numel() * VOCAB
-    head = VOCAB * 64
-    plain = sf.explain(sf.create_schedule(model), x).memory
-    chunked = sf.explain(sf.create_schedule(model), x, loss=CHUNKED_LOSS).memory
-    assert plain is not None and chunked is not None
-    difference = (plain.rows[0].activation_bytes or 0) - (chunked.rows[0].activation_bytes or 0)
-    assert difference == FULL_LOGITS_LOSS.nbytes(logits=logits, head=head) - CHUNKED_LOSS.nbytes(logits=logits,
-                                                                                                  head=head)
-    small = LossFootprint(chunk=3, chunk_elements=16 * VOCAB, head_grad=True)
-    held = sf.explain(sf.create_schedule(model), x, loss=small).memory
-    assert held is not None
+    sch = sf.create_schedule(model)
+    shapes = activation_shapes(model, (x,), {})
+
+    def peak(loss: LossFootprint) -> int:
+        return activation_memory(sch, shapes, loss=loss).rows[0].peak_bytes
+
+    logits, head = x.numel() * VOCAB, VOCAB * 64
+    assert peak(FULL_LOGITS_LOSS) - peak(CHUNKED_LOSS) \
+        == FULL_LOGITS_LOSS.nbytes(logits=logits, head=head) - CHUNKED_LOSS.nbytes(logits=logits, head=head)
     # nothing as large as the logits: one chunk of 16 tokens and the head's gradient
-    assert (chunked.rows[0].activation_bytes or 0) - (held.rows[0].activation_bytes or 0) \
-        == 3 * 4 * (logits - 16 * VOCAB)
-    assert "a chunk of 65,536 logits" in str(held)
+    small = LossFootprint(chunk=3, chunk_elements=16 * VOCAB, head_grad=True)
+    assert peak(CHUNKED_LOSS) - peak(small) == 3 * 4 * (logits - 16 * VOCAB)
+    assert "a chunk of 65,536 logits" in activation_memory(sch, shapes, loss=small).note
 
 
 def _measured(step: Callable[[], torch.Tensor]) -> int:
@@ -86,16 +85,19 @@ def test_the_predicted_peak_follows_the_loss_the_run_computes() -> None:
     sch = sf.create_schedule(model)
     built = sf.build(sch)
     head = ChunkedLMHeadLoss.from_hf(built.get_output_embeddings(), chunk_size=16)
-    runs = {
-        "hf labels": (FULL_LOGITS_LOSS, {"labels": x}, lambda: built(x, labels=x).loss),
-        "hf, fake run without labels": (FULL_LOGITS_LOSS, {}, lambda: built(x, labels=x).loss),
-        "chunked": (head.footprint, {}, lambda: causal_lm_loss(built, x, chunk_size=16)),
+    plain = _measured(lambda: built(x, labels=x).loss)
+    chunked = _measured(lambda: causal_lm_loss(built, x, chunk_size=16))
+    runs = {  # (the fake run's keywords, the loss, the measured peak)
+        "hf labels": ({"labels": x}, FULL_LOGITS_LOSS, plain),
+        "hf, fake run without labels": ({}, FULL_LOGITS_LOSS, plain),
+        "chunked": ({}, head.footprint, chunked),
     }
+    without = activation_shapes(model, (x,), {})
+    with_labels = activation_shapes(model, (x,), {"labels": x})
     out = {}
-    for name, (loss, kwargs, step) in runs.items():
-        memory = sf.explain(sch, x, kwargs=kwargs, loss=loss).memory
-        assert memory is not None and memory.rows[0].activation_bytes is not None
-        out[name] = (memory.rows[0].activation_bytes, _measured(step))
+    for name, (kwargs, loss, measured) in runs.items():
+        table = activation_memory(sch, with_labels if kwargs else without, loss=loss)
+        out[name] = (table.rows[0].peak_bytes, measured)
     for name, (predicted, measured) in out.items():
         assert abs(predicted - measured) <= 0.15 * measured, (name, out)
     assert out["chunked"][1] < 0.5 * out["hf labels"][1], out
