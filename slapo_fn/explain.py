@@ -30,6 +30,7 @@ from .dtensor.explain import (
 from .errors import Problem, ScheduleError
 from .hardware import HardwareProfile, StepTime, estimate_step, load_profile
 from .hf import CONFIG_HEAD_COUNT_ATTRS, HIDDEN_SIZE_ATTRS, LAYER_COUNT_ATTRS, config_of, config_value
+from .kernels import FULL_LOGITS_LOSS, LossFootprint
 from .memory import MemoryTable, activation_memory, per_rank_memory
 from .pipelines.cut import PIPELINE_CUT, pp_size
 from .pipelines.explain import pipeline_collectives, stage_table
@@ -196,6 +197,8 @@ def explain(
     expert_imbalance: float = 1.0,
     dtype: torch.dtype | None = None,
     pp_rank: int = 0,
+    loss: LossFootprint = FULL_LOGITS_LOSS,
+    state_dtype: torch.dtype | None = None,
 ) -> Explanation:
     """Explain ``sch``: the folded tree, parameter counts and bytes per module (tied
     parameters counted once), annotations and the rewrite history; with a mesh, the
@@ -213,7 +216,11 @@ def explain(
     mixed precision); default: FSDP2's ``param_dtype``, else the parameters' dtype.
     ``.collectives`` (and the estimate) are those of a rank at ``pp`` rank ``pp_rank``:
     with a pipeline, its stages' own collectives, once per microbatch
-    (:func:`rank_collectives`).
+    (:func:`rank_collectives`). ``loss``: what the run's loss holds at its peak
+    (:data:`slapo_fn.kernels.FULL_LOGITS_LOSS`, torch's cross-entropy over float32 logits,
+    as ``slapo-fn train`` and Hugging Face compute it; :data:`slapo_fn.kernels.CHUNKED_LOSS`
+    for :func:`slapo_fn.kernels.causal_lm_loss`). ``state_dtype``: the dtype the optimizer
+    keeps its states in (default: each parameter's, as ``torch.optim.AdamW`` does).
 
     >>> import torch.nn as nn, slapo_fn as sf
     >>> sch = sf.checkpoint(sf.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))), "0")
@@ -250,7 +257,7 @@ def explain(
         )
         rows.append(ModuleRow(path, type(m).__name__, count, nbytes, notes))
     tp = _tensor_parallel(sch, inputs, kwargs, shapes, note, expert_imbalance)
-    memory = _memory(sch, shapes, microbatches, pipeline_schedule)
+    memory = _memory(sch, shapes, microbatches, pipeline_schedule, loss, state_dtype)
     if note:
         memory = dataclasses.replace(memory, activation_note=note)
     collectives = rank_collectives(sch, tp.collectives if tp is not None else (), shapes, microbatches, pp_rank)
@@ -341,11 +348,12 @@ def _tensor_parallel(
                                    expert_imbalance=expert_imbalance)
 
 
-def _memory(sch: Schedule, shapes: ActivationShapes | None, microbatches: int, kind: str) -> MemoryTable:
+def _memory(sch: Schedule, shapes: ActivationShapes | None, microbatches: int, kind: str,
+            loss: LossFootprint = FULL_LOGITS_LOSS, state_dtype: torch.dtype | None = None) -> MemoryTable:
     if shapes is None:
-        return per_rank_memory(sch)
-    acts = activation_memory(sch, shapes, microbatches=microbatches, pipeline_schedule=kind)
-    return per_rank_memory(sch, activations=acts)
+        return per_rank_memory(sch, state_dtype=state_dtype)
+    acts = activation_memory(sch, shapes, microbatches=microbatches, pipeline_schedule=kind, loss=loss)
+    return per_rank_memory(sch, state_dtype=state_dtype, activations=acts)
 
 
 def _stages(sch: Schedule) -> str:

@@ -4,14 +4,17 @@ Computed from shapes alone (meta-device models, no process group): each paramete
 counts its tensor-parallel shard (its ``layout``), divided over the data-parallel shard
 axis by FSDP/HSDP (dim 0, padded up as FSDP2 pads it; rank 0's share is reported), and
 only in the pipeline stage(s) that hold it. Gradients are as large as the parameters;
-the optimizer keeps ``states`` fp32 tensors per parameter (AdamW: 2). With example
+the optimizer keeps ``states`` tensors per parameter (AdamW: 2) in the parameter's dtype,
+as ``torch.optim.AdamW`` and :func:`slapo_fn.optim.adamw` make them (``zeros_like`` of
+the parameter: a pure-bf16 model's states are bf16; ``train --dtype bf16`` keeps float32
+parameters, so float32 states), or in ``state_dtype`` where the optimizer keeps them so. With example
 inputs, :func:`activation_memory` adds each stage's peak of activations, and the
 table's ``total`` is the one per-rank figure: state plus activations.
 
 Example:
     >>> import torch.nn as nn, slapo_fn as sf
     >>> print(per_rank_memory(sf.create_schedule(nn.Linear(1024, 1024))))
-    per-rank memory (rank 0 of each stage; optimizer: 2 fp32 states per parameter):
+    per-rank memory (rank 0 of each stage; optimizer: 2 states per parameter, in its dtype):
       stage  parameters  params   grads    optimizer  total
       -      1,049,600   4.0 MiB  4.0 MiB  8.0 MiB    16.0 MiB
       total = params (this rank's TP and FSDP shard) + grads + optimizer; activations not included (no example inputs)
@@ -34,11 +37,13 @@ from .dtensor.data_parallel import DATA_PARALLEL
 from .dtensor.explain import ActivationShapes
 from .dtensor.sequence import SEQ
 from .dtensor.shard import LAYOUT, ROLE
+from .kernels import FULL_LOGITS_LOSS, LossFootprint
 from .pipelines.cut import PIPELINE_CUT, pp_size
 from .pipelines.runner import SCHEDULES, stage_ranks
 from .pipelines.split import Stage, split_stages
-from .render import format_bytes
+from .render import format_bytes, format_dtype
 from .rewrites.checkpoint import CHECKPOINT
+from .rewrites.compile import COMPILE
 from .schedule import Schedule
 from .tree import parent_path
 
@@ -77,6 +82,8 @@ class MemoryRow:
 class MemoryTable:
     rows: tuple[MemoryRow, ...]
     states: int
+    #: The dtype of the optimizer's states (``None``: each parameter's own).
+    state_dtype: torch.dtype | None = None
     #: What the activation column assumes (batch per microbatch, checkpointing, SP, …).
     activation_note: str = ""
 
@@ -92,7 +99,8 @@ class MemoryTable:
                   *([format_bytes(r.activation_bytes or 0)] if acts else []), format_bytes(r.total_bytes)]
                  for r in self.rows]
         widths = [max(len(row[i]) for row in [header, *table]) for i in range(len(header))]
-        lines = [f"per-rank memory (rank 0 of each stage; optimizer: {self.states} fp32 states per parameter):"]
+        kept = "in its dtype" if self.state_dtype is None else f"in {format_dtype(self.state_dtype)}"
+        lines = [f"per-rank memory (rank 0 of each stage; optimizer: {self.states} states per parameter, {kept}):"]
         lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *table]]
         if acts:
             lines.append("  total = params (this rank's TP and FSDP shard) + grads (as large) + optimizer "
@@ -112,10 +120,10 @@ def _dp_shards(sch: Schedule) -> int:
     return int(sch.mesh.size(names.index(shard_axis)))
 
 
-def _row(sch: Schedule, stage: int | None, states: int) -> MemoryRow:
+def _row(sch: Schedule, stage: int | None, states: int, state_dtype: torch.dtype | None) -> MemoryRow:
     dp = _dp_shards(sch)
     seen: set[int] = set()
-    count = nbytes = 0
+    count = nbytes = state_bytes = 0
     for name, p in sch.module.named_parameters():
         if id(p) in seen:
             continue
@@ -127,24 +135,37 @@ def _row(sch: Schedule, stage: int | None, states: int) -> MemoryRow:
         numel = math.prod(shape)
         count += numel
         nbytes += numel * p.element_size()
-    fp32 = torch.finfo(torch.float32).bits // 8
-    return MemoryRow(stage, count, nbytes, nbytes, states * count * fp32)
+        state_bytes += numel * (p.element_size() if state_dtype is None else _itemsize(state_dtype))
+    return MemoryRow(stage, count, nbytes, nbytes, states * state_bytes)
 
 
-def per_rank_memory(sch: Schedule, *, states: int = 2, activations: ActivationTable | None = None) -> MemoryTable:
+def per_rank_memory(sch: Schedule, *, states: int = 2, state_dtype: torch.dtype | None = None,
+                    activations: ActivationTable | None = None) -> MemoryTable:
     """The per-rank memory of ``sch`` (one row per pipeline stage, or one row), with the
-    activation peaks of ``activations`` (:func:`activation_memory`) where given."""
+    activation peaks of ``activations`` (:func:`activation_memory`) where given. The
+    optimizer keeps ``states`` tensors per parameter, each in the parameter's dtype
+    (``torch.optim.AdamW``'s and :func:`slapo_fn.optim.adamw`'s moments: ``zeros_like``
+    the parameter), or in ``state_dtype`` for an optimizer that keeps them in another
+    (float32 states of bf16 parameters).
+
+    >>> import torch, torch.nn as nn, slapo_fn as sf
+    >>> sch = sf.create_schedule(nn.Linear(1024, 1024).to(torch.bfloat16))
+    >>> per_rank_memory(sch).rows[0].optimizer_bytes == 2 * 2 * 1_049_600  # two bf16 moments
+    True
+    >>> per_rank_memory(sch, state_dtype=torch.float32).rows[0].optimizer_bytes == 2 * 4 * 1_049_600
+    True
+    """
     if sch.annotations.of_kind(PIPELINE_CUT):
-        rows = tuple(_row(s.schedule, s.index, states) for s in split_stages(sch))
+        rows = tuple(_row(s.schedule, s.index, states, state_dtype) for s in split_stages(sch))
     else:
-        rows = (_row(sch, None, states),)
+        rows = (_row(sch, None, states, state_dtype),)
     if activations is None:
-        return MemoryTable(rows, states)
+        return MemoryTable(rows, states, state_dtype)
     by_stage = {a.stage: a for a in activations.rows}
     rows = tuple(dataclasses.replace(r, activation_bytes=by_stage[r.stage].peak_bytes,
                                      in_flight=by_stage[r.stage].in_flight) if r.stage in by_stage else r
                  for r in rows)
-    return MemoryTable(rows, states, activations.note)
+    return MemoryTable(rows, states, state_dtype, activations.note)
 
 
 def profiled_peak_bytes(fn: Callable[[], Any]) -> int:
@@ -185,8 +206,9 @@ class ActivationRow:
     ``saved_bytes`` is what autograd holds when the last forward in flight ends:
     ``in_flight`` microbatches' saved tensors (a checkpointed module keeps only its
     input), the stage's received inputs and sent outputs. ``peak_bytes`` adds the
-    larger of the two backward transients: the logits and their gradient at the loss,
-    or one checkpointed module recomputed while the checkpointed inputs are held."""
+    larger of the two backward transients: what the loss holds at its peak (its
+    :class:`~slapo_fn.kernels.LossFootprint`), or one checkpointed module recomputed
+    while the checkpointed inputs are held."""
 
     stage: int | None
     in_flight: int
@@ -293,15 +315,47 @@ def _under(path: str, roots: tuple[str, ...]) -> str | None:
     return None
 
 
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def _loss_bytes(shapes: ActivationShapes, loss: LossFootprint, factor: Callable[[str], float], micro: int) -> int:
+    """What ``loss`` holds on one rank for one microbatch's logits: the output of the last
+    module that ran (its share ``factor`` on the rank), whose weight is ``vocab x hidden``
+    (its output's and input's last axes)."""
+    if not shapes.order:
+        return 0
+    last = shapes.order[-1]
+    out, inp = shapes.outputs.get(last), shapes.inputs.get(last)
+    if out is None:
+        return 0
+    share = factor(last)
+    head = out[0][-1] * inp[0][-1] if inp is not None and out[0] and inp[0] else 0
+    return loss.nbytes(logits=math.ceil(math.prod(out[0]) * share / micro), head=math.ceil(head * share))
+
+
 def _nbytes(entry: tuple[tuple[int, ...], torch.dtype] | None) -> int:
     if entry is None:
         return 0
     shape, dtype = entry
-    return math.prod(shape) * torch.empty((), dtype=dtype, device="meta").element_size()
+    return math.prod(shape) * _itemsize(dtype)
+
+
+def _loss_saves(shapes: ActivationShapes) -> int:
+    """How many of the last saved tensors the root's own code saved after its last module
+    ran: the loss of a Hugging Face model called with ``labels`` (its float32
+    log-probabilities), which the loss's footprint stands for."""
+    count = 0
+    for path, _ in reversed(shapes.saved):
+        if path:
+            break
+        count += 1
+    return count
 
 
 def activation_memory(
-    sch: Schedule, shapes: ActivationShapes, *, microbatches: int = 1, pipeline_schedule: str = "1f1b"
+    sch: Schedule, shapes: ActivationShapes, *, microbatches: int = 1, pipeline_schedule: str = "1f1b",
+    loss: LossFootprint = FULL_LOGITS_LOSS,
 ) -> ActivationTable:
     """Predicted peak activation bytes per stage on one rank, from the saved tensors of
     one fake forward of the unsharded model (``shapes``, :func:`~slapo_fn.dtensor.explain.
@@ -317,9 +371,18 @@ def activation_memory(
       ``pp`` rank ``r`` holds ``min(pp - r, microbatches)`` of them under 1F1B (and
       the interleaved and zero-bubble schedules, approximated so), all of them under
       GPipe; stages also hold what they received and sent;
-    * the loss's logits: the last module's output (the LM head's, or a chunked loss's
-      — what the fake run saw) and its gradient exist at once when backward starts;
-    * a ``param_dtype`` of FSDP mixed precision scales float activations.
+    * the loss: the last module's output is the logits (the LM head's); what the loss
+      holds at the peak of its backward is ``loss``'s declaration (a
+      :class:`~slapo_fn.kernels.LossFootprint`: torch's float32 cross-entropy holds three
+      float32 copies of the logits, the chunked loss one chunk of them and a gradient of
+      the head), in place of what the root's code saved after its last module (the loss
+      of a model called with labels, :func:`_loss_saves`);
+    * a ``param_dtype`` of FSDP mixed precision scales float activations;
+    * a module compiled with ``sf.compile`` is counted as it runs eager, and the note says
+      so: Inductor's min-cut partitioner recomputes cheap elementwise ops in backward
+      instead of saving their outputs, so its saves are fewer (an upper bound: on CPU a
+      compiled LLaMA layer saved 0.68 of what the eager one did), by how much depends on
+      the graph and on the attention kernel, which the fake run does not see.
 
     >>> import torch, torch.nn as nn, slapo_fn as sf
     >>> from slapo_fn.dtensor.explain import activation_shapes
@@ -330,6 +393,7 @@ def activation_memory(
     192
     """
     factor = _factors(sch)
+    compiled = len(sch.annotations.of_kind(COMPILE))
     every_ckpt = sch.annotations.of_kind(CHECKPOINT)
     ckpts = tuple(sorted(p for p, spec in every_ckpt.items() if spec.context_fn() is None))  # full ones
     selective = len(every_ckpt) - len(ckpts)
@@ -359,7 +423,8 @@ def activation_memory(
     grad_peak = [0.0] * n_stages
     # a context-parallel attention holds its gathered keys and values, not the rank's share of them
     extra = [(path, kv * (1 - 1 / cp[path]) / factor(path)) for path, kv in gathered.items()]
-    for path, nbytes in (*shapes.saved, *extra):
+    model_saves = shapes.saved[:len(shapes.saved) - _loss_saves(shapes)]
+    for path, nbytes in (*model_saves, *extra):
         size = nbytes * factor(path) * scale / micro
         layer = _under(path, layer_roots) if layer_roots else None
         if layer is not None:
@@ -395,8 +460,7 @@ def activation_memory(
         full = _nbytes(shapes.inputs.get(c)) * scale / micro
         grads = (3 if factor(c) < 1 else 2) * full
         recompute[c] = recompute.get(c, 0.0) + grads + largest.get(c, 0.0)
-    last = shapes.order[-1] if shapes.order else None
-    logits = _nbytes(shapes.outputs.get(last)) * factor(last) * scale / micro if last is not None else 0.0
+    logits = _loss_bytes(shapes, loss, factor, micro)
 
     pp = pp_size(sch) or n_stages
     kind = SCHEDULES.get(pipeline_schedule)
@@ -413,18 +477,21 @@ def activation_memory(
             io += 0 if st.pre else _nbytes(shapes.inputs.get(first)) * factor(first) * scale / micro
             io += 0 if st.post else _nbytes(shapes.outputs.get(last_layer)) * factor(last_layer) * scale / micro
         saved = in_flight * (kept[i] + io)
-        loss = 2 * logits if (st is None or st.post) else 0.0
+        at_loss = logits if (st is None or st.post) else 0.0
         mine = [recompute[c] for c in ckpts if ckpt_stage[c] == i and c in recompute]
         again = (pre[i] + ckpt_kept[i] + io + (in_flight - 1) * (kept[i] + io) + max(mine)) if mine else 0.0
         rows.append(ActivationRow(st.index if st is not None else None, in_flight, math.ceil(saved),
-                                  math.ceil(loss), math.ceil(again + grad_peak[i] if again else 0.0),
+                                  math.ceil(at_loss), math.ceil(again + grad_peak[i] if again else 0.0),
                                   math.ceil(grad_peak[i])))
     per_mb = "" if not stages else f", {micro} microbatches ({pipeline_schedule}) of 1/{micro} of it"
     mp = "" if scale == 1.0 else f", activations in {spec.param_dtype}"  # type: ignore[union-attr]
     note = (f"for the example inputs{per_mb}{mp}; checkpointed modules keep their input"
             + (", one recomputed at a time" if ckpts else "")
             + (f"; {selective} selectively checkpointed modules counted as not checkpointed (an upper bound)"
-               if selective else "") + "; logits and their gradient at the loss"
+               if selective else "")
+            + (f"; {compiled} compiled modules counted as eager (Inductor recomputes some of what eager saves: "
+               "an upper bound)" if compiled else "")
+            + f"; the loss holds {loss.describe()}"
             + ("; each context-parallel attention's all-gathered keys and values (and their gradients in its "
                "backward) at full length" if gathered else ""))
     return ActivationTable(tuple(rows), note)

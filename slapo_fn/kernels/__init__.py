@@ -8,7 +8,8 @@
 * :func:`counter_dropout` / :class:`CounterDropout` — dropout with counter-based hash
   masks, which compiled CPU kernels fuse cheaply (``sf.fuse`` uses it);
 * :func:`linear_cross_entropy`, :class:`ChunkedLMHeadLoss`, :func:`causal_lm_loss` — an LM
-  head's loss without materialising the logits.
+  head's loss without materialising the logits; :class:`LossFootprint` declares what a loss
+  holds at its peak (:data:`CHUNKED_LOSS`, :data:`FULL_LOGITS_LOSS`) for explain.
 * :mod:`.float8` — torchao's float8 training linears (``float8=True`` on a recipe), and
   :mod:`.gpu` — what this process's GPU runs of float8 and async tensor parallelism.
 
@@ -27,12 +28,22 @@ from .attention import (
     attention,
     flash_attn_available,
 )
-from .cross_entropy import ChunkedLMHeadLoss, causal_lm_loss, default_chunk_size, linear_cross_entropy
+from .cross_entropy import (
+    CHUNKED_LOSS,
+    FULL_LOGITS_LOSS,
+    ChunkedLMHeadLoss,
+    LossFootprint,
+    causal_lm_loss,
+    default_chunk_size,
+    linear_cross_entropy,
+)
 from .dropout import CounterDropout, counter_dropout
 from .mlp import FusedMLP, fused_mlp
 from .rmsnorm import CompiledRMSNorm, RMSNorm, rms_norm
 
 __all__ = [
+    "CHUNKED_LOSS",
+    "FULL_LOGITS_LOSS",
     "Attention",
     "ChunkedLMHeadLoss",
     "CompiledRMSNorm",
@@ -41,6 +52,7 @@ __all__ = [
     "FusedMLP",
     "FusedQKVAttention",
     "KernelError",
+    "LossFootprint",
     "PostNormAttention",
     "RMSNorm",
     "RotaryAttention",

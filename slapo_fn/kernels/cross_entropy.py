@@ -22,6 +22,11 @@ For a Hugging Face causal LM, :func:`causal_lm_loss` runs the base model, shifts
 labels as Hugging Face does and applies this loss with the model's own ``lm_head``
 parameters; :class:`ChunkedLMHeadLoss` is the same as a module holding those parameters.
 
+What a loss holds at its peak is declared as a :class:`LossFootprint`, which explain's
+memory table reads (``sf.explain(..., loss=...)``): :data:`FULL_LOGITS_LOSS` for torch's
+cross-entropy over float32 logits (Hugging Face's loss, ``slapo-fn train``'s),
+:data:`CHUNKED_LOSS` (and :attr:`ChunkedLMHeadLoss.footprint`) for this one.
+
 Example:
     >>> import torch, torch.nn.functional as F
     >>> h, w = torch.randn(6, 4, requires_grad=True), torch.randn(10, 4)
@@ -32,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -40,7 +46,8 @@ from torch.nn import functional as F
 
 from ._common import fail
 
-__all__ = ["ChunkedLMHeadLoss", "causal_lm_loss", "default_chunk_size", "linear_cross_entropy"]
+__all__ = ["CHUNKED_LOSS", "FULL_LOGITS_LOSS", "ChunkedLMHeadLoss", "LossFootprint", "causal_lm_loss",
+           "default_chunk_size", "linear_cross_entropy"]
 
 Reduction = Literal["mean", "sum"]
 
@@ -50,6 +57,46 @@ Reduction = Literal["mean", "sum"]
 CHUNK_ELEMENTS = 1 << 24
 
 
+@dataclass(frozen=True)
+class LossFootprint:
+    """What a language model's loss holds at once at the peak of its backward, beside the
+    activations the model saved, in float32 tensors: ``logits`` copies of the full
+    ``tokens x vocab`` logits, ``chunk`` copies of one chunk of ``chunk_elements`` of
+    them, and (``head_grad``) a gradient buffer as large as the LM head's weight.
+
+    >>> FULL_LOGITS_LOSS.nbytes(logits=1000, head=50)
+    12000
+    >>> LossFootprint(chunk=3, chunk_elements=100, head_grad=True).nbytes(logits=1000, head=50)
+    1400
+    """
+
+    logits: int = 0
+    chunk: int = 0
+    chunk_elements: int = 0
+    head_grad: bool = False
+
+    def nbytes(self, *, logits: int, head: int) -> int:
+        """Bytes held for full logits of ``logits`` elements and a head weight of ``head``."""
+        fp32 = torch.finfo(torch.float32).bits // 8
+        return fp32 * (self.logits * logits + self.chunk * min(self.chunk_elements, logits)
+                       + (head if self.head_grad else 0))
+
+    def describe(self) -> str:
+        """What it holds, as explain's note says it."""
+        parts = [f"{self.logits} float32 copies of the logits"] if self.logits else []
+        if self.chunk:
+            parts.append(f"{self.chunk} float32 copies of a chunk of {self.chunk_elements:,} logits")
+        if self.head_grad:
+            parts.append("a float32 gradient of the LM head's weight")
+        return " and ".join(parts) or "nothing"
+
+
+#: torch's cross-entropy over float32 logits (``F.cross_entropy(logits.float(), ...)``:
+#: Hugging Face's ``ForCausalLMLoss``, ``slapo_fn.train``'s loss): at LogSoftmax's backward
+#: the log-probabilities it saved, their gradient and the logits' gradient exist at once.
+FULL_LOGITS_LOSS = LossFootprint(logits=3)
+
+
 def default_chunk_size(vocab: int) -> int:
     """Tokens per chunk so that one chunk of float32 logits holds about 2**24 values.
 
@@ -57,6 +104,13 @@ def default_chunk_size(vocab: int) -> int:
     333
     """
     return max(1, CHUNK_ELEMENTS // max(1, vocab))
+
+
+#: :func:`linear_cross_entropy` at its default chunk size: one chunk's logits (in the compute
+#: dtype, in float32, their log-probabilities: at most three float32 copies) and the float32
+#: gradient of the head's weight; the gradient of the hidden states it saves instead of them
+#: is as large as the head's input, which the plain head saves.
+CHUNKED_LOSS = LossFootprint(chunk=3, chunk_elements=CHUNK_ELEMENTS, head_grad=True)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -246,6 +300,14 @@ class ChunkedLMHeadLoss(nn.Module):
             reduction=reduction,
             chunk_size=self.chunk_size,
         )
+
+    @property
+    def footprint(self) -> LossFootprint:
+        """What this loss holds at its peak (:data:`CHUNKED_LOSS` at its chunk size)."""
+        if self.chunk_size is None:
+            return CHUNKED_LOSS
+        return LossFootprint(chunk=CHUNKED_LOSS.chunk, chunk_elements=self.chunk_size * self.weight.shape[0],
+                             head_grad=True)
 
     def extra_repr(self) -> str:
         return f"vocab={self.weight.shape[0]}, hidden={self.weight.shape[1]}, chunk_size={self.chunk_size}"
