@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ..rewrites._common import INSTALLED, contains
+from ..rewrites._common import INSTALLED, within
 from ..schedule import Schedule
 from ..tree import get_module, join, split
 from .chains import _chain_exits, _in_chain
@@ -310,7 +310,7 @@ class _Features:
             # it computes on what arrives as the model does: whole out (BERT's embeddings, one sharded
             # by features; Mixtral's routed experts). Roles without syncs gather or reduce their
             # outputs, but for a column kept split for its rows
-            inner = [q for q in self.annotated if q == path or contains(path, q)]
+            inner = [q for q in self.annotated if within(path, q)]
             whole = all(q != path and q in self.roles and q not in self.moving and q not in self.kept for q in inner)
             return Replicate() if whole and isinstance(self.inside(path), Replicate) else None
         return self._combine(path, fl.reaching_output(self._through(path)))

@@ -16,7 +16,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from ..errors import Problem
 from ..hf import linear_features, mixes_tokens
-from ..rewrites._common import contains
+from ..rewrites._common import contains, within
 from ..schedule import Schedule
 from ..tree import caller_path, get_module, join, walk
 from .arriving import _stated_output
@@ -273,7 +273,7 @@ def _gathers_inside_chains(sch: Schedule, p: Plan) -> list[Problem]:
                 continue
             members = sorted((r for r, spec in seqs.items() if spec.mesh_axis == s.mesh_axis),
                              key=lambda r: order.get(r, 0))
-            chain = next((seqs[r] for r in members if r == path or contains(r, path)), None)
+            chain = next((seqs[r] for r in members if within(r, path)), None)
             if chain is None:
                 continue
             exit_ = s.mode == "fwd_post" and path == members[-1] and not token
@@ -315,7 +315,7 @@ def _ungathered_chain_members(sch: Schedule) -> list[Problem]:
         module = get_module(sch.module, path)
         if not any(True for _ in module.children()):
             continue
-        if any(r.mesh_axis == spec.mesh_axis and r.splits_output and (q == path or contains(path, q))
+        if any(r.mesh_axis == spec.mesh_axis and r.splits_output and (within(path, q))
                for q, r in roles.items()):
             continue
         linear = next((join(path, q) for q, m in walk(module) if q and linear_features(m) is not None),
@@ -375,13 +375,13 @@ def _next_outside_chain(sch: Schedule, member: str, members: list[str], axis: st
     for lv in levels:
         for q in sorted(lv.users - {OUTPUT}):
             path = join(lv.parent, q)
-            if any(r == path or contains(r, path) for r in members) or gathers(path):
+            if any(within(r, path) for r in members) or gathers(path):
                 # the next member; a module outside the chain whose output the parent's code adds to
                 # its hidden states (a position embedding) would meet this member's shard there
                 joined = sorted(lv.flow.hidden_feeders(q, lv.through) - {lv.name, INPUT, SIDE, OUTPUT})
                 for j in joined:
                     there = join(lv.parent, j)
-                    if not any(r == there or contains(r, there) for r in members) and _has_params(
+                    if not any(within(r, there) for r in members) and _has_params(
                             get_module(sch.module, there)):
                         return there
                 continue
@@ -391,7 +391,7 @@ def _next_outside_chain(sch: Schedule, member: str, members: list[str], axis: st
     if start is None:
         return None
     for q in _later_modules(sch.module, start):
-        if any(r == q or contains(r, q) for r in members):
+        if any(within(r, q) for r in members):
             return None
         if gathers(q):
             return None
@@ -440,7 +440,7 @@ def _attention_on_sequence_shards(sch: Schedule) -> list[Problem]:
     whole = _whole_in_chains(sch)
     problems = []
     for member, spec in sch.annotations.of_kind(SEQ).items():
-        if not any(r.mesh_axis == spec.mesh_axis and r.enters and (q == member or contains(member, q))
+        if not any(r.mesh_axis == spec.mesh_axis and r.enters and (within(member, q))
                    for q, r in roles.items()):
             continue  # nothing in it gathers the sequence: _ungathered_chain_members names the member
         for path, module in walk(get_module(sch.module, member), member):
@@ -590,7 +590,7 @@ def _whole_in_parent(sch: Schedule, p: Plan, path: str) -> bool:
 
     def whole(q: str) -> bool:  # runs on whole values as it is: nothing laid out at or under it
         full = join(caller, q)
-        return not any(a == full or contains(full, a) for a in laid)
+        return not any(within(full, a) for a in laid)
 
     def lone(q: str, row: bool) -> bool:  # no syncs, but a column's gather of its output (colwise_gather_output)
         m = p.modules.get(join(caller, q))

@@ -19,7 +19,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from ..hf import is_conv1d, mixes_tokens
-from ..rewrites._common import contains
+from ..rewrites._common import contains, within
 from ..schedule import Schedule
 from ..tree import caller_path, get_module, join
 from .features import ASSUMED_RANK
@@ -51,7 +51,7 @@ def _member_over_sequence(sch: Schedule, member: str, spec: SeqSpec, merged: dic
     if spec.seq_axis not in (0, 1):
         return None
     columns = {q for q, r in sch.annotations.of_kind(ROLE).items() if r.enters
-               and r.mesh_axis == spec.mesh_axis and (q == member or contains(member, q))}
+               and r.mesh_axis == spec.mesh_axis and (within(member, q))}
     # as the runtime does: a column called by the member's own code gathers its own input, one
     # deeper has its caller (attention) gather it
     callers = {caller_path(sch.module, q) for q in columns}
@@ -326,5 +326,5 @@ def passive_member(sch: Schedule, path: str) -> bool:
 
 def _in_chain(sch: Schedule, path: str, axis: str) -> bool:
     """Whether ``path`` is in (or is) a sequence-parallel chain over ``axis``."""
-    return any(s.mesh_axis == axis and (r == path or contains(r, path))
+    return any(s.mesh_axis == axis and (within(r, path))
                for r, s in sch.annotations.of_kind(SEQ).items())

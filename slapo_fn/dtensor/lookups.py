@@ -20,7 +20,7 @@ from types import MappingProxyType
 from torch import nn
 
 from ..hf import linear_features
-from ..rewrites._common import INSTALLED, contains
+from ..rewrites._common import INSTALLED, contains, within
 from ..schedule import Schedule
 from ..tree import caller_path, child_names, get_module, join, parent_path, split, uncalled
 from .features import Meets
@@ -297,7 +297,7 @@ def _installed(sch: Schedule, path: str) -> bool:
     """Whether ``path`` is, or is inside, a module installed by ``sf.replace``: code written
     for this rank's share (slapo_fn's attention kernels take their head counts from the
     recipe), trusted with what it is handed."""
-    return any(a == path or contains(a, path) for a in sch.annotations.of_kind(INSTALLED))
+    return any(within(a, path) for a in sch.annotations.of_kind(INSTALLED))
 
 
 def _reach(sch: Schedule, path: str) -> tuple[list[str] | None, str | None]:

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from ..errors import LayoutError, Problem
-from ..rewrites._common import contains
+from ..rewrites._common import within
 from ..schedule import Schedule
 from ..tree import get_module, join, parent_path, split, uncalled, walk
 from .arriving import stated_model_output
@@ -47,7 +47,7 @@ def install_on_dtensors(model: nn.Module, sch: Schedule, p: Plan, acts: Activati
     are DTensors already; ``rank_of(axis)`` is this rank's index on a mesh axis,
     ``experts`` installs an experts module's forward."""
     given = chain_entries_given_split(sch)
-    inside = {q: mp for q, mp in p.modules.items() if q == root or contains(root, q)}
+    inside = {q: mp for q, mp in p.modules.items() if within(root, q)}
     for path, mp in inside.items():
         m = get_module(model, path)
         forward: Callable[..., Any] = m.forward

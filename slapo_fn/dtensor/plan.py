@@ -56,7 +56,7 @@ from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from ..rewrites._common import contains
+from ..rewrites._common import within
 from ..schedule import Schedule
 from ..tree import caller_path, get_module, join, walk
 from .arriving import (
@@ -123,7 +123,7 @@ def _plan(sch: Schedule) -> Plan:
         if _inside_any(whole, path):
             return None  # runs on the whole sequence (its syncs gather and split it)
         for root in seq_roots:
-            if root == path or contains(root, path):
+            if within(root, path):
                 spec, role = seqs[root], roles.get(path)
                 if path in merged and role is not None and role.mesh_axis == spec.mesh_axis:
                     # handed the batch and the tokens merged: gathered and scattered along that dimension

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from torch import nn
 from torch.distributed.tensor import Replicate
 
-from ..rewrites._common import contains
+from ..rewrites._common import contains, within
 from ..schedule import Schedule
 from ..tree import get_module, parent_path, uncalled
 from .data_parallel import DATA_PARALLEL
@@ -81,9 +81,6 @@ def _regions_of(sch: Schedule, p: Plan) -> tuple[str, ...]:
     paired = [(path, q) for path, mp in p.modules.items() for q in mp.partners]
     stated = [path for path, specs in sch.annotations.of_kind(SYNC).items()
               if any(not isinstance(s.layout, Replicate) for s in specs)]
-
-    def within(r: str, q: str) -> bool:
-        return q == r or contains(r, q)
 
     def fits(r: str, strict: bool) -> bool:
         m = get_module(model, r)

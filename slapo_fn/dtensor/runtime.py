@@ -28,7 +28,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from ..errors import LayoutError, Problem
 from ..hf import EXPERT_COUNT_ATTRS as _EXPERT_COUNTS
 from ..hf import QUERY_HEAD_ATTRS
-from ..rewrites._common import contains
+from ..rewrites._common import contains, within
 from ..schedule import Key, Schedule, path_exists
 from ..tree import caller_path, get_module, join, split, uncalled
 from . import collectives as C
@@ -519,7 +519,7 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
         return
     # the rest on local shards, as planned
     p = replace(p, modules={q: mp for q, mp in p.modules.items()
-                            if not any(q == r or contains(r, q) for r in regions)})
+                            if not any(within(r, q) for r in regions)})
     seq_roots = set(sch.annotations.of_kind(SEQ))
     # a column whose caller is strictly inside a chain member (attention, MLP) has its input
     # gathered by that caller, so that model code reshaping it sees the whole sequence; any

@@ -15,7 +15,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from ..errors import Problem
-from ..rewrites._common import INSTALLED, contains
+from ..rewrites._common import INSTALLED, contains, within
 from ..schedule import Schedule
 from ..tree import get_module, join
 from .arriving import (
@@ -320,7 +320,7 @@ def _unsourced(sch: Schedule) -> list[Problem]:
                 holds_exit = last is not None and last != path and contains(path, last)
                 possible = own_code or any(
                     isinstance(o.layout, Shard) and not _last_dim(o.layout) for o in others) or any(
-                    r == path or contains(r, path) or (contains(path, r) and not holds_exit)
+                    within(r, path) or (contains(path, r) and not holds_exit)
                     for r in chains.get(s.mesh_axis, ()))
             else:
                 continue
@@ -340,8 +340,8 @@ def _own_code_at(sch: Schedule, path: str) -> bool:
     """Whether the user's own tensor-parallel code may run at or inside ``path``: a module
     installed by ``sf.replace``, a ``tp_local`` one, experts, one run on its parameters'
     shards between callables (:func:`_callable_code`)."""
-    return any(q == path or contains(path, q) for key in (INSTALLED, LOCAL, EXPERTS)
-               for q in sch.annotations.of_kind(key)) or any(q == path or contains(path, q)
+    return any(within(path, q) for key in (INSTALLED, LOCAL, EXPERTS)
+               for q in sch.annotations.of_kind(key)) or any(within(path, q)
                                                              for q in _callable_code(sch))
 
 
@@ -444,7 +444,7 @@ def _contradicted_sources(sch: Schedule, partners: Mapping[str, tuple[str, ...]]
                 have = Replicate() if _partner_gathered(sch, cols, pre.mesh_axis) else Shard(-1)
             own = know(pre.mesh_axis).own  # the user's own code: installed, tp_local, experts
             if (have is None and inside_chain and isinstance(pre.src, Partial)
-                    and not any(q == path or contains(q, path) or contains(path, q) or _parent(q) == _parent(path)
+                    and not any(within(q, path) or contains(path, q) or _parent(q) == _parent(path)
                                 for q in own)):
                 # in a chain activations are sequence shards or what columns gather; rows reduce-scatter
                 # their partial sums themselves, and no user code here makes one

@@ -37,6 +37,17 @@ def contains(outer: str, inner: str) -> bool:
     return inner != outer and (outer == "" or inner.startswith(outer + "."))
 
 
+def within(outer: str, inner: str) -> bool:
+    """Whether module path ``inner`` is ``outer`` or lies inside it (the root ``""`` holds all).
+
+    >>> within("encoder.layers.0", "encoder.layers.0"), within("encoder.layers.0", "encoder.layers.0.fc1")
+    (True, True)
+    >>> within("encoder.layers.0", "encoder.layers.01"), within("", "lm_head")
+    (False, True)
+    """
+    return inner == outer or contains(outer, inner)
+
+
 def reject_nested(what: str, paths: Iterable[str], annotated: Iterable[str]) -> None:
     """Refuse regions of ``what`` that would nest in each other (all offenders at once)."""
     paths = tuple(paths)
