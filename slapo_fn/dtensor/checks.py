@@ -137,7 +137,8 @@ def _operands_off_features(sch: Schedule, p: Plan, parent: str, operands: Mappin
         mp = p.modules.get(path)
         axis = mp.role.mesh_axis if mp is not None and mp.keeps_features and mp.role is not None else None
         packed = mp.role.packed if mp is not None and mp.role is not None else 1
-        if mp is not None and (mp.seq is not None or mp.local_params):
+        # a sharded layer's own whole parameters (a LoRA column's A) leave its split operands alone
+        if mp is not None and (mp.seq is not None or (mp.local_params and mp.role is None)):
             problems.append(Problem(
                 parent or "<root>",
                 f"adds parameters of {path!r} to its output itself, on sequence shards or a tp_local module's "

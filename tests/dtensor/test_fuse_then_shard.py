@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from models import LoRA
 from torch import nn
 from tp_checks import parity
 
@@ -70,11 +71,30 @@ def test_a_fused_bias_gelu_on_a_column_runs_on_local_shards_at_the_unfused_count
     assert p.counts() == unfused.counts() == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}
 
 
+def test_a_fused_bias_gelu_on_a_lora_column_runs_on_local_shards_at_the_unfused_counts() -> None:
+    # the LoRA's A, whole on every rank, has a partial gradient; the bias the parent adds is
+    # split with the column, its gradient this rank's share: no reason for a region
+    unfused = sf.dtensor.plan(_megatron(sf.create_schedule(LoraMLP(), mesh=fake_mesh(2))))
+    for rewrite in (ORDERS["fuse-then-shard"], ORDERS["shard-then-fuse"]):
+        p = sf.dtensor.plan(rewrite(sf.create_schedule(LoraMLP(), mesh=fake_mesh(2))))
+        assert p.on_dtensors == (), [f"{q.path}: {q.reason}" for q in p.on_dtensors]
+        assert p.counts() == unfused.counts() == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 2}}
+
+
 def test_a_lone_column_whose_bias_its_parent_adds_is_not_proven_on_local_shards() -> None:
     # its output is gathered, whole, while the bias the parent adds is split: DTensors decide
     p = sf.dtensor.plan(sf.shard(_fused(sf.create_schedule(MLP(), mesh=fake_mesh(2))), "fc_in", axis=0))
     assert [(q.path, q.reason.split(",")[0]) for q in p.on_dtensors] == [
         ("<root>", "adds 'fc_in.bias' to the output of 'fc_in' itself")]
+
+
+class LoraMLP(MLP):
+    """Its column a Linear subclass with a forward of its own (a LoRA: ``A`` whole on every
+    rank in a column, ``B`` split with the weight's rows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc_in = LoRA(D, 4 * D)
 
 
 class ReadsItsColumn(MLP):
@@ -187,6 +207,7 @@ def test_a_decomposed_conv1d_is_planned_on_local_shards_at_the_unfused_counts(ca
 #: Every case at tp=2 on gloo, one pool: (model, rewrite).
 EVERY: dict[str, tuple[Callable[[], nn.Module], Rewrite]] = {
     **{f"linear {order}": (MLP, rewrite) for order, rewrite in ORDERS.items()},
+    "lora fuse-then-shard": (LoraMLP, ORDERS["fuse-then-shard"]),
     **{f"conv1d {case}": (model, rewrite) for case, (model, _, rewrite) in GPT2.items()},
 }
 
@@ -204,9 +225,12 @@ def _run(rank: int, world: int, case: str) -> dict[str, Any]:
 def test_a_fused_bias_gelu_on_a_column_runs_equal_either_order_at_the_unfused_counts(dist2: Any) -> None:
     for case in EVERY:  # parity checks the output, the input's gradient and every parameter's
         got = dist2.run(_run, case, timeout=120)
-        assert got[0]["grads"] == 4 and not got[0]["on_dtensors"], case  # on local shards, every order
-        # DTensor's propagation finds the same collectives as the local plan of the unfused layer
-        assert (got[0]["fwd"], got[0]["bwd"]) == ({"all_reduce": 1}, {"all_reduce": 1}), (case, got[0])
+        params = sum(1 for _ in EVERY[case][0]().parameters())
+        assert got[0]["grads"] == params and not got[0]["on_dtensors"], case  # on local shards, every order
+        # DTensor's propagation finds the same collectives as the local plan of the unfused layer (a
+        # LoRA column's whole A: its partial gradient all-reduced, as without the fusion)
+        bwd = {"all_reduce": 2 if case.startswith("lora") else 1}
+        assert (got[0]["fwd"], got[0]["bwd"]) == ({"all_reduce": 1}, bwd), (case, got[0])
 
 
 def test_a_traced_parent_splitting_its_packed_column_by_a_traced_size_is_refused_not_cut_wrong() -> None:

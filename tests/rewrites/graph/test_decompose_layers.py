@@ -15,17 +15,7 @@ from torch import nn
 import slapo_fn as sf
 from slapo_fn.hf import is_conv1d
 from slapo_fn.rewrites.graph.decompose import SeparateBias, SeparateBiasLinear, separate_bias
-
-
-class LoRA(nn.Linear):
-    """A Linear subclass with a forward of its own: ``x Wᵀ + b + x Aᵀ Bᵀ``."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__(d, d)
-        self.lora_a, self.lora_b = nn.Parameter(torch.randn(2, d)), nn.Parameter(torch.randn(d, 2))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + F.linear(F.linear(x, self.lora_a), self.lora_b)
+from tests.models import LoRA
 
 
 def _conv1d_kinds() -> tuple[type[nn.Module], type[nn.Module]]:
@@ -61,7 +51,7 @@ def test_a_conv1d_subclass_is_a_conv1d_where_it_keeps_the_product() -> None:
 @pytest.mark.parametrize("layers", ["lora", "conv1d subclass"])
 def test_every_called_linear_layer_keeps_its_own_forward_with_the_bias_added_after(layers: str) -> None:
     torch.manual_seed(0)
-    first, second = (LoRA(8), nn.Linear(8, 8)) if layers == "lora" else (_conv1d_kinds()[0](8, 8), nn.Linear(8, 8))
+    first, second = (LoRA(8, 8), nn.Linear(8, 8)) if layers == "lora" else (_conv1d_kinds()[0](8, 8), nn.Linear(8, 8))
     with torch.no_grad():
         first.bias.uniform_(-1, 1)
     model = Block(first, second)
