@@ -122,13 +122,20 @@ def is_transformers_module(module: nn.Module) -> bool:
 
 def is_conv1d(module: nn.Module) -> bool:
     """Hugging Face ``Conv1D`` (GPT-2's linear layer, ``x @ weight + bias`` with the weight
-    stored (in, out)), recognised without importing transformers.
+    stored (in, out)), recognised without importing transformers; a subclass too, where it
+    computes that product: it keeps ``Conv1D``'s forward, or its class says
+    ``adds_bias = False`` (its forward is the product alone, its caller adds the bias, as
+    :func:`~slapo_fn.decompose` leaves it). A subclass with a forward of its own is not one.
 
     >>> import torch.nn as nn
     >>> is_conv1d(nn.Linear(2, 2))
     False
     """
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+    kind = type(module)
+    base = next((c for c in kind.__mro__ if c.__name__ == "Conv1D"), None)
+    return (base is not None and hasattr(module, "nf") and hasattr(module, "nx")
+            and (getattr(kind, "forward", None) is getattr(base, "forward", None)
+                 or getattr(kind, "adds_bias", True) is False))
 
 
 def linear_features(module: nn.Module) -> tuple[int, int] | None:

@@ -92,6 +92,17 @@ def token_ids(batch: int = 2, seq: int = 8, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
+class LoRA(nn.Linear):
+    """A Linear subclass with a forward of its own: ``x Wᵀ + b + x Aᵀ Bᵀ`` (rank 2)."""
+
+    def __init__(self, i: int, o: int) -> None:
+        super().__init__(i, o)
+        self.lora_a, self.lora_b = nn.Parameter(torch.randn(2, i)), nn.Parameter(torch.randn(o, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) + F.linear(F.linear(x, self.lora_a), self.lora_b)
+
+
 class MLP(nn.Module):
     def __init__(self, dim: int = 8, hidden: int = 16) -> None:
         super().__init__()

@@ -138,14 +138,24 @@ def albert(sch: sf.Schedule, prefix: str = "", *, ckpt_ratio: float = 0.0) -> sf
     return checkpoint_layers(sch, [layer], ckpt_ratio)
 
 
-def gpt2(sch: sf.Schedule, prefix: str = "transformer", *, ckpt_ratio: float = 0.0) -> sf.Schedule:
+def gpt2(sch: sf.Schedule, prefix: str = "transformer", *, ckpt_ratio: float = 0.0,
+         fuse_bias_gelu: bool = False) -> sf.Schedule:
     """slapo/model_schedule/gpt2.py: attention and MLP replaced by fused kernels, then
     sharded (GPT-2's ``Conv1D`` stores its weight (in, out): Slapo's fused kernels hold
-    ``nn.Linear``s, slapo_fn's keep the ``Conv1D``s, so the column is axis 1, packed [Q|K|V])."""
+    ``nn.Linear``s, slapo_fn's keep the ``Conv1D``s, so the column is axis 1, packed [Q|K|V]).
+    ``fuse_bias_gelu``: the MLP kept, its ``c_fc`` decomposed and its bias fused with the
+    GeLU after it (Slapo's ``fuse_bias_gelu``: ``decompose``, ``trace``, ``find``, ``fuse``)."""
     p = f"{prefix}." if prefix else ""
     layers = list(sf.select(f"{p}h.*").modules(sch.module))
     sch = sf.replace(sch, [f"{q}.attn" for q in layers], Attention.from_hf)
-    sch = sf.replace(sch, [f"{q}.mlp" for q in layers], FusedMLP.from_hf)
+    if fuse_bias_gelu:
+        hidden = torch.zeros(1, 4, _config(sch, prefix).n_embd)
+        for q in layers:
+            sch = sf.decompose(sf.trace(sch, f"{q}.mlp", example_inputs=(hidden,)), f"{q}.mlp.c_fc")
+            (match,) = sf.find(sch, f"{q}.mlp", _bias_gelu)
+            sch = sf.fuse(sch, f"{q}.mlp", match, compiler=None)
+    else:
+        sch = sf.replace(sch, [f"{q}.mlp" for q in layers], FusedMLP.from_hf)
     for q in layers:
         attn = f"{q}.attn.c_attn"
         sch = sf.sync(sf.shard(sch, attn, axis=1, packed=3), attn, "bwd_post", Replicate(), src=Partial())
@@ -159,6 +169,13 @@ def gpt2(sch: sf.Schedule, prefix: str = "transformer", *, ckpt_ratio: float = 0
     if "lm_head" in sch.module._modules:
         sch = lm_head(sch, "lm_head")
     return checkpoint_layers(sch, layers, ckpt_ratio)
+
+
+def _bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Slapo's bias+GeLU pattern on GPT-2's MLP, whose activation is its ``act`` child."""
+    from slapo_fn.rewrites.graph import call_module
+
+    return call_module("act", x + bias)  # type: ignore[no-any-return]
 
 
 def gpt_neo(sch: sf.Schedule, prefix: str = "transformer", *, ckpt_ratio: float = 0.0) -> sf.Schedule:

@@ -128,14 +128,17 @@ def _operands_off_features(sch: Schedule, p: Plan, parent: str, operands: Mappin
     adds after a Linear's matmul) whose layout is not that output's: the parent combines
     this rank's share of each with the child's local output, so an output kept as this
     rank's features (a column paired with its rows) needs the operand split alike along
-    its one dimension, and a whole output a whole operand."""
+    its one dimension (packed alike: a fused [Q|K|V]'s bias holds this rank's share of
+    each chunk, as its output does), and a whole output a whole operand."""
     layouts = sch.annotations.of_kind(LAYOUT)
     problems = []
     for child, names in sorted(operands.items()):
         path = join(parent, child)
         mp = p.modules.get(path)
         axis = mp.role.mesh_axis if mp is not None and mp.keeps_features and mp.role is not None else None
-        if mp is not None and (mp.seq is not None or mp.local_params):
+        packed = mp.role.packed if mp is not None and mp.role is not None else 1
+        # a sharded layer's own whole parameters (a LoRA column's A) leave its split operands alone
+        if mp is not None and (mp.seq is not None or (mp.local_params and mp.role is None)):
             problems.append(Problem(
                 parent or "<root>",
                 f"adds parameters of {path!r} to its output itself, on sequence shards or a tp_local module's "
@@ -147,7 +150,7 @@ def _operands_off_features(sch: Schedule, p: Plan, parent: str, operands: Mappin
             layout, value = layouts.get(join(path, name)), get_module(sch.module, path)._parameters.get(name)
             whole = layout is None or layout.is_replicated
             split = (layout is not None and value is not None and value.dim() == 1
-                     and layout.axes_of(0, 1) == ((axis, 1),)
+                     and layout.axes_of(0, 1) == ((axis, packed),)
                      and all(isinstance(q, Replicate) for d, q in zip(layout.mesh_dims, layout.placements,
                                                                       strict=True) if d != axis))
             if (whole and axis is None) or (axis is not None and split):

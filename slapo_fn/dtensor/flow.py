@@ -967,7 +967,8 @@ def _products_of_activations(node: fx.Node) -> bool:
 def _pointwise_call(parent: nn.Module, prefix: str, node: fx.Node) -> bool:
     """Whether ``node`` calls a pointwise child of ``parent`` (an activation, a dropout),
     or a child whose code combines, element by element, one activation with parameters
-    of its siblings alone (``fuse``'s ``gelu(x + bias)`` handed a Linear's bias)."""
+    of its siblings alone (``fuse``'s ``gelu(x + bias)`` handed a Linear's bias; its own
+    children pointwise, as GPT-2's ``act(x + bias)`` calling its ``NewGELUActivation``)."""
     target = str(node.target)
     if not target.startswith(prefix):
         return False
@@ -975,7 +976,7 @@ def _pointwise_call(parent: nn.Module, prefix: str, node: fx.Node) -> bool:
     if pointwise(child):
         return True
     values = [a for a in _nodes_in((node.args, node.kwargs)) if not read_of_a_child(a, prefix, _child_paths(parent))]
-    return (len(values) == 1 and not any(True for _ in child.parameters()) and not child._modules
+    return (len(values) == 1 and not any(True for _ in child.parameters()) and all(map(pointwise, child.children()))
             and not child._buffers and _elementwise_code(child, operands=True))
 
 

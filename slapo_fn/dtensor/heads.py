@@ -8,6 +8,7 @@ One reason to change: how the planner reads heads and packed blocks in a parent'
 
 from __future__ import annotations
 
+import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import Shard
 
@@ -146,9 +147,11 @@ def _axis_size(sch: Schedule, axis: str) -> int:
 
 def _split_made_local(parent: nn.Module, sizes: tuple[int | None, ...], out: int | None, packed: int) -> bool:
     """Whether a split of a packed column's output by ``sizes`` is one build gives this
-    rank's block size: one size, the parent's ``split_size``, the width of a block."""
+    rank's block size: one size, the parent's ``split_size``, the width of a block, read by
+    its forward (a traced parent's code holds the size it was traced with, not the
+    attribute build changes)."""
     return (out is not None and len(sizes) == 1 and sizes[0] == out // packed
-            and vars(parent).get("split_size") == sizes[0])
+            and vars(parent).get("split_size") == sizes[0] and not isinstance(parent, fx.GraphModule))
 
 
 def _blocks_of_heads(parent: nn.Module, dims: tuple[int | None, ...], out: int | None, packed: int) -> bool:
@@ -380,11 +383,13 @@ def _packing_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
                 get_module(sch.module, _parent(path)), how.dims, _out_features(get_module(sch.module, path)),
                 role.packed):
             sizes = ", ".join(str(d) for d in how.dims)
+            traced = isinstance(get_module(sch.module, _parent(path)), fx.GraphModule)
             problems.append(Problem(
                 path,
                 f"{where}'s forward splits its output by sizes of the whole output's blocks ({sizes}), which build "
-                "does not make this rank's (only GPT-2's split_size), so this rank's share would be cut into the "
-                "wrong blocks",
+                + ("does not make this rank's (a traced forward holds the sizes it was traced with)" if traced
+                   else "does not make this rank's (only GPT-2's split_size)")
+                + ", so this rank's share would be cut into the wrong blocks",
                 f"gather its output, sf.sync(sch, {path!r}, 'fwd_post', Replicate()), or split it with "
                 f"chunk({role.packed}, dim=-1) or by a split_size attribute",
             ))

@@ -195,7 +195,9 @@ def _linear(module: nn.Module, x: torch.Tensor, bias: bool, local: Local) -> tor
     """A linear layer's computation on this rank's shards; ``bias=False`` leaves the bias
     out (a row adds it once, after the sum). A ``Linear`` runs its own forward (a subclass's
     too: float8, LoRA, quantized) on the local values of its parameters; see
-    :func:`run_own_forward`."""
+    :func:`run_own_forward`. A bias the module leaves to its caller (:func:`adds_bias`) is
+    never added here."""
+    bias = bias and adds_bias(module)
     if isinstance(module, nn.Linear):
         if type(module).forward is nn.Linear.forward:  # F.linear itself: no swap needed
             return F.linear(x, local(module.weight), local(module.bias) if bias else None)  # type: ignore[arg-type]

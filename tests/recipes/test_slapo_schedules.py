@@ -67,13 +67,13 @@ def _loss(out: Any, _: sf.Schedule) -> torch.Tensor:
 FIXED = {"roberta": S.roberta_untied_fix, "t5": S.t5_untied_fix}
 
 
-def _tp2(rank: int, world: int, name: str, ckpt_ratio: float = 0.0) -> dict[str, Any]:
+def _tp2(rank: int, world: int, name: str, ckpt_ratio: float = 0.0, **options: Any) -> dict[str, Any]:
     # CommDebugMode's module tracker fails on a module called twice (ALBERT's shared layer,
     # T5's relative position bias, a checkpointed layer's recomputation): there the
     # collectives are counted without it
     schedule = FIXED.get(name, S.SCHEDULES[name])
-    if ckpt_ratio:
-        schedule = functools.partial(schedule, ckpt_ratio=ckpt_ratio)
+    if ckpt_ratio or options:
+        schedule = functools.partial(schedule, ckpt_ratio=ckpt_ratio, **options)
     r = parity(FACTORIES[name](), schedule, _inputs(name), shape=(world,), loss=_loss, atol=2e-5,
                tracker=name not in ("albert", "t5") and not ckpt_ratio, predict=False)
     functional = {d: {op: n for op, n in r[d].items() if not op.endswith("_")} for d in ("fwd", "bwd")}
@@ -127,6 +127,18 @@ def test_slapos_checkpointing_with_tp2_keeps_the_numbers_and_recomputes_the_atte
     got = dist2.run(_tp2, "gpt2", 1.0, timeout=200)
     assert got[0]["grads"] == sum(1 for _ in FACTORIES["gpt2"]().parameters())
     assert (got[0]["fwd"], got[0]["bwd"]) == (EXPECTED["gpt2"][0], {"all_reduce": 5 + 2}), got[0]
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+def test_slapos_gpt2_schedule_with_bias_gelu_fused_runs_on_local_shards_at_the_megatron_optimum(dist2: Any) -> None:
+    # Slapo's fuse_bias_gelu in place of the fused MLP kernel: each c_fc (a Conv1D) decomposed,
+    # still called for its matmul on this rank's shard, its bias fused with the GeLU after it
+    plan = sf.dtensor.plan(S.gpt2(sf.create_schedule(FACTORIES["gpt2"](), mesh=fake_mesh(2)), fuse_bias_gelu=True))
+    assert plan.on_dtensors == (), [f"{q.path}: {q.reason}" for q in plan.on_dtensors]
+    got = dist2.run(_tp2, "gpt2", fuse_bias_gelu=True, timeout=200)
+    assert got[0]["grads"] == sum(1 for _ in FACTORIES["gpt2"]().parameters()) and not got[0]["on_dtensors"]
+    assert (got[0]["fwd"], got[0]["bwd"]) == EXPECTED["gpt2"], got[0]
 
 
 # -- what slapo_fn refuses in Slapo's schedules, and the line that says what to change ------

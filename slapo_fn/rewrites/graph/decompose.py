@@ -1,17 +1,19 @@
-"""``decompose``: a traced ``Linear`` (or GPT-2's ``Conv1D``) becomes a matmul without
-bias, plus a bias add; in a graph of ``torch.fx`` or of ``torch.export`` (whose
-unflattened modules are ``InterpreterModule``s, and whose Linears are modules of their
-own, or their code inlined by ``trace(flatten=True)``)."""
+"""``decompose``: a traced ``Linear`` (or GPT-2's ``Conv1D``) becomes its matmul without
+bias, still called, plus a bias add in its parent's graph; in a graph of ``torch.fx`` or
+of ``torch.export`` (whose unflattened modules are ``InterpreterModule``s, and whose
+Linears are modules of their own, or their code inlined by ``trace(flatten=True)``)."""
 
 from __future__ import annotations
 
 import functools
 import operator
+from typing import cast
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
 
 from ...combinators import primitive
 from ...errors import Problem, ScheduleError
@@ -21,31 +23,62 @@ from ...select import Selection
 from ...tree import get_module, join, set_at, split
 from ._graph import copy_graph, has_hooks, rebuild
 
-__all__ = ["SeparateBiasLinear", "decompose"]
+__all__ = ["SeparateBias", "SeparateBiasLinear", "decompose", "separate_bias"]
 
 _CALLED = ("hooks", "checkpoint", "compile")
 
 
-class SeparateBiasLinear(nn.Linear):
-    """An ``nn.Linear`` whose forward is its matmul alone: the caller adds :attr:`bias`
-    (what :func:`decompose` leaves of a called Linear). It keeps the Linear's parameters
-    and their FQNs, and is still called, so a layout planned for it (a column) runs its
-    matmul on this rank's shard."""
+class SeparateBias(nn.Module):
+    """A linear layer whose forward is its matmul alone: the caller adds :attr:`bias` (what
+    :func:`decompose` leaves of a called Linear or ``Conv1D``). Mixed into the layer's own
+    class (:func:`separate_bias`), it keeps the layer's parameters and their FQNs, and is
+    still called, so a layout planned for it (a column) runs its matmul on this rank's
+    shard, and the planner reads it as the layer it was."""
 
     #: Its forward leaves the bias out; whoever calls it adds it (read by a row's layout).
     adds_bias = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        """The layer's own forward with a zero bias: its product alone, for any forward that
+        adds its bias last (``F.linear``, ``Conv1D``'s ``addmm``, a LoRA's sum)."""
+        bias = self._parameters.get("bias")
+        if bias is None:
+            return super().forward(x)  # type: ignore[no-any-return]
+        with _reparametrize_module(self, {"bias": torch.zeros_like(bias)}):
+            return super().forward(x)  # type: ignore[no-any-return]
 
     @classmethod
-    def of(cls, linear: nn.Linear) -> SeparateBiasLinear:
-        """``linear``'s parameters, attributes and mode under this class (``linear`` is
-        not touched; it has no hooks: :func:`decompose` refuses those)."""
-        new = cls.__new__(cls)
-        vars(new).update(vars(linear), _parameters=dict(linear._parameters), _buffers=dict(linear._buffers),
-                         _modules=dict(linear._modules))
+    def of(cls, layer: nn.Module) -> nn.Module:
+        """``layer``'s parameters, attributes and mode under :func:`separate_bias` of its
+        class (``layer`` is not touched; it has no hooks: :func:`decompose` refuses those)."""
+        kind = separate_bias(type(layer))
+        new = kind.__new__(kind)
+        vars(new).update(vars(layer), _parameters=dict(layer._parameters), _buffers=dict(layer._buffers),
+                         _modules=dict(layer._modules))
         return new
+
+
+class SeparateBiasLinear(SeparateBias, nn.Linear):
+    """An ``nn.Linear`` whose forward is its matmul alone (:class:`SeparateBias`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def separate_bias(kind: type[nn.Module]) -> type[nn.Module]:
+    """``kind`` with :class:`SeparateBias` mixed in (one class per layer class, so that
+    layers of one kind stay of one kind): ``SeparateBiasLinear`` for ``nn.Linear``,
+    ``SeparateBiasConv1D`` for Hugging Face's ``Conv1D``."""
+    if issubclass(kind, SeparateBias):
+        return kind
+    return SeparateBiasLinear if kind is nn.Linear else _mixed(cast(type, kind))  # a class hashes as itself
+
+
+@functools.cache
+def _mixed(kind: type) -> type[nn.Module]:
+    name = f"SeparateBias{kind.__name__}"
+    return type(name, (SeparateBias, kind), {"__module__": __name__, "__qualname__": name,
+                                             "__doc__": f"A {kind.__name__} whose forward is its matmul alone."})
 
 
 #: The linear functions a traced graph calls: fx's ``F.linear``, torch.export's ``aten.linear``.
@@ -111,18 +144,22 @@ def _sites(module: nn.Module, graph: fx.Graph, under: str = "") -> set[str]:
 
 @primitive
 def decompose(sch: Schedule, where: Selection) -> Schedule:
-    """Split each selected ``nn.Linear`` of a traced module into ``F.linear(x, weight)``
-    followed by ``+ bias``, so that the bias add can be matched and fused with what
-    follows (``F.gelu(x + b)``, bias + dropout + residual…). Hugging Face's ``Conv1D``
-    (GPT-2) becomes ``torch.matmul(x, weight) + bias`` the same way.
+    """Split each selected ``nn.Linear`` of a traced module into its matmul followed by
+    ``+ bias``, so that the bias add can be matched and fused with what follows
+    (``F.gelu(x + b)``, bias + dropout + residual…). Hugging Face's ``Conv1D`` (GPT-2) is
+    split the same way.
 
     ``where`` names Linear modules called from a traced ancestor's graph, or a traced
-    module (then every Linear it calls). A plain ``nn.Linear`` stays called for its
-    matmul, as a :class:`SeparateBiasLinear` holding the same parameters under the same
-    FQNs (so a layout planned for it still applies); the graph adds its bias after the
-    call. Other Linears (Conv1D, a subclass, one inlined by ``torch.export``) are computed
-    by the graph itself and no longer called, so one with hooks or checkpoint/compile
-    annotations is refused. Returns a new schedule; the input is unchanged.
+    module (then every Linear it calls). A called linear layer (``nn.Linear``, a subclass,
+    ``Conv1D``, a subclass that keeps its product) stays called for its own forward with
+    its bias left out, as its class with :class:`SeparateBias` mixed in
+    (:func:`separate_bias`; :class:`SeparateBiasLinear` for ``nn.Linear``) holding the
+    same parameters under the same FQNs, so ``shard`` reads it as the layer it was and a
+    layout planned for it still applies; the graph adds its bias after the call. A
+    Linear inlined by ``torch.export`` (or exported as a module of its own) is computed
+    by the graph itself. A layer with hooks or checkpoint/compile annotations is refused
+    (its call would no longer be the layer's), and so is one decomposed already. Returns
+    a new schedule; the input is unchanged.
 
     Example:
         >>> import torch.nn as nn, slapo_fn as sf
@@ -205,10 +242,12 @@ def decompose(sch: Schedule, where: Selection) -> Schedule:
                         "decompose before adding them, or leave this Linear as it is",
                     )
                 )
+            elif isinstance(linear, SeparateBias):
+                problems.append(Problem(full, "is decomposed already (its parent adds its bias)", "decompose it once"))
             elif len(node.args) != 1 or node.kwargs:
                 problems.append(Problem(full, "is called with more than one input", "leave it as it is"))
-            elif type(linear) is nn.Linear:  # still called for its matmul; the bias added after it
-                gm = set_at(gm, target, SeparateBiasLinear.of(linear))  # type: ignore[assignment]
+            elif isinstance(linear, nn.Linear) or is_conv1d(linear):  # called for its matmul; the bias after it
+                gm = set_at(gm, target, SeparateBias.of(linear))  # type: ignore[assignment]
                 if linear.bias is not None:
                     with graph.inserting_after(node):
                         bias = graph.get_attr(f"{target}.bias")
@@ -219,8 +258,7 @@ def decompose(sch: Schedule, where: Selection) -> Schedule:
             else:
                 with graph.inserting_before(node):
                     weight = graph.get_attr(f"{target}.weight")
-                    matmul = torch.matmul if is_conv1d(linear) else F.linear
-                    out = graph.call_function(matmul, (node.args[0], weight))
+                    out = graph.call_function(F.linear, (node.args[0], weight))
                     if linear._parameters.get("bias") is not None:
                         out = graph.call_function(operator.add, (out, graph.get_attr(f"{target}.bias")))
                 out.meta = dict(node.meta)

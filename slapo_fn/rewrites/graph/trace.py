@@ -18,7 +18,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from ...combinators import primitive
 from ...errors import Problem, ScheduleError, ScheduleTypeError
-from ...hf import is_transformers_module
+from ...hf import is_transformers_module, linear_features
 from ...schedule import Schedule
 from ...select import Selection, select
 from ...tree import get_module, join, set_at, split, walk
@@ -81,7 +81,7 @@ def _fx_trace(
         if node.op != "call_module" or target in leaves:
             continue
         child = get_module(module, target)
-        if _builtin(child):
+        if _builtin(child) or linear_features(child) is not None:  # a layer (Conv1D too) stays one
             continue
         inner = {leaf[len(target) + 1 :] for leaf in leaves if leaf.startswith(target + ".")}
         traced = _fx_trace(child, join(path, target), inner, False, None)
@@ -422,9 +422,10 @@ def trace(
     Only that module becomes a graph; the rest of the model stays eager. Children named
     in ``leaves`` (paths relative to the module, or classes) stay the same module
     objects, called by ``call_module`` nodes that keep their paths; so do children that
-    carry hooks or schedule annotations, and PyTorch's own layers (``nn.Linear``…).
-    With ``flatten=False`` other children are traced into graphs of their own (the
-    hierarchy is kept); with ``flatten=True`` they are inlined into one graph.
+    carry hooks or schedule annotations, and PyTorch's own layers (``nn.Linear``…). With
+    ``flatten=False`` other children are traced into graphs of their own (the hierarchy
+    is kept), but for linear layers (Hugging Face's ``Conv1D``), which stay modules; with
+    ``flatten=True`` they are inlined into one graph.
     Parameter FQNs, hooks and annotations of the module are kept.
 
     ``tracer`` is ``"fx"`` (``torch.fx.symbolic_trace``), ``"export"`` (``torch.export``

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import slapo_fn as sf
+from slapo_fn.hf import is_conv1d
 from slapo_fn.rewrites.graph.decompose import SeparateBiasLinear
 from tests.fingerprint import fingerprint, same
 from tests.models import Net, tiny_gpt2, tiny_llama
@@ -342,7 +343,10 @@ def test_decompose_hf_conv1d_and_fuse_bias_with_gelu_new() -> None:
     traced = sf.trace(sf.create_schedule(model), "", example_inputs=(x,))
     sch = sf.decompose(traced, ["c_fc", "c_proj"])
     calls = [n.target for n in sch.module.graph.nodes if n.op in ("call_function", "call_module")]
-    assert calls.count(torch.matmul) == 2 and "c_fc" not in calls and "c_proj" not in calls
+    # still called for their matmul (read by shard as the Conv1Ds they were), each bias added after
+    assert calls[:2] == ["c_fc", __import__("operator").add] and calls.count(__import__("operator").add) == 2
+    assert [type(sch[p].module).__name__ for p in ("c_fc", "c_proj")] == ["SeparateBiasConv1D"] * 2
+    assert sch["c_fc"].module.weight is model.c_fc.weight and is_conv1d(sch["c_fc"].module)
     assert list(sf.build(sch).state_dict()) == list(model.state_dict())
     sf.verify(sch, x, rtol=1e-5, atol=1e-6)
     (match,) = sf.find(sch, "", bias_gelu_new)
