@@ -38,8 +38,7 @@ from .schedule import Schedule
 from .seeding import seeded
 from .tree import join, private_copy, walk
 
-__all__ = ["UNFILLED", "BuildOptions", "Init", "allocate", "build", "has_meta", "initialisation_order", "materialise",
-           "reset_fsdp_shards"]
+__all__ = ["UNFILLED", "BuildOptions", "Init", "allocate", "build", "has_meta", "materialise", "reset_fsdp_shards"]
 
 #: Attribute :func:`allocate` sets on the buffers it gives storage without values, so that
 #: a loader knows which non-persistent buffers it must recompute (a buffer that had real
@@ -189,7 +188,7 @@ def materialise(model: nn.Module, options: BuildOptions) -> None:
         )
     owners = {path: m for path, m in walk(model) if is_pretrained_model(m)}
     if not callable(init):
-        pending = initialisation_order(model, owners)
+        pending = _initialisation_order(model, owners)
     _to_empty(model, options.device or torch.device("cpu"))
     for _, m in pending:
         clear_initialized_flags(m)
@@ -218,7 +217,7 @@ def materialise(model: nn.Module, options: BuildOptions) -> None:
         )
 
 
-def initialisation_order(model: nn.Module, owners: Mapping[str, nn.Module]) -> list[tuple[str, nn.Module]]:
+def _initialisation_order(model: nn.Module, owners: Mapping[str, nn.Module]) -> list[tuple[str, nn.Module]]:
     """The modules of ``model`` that initialising its meta-device tensors calls, each once,
     children before parents (Hugging Face's order, ``PreTrainedModel.initialize_weights``):
     every module with meta-device tensors of its own, and every module with none of its own
@@ -226,12 +225,12 @@ def initialisation_order(model: nn.Module, owners: Mapping[str, nn.Module]) -> l
     all on meta. ``_init_weights`` keys branches on such parents (T5's attention initialises
     its ``q``/``k``/``v``/``o`` by the head size, GPT-2's blocks scale their residual
     projections): a parent runs after its children, so its branch has the last word, as
-    when the model is made on a device; a parent with real tensors below it is skipped, so
-    that it never overwrites them.
+    when the model is made on a device; a parent of no tensors of its own with real tensors
+    below it is skipped, so that it never overwrites them.
 
     >>> import torch.nn as nn
     >>> m = nn.Sequential(nn.Linear(2, 2, device="meta"), nn.Linear(2, 2))
-    >>> [path for path, _ in initialisation_order(m, {})]
+    >>> [path for path, _ in _initialisation_order(m, {})]
     ['0']
     """
     order: list[tuple[str, nn.Module]] = []
