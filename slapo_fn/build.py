@@ -16,7 +16,7 @@ touch a module a schedule owns.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
@@ -36,7 +36,7 @@ from .rewrites.compile import apply_compile
 from .rewrites.hook import apply_hooks
 from .schedule import Schedule
 from .seeding import seeded
-from .tree import private_copy, walk
+from .tree import join, private_copy, walk
 
 __all__ = ["UNFILLED", "BuildOptions", "Init", "allocate", "build", "has_meta", "materialise", "reset_fsdp_shards"]
 
@@ -186,8 +186,10 @@ def materialise(model: nn.Module, options: BuildOptions) -> None:
             "build",
             [Problem("", f"unknown init {init!r}", "use init='reset', 'full', 'empty' or init=fn(module, path)")],
         )
-    _to_empty(model, options.device or torch.device("cpu"))
     owners = {path: m for path, m in walk(model) if is_pretrained_model(m)}
+    if not callable(init):
+        pending = _initialisation_order(model, owners)
+    _to_empty(model, options.device or torch.device("cpu"))
     for _, m in pending:
         clear_initialized_flags(m)
     if options.device is not None:
@@ -213,6 +215,55 @@ def materialise(model: nn.Module, options: BuildOptions) -> None:
                 for p in uninitialised
             ],
         )
+
+
+def _initialisation_order(model: nn.Module, owners: Mapping[str, nn.Module]) -> list[tuple[str, nn.Module]]:
+    """The modules of ``model`` that initialising its meta-device tensors calls, each once,
+    children before parents (Hugging Face's order, ``PreTrainedModel.initialize_weights``):
+    every module with meta-device tensors of its own, and every module with none of its own
+    under a Hugging Face owner (``owners``: ``{path: model}``) whose descendants' tensors are
+    all on meta. ``_init_weights`` keys branches on such parents (T5's attention initialises
+    its ``q``/``k``/``v``/``o`` by the head size, GPT-2's blocks scale their residual
+    projections): a parent runs after its children, so its branch has the last word, as
+    when the model is made on a device; a parent of no tensors of its own with real tensors
+    below it is skipped, so that it never overwrites them.
+
+    >>> import torch.nn as nn
+    >>> m = nn.Sequential(nn.Linear(2, 2, device="meta"), nn.Linear(2, 2))
+    >>> [path for path, _ in _initialisation_order(m, {})]
+    ['0']
+    """
+    order: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+
+    def visit(path: str, m: nn.Module) -> bool | None:
+        """Whether every tensor at and below ``m`` is on meta (``None``: it has none)."""
+        if id(m) in seen:
+            return _all_meta(m)
+        seen.add(id(m))
+        below = [visit(join(path, name), child) for name, child in m._modules.items() if child is not None]
+        own = _tensors(m)
+        if own:
+            if _has_meta(m):
+                order.append((path, m))
+            return all(t.is_meta for t in own) and all(b is not False for b in below)
+        whole = any(b is True for b in below) and all(b is not False for b in below)
+        if whole and callable(getattr(init_owner(owners, path), "_init_weights", None)):
+            order.append((path, m))
+        return whole if any(b is not None for b in below) else None
+
+    visit("", model)
+    return order
+
+
+def _tensors(m: nn.Module) -> list[torch.Tensor]:
+    return [t for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
+
+
+def _all_meta(m: nn.Module) -> bool | None:
+    """Whether every tensor at and below ``m`` is on meta (``None``: it has none)."""
+    tensors = [t for _, sub in walk(m) for t in _tensors(sub)]
+    return all(t.is_meta for t in tensors) if tensors else None
 
 
 def _empty_like(

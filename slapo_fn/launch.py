@@ -82,8 +82,9 @@ class Outcome:
     ``code``: its exit code (0 on success; the first failed rank's code, or 128 + the
     signal that killed it; 128 + the signal that stopped the launcher or the agent).
     ``errors``: the distinct messages of ranks that refused their input, in rank order.
-    ``failure``: one line on how it failed (``""`` if it did not): the first failed rank,
-    its exit code or signal and the first line of its error, or how the agent ended.
+    ``failure``: one line on how it failed (``""`` if it did not, or if its ranks refused
+    their input: ``errors`` then say why): the first failed rank, its exit code or signal
+    and the first line of its error, or how the agent ended.
     ``stopped_by``: the signal that stopped the launcher, if one did. ``logs``: the
     failed rank's whole output, where it has one.
     """

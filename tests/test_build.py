@@ -136,3 +136,52 @@ def test_load_full_state_dict_into_scheduled_build() -> None:
     built.load_state_dict(state)
     assert torch.equal(built.transformer.h[0].attn.c_attn.weight, state["transformer.h.0.attn.c_attn.weight"])
     assert built.lm_head.weight is built.transformer.wte.weight
+
+
+def _t5_config() -> object:
+    from transformers import T5Config
+
+    return T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, dropout_rate=0.0,
+                    use_cache=False, decoder_start_token_id=0)
+
+
+def _gpt2_config() -> object:
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=128, n_embd=64, n_head=4, n_layer=2, n_positions=32, use_cache=False)
+
+
+@pytest.mark.parametrize("config", [_t5_config, _gpt2_config], ids=["t5", "gpt2"])
+def test_meta_build_initialises_as_hugging_face_does(config: object) -> None:
+    """``_init_weights`` branches on parents that own no tensors (T5's attention sizes q/k/v/o
+    by the head size; GPT-2's blocks scale their residual projections by depth): a model
+    built from meta gets the spread of each weight that the model made on a device has."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    cfg = config()  # type: ignore[operator]
+    auto = AutoModelForSeq2SeqLM if cfg.is_encoder_decoder else AutoModelForCausalLM  # type: ignore[attr-defined]
+    torch.manual_seed(0)
+    made = auto.from_config(cfg)
+    with torch.device("meta"):
+        meta = auto.from_config(cfg)
+    for init in ("full", "reset"):
+        built = dict(sf.build(sf.create_schedule(meta), init=init).named_parameters())
+        for name, want in made.named_parameters():
+            got, want = built[name].detach(), want.detach()
+            if want.std() == 0:  # norms' ones, zero biases
+                assert torch.equal(got, want), (init, name)
+            elif want.numel() >= 1024:  # spreads estimated within a few percent
+                assert 0.85 < float(got.std() / want.std()) < 1.15, (init, name, float(got.std()), float(want.std()))
+
+
+def test_meta_build_leaves_real_weights_under_a_meta_parent_alone() -> None:
+    from transformers import T5ForConditionalGeneration
+
+    with torch.device("meta"):
+        meta = T5ForConditionalGeneration(_t5_config())  # type: ignore[arg-type]
+    real = nn.Linear(64, 64, bias=False)
+    attention = meta.encoder.block[0].layer[0].SelfAttention
+    attention.q = real  # a real child: its parent's branch (which sizes q by the head size) must not overwrite it
+    built = sf.build(sf.create_schedule(meta), init="full")
+    assert torch.equal(built.encoder.block[0].layer[0].SelfAttention.q.weight, real.weight)
+    assert not any(t.is_meta for t in built.parameters())

@@ -17,8 +17,9 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 
 from ..errors import Problem
+from ..rewrites._common import contains
 from ..schedule import Schedule
-from ..tree import get_module, join, split
+from ..tree import get_module, join, split, uncalled, walk
 from .chain_checks import (
     _attention_on_sequence_shards,
     _chain_gaps,
@@ -198,29 +199,76 @@ def _unproven(sch: Schedule, p: Plan) -> list[Problem]:
 
 
 def _bypassed(sch: Schedule, p: Plan) -> list[Problem]:
-    """A planned module whose parent never calls it, calling a module inside it directly
-    instead (``OPTForCausalLM`` calls ``self.model.decoder``, never ``self.model``): what
-    the plan installs on its forward (a sync, a chain's entry, its parameters' local
-    values) would never run. Read from the parent's traced data flow; refused, naming the
-    module called in its place."""
+    """A planned module the model's forward never calls: what the plan installs on its
+    forward (a sync, a chain's entry, a ``tp_local`` or RNG statement, its parameters'
+    local values) would never run. Two cases, read from the traced data flow: its parent
+    calls a module inside it directly instead (``OPTForCausalLM`` calls
+    ``self.model.decoder``, never ``self.model``), refused naming that module; or no
+    traced forward calls it at all (T5's ``shared`` embedding, which the model reaches
+    through ``encoder.embed_tokens`` and ``decoder.embed_tokens``, its parameters tied),
+    refused where a statement acts at its call, naming the called modules that hold its
+    parameters. Where a forward on the way cannot be traced, nothing is refused."""
     problems = []
     for path, mp in p.modules.items():
         if not path:
             continue
+        what = ("its syncs" if mp.syncs else "its sequence_parallel boundary" if mp.entry or mp.exit
+                else "its tp_local statement" if mp.local_axis else "its RNG statement" if mp.rng
+                else "its layout")
         fl = _flow_of(sch, _parent(path))
         name = split(path)[-1]
-        if fl is None or fl.called(name):
-            continue
-        inside = sorted(q for q in fl.feeds if q.startswith(name + "."))
-        if not inside:
-            continue
-        what = ("its syncs" if mp.syncs else "its sequence_parallel boundary" if mp.entry or mp.exit
-                else "its layout")
-        parent = _parent(path)
-        callee, where = join(parent, inside[0]), _named(parent)
-        problems.append(Problem(
-            path,
-            f"is never called: {where}'s forward calls {callee!r} inside it directly, so {what} would never run",
-            f"put it on {callee!r} (the module that is called), or on {where}",
-        ))
+        inside = sorted(q for q in fl.feeds if q.startswith(name + ".")) if fl is not None and not fl.called(name) \
+            else []
+        if inside:
+            parent = _parent(path)
+            callee, where = join(parent, inside[0]), _named(parent)
+            problems.append(Problem(
+                path,
+                f"is never called: {where}'s forward calls {callee!r} inside it directly, so {what} would never run",
+                f"put it on {callee!r} (the module that is called), or on {where}",
+            ))
+        elif what != "its layout" and _runs(sch, path) is False:
+            problems.append(_never_runs(sch, path, what))
     return problems
+
+
+def _runs(sch: Schedule, path: str) -> bool | None:
+    """Whether the module at ``path`` runs in the model's forward: ``True`` where a traced
+    forward that runs calls it (its parent's, or an ancestor's past containers and past
+    modules that never run: OPT's root calls ``model.decoder``, never ``model``), ``False``
+    where none does though every forward above it is traced, ``None`` (unknown) where one
+    cannot be traced."""
+    if not path:
+        return True
+    parts = split(path)
+    unknown = False
+    for depth in range(len(parts) - 1, -1, -1):
+        here, name = join(*parts[:depth]), join(*parts[depth:])
+        fl = _flow_of(sch, here)
+        if fl is None:
+            unknown = unknown or not uncalled(get_module(sch.module, here))
+        elif fl.called(name):
+            runs = _runs(sch, here)
+            if runs:
+                return True
+            unknown = unknown or runs is None
+    return None if unknown else False
+
+
+def _never_runs(sch: Schedule, path: str, what: str) -> Problem:
+    """The problem of ``path``, which no forward calls, naming the called modules that hold
+    it (the same module at another path) or its parameters (a tie)."""
+    module = get_module(sch.module, path)
+    ties = tied_paths(sch.module)
+    same = {q for q, m in walk(sch.module) if m is module and q != path}
+    tied = {_parent(other) for n, _ in module.named_parameters(prefix=path) for other in ties.get(n, ())
+            if not any(contains(q, other) for q in (path, *same))}
+    called = [(sorted(q for q in found if _runs(sch, q) is not False), how)
+              for found, how in ((same, "is the same module as"), (tied, "shares its parameters (tied) with"))]
+    names = [q for qs, _ in called for q in qs]
+    reason = f"is never called in the model's forward, so {what} would never run"
+    if not names:
+        return Problem(path, reason, "drop it, or state it on a module the forward calls")
+    said = "; ".join(f"it {how} {', '.join(map(repr, qs))}, which the forward calls" for qs, how in called if qs)
+    return Problem(path, f"{reason}: {said}",
+                   f"state it on {', '.join(map(repr, names))} (the called paths that should have it), or drop it")

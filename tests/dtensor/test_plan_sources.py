@@ -316,6 +316,52 @@ def test_a_sync_or_chain_on_a_module_list_is_refused_when_stated() -> None:
     assert len(sf.sequence_parallel(sch, ["layers.*", "norm"]).annotations) == 3  # its items are accepted
 
 
+class Spare(nn.Module):
+    """``fc(x) + outer[0](x)``: ``spare`` is never called, ``alias`` is ``fc`` again,
+    ``inner.fc1`` is never called either (its holder ``inner`` is not); ``outer`` is never
+    called, but its item is, from here (as OPT's root calls ``model.decoder``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.spare, self.inner = nn.Linear(8, 8), nn.Linear(8, 8), Block()
+        self.outer = nn.Sequential(Block())
+        self.alias = self.fc
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + self.outer[0](x)
+
+
+def test_a_statement_on_a_module_the_forward_never_calls_is_refused_at_build() -> None:
+    """T5 reaches its ``shared`` embedding through ``encoder.embed_tokens`` and
+    ``decoder.embed_tokens`` (its weight tied to theirs and the LM head's), never as
+    ``shared``: a sync on it never ran, and build accepted it. Refused at build, every such
+    path at once, naming the called paths that hold it; the schedule is unchanged."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                                             dropout_rate=0.0, use_cache=False, decoder_start_token_id=0))
+    sch = sf.sync(schedule(t5), "shared", "fwd_post", Shard(-1))
+    before = sch.annotations
+    with pytest.raises(sf.LayoutError) as e:
+        sf.build(sch)
+    said = str(e.value)
+    assert "'shared': is never called in the model's forward, so its syncs would never run" in said
+    assert "shares its parameters (tied) with 'decoder.embed_tokens', 'encoder.embed_tokens', 'lm_head'" in said
+    assert "fix: state it on 'decoder.embed_tokens', 'encoder.embed_tokens', 'lm_head'" in said
+    assert sch.annotations == before
+    assert refused(sf.sync(schedule(t5), "encoder.embed_tokens", "fwd_post", Replicate())) == []  # it is called
+
+    base = schedule(Spare())
+    stated = sf.sync(sf.sync(sf.sync(base, "spare", "fwd_post", Shard(-1)), "alias", "fwd_pre", Replicate()),
+                     "inner.fc1", "fwd_post", Shard(-1))
+    found = dict(refused(stated))
+    assert sorted(found) == ["alias", "inner.fc1", "spare"]  # all at once
+    assert found["spare"].endswith("so its syncs would never run")
+    assert "it is the same module as 'fc', which the forward calls" in found["alias"]
+    assert refused(sf.sync(base, "fc", "fwd_pre", Replicate())) == []
+    assert refused(sf.sync(base, "outer.0.fc1", "fwd_pre", Replicate())) == []  # run past its uncalled holder
+
+
 def test_an_untraceable_module_with_nothing_planned_inside_gives_back_what_it_takes() -> None:
     """BERT's embeddings and Mixtral's routed experts cannot be traced; with nothing planned
     in them they compute on the whole values they are given, as the model does. What
