@@ -455,9 +455,10 @@ class RotaryAttention(Attention):
         require_attrs(cls.__name__, old, path, ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling"))
         if getattr(old, "is_causal", True) is not True:
             raise fail(cls.__name__, path, "this attention is not causal", "replace decoder self-attention only")
-        window = getattr(old, "sliding_window", None)
-        if window is None and type(old).__name__ == "MistralAttention":
-            window = getattr(getattr(old, "config", None), "sliding_window", None)
+        # the window its forward uses: its own where it keeps one (Qwen2's, None on its full
+        # layers), else its config's, which the forwards that keep none read (Mistral's, Mixtral's)
+        holder = old if hasattr(old, "sliding_window") else getattr(old, "config", None)
+        window: int | None = getattr(holder, "sliding_window", None)
         return cls(
             _get(old, "q_proj"),
             _get(old, "k_proj"),

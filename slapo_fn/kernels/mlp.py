@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
+from ..hf import is_conv1d
 from ._common import fail
 
 __all__ = ["FusedMLP", "fused_mlp"]
@@ -104,6 +105,16 @@ def _compiled_mlp() -> Callable[..., torch.Tensor]:
     return torch.compile(fused_mlp)  # type: ignore[return-value]
 
 
+def _layer_kind(m: nn.Module) -> str | None:
+    """``"linear"`` for a layer that computes ``nn.Linear``'s forward, ``"conv1d"`` for one
+    that computes Hugging Face ``Conv1D``'s (bias included), ``None`` for any other: a
+    subclass with a forward of its own (a LoRA, a layer whose caller adds its bias) holds
+    more than the weight and bias this kernel reads."""
+    if type(m).forward is nn.Linear.forward:
+        return "linear"
+    return "conv1d" if is_conv1d(m) and getattr(type(m), "adds_bias", True) is not False else None
+
+
 class FusedMLP(nn.Module):
     """A two-layer GeLU MLP (``fc2(gelu(fc1(x)))``, then an optional dropout) on
     :func:`fused_mlp`.
@@ -135,8 +146,8 @@ class FusedMLP(nn.Module):
         if approximate not in ("none", "tanh"):
             raise fail("FusedMLP", "", f"approximate must be 'none' or 'tanh', got {approximate!r}",
                        'FusedMLP(..., approximate="tanh")')
-        kinds = {type(m).__name__ for _, m in (fc1, fc2)}
-        if not (kinds <= {"Linear", "Conv1D"}) or len(kinds) != 1:
+        kinds = {_layer_kind(m) for _, m in (fc1, fc2)}
+        if None in kinds or len(kinds) != 1:
             raise fail(
                 "FusedMLP",
                 "",
@@ -149,7 +160,7 @@ class FusedMLP(nn.Module):
         self.add_module(fc2[0], fc2[1])
         if dropout is not None:
             self.add_module(dropout[0], dropout[1])
-        self.transposed = kinds == {"Conv1D"}
+        self.transposed = kinds == {"conv1d"}
         self.approximate: Approximate = approximate
         self.compiled = compile
 

@@ -165,10 +165,15 @@ def test_kernel_in_training_mode_matches() -> None:
     assert report.gradients
 
 
-def test_sliding_window_mask_from_the_model() -> None:
-    model = _decoder("mistral", "sdpa", sliding_window=4)
-    _verify(model, "mistral", None)
-    _verify(model, "mistral", _mask("left"))
+@pytest.mark.parametrize(("family", "overrides"), [
+    ("mistral", {}),  # keeps no window of its own: its forward reads the config's, and so does the kernel
+    ("qwen2", {"use_sliding_window": True, "max_window_layers": 0}),  # keeps its own
+    ("qwen2", {"use_sliding_window": False}),  # its own is None (full attention) though the config has one
+])
+def test_sliding_window_mask_from_the_model(family: str, overrides: dict[str, Any]) -> None:
+    model = _decoder(family, "sdpa", sliding_window=4, **overrides)
+    _verify(model, family, None)
+    _verify(model, family, _mask("left"))
 
 
 def test_gpt2_layer_scaling_and_sdpa_backend() -> None:

@@ -81,6 +81,27 @@ def test_fused_mlp_errors() -> None:
         FusedMLP(("fc1", nn.Linear(2, 2)), ("fc2", nn.Linear(2, 2)), approximate="erf")  # type: ignore[arg-type]
 
 
+class _Scaled(nn.Linear):
+    """A Linear subclass with a forward of its own: the kernel would compute without it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+class _Renamed(nn.Linear):
+    """A Linear subclass that keeps Linear's forward (as torch's NonDynamicallyQuantizableLinear)."""
+
+
+def test_fused_mlp_takes_layers_by_their_forward_not_their_class_name() -> None:
+    with pytest.raises(KernelError, match="both be nn.Linear or both Conv1D"):
+        FusedMLP(("fc1", _Scaled(4, 8)), ("fc2", nn.Linear(8, 4)))
+    torch.manual_seed(0)
+    fc1, fc2 = _Renamed(4, 8), _Renamed(8, 4)
+    x = torch.randn(2, 3, 4)
+    fused = FusedMLP(("fc1", fc1), ("fc2", fc2), approximate="none")
+    torch.testing.assert_close(fused(x), fc2(torch.nn.functional.gelu(fc1(x))))
+
+
 # -- RMSNorm -------------------------------------------------------------------------------
 def test_rmsnorm_on_llama_keeps_weights_and_matches() -> None:
     model = tiny_llama()
