@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement, _MaskPartial, _StridedShard
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
@@ -251,16 +251,26 @@ def _settled(x: Any) -> Any:
       the residual stream and every norm after it reduces it again, where one all-reduce
       here makes it whole for all (a role's output is made whole the same way). A norm's
       pending partial (``_NormPartial``) is left to the op that reads it: its gradient
-      cannot be taken back from a sum.
+      cannot be taken back from a sum;
+    * rows looked up in this rank's share of a vocabulary (``_MaskPartial``: an embedding
+      that reads, through a tie, a weight split by rows, as a LLaMA's tied head sharded
+      alone leaves its embedding): DTensor keeps their mask on the placement, which every
+      value made from them shares and the first reduction spends, so the next one (a
+      norm's ``x * rsqrt(var)`` after its ``x.float().pow(2)``) fails. Reduced here, once,
+      as PyTorch's ``RowwiseParallel`` reduces its embedding's output; its gradient is
+      made whole first (the lookup's backward takes it whole, not as a partial sum).
     """
     if not isinstance(x, DTensor) or not any(_unsettled(p) for p in x.placements):
         return x
     places = [Replicate() if _unsettled(p) else p for p in x.placements]
-    return x.redistribute(x.device_mesh, places)
+    if not any(isinstance(p, _MaskPartial) for p in x.placements):
+        return x.redistribute(x.device_mesh, places)
+    local = x.redistribute(x.device_mesh, places).to_local(grad_placements=places)
+    return DTensor.from_local(local, x.device_mesh, places, run_check=False, shape=x.shape, stride=x.stride())
 
 
 def _unsettled(p: Placement) -> bool:
-    return isinstance(p, _StridedShard) or type(p) is Partial
+    return isinstance(p, _StridedShard | _MaskPartial) or type(p) is Partial
 
 
 def _on_whole_values(func: Any, args: Any, kwargs: Any) -> Any:

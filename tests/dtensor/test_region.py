@@ -50,3 +50,38 @@ def _wrapper_says_contiguous(rank: int, world: int) -> list[bool]:
 @pytest.mark.timeout(60)
 def test_contiguous_makes_the_local_tensor_contiguous_whatever_the_wrapper_says(dist2) -> None:
     assert dist2.run(_wrapper_says_contiguous, timeout=30) == [[False, True, True]] * 2
+
+
+def _tied_vocab_split(rank: int, world: int) -> dict[str, object]:
+    import transformers
+
+    found: dict[str, object] = {}
+    for name in ("llama", "t5"):
+        torch.manual_seed(0)
+        ids = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+        if name == "llama":
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+                vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                num_hidden_layers=2, tie_word_embeddings=True, use_cache=False))
+            path, inputs = "lm_head", (ids,)
+        else:
+            model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+                vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, dropout_rate=0.0,
+                decoder_start_token_id=0))
+            path, inputs = "shared", (ids, torch.ones_like(ids), ids)
+        r = parity(model, lambda s, p=path: sf.shard(s, p, axis=0), inputs, shape=(world,), tracker=False,
+                   predict=False, atol=2e-5, loss=lambda o, _: o.logits.float().square().mean())
+        found[name] = bool(r["on_dtensors"])
+    return found
+
+
+@pytest.mark.timeout(150)
+def test_an_embedding_reading_a_vocabulary_split_through_a_tie_reduces_its_rows_once(dist2) -> None:
+    """A LLaMA with tied embeddings whose head alone is split by vocabulary, and T5 with its
+    never-called ``shared`` split so: the embedding that runs reads the split weight
+    through the tie, and DTensor gives its rows as a masked partial whose mask every value
+    made from them shares. A norm that reads them twice (``x.float().pow(2)``, then
+    ``x * rsqrt(var)``) found the mask spent: a raw ``AssertionError`` from inside DTensor.
+    They are now reduced once, right after the lookup: equal to the single process
+    (output and every gradient)."""
+    assert dist2.run(_tied_vocab_split, timeout=120) == [{"llama": True, "t5": True}] * 2
