@@ -43,7 +43,7 @@ from typing import Any, Literal, TypeAlias, Unpack, get_args, get_origin
 import torch
 from torch import nn
 
-from .tree import walk
+from .tree import adds_bias, walk
 
 __all__ = [
     "CONFIG_HEAD_COUNT_ATTRS",
@@ -135,7 +135,7 @@ def is_conv1d(module: nn.Module) -> bool:
     base = next((c for c in kind.__mro__ if c.__name__ == "Conv1D"), None)
     return (base is not None and hasattr(module, "nf") and hasattr(module, "nx")
             and (getattr(kind, "forward", None) is getattr(base, "forward", None)
-                 or getattr(kind, "adds_bias", True) is False))
+                 or not adds_bias(module)))
 
 
 def linear_features(module: nn.Module) -> tuple[int, int] | None:

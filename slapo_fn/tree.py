@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "adds_bias",
     "caller_path",
     "child_names",
     "get_module",
@@ -63,6 +64,17 @@ def uncalled(module: nn.Module) -> bool:
     ``nn.ModuleDict``): its parent's code calls its items, never it, so its hooks and a
     forward set on it never run."""
     return type(module).forward is nn.Module.forward
+
+
+def adds_bias(module: nn.Module) -> bool:
+    """Whether ``module``'s forward adds its own ``bias``: a layer whose class says
+    ``adds_bias = False`` leaves it to its caller (what :func:`~slapo_fn.decompose` makes
+    of a called Linear or ``Conv1D``).
+
+    >>> adds_bias(nn.Linear(2, 2))
+    True
+    """
+    return bool(getattr(type(module), "adds_bias", True))
 
 
 def caller_path(root: nn.Module, path: str) -> str:

@@ -212,6 +212,8 @@ def _bypassed(sch: Schedule, p: Plan) -> list[Problem]:
     for path, mp in p.modules.items():
         if not path:
             continue
+        # what acts where the module is called (a layout alone acts through its parameters)
+        at_call = bool(mp.syncs or mp.entry or mp.exit or mp.local_axis or mp.rng)
         what = ("its syncs" if mp.syncs else "its sequence_parallel boundary" if mp.entry or mp.exit
                 else "its tp_local statement" if mp.local_axis else "its RNG statement" if mp.rng
                 else "its layout")
@@ -227,7 +229,7 @@ def _bypassed(sch: Schedule, p: Plan) -> list[Problem]:
                 f"is never called: {where}'s forward calls {callee!r} inside it directly, so {what} would never run",
                 f"put it on {callee!r} (the module that is called), or on {where}",
             ))
-        elif what != "its layout" and _runs(sch, path) is False:
+        elif at_call and _runs(sch, path) is False:
             problems.append(_never_runs(sch, path, what))
     return problems
 

@@ -51,7 +51,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.nn.utils.stateless import _reparametrize_module
 
-__all__ = ["Channels", "Column", "EmbedDim", "Gathered", "Role", "Row", "VocabEmbed", "adds_bias", "left_apart",
+from ..tree import adds_bias
+
+__all__ = ["Channels", "Column", "EmbedDim", "Gathered", "Role", "Row", "VocabEmbed", "left_apart",
            "local_value", "reading", "run_own_forward", "whole_params"]
 
 
@@ -65,17 +67,11 @@ def local_value(p: torch.Tensor | None) -> torch.Tensor | None:
 Local = Callable[[torch.Tensor | None], torch.Tensor | None]
 
 
-def adds_bias(module: nn.Module) -> bool:
-    """Whether ``module``'s forward adds its own ``bias`` (a layer whose class says
-    ``adds_bias = False`` leaves it to its caller: :func:`~slapo_fn.decompose`'s)."""
-    return bool(getattr(type(module), "adds_bias", True))
-
-
 def whole_params(module: nn.Module, role: Role) -> tuple[str, ...]:
     """The DTensor parameters ``role``'s local forward reads whole on every rank (a LoRA's
     ``A`` in a column, its ``B`` in a row), but a bias added after the sum: their local
     gradients are partial sums over the axis, to be all-reduced. A bias the module's forward
-    leaves to its caller (:func:`adds_bias`) it does not read at all."""
+    leaves to its caller (:func:`~slapo_fn.tree.adds_bias`) it does not read at all."""
     apart = left_apart(module, role)
     return tuple(n for n, p in module._parameters.items() if isinstance(p, DTensor)
                  and not any(p is q for q in apart) and all(isinstance(pl, Replicate) for pl in p.placements))
@@ -84,7 +80,7 @@ def whole_params(module: nn.Module, role: Role) -> tuple[str, ...]:
 def left_apart(module: nn.Module, role: Role | None) -> tuple[torch.Tensor, ...]:
     """The parameters of ``module`` its local forward under ``role`` does not combine with
     this rank's activations: a bias ``role`` adds after the sum, and one the module's own
-    forward leaves to its caller (:func:`adds_bias`). Their gradients are whole on every
+    forward leaves to its caller (:func:`~slapo_fn.tree.adds_bias`). Their gradients are whole on every
     rank, never partial sums."""
     after = role.bias_after(module) if role is not None else None
     unread = None if adds_bias(module) else module._parameters.get("bias")
@@ -195,7 +191,7 @@ def _linear(module: nn.Module, x: torch.Tensor, bias: bool, local: Local) -> tor
     """A linear layer's computation on this rank's shards; ``bias=False`` leaves the bias
     out (a row adds it once, after the sum). A ``Linear`` runs its own forward (a subclass's
     too: float8, LoRA, quantized) on the local values of its parameters; see
-    :func:`run_own_forward`. A bias the module leaves to its caller (:func:`adds_bias`) is
+    :func:`run_own_forward`. A bias the module leaves to its caller (:func:`~slapo_fn.tree.adds_bias`) is
     never added here."""
     bias = bias and adds_bias(module)
     if isinstance(module, nn.Linear):

@@ -42,7 +42,7 @@ from ..errors import LayoutError, Problem, ScheduleTypeError
 from ..hf import head_dim_of, is_conv1d
 from ..schedule import Key, Schedule
 from ..select import Selection
-from ..tree import get_module, join, parent_path, split, uncalled, walk
+from ..tree import adds_bias, get_module, join, parent_path, split, uncalled, walk
 from .layout import Layout, from_spec, packed_shard
 from .roles import (
     CHANNEL_NORMS,
@@ -54,7 +54,6 @@ from .roles import (
     Role,
     Row,
     VocabEmbed,
-    adds_bias,
     run_own_forward,
 )
 

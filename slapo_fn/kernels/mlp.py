@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 from ..hf import is_conv1d
+from ..tree import adds_bias
 from ._common import fail
 
 __all__ = ["FusedMLP", "fused_mlp"]
@@ -112,7 +113,7 @@ def _layer_kind(m: nn.Module) -> str | None:
     more than the weight and bias this kernel reads."""
     if type(m).forward is nn.Linear.forward:
         return "linear"
-    return "conv1d" if is_conv1d(m) and getattr(type(m), "adds_bias", True) is not False else None
+    return "conv1d" if is_conv1d(m) and adds_bias(m) else None
 
 
 class FusedMLP(nn.Module):
