@@ -193,7 +193,7 @@ def _problem_attention(sch: Schedule, path: str) -> Problem | None:
             "position_embeddings): positions it makes itself (ALiBi, relative or learned biases) would be those "
             "of this rank's chunk, not the global ones",
             "context_parallel splits rotary attention whose cos/sin the model computes from position_ids "
-            "(LLaMA, Mistral, Qwen2, Qwen3); train this model without context parallelism",
+            "(handed to each layer as position_embeddings); train this model without context parallelism",
         )
     try:
         RotaryAttention.from_hf(module, path)

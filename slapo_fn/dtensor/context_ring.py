@@ -40,7 +40,7 @@ __all__ = ["ring_attention", "ring_problems"]
 def ring_problems(path: str, kernel: RotaryAttention, device_type: str, load_balance: bool) -> list[Problem]:
     """Why PyTorch's ring attention cannot run the attention ``kernel`` at ``path`` on a
     mesh of ``device_type`` (empty: it can)."""
-    fix = 'impl="allgather" (the Llama 3 all-gather of K/V: any device, any mask)'
+    fix = 'impl="allgather" (an all-gather of K/V: any device, any mask)'
     problems = []
     if ring is None or not hasattr(ring, "_scaled_dot_product_ring_flash_attention"):  # pragma: no cover
         problems.append(Problem(path, f"this PyTorch ({torch.__version__}) has no ring attention functions in "

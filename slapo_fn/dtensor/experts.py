@@ -189,8 +189,8 @@ def _not_moe(path: str, module: nn.Module) -> Problem:
         path,
         f"a {kind} is not a mixture-of-experts block: no child holds fused 3-D expert parameters "
         "([num_experts, ...]) with a forward taking (hidden_states, top_k_index, top_k_weights)",
-        "select the MoE blocks only, e.g. 'model.layers.*.mlp' on Mixtral; on models with dense layers in between "
-        "(Qwen2-MoE mlp_only_layers) list the sparse ones",
+        "select the MoE blocks only, e.g. 'model.layers.*.mlp'; on models with dense layers in between "
+        "(a config's mlp_only_layers) list the sparse ones",
     )
 
 
@@ -311,8 +311,8 @@ def expert_parallel(
     ...
     slapo_fn.errors.LayoutError: expert_parallel: '0': a Linear is not a mixture-of-experts block: no child holds \
 fused 3-D expert parameters ([num_experts, ...]) with a forward taking (hidden_states, top_k_index, top_k_weights)
-          fix: select the MoE blocks only, e.g. 'model.layers.*.mlp' on Mixtral; on models with dense layers in \
-between (Qwen2-MoE mlp_only_layers) list the sparse ones
+          fix: select the MoE blocks only, e.g. 'model.layers.*.mlp'; on models with dense layers in between (a \
+config's mlp_only_layers) list the sparse ones
     """
     _check_arguments("expert_parallel", mesh_axis, capacity_factor)
     cap = None if capacity_factor is None else float(capacity_factor)

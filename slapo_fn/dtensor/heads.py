@@ -388,7 +388,7 @@ def _packing_against_flow(sch: Schedule, p: Plan) -> list[Problem]:
                 path,
                 f"{where}'s forward splits its output by sizes of the whole output's blocks ({sizes}), which build "
                 + ("does not make this rank's (a traced forward holds the sizes it was traced with)" if traced
-                   else "does not make this rank's (only GPT-2's split_size)")
+                   else "does not make this rank's (only a split_size attribute)")
                 + ", so this rank's share would be cut into the wrong blocks",
                 f"gather its output, sf.sync(sch, {path!r}, 'fwd_post', Replicate()), or split it with "
                 f"chunk({role.packed}, dim=-1) or by a split_size attribute",

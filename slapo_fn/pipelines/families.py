@@ -49,7 +49,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -185,15 +185,28 @@ class InputsEmbeds(nn.Module):
         return inputs_embeds
 
 
+#: What each stand-in kind builds; ``absent`` is a :class:`NotInStage` naming the module.
+_STAND_INS: Mapping[Later, Callable[[], nn.Module]] = MappingProxyType(
+    {"identity": nn.Identity, "zeros": ZeroPositions, "inputs": InputsEmbeds}
+)
+
+#: The stages that keep a child of each role, by ``(first, last)``: the others get a stand-in.
+_KEPT: Mapping[Role, Callable[[bool, bool], bool]] = MappingProxyType({
+    "pre": lambda first, last: first,
+    "post": lambda first, last: last,
+    "shared": lambda first, last: True,
+})
+
+
 def later_stand_in(kind: Later, module: nn.Module, path: str, stage: int) -> nn.Module:
-    """The module standing in for the ``pre`` module ``module`` (at ``path``) in ``stage``."""
-    if kind == "identity":
-        return nn.Identity()
-    if kind == "zeros":
-        return ZeroPositions()
-    if kind == "inputs":
-        return InputsEmbeds()
-    return NotInStage(path, stage, "first")
+    """The module standing in for the ``pre`` module ``module`` (at ``path``) in ``stage``.
+
+    Example:
+        >>> type(later_stand_in("zeros", nn.Embedding(4, 2), "wpe", 1)).__name__
+        'ZeroPositions'
+    """
+    make = _STAND_INS.get(kind)
+    return make() if make is not None else NotInStage(path, stage, "first")
 
 
 def default_later(module: nn.Module) -> Later:
@@ -239,6 +252,8 @@ def roles(root: nn.Module, sequence: str, family: Family | None = None) -> dict[
 
 
 def _stand_in(role: Role, module: nn.Module, path: str, stage: int, family: Family) -> nn.Module:
+    """A ``pre`` module in a later stage per the family; a ``post`` one, in an earlier stage,
+    hands its input on."""
     if role == "post":
         return nn.Identity()
     name = split(path)[-1]
@@ -266,7 +281,7 @@ def stage_tree(
                 clone._modules[name] = replacement
             elif child is not None:
                 role = found.get(path, "shared")
-                if (role == "pre" and not first) or (role == "post" and not last):
+                if not _KEPT[role](first, last):
                     clone._modules[name] = _stand_in(role, child, path, stage, family)
         replacement = clone
     return replacement
