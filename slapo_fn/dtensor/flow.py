@@ -69,6 +69,7 @@ from .features import op_name as _op_name
 from .features import sizes_only as _sizes_only
 from .operands import combiners, operand_of, read_of_a_child
 from .roles import CHANNEL_NORMS, channels_rank
+from .taken import returned, taken
 from .traced_einops import einops_on_traced_values
 
 __all__ = ["INPUT", "OUTPUT", "SIDE", "Apart", "ApartKind", "Flow", "flow", "own_layer", "pointwise"]
@@ -158,6 +159,10 @@ class Flow:
     # the children that combine, element by element, one activation with such operands alone
     # (``fuse``'s ``gelu(x + bias)``): a layout passes through them as through an activation
     combines: frozenset[str] = frozenset()
+    # for each child whose output the parent's code only takes apart by position, the positions
+    # it reads, each ``None`` (read) or the position of the parent's result it is handed on as
+    # (:func:`.taken.taken`); a position absent is read by nothing
+    taken: Mapping[str, Mapping[int, int | None]] = field(default_factory=dict)
 
     def same_input(self, a: str, b: str) -> bool:
         """Whether children ``a`` and ``b`` are called on the very same tensor (q/k/v on the
@@ -702,11 +707,11 @@ def _trace(parent: nn.Module, given: frozenset[str] = frozenset(), leaf: bool = 
                  leaves, MappingProxyType(hidden), MappingProxyType(handed), MappingProxyType(mixes), attends,
                  MappingProxyType(ranked), _tokens(graph, parent, prefix, one), MappingProxyType(inner),
                  frozenset(read), MappingProxyType(per_head), MappingProxyType(counts), MappingProxyType(by_width),
-                 tuple(dict.fromkeys(called)), MappingProxyType(fields), _returned(graph, prefix),
+                 tuple(dict.fromkeys(called)), MappingProxyType(fields), returned(graph, prefix),
                  MappingProxyType({n: MappingProxyType(dict(a)) for n, a in args.items()}),
                  tuple(p.name for p in params[:4]),
                  MappingProxyType({n: frozenset(a) for n, a in operands.items() if n not in reads}),
-                 frozenset(combining))
+                 frozenset(combining), taken(graph, prefix))
     return found, read
 
 
@@ -717,36 +722,6 @@ def _argument_nodes(child: nn.Module, node: fx.Node) -> dict[str, str]:
     out = {params[i].name: a.name for i, a in enumerate(node.args[: len(params)]) if isinstance(a, fx.Node)}
     out.update({k: v.name for k, v in node.kwargs.items() if isinstance(v, fx.Node)})
     return out
-
-
-def _returned(graph: fx.Graph, prefix: str) -> Mapping[str, frozenset[str]]:
-    """For each child whose output reaches the graph's result by the parent's own code (not
-    through another child: :attr:`Flow.feeds` says which children it reaches), the fields
-    of it read on the way (``getattr(out, "cache")``, ``out["cache"]``), ``""`` standing for
-    a use that reads it otherwise (whole, or by position): :attr:`Flow.returned`."""
-    ancestors: set[fx.Node] = set()
-    todo = [n for n in graph.nodes if n.op == "output"]
-    while todo:
-        node = todo.pop()
-        if node.op == "call_module" and str(node.target).startswith(prefix):
-            continue  # what reaches a child's arguments reaches the result through it
-        for a in node.all_input_nodes:
-            if a not in ancestors:
-                ancestors.add(a)
-                todo.append(a)
-    out: dict[str, set[str]] = {}
-    for node in ancestors:
-        if node.op != "call_module" or not str(node.target).startswith(prefix):
-            continue
-        name = str(node.target)[len(prefix):]
-        for user in node.users:
-            if user.op == "output":
-                out.setdefault(name, set()).add("")
-            elif user in ancestors:
-                named = (user.op == "call_function" and user.target in (getattr, operator.getitem)
-                         and len(user.args) == 2 and isinstance(user.args[1], str))
-                out.setdefault(name, set()).add(str(user.args[1]) if named else "")
-    return MappingProxyType({name: frozenset(got) for name, got in out.items()})
 
 
 def _features_of(parent: nn.Module, prefix: str, node: fx.Node, one: bool) -> Walk:

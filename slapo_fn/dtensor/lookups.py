@@ -31,7 +31,7 @@ from .sequence import SEQ, SeqSpec
 from .shard import ROLE
 from .sync import SYNC
 
-__all__ = ["per_head_operands"]
+__all__ = ["per_head_operands", "read_positions"]
 
 
 _parent = parent_path
@@ -210,6 +210,23 @@ class _Level:
     flow: Flow
     through: Callable[[str], bool]
     users: frozenset[str]
+
+
+def read_positions(sch: Schedule, path: str) -> frozenset[int] | None:
+    """The positions of ``path``'s tuple output that some code reads, by its caller's traced
+    code (:attr:`.flow.Flow.taken`) and, for a position only handed on as the caller's own,
+    by the caller's caller; ``None`` where any may be read (the caller is not traced, or reads
+    the output otherwise than by constant positions). The model's own output is the user's:
+    all of it is read."""
+    found = _caller(sch, path)
+    if found is None:
+        return None
+    here, name, fl = found
+    positions = fl.taken.get(name)
+    if positions is None:
+        return None
+    above = read_positions(sch, here) if here and any(j is not None for j in positions.values()) else None
+    return frozenset(i for i, j in positions.items() if j is None or above is None or j in above)
 
 
 def _downstream(sch: Schedule, path: str) -> tuple[list[_Level], str | None]:

@@ -20,6 +20,7 @@ from ..schedule import Schedule
 from ..tree import get_module, join, parent_path, split, uncalled, walk
 from .arriving import stated_model_output
 from .chains import chain_entries_given_split
+from .lookups import read_positions
 from .planned import ModulePlan, Plan
 from .region import (
     Activations,
@@ -71,7 +72,8 @@ def install_on_dtensors(model: nn.Module, sch: Schedule, p: Plan, acts: Activati
         if path not in on_the_way and parent in on_the_way and not uncalled(m):
             m.forward = island(acts, m, m.forward)  # type: ignore[method-assign]
     leaving = stated_model_output(sch) if not root else {}
-    top.forward = region(acts, top.forward, leaving, whole_in=bool(root))  # type: ignore[method-assign]
+    read = read_positions(sch, root) if root else None
+    top.forward = region(acts, top.forward, leaving, whole_in=bool(root), read=read)  # type: ignore[method-assign]
     reduce_partial_grads(top, after_backward=p.grads_after_backward)
 
 

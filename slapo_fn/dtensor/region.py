@@ -42,7 +42,25 @@ from . import rules  # noqa: F401  (CPU attention's sharding rules, registered o
 from .collectives import enter_all, gather, reduce, unpack
 from .roles import Role, local_value, reading, whole_params
 
-__all__ = ["Activations", "BiasShare", "OnDTensors", "OncePerBackward", "reduce_together", "region"]
+__all__ = ["Activations", "BiasShare", "OnDTensors", "OncePerBackward", "reduce_together", "region", "same_tensor"]
+
+#: How many moved activations a region's pass remembers (:meth:`Activations.moved`).
+_RECENT = 4
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a is b``, or both whole-tensor aliases (``view_as``) of one base tensor: module
+    backward hooks hand each module its own alias of what it is called on."""
+    if a is b:
+        return True
+    base_a = a if a._base is None else a._base
+    base_b = b if b._base is None else b._base
+    return (
+        base_a is base_b
+        and a.shape == b.shape == base_a.shape
+        and a.stride() == b.stride() == base_a.stride()
+        and a.dtype == b.dtype
+    )
 
 
 class BiasShare(torch.autograd.Function):
@@ -114,6 +132,26 @@ class Activations:
 
     def __init__(self, mesh: Any, dims: tuple[str, ...]) -> None:
         self.mesh, self.dims = mesh, dims
+        # within one pass of a region (:func:`region`), the activations already moved for a
+        # module's input: (the DTensor, where to, the moved one), the latest few
+        self.moves: list[tuple[DTensor, tuple[Placement, ...], DTensor]] | None = None
+
+    def moved(self, x: DTensor, places: tuple[Placement, ...]) -> DTensor:
+        """``x`` redistributed to ``places``, once per pass for one DTensor: the columns
+        reading one activation (q, k and v on split hidden states) share the move, so
+        autograd sums their gradients before one collective back, as they enter once on
+        local shards (:meth:`.runtime._Runtime.enter`), matched the same way
+        (:func:`same_tensor`). Outside a pass, moved each time."""
+        if tuple(x.placements) == places:
+            return x
+        for prev, where, done in self.moves or ():
+            if where == places and same_tensor(prev, x):
+                return done
+        done = x.redistribute(x.device_mesh, places)
+        if self.moves is not None:
+            self.moves.append((x, places, done))
+            del self.moves[:-_RECENT]
+        return done
 
     def placements(self, **by_axis: Placement) -> tuple[Placement, ...]:
         """Placements over the activation mesh, ``Replicate`` on the axes not named."""
@@ -157,7 +195,7 @@ def _tree(fn: Callable[[Any], Any], value: Any) -> Any:
 
 
 def region(acts: Activations, forward: Callable[..., Any], leaving: Mapping[str, Placement],
-           whole_in: bool = False) -> Callable[..., Any]:
+           whole_in: bool = False, read: frozenset[int] | None = None) -> Callable[..., Any]:
     """``forward`` (the root's) run on DTensor activations: the plain tensors it is handed
     count as replicated where an op first meets them with a DTensor (:class:`OnDTensors`),
     and each tensor it returns leaves as a local tensor, whole on every mesh axis but
@@ -166,7 +204,13 @@ def region(acts: Activations, forward: Callable[..., Any], leaving: Mapping[str,
     local shards), and each activation among them enters once, as one replicated DTensor:
     every reader's partial input gradient (q, k and v's) is then summed on it and
     all-reduced once, where each reader entering it alone would reduce its own. The
-    model's root is not: a sequence-parallel chain may be told its input arrives split."""
+    model's root is not: a sequence-parallel chain may be told its input arrives split.
+    ``read``: where the root returns a tuple, the positions of it that some code reads
+    (:func:`.lookups.read_positions`; ``None``: any may be); the others are handed on as
+    they are, DTensors, as PyTorch's engine hands on every activation: an attention's
+    weights its caller drops cost no collective to make whole. A forward hook that reads
+    such a position (Hugging Face's ``output_attentions`` capture) gets the DTensor, its
+    values whole (``full_tensor()``); code mixing it with local tensors fails loudly."""
 
     def local(t: torch.Tensor) -> torch.Tensor:
         if not isinstance(t, DTensor):
@@ -182,8 +226,14 @@ def region(acts: Activations, forward: Callable[..., Any], leaving: Mapping[str,
     def run(*args: Any, **kwargs: Any) -> Any:
         if whole_in:
             args, kwargs = pytree.tree_map(entered, (args, kwargs))
-        with OnDTensors():
-            out = forward(*args, **kwargs)
+        outer, acts.moves = acts.moves, []
+        try:
+            with OnDTensors():
+                out = forward(*args, **kwargs)
+        finally:
+            acts.moves = outer
+        if read is not None and type(out) is tuple:
+            return tuple(_tree(local, v) if i in read else v for i, v in enumerate(out))
         return _tree(local, out)
 
     return run
@@ -379,12 +429,18 @@ def normalized(p: Placement, ndim: int) -> Placement:
     return Shard(p.dim % ndim) if isinstance(p, Shard) and not isinstance(p, _StridedShard) else p
 
 
+def _placed(acts: Activations, dt: DTensor, axis: str, layout: Placement) -> tuple[Placement, ...]:
+    """``dt``'s placements with ``layout`` over mesh axis ``axis``."""
+    places = list(dt.placements)
+    places[acts.dims.index(axis)] = normalized(layout, dt.dim())
+    return tuple(places)
+
+
 def relayout(acts: Activations, x: torch.Tensor, axis: str, layout: Placement) -> DTensor:
     """A DTensor activation moved to ``layout`` over mesh axis ``axis`` (the other axes kept)."""
     dt: DTensor = acts.to_dtensor(x)
-    places = list(dt.placements)
-    places[acts.dims.index(axis)] = normalized(layout, dt.dim())
-    return dt if tuple(places) == tuple(dt.placements) else dt.redistribute(dt.device_mesh, places)
+    places = _placed(acts, dt, axis, layout)
+    return dt if places == tuple(dt.placements) else dt.redistribute(dt.device_mesh, places)
 
 
 def role_on_dtensors(acts: Activations, m: nn.Module, role: Role, out: Placement | None) -> Callable[..., Any]:
@@ -406,7 +462,7 @@ def role_on_dtensors(acts: Activations, m: nn.Module, role: Role, out: Placement
         if takes is None:  # token ids: whole on every rank, with no gradient
             local, base = acts.to_local(dt), list(acts.replicated())
         else:
-            dt = relayout(acts, dt, axis, takes)
+            dt = acts.moved(dt, _placed(acts, dt, axis, takes))
             base = list(dt.placements)
             grad = [*base[:i], role.input_grad(dt.dim()), *base[i + 1:]]
             local = dt.to_local(grad_placements=grad)

@@ -43,7 +43,16 @@ from .lookups import _flow_of, _in_width, _out_features, _parent, per_head_opera
 from .on_dtensors import install_on_dtensors
 from .plan import _local_axis, _sharded_output, param_dims, plan
 from .planned import ModulePlan, Plan
-from .region import Activations, BiasShare, OncePerBackward, map_first_output, map_input, output_slot, reduce_together
+from .region import (
+    Activations,
+    BiasShare,
+    OncePerBackward,
+    map_first_output,
+    map_input,
+    output_slot,
+    reduce_together,
+    same_tensor,
+)
 from .regions import regions_of
 from .rng import RNG, forked
 from .roles import Role, reading, whole_params
@@ -163,7 +172,7 @@ class _Runtime:
         key = (name, seq, group, sliced)
         if self.entries is not None:
             for i, (prev, prev_key, entered) in enumerate(self.entries):
-                if prev_key == key and _same_tensor(prev, x):
+                if prev_key == key and same_tensor(prev, x):
                     self.entries.append(self.entries.pop(i))
                     return entered
         axis = self.axis(name)
@@ -173,20 +182,6 @@ class _Runtime:
             self.entries.append((x, key, entered))
             del self.entries[:-_RECENT]
         return entered
-
-
-def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``a is b``, or both whole-tensor aliases (``view_as``) of one base tensor."""
-    if a is b:
-        return True
-    base_a = a if a._base is None else a._base
-    base_b = b if b._base is None else b._base
-    return (
-        base_a is base_b
-        and a.shape == b.shape == base_a.shape
-        and a.stride() == b.stride() == base_a.stride()
-        and a.dtype == b.dtype
-    )
 
 
 def _in_transform() -> bool:

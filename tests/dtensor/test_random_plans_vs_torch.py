@@ -488,10 +488,9 @@ KNOWN_COLLECTIVES: dict[str, tuple[Case, str]] = {
     "region-output-beside-a-stated-gather": (
         Case("bart", _megatron("bart", STACKS["bart"][0]),
              syncs=(("encoder.layers.1.self_attn.v_proj", "fwd_post", "R", None),)),
-        "BART's encoder Megatron with a gather stated on one v_proj: its attention runs as a DTensor region, which "
-        "hands every tensor it returns on whole, the attention weights (split by heads) too, which the layer never "
-        "reads; backward, v's gradient comes back split by tokens and is moved to features (13 collectives against "
-        "PyTorch's 11)"),
+        "BART's encoder Megatron with a gather stated on one v_proj: its attention runs as a DTensor region; "
+        "backward, v's gradient comes back split by tokens and is moved to features (12 collectives against "
+        "PyTorch's 11; 13 while the region also gathered the attention weights its layer drops)"),
     "token-split-before-a-row-on-dtensors": (
         Case("bert", _megatron("bert", STACKS["bert"][0]), syncs=(("encoder.layer.1.output", "fwd_pre", "S(1)", None),),
              local=("embeddings.LayerNorm",)),

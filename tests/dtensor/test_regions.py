@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 import slapo_fn as sf
 from slapo_fn.dtensor.plan import plan
@@ -69,3 +69,76 @@ def test_the_region_runs_equal_with_one_gather(dist2: Any) -> None:
         assert r["close"], r
         assert r["forward"] == 1, r  # q gathered once for the attention (heads whole), nothing else
         assert r["entered"] == {"model.layers.0.self_attn"}, r
+
+
+def _bart_run(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from tests.dist import mesh
+    from tests.models import tiny_bart
+
+    model, ids = tiny_bart(), token_ids()
+    sch = sf.create_schedule(model, mesh=mesh((world,), ("tp",)))
+    attn = "encoder.layers.0.self_attn"
+    for name in ("q_proj", "k_proj", "v_proj"):
+        sch = sf.shard(sch, f"{attn}.{name}", axis=0)
+    # a gather stated on v puts the attention on DTensors, its weights split by heads
+    sch = sf.sync(sf.shard(sch, f"{attn}.out_proj", axis=1), f"{attn}.v_proj", "fwd_post", Replicate())
+    built = sf.build(sch)
+    ref = model(input_ids=ids, decoder_input_ids=ids, output_attentions=True)
+    with CommDebugMode() as comm:
+        out = built(input_ids=ids, decoder_input_ids=ids).last_hidden_state
+    # asked for, the weights are what Hugging Face's capture hook reads: the DTensor, whole values
+    asked = built(input_ids=ids, decoder_input_ids=ids, output_attentions=True).encoder_attentions[0]
+    return {"close": torch.allclose(out, ref.last_hidden_state, atol=1e-5), "forward": comm.get_total_counts(),
+            "dtensor": isinstance(asked, DTensor),
+            "weights": torch.allclose(asked.full_tensor(), ref.encoder_attentions[0], atol=1e-6)}
+
+
+def test_a_region_hands_on_what_its_caller_drops_as_it_is(dist2: Any) -> None:
+    """BART's encoder layer unpacks its attention's ``(output, weights)`` and drops the
+    weights, split by heads in the region: making them whole would cost a gather nothing
+    reads, so they leave as the DTensor they are, as PyTorch's engine hands them on."""
+    for r in dist2.run(_bart_run):
+        assert r["close"], r
+        # v gathered (the stated sync) and the row's sum; the dropped weights not gathered (was 4)
+        assert r["forward"] == 3, r
+        assert r["dtensor"] and r["weights"], r
+
+
+def _split_input_run(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from tests.dist import mesh
+
+    model, ids = tiny_llama(), token_ids()
+    sch = megatron_llama(sf.create_schedule(model, mesh=mesh((world,), ("tp",))))
+    # the attention told its hidden states arrive split by features: q, k and v each want them whole
+    sch = sf.sync(sch, "model.layers.0.self_attn", "fwd_pre", Shard(-1))
+    built = sf.build(sch)
+    ref = model(ids).logits
+    ref.sum().backward()
+    with CommDebugMode() as fwd:
+        out = built(ids).logits
+    with CommDebugMode() as bwd:
+        out.sum().backward()
+    grads = {n: float((b.grad.full_tensor() - a.grad).abs().max() / a.grad.abs().max())
+             for (n, a), (_, b) in zip(model.named_parameters(), built.named_parameters(), strict=True)}
+    grads = {n: d for n, d in grads.items() if d > 1e-6}
+    return {"close": torch.allclose(out, ref, atol=1e-5), "grads": grads,
+            "forward": _counts(fwd), "backward": _counts(bwd)}
+
+
+def _counts(comm: Any) -> dict[str, int]:
+    return {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+
+
+def test_columns_reading_one_activation_in_a_region_move_it_once(dist2: Any) -> None:
+    """q, k and v read the one split activation: moved whole once in forward, and their
+    gradients summed before one move back (was once per column each way)."""
+    for r in dist2.run(_split_input_run):
+        assert r["close"] and not r["grads"], r  # every gradient within 1e-6 of its magnitude
+        assert r["forward"] == {"all_gather_into_tensor": 1, "all_reduce": 4}, r  # was 3 gathers
+        # the gradients summed before one reduce-scatter (was 3), then the stated split's own gather
+        assert r["backward"] == {"all_reduce": 3, "reduce_scatter_tensor": 1, "all_gather_into_tensor": 1}, r
