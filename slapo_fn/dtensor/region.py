@@ -134,23 +134,34 @@ class Activations:
         self.mesh, self.dims = mesh, dims
         # within one pass of a region (:func:`region`), the activations already moved for a
         # module's input: (the DTensor, where to, the moved one), the latest few
-        self.moves: list[tuple[DTensor, tuple[Placement, ...], DTensor]] | None = None
+        # (each with its version then: a value changed in place since is not the one moved)
+        self.moves: list[tuple[DTensor, int, tuple[Placement, ...], DTensor, int]] | None = None
 
     def moved(self, x: DTensor, places: tuple[Placement, ...]) -> DTensor:
         """``x`` redistributed to ``places``, once per pass for one DTensor: the columns
         reading one activation (q, k and v on split hidden states) share the move, so
         autograd sums their gradients before one collective back, as they enter once on
         local shards (:meth:`.runtime._Runtime.enter`), matched the same way
-        (:func:`same_tensor`). Outside a pass, moved each time."""
+        (:func:`same_tensor`). A move back to where ``x`` was moved from within the pass
+        is the value it was moved from: a split stated on whole hidden states and a
+        column's gather of them cost nothing forward, and the column's partial gradient
+        is reduced once, not reduce-scattered and gathered again. A value changed in place
+        since its move is moved again. Outside a pass, or while a compiler traces, moved
+        each time."""
         if tuple(x.placements) == places:
             return x
-        for prev, where, done in self.moves or ():
+        if self.moves is None or torch.compiler.is_compiling():
+            return x.redistribute(x.device_mesh, places)
+        for prev, seen, where, done, made in self.moves:
+            if prev._version != seen or done._version != made:
+                continue
             if where == places and same_tensor(prev, x):
                 return done
+            if tuple(prev.placements) == places and same_tensor(done, x):
+                return prev  # moved back where it came from: the value it was moved from
         done = x.redistribute(x.device_mesh, places)
-        if self.moves is not None:
-            self.moves.append((x, places, done))
-            del self.moves[:-_RECENT]
+        self.moves.append((x, x._version, places, done, done._version))
+        del self.moves[:-_RECENT]
         return done
 
     def placements(self, **by_axis: Placement) -> tuple[Placement, ...]:
@@ -437,10 +448,10 @@ def _placed(acts: Activations, dt: DTensor, axis: str, layout: Placement) -> tup
 
 
 def relayout(acts: Activations, x: torch.Tensor, axis: str, layout: Placement) -> DTensor:
-    """A DTensor activation moved to ``layout`` over mesh axis ``axis`` (the other axes kept)."""
+    """A DTensor activation moved to ``layout`` over mesh axis ``axis`` (the other axes kept),
+    by :meth:`Activations.moved`."""
     dt: DTensor = acts.to_dtensor(x)
-    places = _placed(acts, dt, axis, layout)
-    return dt if places == tuple(dt.placements) else dt.redistribute(dt.device_mesh, places)
+    return acts.moved(dt, _placed(acts, dt, axis, layout))
 
 
 def role_on_dtensors(acts: Activations, m: nn.Module, role: Role, out: Placement | None) -> Callable[..., Any]:
