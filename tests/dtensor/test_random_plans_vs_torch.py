@@ -494,6 +494,13 @@ KNOWN_COLLECTIVES: dict[str, tuple[Case, str]] = {
         "on split, and the attention's backward takes it so (12 collectives against PyTorch's 11; 13 while the "
         "region also gathered the attention weights its layer drops). Handing every such gradient on split was "
         "measured: it fixes these three plans of 894 and costs 15 others of 324 one to four collectives more"),
+    "gathered-value-beside-split-heads": (
+        Case("bert", _megatron("bert", STACKS["bert"][0]),
+             syncs=(("encoder.layer.1.attention.self.value", "fwd_post", "R", None),)),
+        "BERT's Megatron with a gather stated on one value, on local shards: the value's whole output breaks the "
+        "pair across parents, so query and key gather theirs too and the row splits its whole input (3 gathers "
+        "forward and 1 backward); PyTorch's engine cuts the replicated value to this rank's heads where the "
+        "attention meets the split query and key (12 collectives against 11)"),
 }
 
 #: Former :data:`KNOWN_COLLECTIVES`, fixed: each smallest case costs no more than PyTorch's now.
