@@ -67,11 +67,16 @@ def install_on_dtensors(model: nn.Module, sch: Schedule, p: Plan, acts: Activati
         m.forward = forward  # type: ignore[method-assign]
     top = get_module(model, root)
     on_the_way = {join(*split(q)[:i]) for q in inside for i in range(len(split(root)), len(split(q)) + 1)}
+    # by module, not path: a module registered at two paths is on the way at both, and one
+    # island is wrapped once
+    islands: set[int] = {id(get_module(model, q)) for q in on_the_way}
     for path, m in walk(top, root):
         parent = parent_path(path) if path != root else None
-        if path not in on_the_way and parent in on_the_way and not uncalled(m):
+        if parent in on_the_way and not uncalled(m) and id(m) not in islands:
+            islands.add(id(m))
             m.forward = island(acts, m, m.forward)  # type: ignore[method-assign]
     leaving = stated_model_output(sch) if not root else {}
+    # (a module registered at two paths is never a region's root: its parameters are tied across them)
     read = read_positions(sch, root) if root else None
     top.forward = region(acts, top.forward, leaving, whole_in=bool(root), read=read)  # type: ignore[method-assign]
     reduce_partial_grads(top, after_backward=p.grads_after_backward)

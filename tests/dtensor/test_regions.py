@@ -190,3 +190,45 @@ def test_a_value_changed_in_place_after_its_move_is_moved_again(dist2: Any) -> N
     is of the scaled value, not the one the split was made from."""
     for r in dist2.run(_in_place_run):
         assert r["close"] and r["grads"], r
+
+
+class _Scores(nn.Module):
+    """Returns ``(out, scores)``: a softmax over the features of ``q``'s output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.o = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.softmax(self.q(x), dim=-1)
+        return self.o(scores) + x, scores
+
+
+class _CalledTwice(nn.Module):
+    """One ``_Scores`` module at two paths: the first call drops its scores, the second reads them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = _Scores()
+        self.second = self.first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.first(x)
+        h, scores = self.second(h)
+        return h * scores
+
+
+def _sync_only_run(rank: int, world: int) -> dict[str, Any]:
+    from tests.dist import mesh
+
+    torch.manual_seed(0)
+    model, x = _CalledTwice(), torch.randn(2, 4, 8)
+    # a split stated on q reaches the module's result: the whole model is the region, and the
+    # module at its second path is on the way too, not an island inside it
+    built = sf.build(sf.sync(sf.create_schedule(model, mesh=mesh((world,), ("tp",))), "first.q", "fwd_post", Shard(-1)))
+    return {"close": torch.allclose(built(x), model(x), atol=1e-5)}
+
+
+def test_a_module_on_the_way_at_one_path_is_no_island_at_another(dist2: Any) -> None:
+    for r in dist2.run(_sync_only_run):
+        assert r["close"], r
