@@ -440,18 +440,13 @@ def normalized(p: Placement, ndim: int) -> Placement:
     return Shard(p.dim % ndim) if isinstance(p, Shard) and not isinstance(p, _StridedShard) else p
 
 
-def _placed(acts: Activations, dt: DTensor, axis: str, layout: Placement) -> tuple[Placement, ...]:
-    """``dt``'s placements with ``layout`` over mesh axis ``axis``."""
-    places = list(dt.placements)
-    places[acts.dims.index(axis)] = normalized(layout, dt.dim())
-    return tuple(places)
-
-
 def relayout(acts: Activations, x: torch.Tensor, axis: str, layout: Placement) -> DTensor:
     """A DTensor activation moved to ``layout`` over mesh axis ``axis`` (the other axes kept),
     by :meth:`Activations.moved`."""
     dt: DTensor = acts.to_dtensor(x)
-    return acts.moved(dt, _placed(acts, dt, axis, layout))
+    places = list(dt.placements)
+    places[acts.dims.index(axis)] = normalized(layout, dt.dim())
+    return acts.moved(dt, tuple(places))
 
 
 def role_on_dtensors(acts: Activations, m: nn.Module, role: Role, out: Placement | None) -> Callable[..., Any]:
@@ -473,7 +468,7 @@ def role_on_dtensors(acts: Activations, m: nn.Module, role: Role, out: Placement
         if takes is None:  # token ids: whole on every rank, with no gradient
             local, base = acts.to_local(dt), list(acts.replicated())
         else:
-            dt = acts.moved(dt, _placed(acts, dt, axis, takes))
+            dt = relayout(acts, dt, axis, takes)
             base = list(dt.placements)
             grad = [*base[:i], role.input_grad(dt.dim()), *base[i + 1:]]
             local = dt.to_local(grad_placements=grad)
