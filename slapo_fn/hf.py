@@ -37,6 +37,7 @@ import inspect
 import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from types import MappingProxyType
 from typing import Any, Literal, TypeAlias, Unpack, get_args, get_origin
 
@@ -511,9 +512,20 @@ def head_dim_of(module: nn.Module, names: Sequence[str] = HEAD_DIM_ATTRS) -> int
 
 
 # -- pipeline stages ----------------------------------------------------------------------
-#: Where a child on the path to the cut sequence runs: before it (embeddings), after it
-#: (final norm, head) or in every stage (see :mod:`slapo_fn.pipelines.families`).
-StageRole: TypeAlias = Literal["pre", "post", "shared"]
+class StageRole(StrEnum):
+    """Where a child on the path to the cut sequence runs: before it (embeddings), after it
+    (final norm, head) or in every stage (see :mod:`slapo_fn.pipelines.families`).
+
+    Example:
+        >>> StageRole.POST == "post"
+        True
+    """
+
+    PRE = "pre"
+    POST = "post"
+    SHARED = "shared"
+
+
 #: What stands in for a ``pre`` module in the stages after the first.
 StageStandIn: TypeAlias = Literal["absent", "identity", "zeros", "inputs"]
 
@@ -541,7 +553,7 @@ PIPELINE_STAGES: Mapping[str, _Stages] = MappingProxyType(
         # OPTDecoder registers final_layer_norm/project_out *before* its layers, adds
         # embed_positions(...) and applies project_in to inputs_embeds.
         "opt": _stages(
-            roles={"final_layer_norm": "post", "project_out": "post"},
+            roles={"final_layer_norm": StageRole.POST, "project_out": StageRole.POST},
             later={"embed_positions": "zeros", "project_in": "identity"},
         ),
         # BertModel always calls self.embeddings(..., inputs_embeds=...) (adds position and

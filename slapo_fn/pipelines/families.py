@@ -192,9 +192,9 @@ _STAND_INS: Mapping[Later, Callable[[], nn.Module]] = MappingProxyType(
 
 #: The stages that keep a child of each role, by ``(first, last)``: the others get a stand-in.
 _KEPT: Mapping[Role, Callable[[bool, bool], bool]] = MappingProxyType({
-    "pre": lambda first, last: first,
-    "post": lambda first, last: last,
-    "shared": lambda first, last: True,
+    StageRole.PRE: lambda first, last: first,
+    StageRole.POST: lambda first, last: last,
+    StageRole.SHARED: lambda first, last: True,
 })
 
 
@@ -237,14 +237,14 @@ def roles(root: nn.Module, sequence: str, family: Family | None = None) -> dict[
             role: Role
             if base_plan is not None and token in base_plan:
                 role = (
-                    "shared"
+                    StageRole.SHARED
                     if name not in base_plan
-                    else ("pre" if base_plan.index(name) < base_plan.index(token) else "post")
+                    else (StageRole.PRE if base_plan.index(name) < base_plan.index(token) else StageRole.POST)
                 )
             elif head_plan is not None and name in head_plan:
-                role = "post"
+                role = StageRole.POST
             else:
-                role = "pre" if names.index(name) < names.index(token) else "post"
+                role = StageRole.PRE if names.index(name) < names.index(token) else StageRole.POST
             out[join(prefix, name)] = family.roles.get(name, role)
         module = module._modules[token]  # type: ignore[assignment]
         prefix = join(prefix, token)
@@ -254,7 +254,7 @@ def roles(root: nn.Module, sequence: str, family: Family | None = None) -> dict[
 def _stand_in(role: Role, module: nn.Module, path: str, stage: int, family: Family) -> nn.Module:
     """A ``pre`` module in a later stage per the family; a ``post`` one, in an earlier stage,
     hands its input on."""
-    if role == "post":
+    if role == StageRole.POST:
         return nn.Identity()
     name = split(path)[-1]
     return later_stand_in(family.later.get(name, default_later(module)), module, path, stage)
@@ -280,7 +280,7 @@ def stage_tree(
             if name == tokens[depth]:
                 clone._modules[name] = replacement
             elif child is not None:
-                role = found.get(path, "shared")
+                role = found.get(path, StageRole.SHARED)
                 if not _KEPT[role](first, last):
                     clone._modules[name] = _stand_in(role, child, path, stage, family)
         replacement = clone
@@ -367,15 +367,15 @@ def derive_family(root: nn.Module, sequence: str) -> tuple[Family, ...]:
     for path, role in found.items():
         module, name = get_module(root, path), split(path)[-1]
         if not _has(module, "parameters") and _has(module, "buffers"):
-            shared[name] = "shared"  # a rotary table: recomputed from the position ids in every stage
-        elif role == "pre":
+            shared[name] = StageRole.SHARED  # a rotary table: recomputed from the position ids in every stage
+        elif role == StageRole.PRE:
             later[name] = _later_of(module, embedding)
-        elif role == "post" and split(path)[:-1] == parent and name not in plan and module is not output \
+        elif role == StageRole.POST and split(path)[:-1] == parent and name not in plan and module is not output \
                 and _has(module, "parameters"):
             flips.append(name)
     base = Family(MappingProxyType(shared), MappingProxyType(later))
     return (base, *(
-        Family(MappingProxyType({**shared, name: "pre"}), MappingProxyType({**later, name: "identity"}))
+        Family(MappingProxyType({**shared, name: StageRole.PRE}), MappingProxyType({**later, name: "identity"}))
         for name in flips
     ))
 
