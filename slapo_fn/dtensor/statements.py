@@ -10,6 +10,7 @@ One reason to change: the rule for a stated layout.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Literal
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
@@ -28,7 +29,7 @@ from .arriving import (
 from .chains import _chain_entries, _chain_exits, _enters_chain_whole, _in_chain
 from .experts import EXPERTS
 from .flow import INPUT, OUTPUT, SIDE, pointwise
-from .local import LOCAL
+from .local import LOCAL, LocalSpec
 from .lookups import (
     _ancestors,
     _caller,
@@ -370,15 +371,52 @@ def _stacked_role_outputs(sch: Schedule) -> list[Problem]:
 
 
 def _unseen_tp_locals(sch: Schedule) -> list[Problem]:
-    """``tp_local`` on a module whose caller's code fx cannot trace (BERT's embeddings
-    LayerNorm, inside ``BertEmbeddings``): the data flow cannot show that only this rank's
-    shard reaches it, and where the whole activation does, summing its gradients over the
-    ranks would multiply them. On DTensor activations the gradients are what the data
-    flow makes them, whatever the statement."""
-    return [Problem(path, "is declared tp_local, but its caller's code cannot be traced, so what reaches it is "
-                          "unknown", f"trace its caller, or drop tp_local for {path!r} where the whole activation "
-                                   "reaches it")
-            for path in sch.annotations.of_kind(LOCAL) if _caller(sch, path) is None]
+    """``tp_local`` on a module whose input the data flow cannot tell, outside a
+    sequence-parallel chain: its caller's code fx cannot trace (BERT's embeddings
+    LayerNorm, inside ``BertEmbeddings``), or what reaches it is unknown (a token split
+    stated upstream, whose region hands its result on whole). The statement cannot be
+    checked: where the whole activation reaches the module, summing its gradients over
+    the ranks would multiply them. On DTensor activations the gradients are what the
+    data flow makes them, whatever the statement."""
+    problems = []
+    for path, spec, found in _reaching_tp_locals(sch):
+        if found is False:
+            problems.append(Problem(
+                path, "is declared tp_local, but its caller's code cannot be traced, so what reaches it is unknown",
+                f"trace its caller, or drop tp_local for {path!r} where the whole activation reaches it"))
+        elif found is None and not _in_chain(sch, path, spec.mesh_axis):
+            problems.append(Problem(
+                path, f"is declared tp_local, but the data flow cannot tell what reaches it over {spec.mesh_axis!r}",
+                f"drop tp_local for {path!r} where the whole activation reaches it (it is for modules after a "
+                "column kept split, such as per-head norms, or inside a sequence_parallel chain)"))
+    return problems
+
+
+def _reaching_tp_locals(sch: Schedule) -> list[tuple[str, LocalSpec, Placement | Literal[False] | None]]:
+    """Per ``tp_local`` module, what the data flow brings to it over its mesh axis
+    (:class:`.arriving._Features`: ``Replicate()``, ``Shard(-1)``, or ``None`` where it
+    cannot tell), or ``False`` where its caller's code cannot be traced. What columns kept
+    split for their rows alone feed is this rank's features whatever reached the columns
+    (a per-head norm inside a kernel the flow does not follow)."""
+    locals_: dict[str, LocalSpec] = sch.annotations.of_kind(LOCAL)
+    if not locals_:
+        return []
+    know = _features_by_axis(sch, _partners(sch))
+    out: list[tuple[str, LocalSpec, Placement | Literal[False] | None]] = []
+    for path, spec in locals_.items():
+        found = _caller(sch, path)
+        if found is None:
+            out.append((path, spec, False))
+            continue
+        f = know(spec.mesh_axis)
+        parent, name, fl = found
+        fed = fl.feeders(name, f._through(parent))
+        got = f._combine(parent, fed)
+        if got is None and fed and all(join(parent, q) in f.kept and f.roles[join(parent, q)].mesh_axis
+                                       == spec.mesh_axis for q in fed):
+            got = Shard(-1)
+        out.append((path, spec, got))
+    return out
 
 
 def _role_output_syncs(sch: Schedule) -> list[Problem]:
@@ -514,24 +552,13 @@ def _whole_tp_locals(sch: Schedule) -> list[Problem]:
     shows the whole activation reaching it (a norm before the columns, the model's final
     norm), each rank's gradient is already the whole one, and the reduction would multiply
     it by the axis size: refused, naming the module."""
-    problems = []
-    partners = _partners(sch)
-    know = _features_by_axis(sch, partners)
-    for path, spec in sch.annotations.of_kind(LOCAL).items():
-        found = _caller(sch, path)
-        if found is None:
-            continue
-        f = know(spec.mesh_axis)
-        parent, name, fl = found
-        if isinstance(f._combine(parent, fl.feeders(name, f._through(parent))), Replicate):
-            problems.append(Problem(
-                path,
-                f"is declared tp_local (to run on this rank's shard over {spec.mesh_axis!r}), but by the data flow "
-                "the whole activation reaches it: every rank's gradient of its parameters is already the whole "
-                "one, and reducing it over the ranks would multiply it",
-                f"drop tp_local for {path!r} (it is for modules after a column kept split, such as per-head norms)",
-            ))
-    return problems
+    return [Problem(
+        path,
+        f"is declared tp_local (to run on this rank's shard over {spec.mesh_axis!r}), but by the data flow "
+        "the whole activation reaches it: every rank's gradient of its parameters is already the whole "
+        "one, and reducing it over the ranks would multiply it",
+        f"drop tp_local for {path!r} (it is for modules after a column kept split, such as per-head norms)",
+    ) for path, spec, found in _reaching_tp_locals(sch) if isinstance(found, Replicate)]
 
 
 def _sources(sch: Schedule) -> list[Problem]:
