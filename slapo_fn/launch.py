@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -56,6 +56,7 @@ from .processes import (
     descendants,
     die_with_parent,
     kill,
+    lost_peers,
     rank_log,
     recorded_errors,
     recorded_failure,
@@ -282,7 +283,7 @@ def agent(argv: Sequence[str]) -> int:
     try:
         torchrun.run(torchrun.parse_args(list(argv)))
     except ChildFailedError as failed:
-        rank, first = root_cause(failed.failures)
+        rank, first = root_cause(failed.failures, lost_peers(Path(run_dir)) if run_dir else ())
         text, code = describe(rank, first)
     except SignalException as stop:  # the launcher, or someone else, stopped the job: the workers are stopped
         sig = signal.Signals(int(stop.sigval))
@@ -298,23 +299,28 @@ def agent(argv: Sequence[str]) -> int:
     return code
 
 
-def root_cause(failures: Mapping[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
+def root_cause(failures: Mapping[int, ProcessFailure], lost: Collection[int] = ()) -> tuple[int, ProcessFailure]:
     """The rank that failed first, of ``failures`` (global rank → failure) — the one to
     report. torchrun times failures to the second and lists those seen in one poll by
     rank, so a rank that lost its peer may look as early as the peer; within the earliest
     second, a rank killed by a signal comes first (a crash, the OOM killer, ``kill -9``),
-    then one that exited non-zero, then one stopped by SIGTERM (the agent stops the
-    others so).
+    then one that exited non-zero on its own, then one that exited because a peer went
+    missing (the ranks in ``lost``, as they recorded it), then one stopped by SIGTERM (the
+    agent stops the others so).
 
     >>> from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
     >>> lost_peer = ProcessFailure(local_rank=0, pid=7, exitcode=1, error_file="")
     >>> killed = ProcessFailure(local_rank=1, pid=8, exitcode=-9, error_file="")
     >>> root_cause({0: lost_peer, 1: killed})[0]
     1
+    >>> exited = ProcessFailure(local_rank=1, pid=8, exitcode=3, error_file="")
+    >>> root_cause({0: lost_peer, 1: exited}, lost={0})[0]
+    1
     """
     def order(item: tuple[int, ProcessFailure]) -> tuple[int, int, int]:
         rank, failure = item
-        kind = 2 if failure.exitcode == -signal.SIGTERM else 0 if failure.exitcode < 0 else 1
+        kind = (3 if failure.exitcode == -signal.SIGTERM else 0 if failure.exitcode < 0 else 2 if rank in lost
+                else 1)
         return failure.timestamp, kind, rank
 
     return min(failures.items(), key=order)

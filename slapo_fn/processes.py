@@ -5,8 +5,10 @@ group does not reach them. Workers write their PIDs to ``pid-<rank>`` files in t
 folder, and parent links in ``/proc`` find the rest. A worker that refuses its input
 writes the message to ``error-<rank>`` there instead of printing it, so that the
 launcher says it once (:func:`record_error`, :func:`recorded_errors`); a worker that fails
-leaves the first line of its error in ``failed-<rank>`` (:func:`record_failure`) and its
-whole output in ``rank-<rank>.log`` (:func:`rank_log`). The launcher tells
+leaves the first line of its error in ``failed-<rank>`` (:func:`record_failure`; a rank
+that failed because another one went missing also leaves ``lost-peer-<rank>``, so that the
+launcher names the rank that caused it) and its whole output in ``rank-<rank>.log``
+(:func:`rank_log`). The launcher tells
 its workers where that folder is, and that they are workers, through the environment
 (:data:`RUN_DIR_ENV`, :func:`in_worker`).
 
@@ -35,6 +37,7 @@ __all__ = [
     "die_with_parent",
     "in_worker",
     "kill",
+    "lost_peers",
     "rank_log",
     "record_error",
     "record_failure",
@@ -47,7 +50,7 @@ __all__ = [
 
 #: Files a run leaves in its run folder, by rank: worker PIDs, refused-input messages, the
 #: first line of a failure's error, and the rank's output.
-_PID, _ERROR, _FAILED, _LOG = "pid-", "error-", "failed-", "rank-{rank}.log"
+_PID, _ERROR, _FAILED, _LOST, _LOG = "pid-", "error-", "failed-", "lost-peer-", "rank-{rank}.log"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 #: Environment variables a launcher sets for its processes: the run folder, the launcher's
 #: PID (its agent dies with it), and that a process is a worker of a launch.
@@ -131,7 +134,7 @@ def wait_gone(pids: Iterable[int], timeout: float = 10.0) -> bool:
 
 def clear_run_dir(run_dir: Path) -> None:
     """Remove what an earlier run left in ``run_dir`` (PID, error and failure files, logs)."""
-    for pattern in (f"{_PID}*", f"{_ERROR}*", f"{_FAILED}*", _LOG.format(rank="*")):
+    for pattern in (f"{_PID}*", f"{_ERROR}*", f"{_FAILED}*", f"{_LOST}*", _LOG.format(rank="*")):
         for stale in run_dir.glob(pattern):
             with contextlib.suppress(FileNotFoundError):
                 stale.unlink()
@@ -153,9 +156,26 @@ def rank_log(run_dir: Path, rank: int) -> Path:
     return Path(run_dir, _LOG.format(rank=rank))
 
 
-def record_failure(run_dir: Path, rank: int, line: str) -> None:
-    """Leave the one line that says why rank ``rank`` failed, for the launcher."""
+def record_failure(run_dir: Path, rank: int, line: str, *, lost_peer: bool = False) -> None:
+    """Leave the one line that says why rank ``rank`` failed, for the launcher, and
+    whether it failed because a peer went missing (a consequence, not the cause)."""
+    if lost_peer:
+        Path(run_dir, f"{_LOST}{rank}").touch()
     _write_whole(Path(run_dir, f"{_FAILED}{rank}"), line)
+
+
+def lost_peers(run_dir: Path) -> frozenset[int]:
+    """The ranks that recorded a failure caused by a peer that went missing.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     record_failure(Path(folder), 0, "rank 1 did not arrive", lost_peer=True)
+    ...     record_failure(Path(folder), 1, "ValueError: bad")
+    ...     sorted(lost_peers(Path(folder)))
+    [0]
+    """
+    return frozenset(int(f.name[len(_LOST):]) for f in Path(run_dir).glob(f"{_LOST}*")
+                     if f.name[len(_LOST):].isdigit())
 
 
 def recorded_failure(run_dir: Path, rank: int) -> str:

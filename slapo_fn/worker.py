@@ -135,7 +135,7 @@ def _as_rank(work: Callable[[Options, IO[str]], int], options: Options) -> int:
         line, first = _said(e, options)
         if run_dir:
             traceback.print_exc()  # into the log
-            record_failure(Path(run_dir), rank, line)
+            record_failure(Path(run_dir), rank, line, lost_peer=dist.is_initialized() and _collective(e))
             if not first:
                 time.sleep(ARRIVAL_GRACE_S)  # the rank that says who did not arrive exits first
         else:
@@ -179,9 +179,20 @@ def _output_to_log(log: Path, *, keep_stdout: bool) -> IO[str]:
     return console
 
 
+#: What a backend's error says where a collective timed out or its peer went away (gloo
+#: closes the pair's socket, or the peer's kernel resets it; writing to it breaks the pipe).
+LOST_PEER = ("Timed out", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
 def _collective(e: BaseException) -> bool:
-    """Whether ``e`` is a collective that failed: timed out, or lost a peer."""
-    return isinstance(e, dist.DistError) or "Timed out" in str(e) or "Connection closed by peer" in str(e)
+    """Whether ``e`` is a collective that failed: timed out, or lost a peer.
+
+    >>> _collective(RuntimeError("[pair.cc:598] Read error [127.0.0.1]:41012: Connection reset by peer"))
+    True
+    >>> _collective(ValueError("bad batch"))
+    False
+    """
+    return isinstance(e, dist.DistError) or any(s in str(e) for s in LOST_PEER)
 
 
 def _said(e: BaseException, options: Options) -> tuple[str, bool]:

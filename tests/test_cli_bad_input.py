@@ -197,6 +197,9 @@ def test_the_rank_that_failed_first_is_the_one_reported() -> None:
     earlier, later = failure(0, -15), failure(1, -9)
     later.timestamp = earlier.timestamp + 1
     assert root_cause({0: earlier, 1: later})[0] == 0  # otherwise the earliest
+    # both exited non-zero in one poll: the rank that recorded a lost peer is the consequence
+    assert root_cause({0: failure(0, 1), 1: failure(1, 3)}, lost={0})[0] == 1
+    assert root_cause({0: failure(0, 1), 1: failure(1, 3)})[0] == 0
 
 
 # -- jobs on several processes ------------------------------------------------------------------------------

@@ -147,3 +147,18 @@ def test_one_writer_a_dead_holder_a_truncated_train_state_and_a_stopped_rank(tmp
     assert len(lines) == 1 and "rank 1 did not arrive at a collective within 5 s (--collective-timeout)" in lines[0], \
         err[-3000:]
     assert "done:" not in out and not (ckpt / LOCK).exists() and not partials(ckpt)
+
+
+@pytest.mark.timeout(240)
+def test_the_rank_that_exits_is_named_not_the_rank_that_lost_it(tmp_path: Path) -> None:
+    """The last rank exits on its own after step 2; rank 0 then loses its peer in the next
+    collective (gloo: "Connection reset by peer") and exits too, often within the same
+    second. The one line names rank 1, the cause, twice in a row."""
+    for attempt in range(2):
+        runs = tmp_path / f"run-{attempt}"
+        result = run("train", *TINY, "--tp", "2", "--steps", "6", "--run-dir", str(runs), "--fault", "exit:2")
+        assert result.returncode == 3, result.stderr[-3000:]
+        lines = said(result.stderr)
+        assert len(lines) == 1 and lines[0].startswith("slapo-fn train: rank 1 (pid ") \
+            and "exited with code 3" in lines[0], result.stderr[-3000:]
+        assert "injected fault 'exit' on rank 1" in (runs / "rank-1.log").read_text()
