@@ -351,10 +351,12 @@ def _on_whole_values(func: Any, args: Any, kwargs: Any) -> Any:
 
 
 def reduce_partial_grads(module: nn.Module, after_backward: bool = False) -> list[Any]:
-    """Hooks on every replicated DTensor parameter of ``module`` that make its gradient
-    take the parameter's placement (a parameter used on activation shards gets a
-    ``Partial`` or a ``Shard`` gradient), so that an optimizer step needs no collective.
-    Returns the hook handles.
+    """Hooks on every DTensor parameter of ``module`` that make its gradient take the
+    parameter's placement, so that an optimizer step needs no collective: a replicated
+    parameter used on activation shards gets a ``Partial`` or a ``Shard`` gradient, and a
+    split one may get a whole gradient where DTensor's backward found the gradient of its
+    output whole (an embedding split by features whose output was gathered for a sum),
+    which is cut to this rank's piece here, locally. Returns the hook handles.
 
     ``after_backward`` (the mesh holds no axis whose own hooks read gradients during
     backward, FSDP's ``dp``): the gradients stay as they are through backward, and one
@@ -367,8 +369,7 @@ def reduce_partial_grads(module: nn.Module, after_backward: bool = False) -> lis
         if id(p) in seen or not isinstance(p, DTensor) or not p.requires_grad:
             continue
         seen.add(id(p))
-        if all(isinstance(pl, Replicate) for pl in p.placements):  # a split one's gradient is DTensor's own
-            params.append(p)
+        params.append(p)
     if after_backward:
         pending = OncePerBackward(lambda: _to_placements(params))
         return [p.register_post_accumulate_grad_hook(pending.queue) for p in params]
@@ -416,17 +417,19 @@ def reduce_together(items: Sequence[tuple[torch.Tensor, DTensor]], dims: tuple[i
 
 
 def _to_placements(params: list[DTensor]) -> None:
-    """At the end of a backward, every gradient of ``params`` (whole parameters) to its
-    parameter's placements: the ``Partial`` ones reduced together per (mesh dimensions,
-    dtype) (:func:`reduce_together`), any other difference (a ``Shard`` gradient of a
-    replicated parameter) redistributed on its own."""
+    """At the end of a backward, every gradient of ``params`` to its parameter's
+    placements: the ``Partial`` ones of whole parameters reduced together per (mesh
+    dimensions, dtype) (:func:`reduce_together`), any other difference (a ``Shard``
+    gradient of a replicated parameter, a whole one of a split parameter) redistributed
+    on its own."""
     groups: dict[tuple[tuple[int, ...], torch.dtype], list[tuple[torch.Tensor, DTensor]]] = {}
     for p in params:
         g = p.grad
         if not isinstance(g, DTensor) or tuple(g.placements) == tuple(p.placements):
             continue
         partial = tuple(i for i, pl in enumerate(g.placements) if isinstance(pl, Partial))
-        if partial and all(isinstance(pl, Partial | Replicate) for pl in g.placements):
+        whole = all(isinstance(pl, Replicate) for pl in p.placements)
+        if whole and partial and all(isinstance(pl, Partial | Replicate) for pl in g.placements):
             groups.setdefault((partial, g.dtype), []).append((p, g))
         else:
             with torch.no_grad():

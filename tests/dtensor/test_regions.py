@@ -232,3 +232,30 @@ def _sync_only_run(rank: int, world: int) -> dict[str, Any]:
 def test_a_module_on_the_way_at_one_path_is_no_island_at_another(dist2: Any) -> None:
     for r in dist2.run(_sync_only_run):
         assert r["close"], r
+
+
+def _split_param_run(rank: int, world: int) -> dict[str, Any]:
+    from tests.models import tiny_bart
+    from tests.tp_checks import parity
+
+    ids = token_ids()
+
+    def plan_(sch: sf.Schedule) -> sf.Schedule:  # embeddings split by features, a lone column: on DTensors
+        for path in ("decoder.embed_tokens", "encoder.embed_positions"):
+            sch = sf.shard(sch, path, axis=1)
+        return sf.shard(sch, "decoder.layers.1.fc2", axis=0)
+
+    r = parity(tiny_bart(), plan_, (ids, torch.ones_like(ids), ids), shape=(world,), tracker=False, predict=False,
+               loss=lambda out, _: out.last_hidden_state.float().pow(2).mean())
+    return {"on_dtensors": r["on_dtensors"], "placements": r["placements"], "grads": r["grad_placements"]}
+
+
+def test_a_split_parameter_in_a_region_gets_its_gradient_split(dist2: Any) -> None:
+    """BART's position embedding split by features, on DTensors: DTensor's backward found
+    the gradient of its output whole (gathered for the sum with the token embeddings) and
+    left the weight's gradient whole on every rank. It is cut to this rank's piece, locally,
+    so the optimizer steps on the parameter's own layout with no collective."""
+    for r in dist2.run(_split_param_run, timeout=120):
+        assert r["on_dtensors"], r
+        assert r["grads"]["encoder.embed_positions.weight"] == ("S(1)",), r
+        assert all(r["grads"][n] == pl for n, pl in r["placements"].items() if n in r["grads"]), r
