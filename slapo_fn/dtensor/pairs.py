@@ -148,8 +148,9 @@ def _rows_taking(sch: Schedule, roles: Mapping[str, Role], up: tuple[str, str, F
     """The rows over ``axis`` that alone take the output of the module ``up`` names (its
     caller, its name there, the caller's flow): each module its caller hands that output
     to takes it as its first argument alone and hands it to one row alone (BERT's
-    ``attention.output`` to its ``dense``), with no sync but ``fwd_post`` ones on the way.
-    ``()`` where anything else reads it."""
+    ``attention.output`` to its ``dense``), with no sync but ``fwd_post`` ones on the way
+    or on the row (they move its output, not what it takes). ``()`` where anything else
+    reads it."""
     syncs = sch.annotations.of_kind(SYNC)
     outer, name, ofl = up
     othrough = _through(sch, outer)
@@ -165,7 +166,7 @@ def _rows_taking(sch: Schedule, roles: Mapping[str, Role], up: tuple[str, str, F
         row = join(receiver, next(iter(taken))) if len(taken) == 1 and OUTPUT not in taken else ""
         found_role = roles.get(row)
         if (found_role is None or not (found_role.splits_input and found_role.sums)
-                or found_role.mesh_axis != axis or syncs.get(row)
+                or found_role.mesh_axis != axis or any(s.mode != "fwd_post" for s in syncs.get(row, ()))
                 or rfl.hidden_feeders(next(iter(taken)), rthrough) != {INPUT}):
             return ()
         rows.append(row)

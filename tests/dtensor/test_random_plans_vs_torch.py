@@ -564,6 +564,16 @@ FIXED_COLLECTIVES: dict[str, Case] = {
     "stated-whole-column-output-before-its-row": Case(
         "torch", _megatron("torch", STACKS["torch"][0]),
         syncs=(("layers.0.attention", "fwd_pre", "R", None), ("layers.0.feed_forward.w1", "fwd_post", "R", None))),
+    # a sync stating the output of a row paired across parents (BERT's output.dense) moves its output,
+    # not what it takes: the pair holds (6 against 7; was 8, the intermediate's output gathered)
+    "sync-on-a-row-paired-across-parents": Case(
+        "bert", (("encoder.layer.0.attention.self.query", "col", 1), *_megatron("bert", STACKS["bert"][0])[6:]),
+        syncs=(("encoder.layer.1.output.dense", "fwd_post", "R", None),)),
+    # a region's parameter split by features whose gradient DTensor's backward leaves whole is cut
+    # to this rank's piece as it is made (8 against 8; was 9, one for the optimizer step)
+    "whole-gradient-of-a-split-parameter-in-a-region": Case(
+        "bart", (("decoder.embed_tokens", "dim", 1), ("decoder.layers.1.fc2", "col", 1),
+                 ("encoder.embed_positions", "dim", 1))),
     # a column paired across parents whose input a sync splits: it gathers its input back, and keeps
     # its output split for the row (10 against 10; was 12, its output gathered and split again)
     "split-input-of-a-column-paired-across-parents": Case(
