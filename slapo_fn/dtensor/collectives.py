@@ -278,8 +278,14 @@ def reduce_scatter(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
 
 def unpack(gathered: torch.Tensor, packed: int, size: int) -> torch.Tensor:
     """``[A_0 B_0 C_0 | A_1 B_1 C_1]`` (each rank's packed chunks, all-gathered along the last
-    dimension) → ``[A_0 A_1 | B_0 B_1 | C_0 C_1]`` (the unsharded module's order)."""
-    return gathered.unflatten(-1, (size, packed, -1)).transpose(-3, -2).flatten(-3)
+    dimension) → ``[A_0 A_1 | B_0 B_1 | C_0 C_1]`` (the unsharded module's order). A view,
+    not ``Tensor.unflatten``: that Python method calls ``super()``, which dynamo cannot
+    trace under the torch-function mode of a DTensor region (:mod:`.region`).
+
+    >>> unpack(torch.tensor([0, 10, 20, 1, 11, 21]), packed=3, size=2).tolist()
+    [0, 1, 10, 11, 20, 21]
+    """
+    return gathered.view(*gathered.shape[:-1], size, packed, -1).transpose(-3, -2).flatten(-3)
 
 
 def redistribute(x: torch.Tensor, src: Placement, dst: Placement, axis: Axis) -> torch.Tensor:

@@ -279,24 +279,28 @@ class OnDTensors(TorchFunctionMode):
             if any(isinstance(a, DTensor) and is_fake(a._local_tensor) for a in flat):
                 raise  # a fake run (explain's count) fails where it cannot follow the real one
             return _on_whole_values(func, args, kwargs)
-        if any(isinstance(p, Partial) and p.reduce_op != "sum" for t in pytree.tree_leaves(out)
-               if isinstance(t, DTensor) for p in t.placements):
+        made = [p for t in pytree.tree_leaves(out) if isinstance(t, DTensor) for p in t.placements]
+        if any(isinstance(p, Partial) and p.reduce_op != "sum" for p in made):
             # a mean or max over a split dimension: DTensor cannot take its gradient back from the
             # sums the rest of backward hands it, so it is taken on whole values
             return _on_whole_values(func, args, kwargs)
-        if func is torch.Tensor.contiguous:
-            return _contiguous(out)
-        return pytree.tree_map(_settled, out)
+        if any(isinstance(p, _StridedShard) for p in made):
+            # split in strides (a view merging the batch and a split sequence): made whole from its
+            # operands, a plain gather, rather than from the result, whose gather DTensor sizes in a
+            # way torch.compile cannot follow (the same one collective either way)
+            return _on_whole_values(func, args, kwargs)
+        return pytree.tree_map(lambda t: _contiguous(_settled(t)), out)
 
 
 def _contiguous(x: Any) -> Any:
-    """``x.contiguous()`` with its local tensor contiguous too. DTensor takes a result's
-    strides from the op's meta kernel, while its local tensor comes from whichever kernel
-    ran on the shard: CPU attention's output is laid out as (batch, tokens, heads, dim) by
-    the meta kernel and as (batch, heads, tokens, dim) by the math kernel, so after a
-    ``transpose`` the wrapper can say contiguous where the local is not, and
-    ``contiguous()`` would keep it so, failing the model's next ``view``."""
-    if not isinstance(x, DTensor) or x._local_tensor.is_contiguous():
+    """``x`` with its local tensor contiguous where the DTensor says it is. DTensor takes a
+    result's strides from the op's meta kernel, while its local tensor comes from whichever
+    kernel ran on the shard: CPU attention's output is laid out as (batch, tokens, heads,
+    dim) by the meta kernel and as (batch, heads, tokens, dim) by the math kernel (or its
+    fake kernel, under ``torch.compile``), so after a ``transpose`` the wrapper can say
+    contiguous where the local is not, and the model's next ``view`` or ``reshape`` (which
+    reads the wrapper's strides and views) fails on the local tensor."""
+    if not isinstance(x, DTensor) or not x.is_contiguous() or x._local_tensor.is_contiguous():
         return x
     return DTensor.from_local(x.to_local(grad_placements=x.placements).contiguous(), x.device_mesh, x.placements,
                               run_check=False, shape=x.shape, stride=x.stride())
