@@ -360,7 +360,7 @@ def _plan(sch: Schedule) -> Plan:
 
 def param_dims(sch: Schedule) -> tuple[str, ...]:
     """The mesh axes the parameters of ``sch``'s model live on: those its layouts, roles,
-    sequence-parallel chains and ``tp_local`` modules use (usually just ``"tp"``); they are
+    syncs, sequence-parallel chains and ``tp_local`` modules use (usually just ``"tp"``); they are
     replicated implicitly over the others, as FSDP2's 2-D composition expects (it
     concatenates its dp mesh with the parameters' mesh). All the mesh's axes where none is used."""
     assert sch.mesh is not None
@@ -368,6 +368,7 @@ def param_dims(sch: Schedule) -> tuple[str, ...]:
     used |= {r.mesh_axis for r in sch.annotations.of_kind(ROLE).values()}
     used |= {q.mesh_axis for q in sch.annotations.of_kind(SEQ).values()}
     used |= {q.mesh_axis for q in sch.annotations.of_kind(LOCAL).values()}
+    used |= {s.mesh_axis for specs in sch.annotations.of_kind(SYNC).values() for s in specs}
     dims = mesh_dims(sch.mesh)
     return tuple(d for d in dims if d in used) or dims
 

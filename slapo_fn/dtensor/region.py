@@ -26,7 +26,7 @@ Inside a region:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -279,7 +279,11 @@ class OnDTensors(TorchFunctionMode):
             if any(isinstance(a, DTensor) and is_fake(a._local_tensor) for a in flat):
                 raise  # a fake run (explain's count) fails where it cannot follow the real one
             return _on_whole_values(func, args, kwargs)
-        made = [p for t in pytree.tree_leaves(out) if isinstance(t, DTensor) for p in t.placements]
+        # what the op made: a layout one of its operands holds already is handed through as it is
+        # (a packed column's weight, detached or made a Parameter by FSDP's unshard in a block's
+        # pre-forward hook, which runs inside the region)
+        given = {p for a in flat if isinstance(a, DTensor) for p in a.placements}
+        made = [p for t in pytree.tree_leaves(out) if isinstance(t, DTensor) for p in t.placements if p not in given]
         if any(isinstance(p, Partial) and p.reduce_op != "sum" for p in made):
             # a mean or max over a split dimension: DTensor cannot take its gradient back from the
             # sums the rest of backward hands it, so it is taken on whole values
@@ -289,7 +293,7 @@ class OnDTensors(TorchFunctionMode):
             # operands, a plain gather, rather than from the result, whose gather DTensor sizes in a
             # way torch.compile cannot follow (the same one collective either way)
             return _on_whole_values(func, args, kwargs)
-        return pytree.tree_map(lambda t: _contiguous(_settled(t)), out)
+        return pytree.tree_map(lambda t: _contiguous(_settled(t, given)), out)
 
 
 def _contiguous(x: Any) -> Any:
@@ -306,8 +310,9 @@ def _contiguous(x: Any) -> Any:
                               run_check=False, shape=x.shape, stride=x.stride())
 
 
-def _settled(x: Any) -> Any:
-    """A DTensor an op left in a layout the region does not hand on, made whole there:
+def _settled(x: Any, given: Collection[Placement] = ()) -> Any:
+    """A DTensor an op left in a layout the region does not hand on, made whole there,
+    unless an operand held it already (``given``: the op made nothing new):
 
     * split in strides (``_StridedShard``: the batch and a split sequence merged into one
       dimension): DTensor's rules for ops over such a dimension are not all right for it
@@ -325,9 +330,9 @@ def _settled(x: Any) -> Any:
       as PyTorch's ``RowwiseParallel`` reduces its embedding's output; its gradient is
       made whole first (the lookup's backward takes it whole, not as a partial sum).
     """
-    if not isinstance(x, DTensor) or not any(_unsettled(p) for p in x.placements):
+    if not isinstance(x, DTensor) or not any(_unsettled(p) and p not in given for p in x.placements):
         return x
-    places = [Replicate() if _unsettled(p) else p for p in x.placements]
+    places = [Replicate() if _unsettled(p) and p not in given else p for p in x.placements]
     if not any(isinstance(p, _MaskPartial) for p in x.placements):
         return x.redistribute(x.device_mesh, places)
     local = x.redistribute(x.device_mesh, places).to_local(grad_placements=places)
