@@ -385,3 +385,39 @@ def test_specs_agree_with_the_schedule_and_round_trip(dist2: Any) -> None:
         assert r["rendered"]["lm_head.weight"] == "f32[128, 64@tp]"  # what explain prints
         assert r["rendered"]["model.layers.0.self_attn.q_proj.weight"] == "f32[64@tp, 64]"
         assert r["round_trip"]
+
+
+def _new_values_on_dtensor_plans(rank: int, world: int) -> list[str]:
+    """Per plan the model runs (partly) on DTensors for: the loss and every gradient of
+    ``value_and_grad`` over ``apply_fn`` with new parameter values (every one halved, new
+    tensors, as a JAX-style update makes them) against the single-process model with the
+    same values; each gradient in its parameter's layout."""
+    from torch.distributed.tensor import Shard
+
+    ids = token_ids()
+    plans = {
+        # a sequence-parallel chain with no shard in it: the whole model on DTensors, its norms'
+        # gradients partial sums (no hook on the tensors passed in reduced them)
+        "chain": lambda s: sf.sequence_parallel(s, ["model.layers.*", "model.norm"]),
+        # one attention on DTensors: its islands read their parameters by name (get_parameter
+        # refused a plain tensor there: "`weight` is not an nn.Parameter")
+        "region": lambda s: sf.sync(megatron_llama(s), "model.layers.0.self_attn", "fwd_pre", Shard(-1)),
+    }
+    out = []
+    for name, plan in plans.items():
+        built = sf.build(plan(sf.create_schedule(tiny_llama(), mesh=mesh((world,), ("tp",)))))
+        apply_fn, params, _ = sf.func.functional(built)
+        r_apply, r_params, _ = sf.func.functional(tiny_llama())
+        new = {k: (v.detach() * 0.5).requires_grad_() for k, v in params.items()}
+        r_new = {k: (v.detach() * 0.5).requires_grad_() for k, v in r_params.items()}
+        loss, grads = sf.func.value_and_grad(lambda p, f=apply_fn: f(p, ids).logits.pow(2).mean())(new)
+        want, r_grads = sf.func.value_and_grad(lambda p, f=r_apply: f(p, ids).logits.pow(2).mean())(r_new)
+        worst = max((_full(g) - r_grads[k]).abs().max().item() for k, g in grads.items())
+        placed = all(tuple(g.placements) == tuple(params[k].placements) for k, g in grads.items())
+        out.append(f"{name}: loss {abs(loss.item() - want.item()) < 1e-5} grads {worst < 1e-5} placed {placed}")
+    return out
+
+
+def test_value_and_grad_with_new_values_on_plans_on_dtensors(dist2: Any) -> None:
+    for r in dist2.run(_new_values_on_dtensor_plans, timeout=200):
+        assert r == [f"{n}: loss True grads True placed True" for n in ("chain", "region")], r

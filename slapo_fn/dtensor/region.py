@@ -532,7 +532,10 @@ def island(acts: Activations, m: nn.Module, forward: Callable[..., Any]) -> Call
 
 
 def _parameter(m: nn.Module, name: str) -> DTensor:
-    """``m``'s parameter ``name`` as it is now (an FSDP2 block swaps its own in its forward)."""
-    p = m.get_parameter(name)
+    """``m``'s parameter ``name`` as it is now (an FSDP2 block swaps its own in its forward;
+    ``torch.func.functional_call`` puts a plain tensor there, not an ``nn.Parameter``, so it
+    is read as an attribute)."""
+    owner, _, leaf = name.rpartition(".")
+    p = getattr(m.get_submodule(owner) if owner else m, leaf)
     assert isinstance(p, DTensor)
     return p

@@ -607,7 +607,7 @@ def _reading_local(module: nn.Module, names: Sequence[str], forward: Callable[..
     rank's shards (plain tensors whose gradients flow back to the parameters')."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        with _reparametrize_module(module, {n: _local(module.get_parameter(n)) for n in names}):  # type: ignore[misc]
+        with _reparametrize_module(module, {n: _local(_attribute(module, n)) for n in names}):  # type: ignore[misc]
             return forward(*args, **kwargs)
 
     return run
