@@ -16,6 +16,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..errors import LayoutError, Problem
 from ..rewrites._common import within
+from ..rewrites.checkpoint import CHECKPOINT
 from ..schedule import Schedule
 from ..tree import get_module, join, parent_path, split, uncalled, walk
 from .arriving import stated_model_output
@@ -70,11 +71,15 @@ def install_on_dtensors(model: nn.Module, sch: Schedule, p: Plan, acts: Activati
     # by module, not path: a module registered at two paths is on the way at both, and one
     # island is wrapped once
     islands: set[int] = {id(get_module(model, q)) for q in on_the_way}
+    # a checkpointed module below an island is recomputed outside the island's forward: an
+    # island of its own, which the island around it leaves its values to
+    ckpts = [q for q in sch.annotations.of_kind(CHECKPOINT) if within(root, q) and q not in on_the_way]
     for path, m in walk(top, root):
         parent = parent_path(path) if path != root else None
-        if parent in on_the_way and not uncalled(m) and id(m) not in islands:
+        if (parent in on_the_way or path in ckpts) and not uncalled(m) and id(m) not in islands:
             islands.add(id(m))
-            m.forward = island(acts, m, m.forward)  # type: ignore[method-assign]
+            inner = [q[len(path) + 1:] if path else q for q in ckpts if q != path and within(path, q)]
+            m.forward = island(acts, m, m.forward, inner)  # type: ignore[method-assign]
     leaving = stated_model_output(sch) if not root else {}
     # (a module registered at two paths is never a region's root: its parameters are tied across them)
     read = read_positions(sch, root) if root else None

@@ -37,7 +37,9 @@ from torch.distributed.tensor.placement_types import Placement, _MaskPartial, _S
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import _StopRecomputationError
 
+from ..rewrites.checkpoint import CHECKPOINTED
 from . import rules  # noqa: F401  (CPU attention's sharding rules, registered on import)
 from .collectives import enter_all, gather, reduce, unpack
 from .roles import Role, local_value, reading, whole_params
@@ -147,10 +149,11 @@ class Activations:
         column's gather of them cost nothing forward, and the column's partial gradient
         is reduced once, not reduce-scattered and gathered again. A value changed in place
         since its move is moved again. Outside a pass, or while a compiler traces, moved
-        each time."""
+        each time, and inside a checkpointed module, whose recomputation must run the ops its
+        forward ran."""
         if tuple(x.placements) == places:
             return x
-        if self.moves is None or torch.compiler.is_compiling():
+        if self.moves is None or torch.compiler.is_compiling() or CHECKPOINTED.get():
             return x.redistribute(x.device_mesh, places)
         for prev, seen, where, done, made in self.moves:
             if prev._version != seen or done._version != made:
@@ -275,6 +278,8 @@ class OnDTensors(TorchFunctionMode):
             args, kwargs = pytree.tree_unflatten(flat, spec)
         try:
             out = func(*args, **kwargs)
+        except _StopRecomputationError:  # a checkpoint's recomputation has what it needs: it stops here
+            raise
         except Exception:  # no rule for it, or none for its shards: the op itself on whole values
             if any(isinstance(a, DTensor) and is_fake(a._local_tensor) for a in flat):
                 raise  # a fake run (explain's count) fails where it cannot follow the real one
@@ -507,14 +512,18 @@ def role_on_dtensors(acts: Activations, m: nn.Module, role: Role, out: Placement
     return forward
 
 
-def island(acts: Activations, m: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+def island(acts: Activations, m: nn.Module, forward: Callable[..., Any],
+           apart: Collection[str] = ()) -> Callable[..., Any]:
     """The forward of a module inside a region that holds no sharded parameter: where every
     DTensor it is handed is replicated, it runs as the single-process module on the local
     values (its parameters' local values swapped in), and its results are replicated
     DTensors, as DTensor itself would compute them but with no op dispatched through it
     (a router's ``torch._grouped_mm``, which DTensor cannot propagate on CPU, runs too);
-    handed a split or partial value, it runs on DTensors."""
-    params = {n: p for n, p in m.named_parameters() if isinstance(p, DTensor)}
+    handed a split or partial value, it runs on DTensors. The submodules ``apart`` (paths
+    relative to ``m``: checkpointed ones, recomputed in backward outside this forward) are
+    islands of their own, and swap their own values in."""
+    params = {n: p for n, p in m.named_parameters() if isinstance(p, DTensor)
+              and not any(n.startswith(q + ".") for q in apart)}
     if any(not all(isinstance(pl, Replicate) for pl in p.placements) for p in params.values()):
         return forward  # a sharded parameter (one side of a tie): DTensor computes with it
 

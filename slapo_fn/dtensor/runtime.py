@@ -29,6 +29,7 @@ from ..errors import LayoutError, Problem
 from ..hf import EXPERT_COUNT_ATTRS as _EXPERT_COUNTS
 from ..hf import QUERY_HEAD_ATTRS
 from ..rewrites._common import contains, within
+from ..rewrites.checkpoint import CHECKPOINT
 from ..schedule import Key, Schedule, path_exists
 from ..tree import caller_path, get_module, join, split, uncalled
 from . import collectives as C
@@ -638,11 +639,16 @@ def _localise_replicated(model: nn.Module, sch: Schedule, p: Plan, apart: set[st
     ``nn.MultiheadAttention`` reads ``out_proj.weight``). Their gradients are
     ``Replicate``: every rank computes the same ones on replicated activations.
 
-    An FSDP block sets its own parameters in its pre-forward hook, so a block with
-    nothing planned in it localises its own subtree instead of its parent doing so. The
+    An FSDP block sets its own parameters in its pre-forward hook, and a checkpointed
+    module is recomputed outside its ancestors' forwards, so each of them localises its
+    own subtree instead of its parent doing so. The
     DTensor regions ``apart`` (:mod:`.regions`) read their parameters as DTensors: left out."""
     spec = sch.annotations.get("", DATA_PARALLEL)
-    blocks = set(spec.blocks) if spec is not None else set()
+    # a checkpointed module is recomputed in backward, outside its ancestors' forwards: it
+    # swaps its own subtree's values in, as an FSDP block does, so its recomputation sees them
+    # (inside a region, parameters are read as DTensors: nothing to swap)
+    blocks = (set(spec.blocks) if spec is not None else set()) | {
+        q for q in sch.annotations.of_kind(CHECKPOINT) if not any(within(r, q) for r in apart)}
     planned = set(p.modules) | apart
     on_the_way = {join(*split(q)[:i]) for q in planned for i in range(len(split(q)) + 1)}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,16 +146,59 @@ def apply_checkpoints(model: nn.Module, sch: Schedule) -> None:
         train_without_cache(model)
     for path, spec in regions.items():
         module = get_module(model, path)
-        context_fn = _keeping_running_stats(module, spec.context_fn())
+        context_fn = _under_forward_modes(_keeping_running_stats(module, spec.context_fn()))
         # the recomputation restores the forward's RNG state: a dropout in the region draws
         # the forward's masks again (pipeline schedules run other forwards in between)
-        if context_fn is None:
-            composable_checkpoint(module, preserve_rng_state=True)
-        else:
-            composable_checkpoint(module, context_fn=context_fn, preserve_rng_state=True)
+        composable_checkpoint(module, context_fn=context_fn, preserve_rng_state=True)
 
 
 Contexts = tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]
+
+#: Whether the code running now is a checkpointed module's forward or its recomputation.
+#: The two must run the same ops (the recomputation stops at the forward's last saved
+#: tensor): a cache that one of them could read and the other not is left alone in both
+#: (a DTensor region's shared moves, :meth:`slapo_fn.dtensor.region.Activations.moved`).
+CHECKPOINTED: ContextVar[bool] = ContextVar("slapo_fn_checkpointed", default=False)
+
+
+def _under_forward_modes(context_fn: Callable[[], Contexts] | None) -> Callable[[], Contexts]:
+    """``context_fn`` with a recomputation that runs under the torch-function modes its
+    forward ran under. A checkpoint inside a region whose forward runs under such a mode
+    (a DTensor region's, :mod:`slapo_fn.dtensor.region`, which promotes plain tensors and
+    settles layouts) is recomputed in backward, where no mode is active: the same code
+    would meet other values there (plain tensors beside DTensors)."""
+
+    def contexts() -> Contexts:
+        forward, recompute = context_fn() if context_fn is not None else (contextlib.nullcontext(),
+                                                                          contextlib.nullcontext())
+        modes: list[Any] = []
+
+        @contextlib.contextmanager
+        def capturing() -> Iterator[None]:
+            if not torch.compiler.is_compiling():  # a compiled forward replays its own graph
+                modes[:] = torch.overrides._get_current_function_mode_stack()
+            token = CHECKPOINTED.set(True)
+            try:
+                with forward:
+                    yield
+            finally:
+                CHECKPOINTED.reset(token)
+
+        @contextlib.contextmanager
+        def replaying() -> Iterator[None]:
+            token = CHECKPOINTED.set(True)
+            try:
+                with contextlib.ExitStack() as stack:
+                    for mode in modes:
+                        stack.enter_context(mode)
+                    with recompute:
+                        yield
+            finally:
+                CHECKPOINTED.reset(token)
+
+        return capturing(), replaying()
+
+    return contexts
 
 
 def _keeping_running_stats(module: nn.Module, context_fn: Callable[[], Contexts] | None
