@@ -16,9 +16,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
-from test_random_plans_vs_torch import ATOL, STACKS, Case, _inputs, _model, _reference, _slapo_loss, cases
+from test_random_plans_vs_torch import (
+    ATOL,
+    STACKS,
+    Case,
+    _inputs,
+    _model,
+    _reference,
+    _slapo_loss,
+    failing_in_one_batch,
+)
 from tp_checks import parity
 
 import slapo_fn as sf
@@ -65,14 +72,5 @@ def test_found_plans_with_checkpointed_layers_equal_one_process(dist2: Any) -> N
 
 
 def test_random_plans_with_checkpointed_layers_equal_one_process(dist2: Any) -> None:
-    found: list[tuple[Case, str]] = []
-
-    @settings(max_examples=1, deadline=None, database=None, phases=(Phase.generate,),
-              suppress_health_check=list(HealthCheck))
-    @given(st.lists(cases(), min_size=25, max_size=25, unique=True))
-    def batch(todo: list[Case]) -> None:
-        found.extend(zip(todo, dist2.run(_checkpointed, todo, timeout=280)[0], strict=True))
-
-    batch()
-    failing = [f"{c!r}\n    {r}" for c, r in found if r not in ("equal", "refused")]
+    failing = failing_in_one_batch(dist2, _checkpointed, 25, timeout=280)
     assert not failing, "\n".join(failing)

@@ -137,18 +137,7 @@ def test_random_plans_compile_whole_with_fullgraph(dist2: Any) -> None:
     """12 random plans of the vs-PyTorch generator (fixed by the ``gate`` profile), compiled
     whole: each is refused or compiles with fullgraph=True to eager's loss. (50 drawn so
     found the three classes above: 7 of the 50 failed.)"""
-    from hypothesis import HealthCheck, Phase, given, settings
-    from hypothesis import strategies as st
-    from test_random_plans_vs_torch import cases
+    from test_random_plans_vs_torch import failing_in_one_batch
 
-    found: list[tuple[Any, str]] = []
-
-    @settings(max_examples=1, deadline=None, database=None, phases=(Phase.generate,),
-              suppress_health_check=list(HealthCheck))
-    @given(st.lists(cases(), min_size=12, max_size=12, unique=True))
-    def batch(todo: list[Any]) -> None:
-        found.extend(zip(todo, dist2.run(_compiled_plans, todo, timeout=580)[0], strict=True))
-
-    batch()
-    failing = [f"{c!r}\n    {r}" for c, r in found if r not in ("equal", "refused")]
+    failing = failing_in_one_batch(dist2, _compiled_plans, 12, timeout=580)
     assert not failing, "\n".join(failing)

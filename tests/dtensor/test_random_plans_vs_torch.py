@@ -685,6 +685,23 @@ def test_no_more_collectives_than_pytorchs_engine_where_both_run(dist2: Any) -> 
     assert not failing, f"{len(failing)} plans:\n" + "\n".join(failing)
 
 
+def failing_in_one_batch(pool: Any, run: Callable[..., list[str]], size: int, timeout: float) -> list[str]:
+    """``size`` distinct plans of :func:`cases`, drawn once (fixed under the ``gate``
+    profile), handed to ``run(rank, world, plans)`` on ``pool``, which says ``equal``,
+    ``refused`` or what failed per plan: the failures rank 0 saw, each with its plan
+    (for other settings than this module's: compiled, checkpointed)."""
+    found: list[tuple[Case, str]] = []
+
+    @settings(max_examples=1, deadline=None, database=None, phases=(Phase.generate,),
+              suppress_health_check=list(HealthCheck))
+    @given(st.lists(cases(), min_size=size, max_size=size, unique=True))
+    def batch(todo: list[Case]) -> None:
+        found.extend(zip(todo, pool.run(run, todo, timeout=timeout)[0], strict=True))
+
+    batch()
+    return [f"{c!r}\n    {r}" for c, r in found if r not in ("equal", "refused")]
+
+
 def check(case: Case, pool: Any) -> tuple[str, str] | None:
     """One case's verdict on ``pool`` (a repro: ``check(Case(...), dist2)``)."""
     return verdict(run_cases(pool, [case])[0])
