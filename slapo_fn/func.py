@@ -61,6 +61,7 @@ from torch.distributed.tensor.experimental import local_map
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .dtensor.collectives import reduce as _reduce
+from .dtensor.region import placed
 from .dtensor.spec import P, Packed, placements_of, spec_of
 from .errors import LayoutError, Problem, ScheduleError, ScheduleTypeError
 from .pipelines.runner import Pipeline
@@ -251,7 +252,11 @@ def _gradients(loss: torch.Tensor, targets: list[torch.Tensor]) -> list[torch.Te
     out: dict[int, torch.Tensor | None] = {}
     if others:
         got = torch.autograd.grad(loss, others, allow_unused=True, retain_graph=bool(params))
-        out.update({id(t): _placed_as(g, t) for t, g in zip(others, got, strict=True)})
+        # tensors passed in place of the model's parameters (torch.func.functional_call) carry
+        # none of the hooks that give its own parameters' gradients their layouts
+        # (region.reduce_partial_grads): their gradients are put in their layouts here
+        out.update({id(t): placed(g, t.placements) if isinstance(t, DTensor) and g is not None else g
+                    for t, g in zip(others, got, strict=True)})
     if params:
         in_graph = _graph_leaves(loss)
         restricted = all(id(p) in in_graph for p in params)
@@ -266,16 +271,6 @@ def _gradients(loss: torch.Tensor, targets: list[torch.Tensor]) -> list[torch.Te
             for i, t in touched.items():
                 t.grad = saved[i]
     return [g if (g := out[id(t)]) is not None else torch.zeros_like(t) for t in targets]
-
-
-def _placed_as(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
-    """``g`` in the layout of ``like``. A built model's own parameters get their
-    gradients in their own layouts from hooks on them (a replicated one used on activation
-    shards gets a ``Partial`` one reduced, :func:`.dtensor.region.reduce_partial_grads`);
-    tensors passed in their place (``torch.func.functional_call``) carry no such hooks."""
-    if isinstance(g, DTensor) and isinstance(like, DTensor) and tuple(g.placements) != tuple(like.placements):
-        return g.redistribute(g.device_mesh, like.placements)
-    return g
 
 
 def value_and_grad(

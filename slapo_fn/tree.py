@@ -28,9 +28,11 @@ __all__ = [
     "join",
     "parent_path",
     "private_copy",
+    "relative",
     "set_at",
     "shallow_clone",
     "split",
+    "tensor_at",
     "uncalled",
     "walk",
 ]
@@ -52,6 +54,26 @@ def parent_path(path: str) -> str:
 def join(*parts: str) -> str:
     """Join path parts, skipping empty ones: ``join("", "a", "b.c") == "a.b.c"``."""
     return ".".join(p for p in parts if p)
+
+
+def relative(parent: str, path: str) -> str:
+    """``path`` (inside ``parent``) as ``parent``'s modules name it.
+
+    >>> relative("a", "a.b.c"), relative("", "a.b")
+    ('b.c', 'a.b')
+    """
+    return path[len(parent) + 1:] if parent else path
+
+
+def tensor_at(root: nn.Module, name: str) -> torch.Tensor:
+    """The tensor ``root`` holds at the dotted ``name`` (a parameter or buffer of it or of
+    a submodule), read as an attribute: what ``torch.func.functional_call`` or an FSDP2
+    block put there counts, a plain tensor too, where ``get_parameter`` refuses anything but
+    an ``nn.Parameter``."""
+    owner, _, leaf = name.rpartition(".")
+    value = getattr(root.get_submodule(owner) if owner else root, leaf)
+    assert isinstance(value, torch.Tensor), name
+    return value
 
 
 def child_names(module: nn.Module) -> list[str]:

@@ -21,7 +21,7 @@ from torch.distributed.tensor.placement_types import Placement
 from ..hf import is_conv1d, mixes_tokens
 from ..rewrites._common import contains, within
 from ..schedule import Schedule
-from ..tree import caller_path, get_module, join
+from ..tree import caller_path, get_module, join, relative
 from .features import ASSUMED_RANK
 from .flow import INPUT, flow, own_layer, pointwise
 from .lookups import _LOOKUPS, _caller, _flow_of, _flows_memo, _run_order, _through
@@ -198,7 +198,7 @@ def _gathering_parents(sch: Schedule) -> dict[str, set[str]]:
             continue
         parent = caller_path(sch.module, q)
         if contains(member, parent):  # not the member's own code: each such column gathers its own input
-            columns_of.setdefault(parent, set()).add(q[len(parent) + 1:])
+            columns_of.setdefault(parent, set()).add(relative(parent, q))
     return columns_of
 
 

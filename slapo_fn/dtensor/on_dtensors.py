@@ -18,7 +18,7 @@ from ..errors import LayoutError, Problem
 from ..rewrites._common import within
 from ..rewrites.checkpoint import CHECKPOINT
 from ..schedule import Schedule
-from ..tree import get_module, join, parent_path, split, uncalled, walk
+from ..tree import get_module, join, parent_path, relative, split, uncalled, walk
 from .arriving import stated_model_output
 from .chains import chain_entries_given_split
 from .lookups import read_positions
@@ -78,7 +78,7 @@ def install_on_dtensors(model: nn.Module, sch: Schedule, p: Plan, acts: Activati
         parent = parent_path(path) if path != root else None
         if (parent in on_the_way or path in ckpts) and not uncalled(m) and id(m) not in islands:
             islands.add(id(m))
-            inner = [q[len(path) + 1:] if path else q for q in ckpts if q != path and within(path, q)]
+            inner = [relative(path, q) for q in ckpts if q != path and within(path, q)]
             m.forward = island(acts, m, m.forward, inner)  # type: ignore[method-assign]
     leaving = stated_model_output(sch) if not root else {}
     # (a module registered at two paths is never a region's root: its parameters are tied across them)

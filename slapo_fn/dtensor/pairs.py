@@ -16,7 +16,7 @@ from torch.distributed.tensor import Replicate
 from ..errors import Problem
 from ..rewrites._common import contains
 from ..schedule import Schedule
-from ..tree import get_module, join
+from ..tree import get_module, join, relative
 from .arriving import _partner_gathered, _split_by_sync
 from .chains import _in_chain, passive_member
 from .flow import INPUT, OUTPUT, SIDE, Flow
@@ -61,7 +61,7 @@ def _partners(sch: Schedule) -> dict[str, tuple[str, ...]]:
             continue
         fl = _flow_of(sch, parent)
         assert fl is not None
-        names = {(p[len(parent) + 1:] if parent else p): p for p in paths}
+        names = {relative(parent, p): p for p in paths}
         through = _through_members(sch, parent)
         cols = {n for n, p in names.items() if roles[p].splits_output}
         rows = {n for n, p in names.items() if roles[p].splits_input}
@@ -213,7 +213,7 @@ def _gathered_through_elementwise(sch: Schedule, row: str, columns: tuple[str, .
         if (role is None or role.packed != 1 or found_c is None or found_c[0] != parent or len(posts) != 1
                 or posts[0].mesh_axis != axis or not isinstance(posts[0].layout, Replicate)):
             return False
-    names = {_relative(parent, c) for c in columns}
+    names = {relative(parent, c) for c in columns}
     if fl.feeders(name, through) - {SIDE} != names:
         return False
     between = names | {q for q in fl.feeds if through(q) and name in fl.consumers(q, through)}
@@ -250,11 +250,7 @@ def _by_module_order(sch: Schedule, parent: str, paths: list[str]) -> bool:
     """Whether the columns and rows ``paths`` that ``parent`` calls pair by module order:
     fx cannot trace its ``forward``, or the trace does not call them all."""
     fl = _flow_of(sch, parent)
-    return fl is None or not all(fl.called(_relative(parent, q)) for q in paths)
-
-
-def _relative(parent: str, path: str) -> str:
-    return path[len(parent) + 1:] if parent else path
+    return fl is None or not all(fl.called(relative(parent, q)) for q in paths)
 
 
 def _untraced_pairs(sch: Schedule, p: Plan) -> list[Problem]:
@@ -274,7 +270,7 @@ def _untraced_pairs(sch: Schedule, p: Plan) -> list[Problem]:
         if _installed(sch, parent) or not _by_module_order(sch, parent, paths):
             continue  # installed: code written for this rank's share (the kernels take head counts from the recipe)
         fl = _flow_of(sch, parent)
-        if fl is not None and any(_relative(parent, q) in fl.reads for q in paths):
+        if fl is not None and any(relative(parent, q) in fl.reads for q in paths):
             continue  # traced, reading a column's parameters itself (a decomposed Linear): checks._functional_reads
         columns = sorted((q for q in paths if q in kept), key=lambda q: order.get(q, 0))
         if not columns:

@@ -40,11 +40,13 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import _StopRecomputationError
 
 from ..rewrites.checkpoint import CHECKPOINTED
+from ..tree import tensor_at
 from . import rules  # noqa: F401  (CPU attention's sharding rules, registered on import)
 from .collectives import enter_all, gather, reduce, unpack
 from .roles import Role, local_value, reading, whole_params
 
-__all__ = ["Activations", "BiasShare", "OnDTensors", "OncePerBackward", "reduce_together", "region", "same_tensor"]
+__all__ = ["Activations", "BiasShare", "OnDTensors", "OncePerBackward", "placed", "reduce_together", "region",
+           "same_tensor"]
 
 #: How many moved activations a region's pass remembers (:meth:`Activations.moved`).
 _RECENT = 4
@@ -388,12 +390,16 @@ def reduce_partial_grads(module: nn.Module, after_backward: bool = False) -> lis
         pending = OncePerBackward(lambda: _to_placements(params))
         return [p.register_post_accumulate_grad_hook(pending.queue) for p in params]
 
-    def hook(g: torch.Tensor, placements: tuple[Placement, ...]) -> torch.Tensor:
-        if isinstance(g, DTensor) and tuple(g.placements) != placements:
-            return g.redistribute(g.device_mesh, placements)
-        return g
+    return [p.register_hook(lambda g, pl=tuple(p.placements): placed(g, pl)) for p in params]
 
-    return [p.register_hook(lambda g, pl=tuple(p.placements): hook(g, pl)) for p in params]
+
+def placed(g: torch.Tensor, placements: Sequence[Placement]) -> torch.Tensor:
+    """A gradient ``g`` in ``placements`` (its parameter's): a DTensor elsewhere is
+    redistributed (a ``Partial`` one all-reduced, a whole one cut locally); anything else
+    is returned as it is."""
+    if isinstance(g, DTensor) and tuple(g.placements) != tuple(placements):
+        return g.redistribute(g.device_mesh, placements)
+    return g
 
 
 class OncePerBackward:
@@ -544,7 +550,6 @@ def _parameter(m: nn.Module, name: str) -> DTensor:
     """``m``'s parameter ``name`` as it is now (an FSDP2 block swaps its own in its forward;
     ``torch.func.functional_call`` puts a plain tensor there, not an ``nn.Parameter``, so it
     is read as an attribute)."""
-    owner, _, leaf = name.rpartition(".")
-    p = getattr(m.get_submodule(owner) if owner else m, leaf)
+    p = tensor_at(m, name)
     assert isinstance(p, DTensor)
     return p

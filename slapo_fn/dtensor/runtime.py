@@ -31,7 +31,7 @@ from ..hf import QUERY_HEAD_ATTRS
 from ..rewrites._common import contains, within
 from ..rewrites.checkpoint import CHECKPOINT
 from ..schedule import Key, Schedule, path_exists
-from ..tree import caller_path, get_module, join, split, uncalled
+from ..tree import caller_path, get_module, join, relative, split, tensor_at, uncalled
 from . import collectives as C
 from .checks import implicit, refusals
 from .data_parallel import DATA_PARALLEL
@@ -597,7 +597,7 @@ def _operand_reads(sch: Schedule, model: nn.Module, p: Plan) -> dict[str, tuple[
     for path in p.modules:
         parent = caller_path(model, path) if path else None
         fl = _flow_of(sch, parent) if parent is not None else None
-        child = path[len(parent) + 1:] if parent else path
+        child = relative(parent, path) if parent is not None else path
         if fl is not None and child in fl.operands:
             found.setdefault(parent or "", set()).update(join(child, n) for n in fl.operands[child])
     return {parent: tuple(sorted(names)) for parent, names in found.items()}
@@ -608,7 +608,7 @@ def _reading_local(module: nn.Module, names: Sequence[str], forward: Callable[..
     rank's shards (plain tensors whose gradients flow back to the parameters')."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        with _reparametrize_module(module, {n: _local(_attribute(module, n)) for n in names}):  # type: ignore[misc]
+        with _reparametrize_module(module, {n: _local(tensor_at(module, n)) for n in names}):  # type: ignore[misc]
             return forward(*args, **kwargs)
 
     return run
@@ -698,17 +698,10 @@ def _localise_replicated(model: nn.Module, sch: Schedule, p: Plan, apart: set[st
             install(path, subtree(path, get_module(model, path), ""))
 
 
-def _attribute(m: nn.Module, name: str) -> torch.Tensor:
-    owner, _, leaf = name.rpartition(".")
-    value = getattr(m.get_submodule(owner) if owner else m, leaf)
-    assert isinstance(value, torch.Tensor)
-    return value
-
-
 def _replicated(m: nn.Module, names: tuple[str, ...], forward: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         # getattr, not get_parameter: under torch.func.functional_call they are plain tensors
-        local = {n: _local(_attribute(m, n)) for n in names}
+        local = {n: _local(tensor_at(m, n)) for n in names}
         with _reparametrize_module(m, local):  # type: ignore[arg-type]
             return forward(*args, **kwargs)
 

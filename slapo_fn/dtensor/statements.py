@@ -18,7 +18,7 @@ from torch.distributed.tensor.placement_types import Placement
 from ..errors import Problem
 from ..rewrites._common import INSTALLED, contains, within
 from ..schedule import Schedule
-from ..tree import get_module, join
+from ..tree import get_module, join, relative
 from .arriving import (
     _features_by_axis,
     _input_reaches_column,
@@ -186,7 +186,7 @@ def _whole_beside_split(sch: Schedule, path: str, rows: list[str] | None, axis: 
 
     out: set[str] = set()
     for row in rows:
-        inner = row[len(parent) + 1:] if parent else row
+        inner = relative(parent, row)
         if row != OUTPUT and not (contains(parent, row) and fl.called(inner)):
             continue
         # at the result: what it is returned with in one tensor (not beside it in a ModelOutput)
