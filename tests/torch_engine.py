@@ -49,8 +49,10 @@ from tp_checks import CountCollectives, counts
 from slapo_fn.hf import is_conv1d
 
 __all__ = [
+    "KINDS",
     "Call",
     "Conv1DParallel",
+    "Kind",
     "TorchRun",
     "input_style",
     "output_style",
@@ -108,6 +110,23 @@ class Conv1DParallel(ParallelStyle):
                                  lambda m, o, mesh: self._output(m, o, mesh))
 
 
+@dataclass(frozen=True)
+class Kind:
+    """How a random plan shards a layer, as a value: ``splits_output`` (a Linear's or
+    Conv1D's column, an embedding split by features: each rank makes its own output
+    features) or not (a row, an embedding split by vocabulary: each rank makes a partial
+    sum), of an ``embedding`` or not. Plans name their kinds (:data:`KINDS`), so that they
+    stay plain data a rank is sent."""
+
+    splits_output: bool
+    embedding: bool
+
+
+#: Each kind by the name a plan gives it, Linear/Conv1D kinds first, then the embeddings'.
+KINDS: dict[str, Kind] = {"col": Kind(True, False), "row": Kind(False, False), "vocab": Kind(False, True),
+                          "dim": Kind(True, True)}
+
+
 def role_style(
     module: nn.Module,
     role: str,
@@ -115,20 +134,20 @@ def role_style(
     input_layout: Placement | None = None,
     output_layout: Placement | None = None,
 ) -> ParallelStyle:
-    """PyTorch's style for ``module`` sharded as ``role`` (``col``/``row`` for a Linear or a
-    Conv1D, ``vocab``/``dim`` for an embedding), activations kept as DTensors."""
+    """PyTorch's style for ``module`` sharded as the kind named ``role`` (:data:`KINDS`),
+    activations kept as DTensors."""
+    kind = KINDS[role]
     kw: dict[str, Any] = {}
     if input_layout is not None:
         kw["input_layouts"] = input_layout
     if output_layout is not None:
         kw["output_layouts"] = output_layout
     if is_conv1d(module):
-        return Conv1DParallel(column=role == "col", **kw)
-    if isinstance(module, nn.Embedding):
-        if role == "vocab":  # ids arrive whole (RowwiseParallel's default input is Shard(-1), for a row's)
-            return RowwiseParallel(**{"input_layouts": Replicate(), **kw}, use_local_output=False)
-        return ColwiseParallel(**kw, use_local_output=False)
-    return (ColwiseParallel if role == "col" else RowwiseParallel)(**kw, use_local_output=False)
+        return Conv1DParallel(column=kind.splits_output, **kw)
+    if isinstance(module, nn.Embedding) and not kind.splits_output:
+        # by vocabulary: ids arrive whole (RowwiseParallel's default input is Shard(-1), for a row's)
+        return RowwiseParallel(**{"input_layouts": Replicate(), **kw}, use_local_output=False)
+    return (ColwiseParallel if kind.splits_output else RowwiseParallel)(**kw, use_local_output=False)
 
 
 def sequence_style() -> ParallelStyle:

@@ -61,6 +61,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
 from torch_engine import (
+    KINDS,
     Call,
     input_style,
     output_style,
@@ -141,14 +142,16 @@ def _inputs(family: str) -> tuple[torch.Tensor, ...]:
 
 
 def _roles(module: nn.Module) -> tuple[str, ...]:
-    return ("vocab", "dim") if isinstance(module, nn.Embedding) else ("col", "row")
+    """The names of the kinds ``module`` may be sharded as (:data:`torch_engine.KINDS`)."""
+    return tuple(name for name, kind in KINDS.items() if kind.embedding == isinstance(module, nn.Embedding))
 
 
 def _axis(module: nn.Module, role: str) -> int:
-    """slapo_fn's axis for ``role``: a Linear's weight is (out, in), a Conv1D's (in, out)."""
-    if isinstance(module, nn.Embedding):
-        return {"vocab": 0, "dim": 1}[role]
-    return {"col": 1, "row": 0}[role] if is_conv1d(module) else {"col": 0, "row": 1}[role]
+    """slapo_fn's axis for the kind named ``role``: a Linear's weight is (out, in), so its
+    output features are axis 0; a Conv1D's is (in, out) and an embedding's (vocabulary,
+    features), so theirs are axis 1."""
+    features = 0 if isinstance(module, nn.Linear) else 1
+    return features if KINDS[role].splits_output else 1 - features
 
 
 @functools.cache
@@ -291,11 +294,13 @@ def torch_styles(case: Case, calls: dict[str, Call]) -> list[tuple[str, Parallel
             posts.setdefault(path, []).append((layout, src))
     for path, role, _ in case.shards:
         in_chain = _inside(path, members)
-        out: Any = Shard(1) if in_chain and role in ("row", "vocab") else None
+        kind = KINDS[role]
+        out: Any = Shard(1) if in_chain and not kind.splits_output else None  # a partial sum: reduce-scattered
         if len(posts.get(path, ())) == 1:
             out = _LAYOUTS[posts.pop(path)[0][0]]
         styles.append((path, role_style(model.get_submodule(path), role,
-                                        input_layout=Shard(1) if in_chain and role == "col" else None,
+                                        input_layout=(Shard(1) if in_chain and kind.splits_output
+                                                      and not kind.embedding else None),
                                         output_layout=out)))
     sharded = {p for p, _, _ in case.shards}
     for path, module in model.named_modules():
