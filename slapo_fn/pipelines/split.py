@@ -11,8 +11,10 @@ Only the modules on the path from the root to the sequence and the sequence itse
 copied; every kept subtree and parameter is shared with the schedule (O(depth × fan-out)).
 The stage's annotations are the schedule's that still resolve in it, so ``build`` of a
 stage schedule applies tensor parallelism, checkpointing and compilation to that stage
-only. The model's own forward runs each stage: the first with the batch's ``input_ids``,
-the others with the received hidden states as ``inputs_embeds``; attention masks and
+only; those of a module the stage holds a stand-in for (a later stage's position
+embedding, which adds nothing there) are the original module's and are dropped with it.
+The model's own forward runs each stage: the first with the batch's ``input_ids``, the
+others with the received hidden states as ``inputs_embeds``; attention masks and
 position ids are keyword inputs every stage receives, so masks and RoPE are recomputed
 locally and only the hidden states cross a boundary.
 
@@ -36,6 +38,8 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from torch import nn
 
 from ..errors import Problem, ScheduleError
 from ..schedule import Schedule
@@ -112,10 +116,40 @@ def split_stages(sch: Schedule, *, family: Family | None = None) -> tuple[Stage,
     for s in range(last + 1):
         keep = keys[bounds[s] : bounds[s + 1]]
         tree = stage_tree(sch.module, sequence, keep, s, s == 0, s == last, found, family)
-        stage_sch = sch.with_module(tree, replaced=("",))
-        stage_sch = stage_sch.evolve(annotations=stage_sch.annotations.without(PIPELINE_CUT))
+        stage_sch = _stage_schedule(sch, tree)
         stages.append(Stage(s, tuple(join(sequence, k) for k in keep), s == 0, s == last, stage_sch))
     return tuple(stages)
+
+
+def _stage_schedule(sch: Schedule, tree: nn.Module) -> Schedule:
+    """``sch`` over one stage's ``tree``, with the annotations that still resolve in it
+    and are still about the module they were made for: a path whose module the stage
+    replaced by one of another class (a stand-in) drops its own annotations and its
+    parameters' (a position embedding split by rows, standing in as zeros in a later
+    stage, has no rows to split there). The stage cuts are dropped too.
+
+    Example:
+        >>> import torch.nn as nn, slapo_fn as sf
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        >>> sch = sf.checkpoint(sf.checkpoint(sf.create_schedule(model), "0"), "1")
+        >>> sorted(_stage_schedule(sch, nn.Sequential(nn.Identity(), model[1])).annotations)
+        ['1']
+    """
+    staged = sch.with_module(tree, replaced=("",))
+    stale = set()
+    for path in staged.annotations:
+        owner = path if _module_at(sch.module, path) is not None else join(*split(path)[:-1])
+        before, after = _module_at(sch.module, owner), _module_at(tree, owner)
+        if before is not None and after is not None and type(after) is not type(before):
+            stale.add(path)
+    return staged.evolve(annotations=staged.annotations.drop(stale).without(PIPELINE_CUT))
+
+
+def _module_at(root: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return get_module(root, path)
+    except (KeyError, AttributeError):
+        return None
 
 
 def _chain_stages(sch: Schedule, chain: Chain, marks: dict[str, StageCut]) -> tuple[Stage, ...]:
@@ -130,8 +164,6 @@ def _chain_stages(sch: Schedule, chain: Chain, marks: dict[str, StageCut]) -> tu
     stages = []
     last = len(bounds) - 2
     for s in range(last + 1):
-        tree = chain_stage_tree(sch.module, chain, bounds, s)
-        stage_sch = sch.with_module(tree, replaced=("",))
-        stage_sch = stage_sch.evolve(annotations=stage_sch.annotations.without(PIPELINE_CUT))
+        stage_sch = _stage_schedule(sch, chain_stage_tree(sch.module, chain, bounds, s))
         stages.append(Stage(s, chain.order[bounds[s]:bounds[s + 1]], s == 0, s == last, stage_sch, chain, bounds))
     return tuple(stages)

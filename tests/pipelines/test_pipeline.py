@@ -11,6 +11,7 @@ from models import VOCAB, Net, token_ids
 from torch import nn
 
 import slapo_fn as sf
+from slapo_fn.dtensor.testing import fake_mesh
 from slapo_fn.pipelines import build_stages, split_stages, stage_table
 from slapo_fn.pipelines.families import NotInStage, ZeroPositions
 from slapo_fn.rewrites.checkpoint import CHECKPOINT
@@ -148,6 +149,17 @@ def test_other_annotations_follow_their_stage() -> None:
     first, last = split_stages(sch)
     assert set(first.schedule.annotations.of_kind(CHECKPOINT)) == {"model.layers.0", "model.layers.1"}
     assert set(last.schedule.annotations.of_kind(CHECKPOINT)) == {"model.layers.2", "model.layers.3"}
+
+
+def test_a_module_a_stage_stands_in_for_leaves_its_annotations_behind() -> None:
+    # GPT-2's later stages add no position embedding: a zeros stand-in, with no rows to split
+    sch = sf.create_schedule(gpt2(), mesh=fake_mesh(2))
+    sch = sf.shard(sf.shard(sch, "transformer.wpe", axis=0), "transformer.h.3.mlp.c_fc", axis=1)
+    first, last = split_stages(sf.cut_pipeline_stage(sch, "transformer.h.1"))
+    assert isinstance(last.schedule.module.transformer.wpe, ZeroPositions)
+    assert "transformer.wpe" in first.schedule.annotations and "transformer.wpe.weight" in first.schedule.annotations
+    assert not {"transformer.wpe", "transformer.wpe.weight"} & set(last.schedule.annotations)
+    assert "transformer.h.3.mlp.c_fc" in last.schedule.annotations
 
 
 def test_cut_records_history_and_leaves_the_input_unchanged() -> None:
