@@ -491,15 +491,25 @@ def _adjust_head_counts(model: nn.Module, sch: Schedule, path: str, role: Role, 
             adjusted.add(key)
 
 
+_KEYS: tuple[Key[Any], ...] = (ROLE, SEQ, SYNC, RNG, LOCAL, EXPERTS)
+
+
+def refused(sch: Schedule) -> list[Problem]:
+    """What :func:`slapo_fn.build` of ``sch`` refuses for its layouts (pure, no process
+    group): a pipeline checks every stage's on every rank, so that all refuse together."""
+    if not any(sch.annotations.of_kind(k) for k in _KEYS):
+        return []
+    return refusals(sch, plan(sch))
+
+
 def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False) -> None:
     """The ``tensor_parallel`` build phase (on build's private copy ``model``)."""
-    keys: tuple[Key[Any], ...] = (ROLE, SEQ, SYNC, RNG, LOCAL, EXPERTS)
-    if not any(sch.annotations.of_kind(k) for k in keys):
+    if not any(sch.annotations.of_kind(k) for k in _KEYS):
         return
     p = plan(sch)
-    refused = refusals(sch, p)
-    if refused:
-        raise LayoutError("build", refused)
+    problems = refusals(sch, p)
+    if problems:
+        raise LayoutError("build", problems)
     if strict:
         problems = implicit(p)
         if problems:

@@ -18,7 +18,10 @@ Tied parameters split across stages (GPT-2's ``wte``/``lm_head``): each owning s
 holds its own copy, initialised equal. After the backward of every :meth:`Pipeline.step`
 their gradients are summed over the owning stages (locally, then an all-reduce over a
 process group of just the owning ranks), so every copy holds the full gradient of the
-tied parameter — the single-process gradient. An optimizer that treats all copies alike
+tied parameter — the single-process gradient. Where the stages' plans lay the copies out
+differently (an embedding split by features in the first stage, the tied LM head whole in
+the last), each rank's pieces would not line up: the gradient is then summed whole and
+each copy takes its own layout of the sum (:attr:`TiedGroup.whole`). An optimizer that treats all copies alike
 (one optimizer type and hyper-parameters on every rank, as usual) then keeps them equal
 after every step, bit for bit.
 
@@ -54,11 +57,14 @@ from torch.distributed.pipelining.schedules import (
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from ..build import BuildOptions, build, has_meta, materialise
 from ..dtensor.context_runtime import pipeline_loss, pipeline_problems
+from ..dtensor.runtime import refused
 from ..dtensor.sequence import SEQ
-from ..errors import Problem, ScheduleError, ScheduleTypeError
+from ..dtensor.shard import LAYOUT
+from ..errors import LayoutError, Problem, ScheduleError, ScheduleTypeError
 from ..hf import init_owner, is_pretrained_model, reset_weights
 from ..schedule import Schedule
 from ..tree import private_copy, walk
@@ -107,10 +113,23 @@ def stage_ranks(num_stages: int, pp: int, style: Literal["loop", "v"] = "loop") 
 @dataclass(frozen=True)
 class TiedGroup:
     """One parameter of the schedule held by several stages: ``members`` are
-    ``(stage index, FQN)`` pairs, ``ranks`` the ``pp`` ranks that own them."""
+    ``(stage index, FQN)`` pairs, ``ranks`` the ``pp`` ranks that own them; ``whole``
+    where the stages' schedules lay the copies out differently over the mesh, so that
+    their gradients are summed as whole tensors, not shard by shard."""
 
     members: tuple[tuple[int, str], ...]
     ranks: tuple[int, ...]
+    whole: bool = False
+
+
+def _laid_out(stage: Stage, fqn: str) -> frozenset[tuple[str, str]]:
+    """How ``stage``'s schedule splits the parameter at ``fqn``: its (mesh axis,
+    placement) pairs that are not replicated (none: whole on every rank)."""
+    lay = stage.schedule.annotations.get(fqn, LAYOUT)
+    if lay is None:
+        return frozenset()
+    return frozenset((axis, repr(p)) for axis, p in zip(lay.mesh_dims, lay.placements, strict=True)
+                     if not isinstance(p, Replicate))
 
 
 def _tied_groups(stages: tuple[Stage, ...], placement: tuple[int, ...]) -> tuple[TiedGroup, ...]:
@@ -121,8 +140,11 @@ def _tied_groups(stages: tuple[Stage, ...], placement: tuple[int, ...]) -> tuple
             if id(p) not in seen:
                 seen.add(id(p))
                 holders.setdefault(id(p), []).append((stage.index, name))
+    by_index = {stage.index: stage for stage in stages}
     return tuple(
-        TiedGroup(tuple(m), tuple(sorted({placement[s] for s, _ in m}))) for m in holders.values() if len(m) > 1
+        TiedGroup(tuple(m), tuple(sorted({placement[s] for s, _ in m})),
+                  whole=len({_laid_out(by_index[s], fqn) for s, fqn in m}) > 1)
+        for m in holders.values() if len(m) > 1
     )
 
 
@@ -157,6 +179,10 @@ def _install_io(module: nn.Module, stage: Stage) -> None:
 
     def post(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> torch.Tensor:
         tensor = hand_on(output)
+        if isinstance(tensor, DTensor):
+            # a stage run on DTensor activations (a region): what crosses to the next stage, or
+            # reaches the loss, is the whole value, as from a stage on plain tensors
+            tensor = tensor.full_tensor()
         # A stage before the last returns its hidden states through the model's head stand-in
         # (``lm_head`` is an Identity there), often as a view (``hidden[:, 0:]``); zero-bubble
         # schedules detach stage outputs in place, which views refuse: hand on a copy.
@@ -299,14 +325,17 @@ class Pipeline:
             for g in grads:
                 if g is not None:
                     total += g
+            if tie.whole and isinstance(total, DTensor):
+                total = total.full_tensor()
             group = self.tied_groups.get(tie.ranks)
             if group is not None:
                 dist.all_reduce(_local(total), group=group)
             for p in local:
+                mine = _laid_out_as(total, p) if tie.whole else total
                 if p.grad is None:
-                    p.grad = total.clone()
+                    p.grad = mine.clone()
                 else:
-                    p.grad.copy_(total)
+                    p.grad.copy_(mine)
 
 
 def _owner_groups(mesh: DeviceMesh, mesh_axis: str, owners: tuple[tuple[int, ...], ...],
@@ -341,6 +370,14 @@ def _owner_groups(mesh: DeviceMesh, mesh_axis: str, owners: tuple[tuple[int, ...
             if me in members:
                 groups[tie] = made
     return groups
+
+
+def _laid_out_as(whole: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The whole gradient ``whole`` in parameter ``p``'s layout: this rank's piece of it,
+    cut locally (every rank holds the same whole sum)."""
+    if not isinstance(p, DTensor):
+        return whole
+    return distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -506,7 +543,9 @@ def build_pipeline(
     ``init``/``device``/``seed``/``copy`` are passed to
     :func:`slapo_fn.build` for every stage. Refused up front (a :class:`ScheduleError`
     listing every problem): no ``pp`` axis on the mesh, a stage count the schedule
-    cannot place on the ``pp`` ranks, fewer microbatches than stages. A batch that does
+    cannot place on the ``pp`` ranks, fewer microbatches than stages; then a
+    :class:`~slapo_fn.LayoutError` for what any stage's build refuses of its layouts, on
+    every rank alike (each rank builds only its own stages). A batch that does
     not split into ``microbatches`` is refused by :meth:`Pipeline.step` before any
     communication. The schedule is unchanged.
 
@@ -526,6 +565,11 @@ def build_pipeline(
     problems += pipeline_problems(sch)
     if problems:
         raise ScheduleError("build_pipeline", problems)
+    # each rank builds its own stages: a layout one stage refuses is refused on every rank,
+    # before any of them waits on another
+    refusals = list(dict.fromkeys(p for stage in stages for p in refused(stage.schedule)))
+    if refusals:
+        raise LayoutError("build_pipeline", refusals)
     group, rank, _ = _pp_group(sch, mesh_axis)
     kind = SCHEDULES[schedule]
     placement = stage_ranks(len(stages), pp, kind.style)

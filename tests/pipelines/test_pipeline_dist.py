@@ -1,6 +1,7 @@
 """Pipeline parallelism on 2 gloo ranks: loss and every gradient equal to the unscheduled
 single-process model for each schedule, tied GPT-2 weights equal after optimizer steps,
-errors up front, and a killed rank that fails the job instead of hanging."""
+errors up front, and a killed rank that fails the job instead of hanging; and on 4 ranks,
+tensor-parallel plans inside the stages (pp2 x tp2)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from dist import PG_TIMEOUT_S, RankError, mesh
 from models import VOCAB, token_ids
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 import slapo_fn as sf
 
@@ -223,6 +225,81 @@ def test_pp_by_tp_on_a_two_dimensional_mesh(dist4) -> None:
         assert r["loss"] == pytest.approx(r["ref"], rel=1e-5)
         assert max(r["diffs"].values()) < 1e-5, r["diffs"]
     assert set().union(*(r["diffs"] for r in results)) == {n for n, _ in llama().named_parameters()}
+
+
+def _tied_split_differently(sch: sf.Schedule) -> sf.Schedule:
+    """The first stage's embedding split by features (its position embedding by rows), the
+    last stage's tied LM head whole."""
+    sch = sf.shard(sf.shard(sch, "transformer.wte", axis=1), "transformer.wpe", axis=0)
+    return sf.foreach("transformer.h.*.mlp", sf.shard.at("c_fc", axis=1) >> sf.shard.at("c_proj", axis=0))(sch)
+
+
+def _first_stage_on_dtensors(sch: sf.Schedule) -> sf.Schedule:
+    """A token split stated inside the first stage's layer: that stage runs on DTensor
+    activations and hands on a DTensor."""
+    sch = sf.foreach("transformer.h.*.mlp", sf.shard.at("c_fc", axis=1) >> sf.shard.at("c_proj", axis=0))(sch)
+    return sf.sync(sch, "transformer.h.0.mlp.dropout", "fwd_pre", Shard(1))
+
+
+PP_TP_PLANS = {"tied-split-differently": _tied_split_differently, "first-stage-on-dtensors": _first_stage_on_dtensors}
+
+
+def _gpt2_pp_tp(rank: int, world: int, which: str) -> dict:
+    """GPT-2 at pp2 x tp2 under plan ``which``: two AdamW steps beside one process."""
+    ids, target, mask = _batch()
+    reference = gpt2(2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    sch = PP_TP_PLANS[which](sf.create_schedule(gpt2(2), mesh=mesh((2, 2), ("pp", "tp"))))
+    pipe = sf.build_pipeline(sf.cut_pipeline_stage(sch, "transformer.h.0"), microbatches=MICRO, schedule="1f1b",
+                             loss_fn=ce)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    losses, ref_losses, diffs = [], [], {}
+    for _ in range(2):
+        losses.append(pipe.step(ids, target=target, attention_mask=mask).item())
+        ref_loss = ce(reference(ids, attention_mask=mask).logits, target)
+        ref_loss.backward()
+        ref_losses.append(ref_loss.item())
+        if not diffs:  # the first step's gradients
+            diffs = {n: (full(p.grad) - reference.get_parameter(n).grad).abs().max().item()
+                     for n, p in pipe.named_parameters()}
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    tied = {n: full(p).detach() for n, p in pipe.named_parameters()
+            if n in ("transformer.wte.weight", "lm_head.weight")}
+    return {"losses": losses, "ref": ref_losses, "diffs": diffs, "tied": tied}
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@pytest.mark.parametrize("which", PP_TP_PLANS)
+def test_tensor_parallel_plans_inside_stages_give_the_single_process_training(dist4, which: str) -> None:
+    results = dist4.run(_gpt2_pp_tp, which, timeout=120)
+    for r in results:
+        assert r["losses"] == pytest.approx(r["ref"], rel=1e-5)
+        assert max(r["diffs"].values()) < 1e-5, r["diffs"]
+    # the tied copies, one in each stage, are equal after two steps
+    wte, head = (next(r["tied"][n] for r in results if n in r["tied"])
+                 for n in ("transformer.wte.weight", "lm_head.weight"))
+    assert torch.equal(wte, head)
+
+
+def _refusing_in_the_last_stage(rank: int, world: int) -> str:
+    sch = sf.create_schedule(llama(), mesh=mesh((2, 2), ("pp", "tp")))
+    sch = sf.sync(sch, "model.layers.3.mlp", "fwd_post", Replicate(), src=Partial())  # nothing makes a Partial
+    try:
+        sf.build_pipeline(sf.cut_pipeline_stage(sch, "model.layers.1"), microbatches=MICRO, loss_fn=ce)
+    except sf.LayoutError as e:
+        return str(e)
+    return "built"
+
+
+def test_a_layout_one_stage_refuses_is_refused_on_every_rank(dist4) -> None:
+    messages = dist4.run(_refusing_in_the_last_stage, timeout=60)
+    assert len(set(messages)) == 1, messages  # the first stage's ranks too, not left waiting
+    assert "model.layers.3.mlp" in messages[0] and "build_pipeline" in messages[0]
 
 
 def _killed(rank: int, world: int) -> None:
