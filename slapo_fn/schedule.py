@@ -140,6 +140,18 @@ class Annotations(Mapping[str, Mapping[str, Any]]):
         new._data[path] = MappingProxyType({**self._data.get(path, {}), _name(key): value})
         return new
 
+    def unset(self, path: str, key: Key[Any]) -> Annotations:
+        """The same map without the ``key`` annotation of ``path``."""
+        new = Annotations.__new__(Annotations)
+        new._kinds = None
+        new._data = dict(self._data)
+        kinds = {k: v for k, v in self._data.get(path, {}).items() if k != _name(key)}
+        if kinds:
+            new._data[path] = MappingProxyType(kinds)
+        else:
+            new._data.pop(path, None)
+        return new
+
     def without(self, key: Key[Any]) -> Annotations:
         """The same map with every ``key`` annotation removed."""
         return Annotations({p: {k: v for k, v in kinds.items() if k != key.name} for p, kinds in self._data.items()})

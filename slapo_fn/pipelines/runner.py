@@ -64,10 +64,11 @@ from ..dtensor.context_runtime import pipeline_loss, pipeline_problems
 from ..dtensor.runtime import refused
 from ..dtensor.sequence import SEQ
 from ..dtensor.shard import LAYOUT
+from ..dtensor.sync import SYNC
 from ..errors import LayoutError, Problem, ScheduleError, ScheduleTypeError
 from ..hf import init_owner, is_pretrained_model, reset_weights
 from ..schedule import Schedule
-from ..tree import private_copy, walk
+from ..tree import join, private_copy, split, walk
 from .chain import ChainRun
 from .cut import pp_size
 from .families import StageOutput
@@ -503,6 +504,26 @@ def _whole_init(whole: Schedule, init: Any, seed: int) -> Any:
     return _copy_from(reference)
 
 
+#: Sync modes about a module's input (its forward's, or its input's gradient): the first stage's.
+_ON_INPUT = ("fwd_pre", "bwd_post")
+
+
+def stage_schedule(stage: Stage) -> Schedule:
+    """What :func:`slapo_fn.build` builds of ``stage``: its schedule, with the syncs on the
+    modules every stage holds a part of (the model above the cut layers) where their
+    values are made: a sync on such a module's input in the first stage, one on its
+    output in the last, not at every stage's end."""
+    sch = stage.schedule
+    sequences = stage.chain.sequences if stage.chain is not None else (stage.sequence,)
+    spanning = {join(*split(q)[:i]) for q in sequences for i in range(len(split(q)))}
+    annotations = sch.annotations
+    for path, specs in sch.annotations.of_kind(SYNC).items():
+        if path in spanning:
+            kept = tuple(spec for spec in specs if (stage.pre if spec.mode in _ON_INPUT else stage.post))
+            annotations = annotations.set(path, SYNC, kept) if kept else annotations.unset(path, SYNC)
+    return sch.evolve(annotations=annotations)
+
+
 def _build_stages(
     stages: tuple[Stage, ...], indices: tuple[int, ...] | None, *, whole: Schedule, init: Any = None, **build_kw: Any
 ) -> dict[int, nn.Module]:
@@ -511,7 +532,7 @@ def _build_stages(
     modules: dict[int, nn.Module] = {}
     for stage in stages:
         if indices is None or stage.index in indices:
-            module = build(stage.schedule, init=init, **build_kw)
+            module = build(stage_schedule(stage), init=init, **build_kw)
             _install_io(module, stage)
             modules[stage.index] = module
     return modules
@@ -567,7 +588,7 @@ def build_pipeline(
         raise ScheduleError("build_pipeline", problems)
     # each rank builds its own stages: a layout one stage refuses is refused on every rank,
     # before any of them waits on another
-    refusals = list(dict.fromkeys(p for stage in stages for p in refused(stage.schedule)))
+    refusals = list(dict.fromkeys(p for stage in stages for p in refused(stage_schedule(stage))))
     if refusals:
         raise LayoutError("build_pipeline", refusals)
     group, rank, _ = _pp_group(sch, mesh_axis)

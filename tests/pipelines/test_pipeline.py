@@ -9,11 +9,14 @@ import torch
 from fingerprint import fingerprint, same
 from models import VOCAB, Net, token_ids
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
 
 import slapo_fn as sf
+from slapo_fn.dtensor.sync import SYNC
 from slapo_fn.dtensor.testing import fake_mesh
 from slapo_fn.pipelines import build_stages, split_stages, stage_table
 from slapo_fn.pipelines.families import NotInStage, ZeroPositions
+from slapo_fn.pipelines.runner import stage_schedule
 from slapo_fn.rewrites.checkpoint import CHECKPOINT
 
 
@@ -160,6 +163,18 @@ def test_a_module_a_stage_stands_in_for_leaves_its_annotations_behind() -> None:
     assert "transformer.wpe" in first.schedule.annotations and "transformer.wpe.weight" in first.schedule.annotations
     assert not {"transformer.wpe", "transformer.wpe.weight"} & set(last.schedule.annotations)
     assert "transformer.h.3.mlp.c_fc" in last.schedule.annotations
+
+
+def test_a_sync_on_a_module_every_stage_holds_goes_to_the_stage_that_takes_or_gives_it() -> None:
+    sch = sf.create_schedule(gpt2(), mesh=fake_mesh(2))
+    sch = sf.sync(sf.sync(sch, "transformer", "fwd_post", Shard(-1)), "transformer", "fwd_pre", Replicate())
+    sch = sf.sync(sch, "transformer.h.3.mlp", "fwd_post", Replicate())
+    first, middle, last = split_stages(sf.cut_pipeline_stage(sch, "transformer.h.[0,1]"))
+    built = [stage_schedule(st) for st in (first, middle, last)]
+    modes = [tuple(s.mode for s in b.annotations.get("transformer", SYNC) or ()) for b in built]
+    assert modes == [("fwd_pre",), (), ("fwd_post",)]
+    assert "transformer" not in built[1].annotations
+    assert "transformer.h.3.mlp" in built[2].annotations.of_kind(SYNC)
 
 
 def test_cut_records_history_and_leaves_the_input_unchanged() -> None:

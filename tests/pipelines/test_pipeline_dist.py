@@ -241,7 +241,17 @@ def _first_stage_on_dtensors(sch: sf.Schedule) -> sf.Schedule:
     return sf.sync(sch, "transformer.h.0.mlp.dropout", "fwd_pre", Shard(1))
 
 
-PP_TP_PLANS = {"tied-split-differently": _tied_split_differently, "first-stage-on-dtensors": _first_stage_on_dtensors}
+def _model_output_split_by_features(sch: sf.Schedule) -> sf.Schedule:
+    """Sequence parallelism over the layers and the final norm, and the model's output
+    (``transformer``, which every stage holds part of) stated split by features: the sync
+    belongs to the last stage, where that output is made, not to every stage's end."""
+    sch = sf.foreach("transformer.h.*.mlp", sf.shard.at("c_fc", axis=1) >> sf.shard.at("c_proj", axis=0))(sch)
+    sch = sf.sequence_parallel(sch, ["transformer.h.*", "transformer.ln_f"])
+    return sf.sync(sch, "transformer", "fwd_post", Shard(-1))
+
+
+PP_TP_PLANS = {"tied-split-differently": _tied_split_differently, "first-stage-on-dtensors": _first_stage_on_dtensors,
+               "model-output-split-by-features": _model_output_split_by_features}
 
 
 def _gpt2_pp_tp(rank: int, world: int, which: str) -> dict:
