@@ -60,6 +60,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from ..build import BuildOptions, build, has_meta, materialise
+from ..dtensor.arriving import stated_model_output
 from ..dtensor.context_runtime import pipeline_loss, pipeline_problems
 from ..dtensor.runtime import refused
 from ..dtensor.sequence import SEQ
@@ -171,6 +172,12 @@ def _install_io(module: nn.Module, stage: Stage) -> None:
         # sequence; the model's output has been through the chain's exit, which gathers it
         last = None
     hand_on = StageOutput(module, last)
+    # the model's output a plan states split (the last stage's): the loss gets it whole, as a
+    # model run in one process gives it
+    leaving = {axis: p for axis, p in stated_model_output(stage_schedule(stage)).items()
+               if not isinstance(p, Replicate)} if stage.post else {}
+    mesh = stage.schedule.mesh
+    gathers = [(mesh[axis], p) for axis, p in leaving.items()] if mesh is not None else []
 
     def pre(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         extra = {"use_cache": False} if no_cache and "use_cache" not in kwargs else {}
@@ -184,6 +191,8 @@ def _install_io(module: nn.Module, stage: Stage) -> None:
             # a stage run on DTensor activations (a region): what crosses to the next stage, or
             # reaches the loss, is the whole value, as from a stage on plain tensors
             tensor = tensor.full_tensor()
+        for over, placement in gathers:
+            tensor = DTensor.from_local(tensor, over, [placement], run_check=False).full_tensor()
         # A stage before the last returns its hidden states through the model's head stand-in
         # (``lm_head`` is an Identity there), often as a view (``hidden[:, 0:]``); zero-bubble
         # schedules detach stage outputs in place, which views refuse: hand on a copy.

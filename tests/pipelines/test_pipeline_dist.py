@@ -250,7 +250,15 @@ def _model_output_split_by_features(sch: sf.Schedule) -> sf.Schedule:
     return sf.sync(sch, "transformer", "fwd_post", Shard(-1))
 
 
-PP_TP_PLANS = {"tied-split-differently": _tied_split_differently, "first-stage-on-dtensors": _first_stage_on_dtensors,
+def _logits_split_along_the_sequence(sch: sf.Schedule) -> sf.Schedule:
+    """The model's output (the last stage's logits) stated split along the sequence: the
+    loss gets them whole, as from one process."""
+    sch = sf.foreach("transformer.h.*.mlp", sf.shard.at("c_fc", axis=1) >> sf.shard.at("c_proj", axis=0))(sch)
+    return sf.sync(sch, "", "fwd_post", Shard(1))
+
+
+PP_TP_PLANS = {"logits-split-along-the-sequence": _logits_split_along_the_sequence,
+               "tied-split-differently": _tied_split_differently, "first-stage-on-dtensors": _first_stage_on_dtensors,
                "model-output-split-by-features": _model_output_split_by_features}
 
 
