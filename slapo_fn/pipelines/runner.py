@@ -62,6 +62,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from ..build import BuildOptions, build, has_meta, materialise
 from ..dtensor.arriving import stated_model_output
 from ..dtensor.context_runtime import pipeline_loss, pipeline_problems
+from ..dtensor.layout import Layout
 from ..dtensor.runtime import refused
 from ..dtensor.sequence import SEQ
 from ..dtensor.shard import LAYOUT
@@ -124,14 +125,11 @@ class TiedGroup:
     whole: bool = False
 
 
-def _laid_out(stage: Stage, fqn: str) -> frozenset[tuple[str, str]]:
-    """How ``stage``'s schedule splits the parameter at ``fqn``: its (mesh axis,
-    placement) pairs that are not replicated (none: whole on every rank)."""
+def _laid_out(stage: Stage, fqn: str) -> Layout | None:
+    """How ``stage``'s schedule lays out the parameter at ``fqn``: its layout, ``None`` for
+    whole on every rank."""
     lay = stage.schedule.annotations.get(fqn, LAYOUT)
-    if lay is None:
-        return frozenset()
-    return frozenset((axis, repr(p)) for axis, p in zip(lay.mesh_dims, lay.placements, strict=True)
-                     if not isinstance(p, Replicate))
+    return None if lay is None or lay.is_replicated else lay
 
 
 def _tied_groups(stages: tuple[Stage, ...], placement: tuple[int, ...]) -> tuple[TiedGroup, ...]:
@@ -157,10 +155,11 @@ def _takes(module: nn.Module, name: str) -> bool:
         return False
 
 
-def _install_io(module: nn.Module, stage: Stage) -> None:
+def _install_io(module: nn.Module, stage: Stage, built: Schedule) -> None:
     """Hooks on build's private copy: inputs → the HF forward's arguments, output → a tensor
     (a stage before the last hands on its last layer's output: :class:`.StageOutput`); for
-    a stage of a chain of sequences, a :class:`.ChainRun` as its forward."""
+    a stage of a chain of sequences, a :class:`.ChainRun` as its forward. ``built``: the
+    schedule the stage was built from (:func:`stage_schedule`)."""
     if stage.chain is not None:
         ChainRun(module, stage.chain, stage.bounds, stage.index).install()
         return
@@ -174,9 +173,9 @@ def _install_io(module: nn.Module, stage: Stage) -> None:
     hand_on = StageOutput(module, last)
     # the model's output a plan states split (the last stage's): the loss gets it whole, as a
     # model run in one process gives it
-    leaving = {axis: p for axis, p in stated_model_output(stage_schedule(stage)).items()
+    leaving = {axis: p for axis, p in stated_model_output(built).items()
                if not isinstance(p, Replicate)} if stage.post else {}
-    mesh = stage.schedule.mesh
+    mesh = built.mesh
     gathers = [(mesh[axis], p) for axis, p in leaving.items()] if mesh is not None else []
 
     def pre(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -541,8 +540,9 @@ def _build_stages(
     modules: dict[int, nn.Module] = {}
     for stage in stages:
         if indices is None or stage.index in indices:
-            module = build(stage_schedule(stage), init=init, **build_kw)
-            _install_io(module, stage)
+            built = stage_schedule(stage)
+            module = build(built, init=init, **build_kw)
+            _install_io(module, stage, built)
             modules[stage.index] = module
     return modules
 

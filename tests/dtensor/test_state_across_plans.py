@@ -23,8 +23,8 @@ from dist import mesh
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from test_random_plans_vs_torch import Case, _inputs, _model, _slapo_loss, cases
+from test_state_packed import snapshot
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 import slapo_fn as sf
 
@@ -32,18 +32,6 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 PAIRS = 15
 LR = 1e-2
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
-def _held(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Every parameter and AdamW moment, whole, by name."""
-    held = {n: _full(p) for n, p in model.named_parameters()}
-    held.update({f"{n}.{k}": _full(opt.state[p][k]) for n, p in model.named_parameters() if p in opt.state
-                 for k in ("exp_avg", "exp_avg_sq")})
-    return held
 
 
 def _other_weights(family: str) -> nn.Module:
@@ -76,7 +64,7 @@ def _round_trip(world: int, saved: Case, loaded: Case, path: str) -> str:
         opt.step()
         opt.zero_grad()
     sf.save(model, opt, path, step=1)
-    want = _held(model, opt)
+    want = snapshot(model, opt, forward=False)
     differ = []
     for name, case in (("another plan", loaded), ("one process", None)):
         try:
@@ -85,10 +73,12 @@ def _round_trip(world: int, saved: Case, loaded: Case, path: str) -> str:
             continue
         other_opt = torch.optim.AdamW(other.parameters(), lr=LR)
         sf.load(other, other_opt, path)
-        got = _held(other, other_opt)
-        if set(got) != set(want):
-            differ.append(f"{name}: names differ: {sorted(set(got) ^ set(want))}")
-        differ += [f"{name}: {k} differs" for k in sorted(set(got) & set(want)) if not torch.equal(got[k], want[k])]
+        got = snapshot(other, other_opt, forward=False)
+        for part in ("params", "moments"):
+            if set(got[part]) != set(want[part]):
+                differ.append(f"{name}: {part} differ by name: {sorted(set(got[part]) ^ set(want[part]))}")
+            differ += [f"{name}: {k} differs" for k in sorted(set(got[part]) & set(want[part]))
+                       if not torch.equal(got[part][k], want[part][k])]
     return "equal" if not differ else "; ".join(differ)
 
 
