@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Shard
 from tp_checks import CountCollectives, _fake_counts
 
 import slapo_fn as sf
+from slapo_fn.dtensor.roles import Column, EmbedDim, Role, Row, VocabEmbed
 
 # ----------------------------------------------------------------------------- what a case means
 #
@@ -130,7 +131,7 @@ class Facts:
     """A case's plan as the test reads it: roles by path, the sequence-parallel run, syncs."""
 
     model: nn.Module
-    roles: dict[str, tuple[str, int]]  # path -> (column | row | vocab | embed_dim, packed)
+    roles: dict[str, tuple[type[Role], int]]  # path -> (Column | Row | VocabEmbed | EmbedDim, packed)
     sp: tuple[str, ...]
     sp_input: str | None
     syncs: tuple[tuple[Any, ...], ...]
@@ -139,21 +140,21 @@ class Facts:
     @staticmethod
     def of(case: Case) -> Facts:
         model = make_model(case, device="meta")
-        roles: dict[str, tuple[str, int]] = {}
+        roles: dict[str, tuple[type[Role], int]] = {}
         sp: tuple[str, ...] = ()
         sp_input = None
         for op in case.plan:
             if op[0] == "shard":
                 m = model.get_submodule(op[1])
                 if isinstance(m, nn.Embedding):
-                    roles[op[1]] = ("vocab" if op[2] == 0 else "embed_dim", op[3])
+                    roles[op[1]] = (VocabEmbed if op[2] == 0 else EmbedDim, op[3])
                 else:
-                    roles[op[1]] = ("column" if op[2] == 0 else "row", op[3])
+                    roles[op[1]] = (Column if op[2] == 0 else Row, op[3])
             elif op[0] == "sp":
                 sp, sp_input = op[1], (op[2] if len(op) > 2 else None)
         return Facts(model, roles, sp, sp_input, tuple(op for op in case.plan if op[0] == "sync"), case.plan)
 
-    def kind(self, path: str) -> str | None:
+    def kind(self, path: str) -> type[Role] | None:
         return self.roles.get(path, (None, 1))[0]
 
     def in_sp(self, path: str) -> bool:
@@ -164,15 +165,15 @@ class Facts:
         return [_join(_parent(path), n) for n in called_names(parent)]
 
     def columns(self) -> list[str]:
-        return [p for p, (k, _) in self.roles.items() if k == "column"]
+        return [p for p, (k, _) in self.roles.items() if k is Column]
 
     def rows(self) -> list[str]:
-        return [p for p, (k, _) in self.roles.items() if k == "row"]
+        return [p for p, (k, _) in self.roles.items() if k is Row]
 
     def partnered(self, column: str) -> bool:
         """The library's rule: a column keeps its output sharded when a row sibling follows."""
         sib = self.siblings(column)
-        return any(self.kind(s) == "row" for s in sib[sib.index(column) + 1 :])
+        return any(self.kind(s) is Row for s in sib[sib.index(column) + 1 :])
 
 
 # ----------------------------------------------------------------------------- strategies

@@ -303,10 +303,10 @@ def _mpt() -> tuple[nn.Module, tuple[Any, ...], Plan]:
     return MptForCausalLM(cfg), (_ids(),), plan
 
 
-def _gpt2(kind: str) -> Callable[[], tuple[nn.Module, tuple[Any, ...], Plan]]:
-    """GPT-2's packed ``c_attn`` (split by ``split_size``): ``alone`` (no row partner, so
-    its output is gathered), or with ``c_proj`` row-parallel and the output ``gathered`` by
-    a sync. Build made ``split_size`` this rank's for a gathered output too: a raw
+def _gpt2(gathered: bool) -> Callable[[], tuple[nn.Module, tuple[Any, ...], Plan]]:
+    """GPT-2's packed ``c_attn`` (split by ``split_size``): alone (no row partner, so its
+    output is gathered), or ``gathered``: with ``c_proj`` row-parallel and the output
+    gathered by a sync. Build made ``split_size`` this rank's for a gathered output too: a raw
     "too many values to unpack" from GPT-2's code."""
 
     def make() -> tuple[nn.Module, tuple[Any, ...], Plan]:
@@ -315,7 +315,7 @@ def _gpt2(kind: str) -> Callable[[], tuple[nn.Module, tuple[Any, ...], Plan]]:
         cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0,
                          embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, attn_implementation="eager")
         attn = sf.shard.at("c_attn", axis=1, packed=3)
-        if kind == "gathered":
+        if gathered:
             attn = attn >> sf.shard.at("c_proj", axis=0) >> sf.sync.at("c_attn", "fwd_post", Replicate())
         return GPT2LMHeadModel(cfg), (_ids(),), sf.foreach("transformer.h.*", sf.scope("attn", attn))
 
