@@ -31,7 +31,7 @@ from .lookups import (
     _siblings,
     _through,
 )
-from .planned import Plan
+from .planned import Plan, _last_dim
 from .roles import Role
 from .sequence import SEQ
 from .shard import ROLE
@@ -111,9 +111,11 @@ def _partners_across(sch: Schedule, roles: Mapping[str, Role], paired: Mapping[s
     syncs = sch.annotations.of_kind(SYNC)
     by_caller: dict[tuple[str, str], list[str]] = {}
     for path, role in roles.items():
-        # a column's fwd_pre syncs move its input alone (a split one it gathers back), not its output
+        # a column's fwd_pre syncs move its input alone (a split one it gathers back), not its
+        # output; a gather of its own output is left out where the pair's rows alone read it
         if role.enters and role.splits_output and path not in paired and all(
-                s.mode == "fwd_pre" for s in syncs.get(path, ())) and not _in_chain(sch, path, role.mesh_axis):
+                s.mode == "fwd_pre" or _gathers_whole(s, role.mesh_axis) for s in syncs.get(path, ())
+        ) and not _in_chain(sch, path, role.mesh_axis):
             found = _caller(sch, path)
             if found is not None:
                 by_caller.setdefault((found[0], role.mesh_axis), []).append(path)
@@ -136,7 +138,8 @@ def _partners_across(sch: Schedule, roles: Mapping[str, Role], paired: Mapping[s
                 out[q] = rows
             for r in rows:
                 out[r] = tuple(sorted(columns))
-        elif any(s.mode == "fwd_post" for s in specs):
+        elif any(s.mode == "fwd_post" for s in specs) and not any(
+                s.mode == "fwd_post" for q in columns for s in syncs.get(q, ())):
             # the caller's own sync gathers its output: the columns stay split up to it (its code on
             # this rank's heads), one gather there, whatever takes the whole value after it
             for q in columns:
@@ -159,18 +162,31 @@ def _rows_taking(sch: Schedule, roles: Mapping[str, Role], up: tuple[str, str, F
         receiver = join(outer, user)
         rfl = _flow_of(sch, receiver) if user != OUTPUT else None
         if (rfl is None or ofl.hidden_feeders(user, othrough) != {name}
-                or any(s.mode != "fwd_post" for s in syncs.get(receiver, ()))):  # its input is the pair's
+                or not all(_leaves_split(s, axis, False) for s in syncs.get(receiver, ()))):  # its input is the pair's
             return ()
         rthrough = _through(sch, receiver)
         taken = rfl.consumers(INPUT, rthrough)
         row = join(receiver, next(iter(taken))) if len(taken) == 1 and OUTPUT not in taken else ""
         found_role = roles.get(row)
         if (found_role is None or not (found_role.splits_input and found_role.sums)
-                or found_role.mesh_axis != axis or any(s.mode != "fwd_post" for s in syncs.get(row, ()))
+                or found_role.mesh_axis != axis or not all(_leaves_split(s, axis, True) for s in syncs.get(row, ()))
                 or rfl.hidden_feeders(next(iter(taken)), rthrough) != {INPUT}):
             return ()
         rows.append(row)
     return tuple(sorted(rows))
+
+
+def _leaves_split(s: SyncSpec, axis: str, row: bool) -> bool:
+    """Whether sync ``s`` on a module between a column and its row (or on the ``row``)
+    leaves what the row takes as the column gave it, this rank's features: a ``fwd_post``
+    sync moves the module's output, not its input, and a ``fwd_pre`` one that states the
+    input split by features over ``axis``, from that split, states the pair's own layout, a
+    move of nothing. (``src`` left out is the module's own layout there: the row's split,
+    the whole input of a module between.)"""
+    if s.mode == "fwd_post":
+        return True
+    return (s.mode == "fwd_pre" and s.fn is None and s.mesh_axis == axis and _last_dim(s.layout)
+            and (s.src == s.layout or (row and s.src is None)))
 
 
 def _elided_gathers(sch: Schedule, partners: Mapping[str, tuple[str, ...]]) -> frozenset[str]:
@@ -181,14 +197,14 @@ def _elided_gathers(sch: Schedule, partners: Mapping[str, tuple[str, ...]]) -> f
     DTensor's placements where the stated one is already whole)."""
     roles: Mapping[str, Role] = sch.annotations.of_kind(ROLE)
     syncs = sch.annotations.of_kind(SYNC)
-    out = set()
+    out: set[str] = set()
     for path, rows in partners.items():
         role, found = roles.get(path), _caller(sch, path)
-        if role is None or not role.enters or found is None or not any(
-                s.mode == "fwd_post" for s in syncs.get(found[0], ())):
+        if role is None or not role.enters or found is None or not all(
+                (r := roles.get(q)) is not None and r.splits_input and not contains(found[0], q) for q in rows):
             continue
-        if all((r := roles.get(q)) is not None and r.splits_input and not contains(found[0], q) for q in rows):
-            out.add(found[0])
+        # the caller's gather of what the columns make, and a column's gather of its own output
+        out.update(q for q in (found[0], path) if any(s.mode == "fwd_post" for s in syncs.get(q, ())))
     return frozenset(out)
 
 
@@ -221,6 +237,13 @@ def _gathered_through_elementwise(sch: Schedule, row: str, columns: tuple[str, .
                    for table in (fl.mixes, fl.apart, fl.counts, fl.by_width, fl.ranked, fl.inner))
 
 
+def _gathers_whole(s: SyncSpec, axis: str) -> bool:
+    """Whether ``s`` gathers a module's output whole over ``axis`` from where it is (no
+    ``src=``, no callable), as PyTorch's output layouts do."""
+    return (s.mode == "fwd_post" and s.mesh_axis == axis and s.src is None and s.fn is None
+            and isinstance(s.layout, Replicate))
+
+
 def _leaves_pair(specs: tuple[SyncSpec, ...], axis: str) -> bool:
     """Whether the syncs of a module that calls columns keep them split up to its output:
     ``fwd_pre`` syncs that state its input whole, as the columns take it anyway, and
@@ -228,9 +251,7 @@ def _leaves_pair(specs: tuple[SyncSpec, ...], axis: str) -> bool:
     the columns' split, once there, as PyTorch's output layouts do). Any other moves what
     the columns take or make (a ``bwd_post`` one states how the input gradient leaves,
     which the columns' backward makes)."""
-    return all((s.mode == "fwd_pre" and isinstance(s.layout, Replicate))
-               or (s.mode == "fwd_post" and s.mesh_axis == axis and s.src is None and isinstance(s.layout, Replicate))
-               for s in specs)
+    return all((s.mode == "fwd_pre" and isinstance(s.layout, Replicate)) or _gathers_whole(s, axis) for s in specs)
 
 
 def _pair_groups(sch: Schedule) -> dict[tuple[str, str], list[str]]:

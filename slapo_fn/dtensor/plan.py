@@ -104,7 +104,20 @@ def plan(sch: Schedule) -> Plan:
         return _plan(sch)
 
 
+def _without_gathers(sch: Schedule, paths: frozenset[str]) -> Schedule:
+    """``sch`` without the ``fwd_post`` syncs of ``paths``."""
+    notes = sch.annotations
+    for path in paths:
+        kept = tuple(s for s in notes.get(path, SYNC, ()) if s.mode != "fwd_post")
+        notes = notes.set(path, SYNC, kept) if kept else notes.unset(path, SYNC)
+    return sch.evolve(annotations=notes) if paths else sch
+
+
 def _plan(sch: Schedule) -> Plan:
+    partners = _partners(sch)
+    # a gather stated where only rows read the value, to split it again, is left out: what is
+    # planned and checked after this is the schedule without it
+    sch = _without_gathers(sch, _elided_gathers(sch, partners))
     roles: dict[str, Role] = sch.annotations.of_kind(ROLE)
     seqs: dict[str, SeqSpec] = sch.annotations.of_kind(SEQ)
     syncs: dict[str, tuple[SyncSpec, ...]] = sch.annotations.of_kind(SYNC)
@@ -134,10 +147,7 @@ def _plan(sch: Schedule) -> Plan:
     modules: dict[str, ModulePlan] = {}
     bounds: list[Boundary] = []
     fused: set[str] = set()  # the entry groups a leader has entered
-    partners = _partners(sch)
     know = _features_by_axis(sch, partners)  # what the data flow brings, per mesh axis
-    for path in _elided_gathers(sch, partners):  # a gather only rows read, to split it again
-        syncs = {**syncs, path: tuple(s for s in syncs[path] if s.mode != "fwd_post")}
     exit_columns = _exit_columns(sch, seq_roots)
     entered_at = {q: path for path, columns in exit_columns.items() for q in columns}
 

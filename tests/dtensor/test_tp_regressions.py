@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
-from models import tiny_gpt2, tiny_llama, token_ids
+from models import tiny_bert, tiny_gpt2, tiny_llama, token_ids
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 from tp_checks import parity
 from tp_regression_cases import CASES, EXPECTED, IDS, X, _case, _mixing_layers, _run_whole, _weighted
 
@@ -44,6 +44,33 @@ def test_the_data_flow_of_attention_pairs_only_what_all_reaches_the_row() -> Non
     assert not modules[attn + "k_proj"].partnered and not modules[attn + "o_proj"].partnered
     whole = plan(sf.shard(sf.shard(sch, attn + "[qkv]_proj", axis=0), attn + "o_proj", axis=1)).modules
     assert whole[attn + "o_proj"].partners == tuple(attn + f"{c}_proj" for c in "kqv")
+
+
+@pytest.mark.parametrize("stated", [("attention.self.value", "fwd_post", Replicate()),
+                                    ("output.dense", "fwd_pre", Shard(-1))],
+                         ids=["gather-on-a-column", "split-on-a-row"])
+def test_a_sync_beside_a_pair_across_parents_that_moves_nothing_leaves_the_pair(stated: tuple[str, str, Any]) -> None:
+    """BERT's Megatron plan (q/k/v in ``attention.self``, their row in ``attention.output``;
+    the MLP's column and row in sibling modules too) with a sync the pair makes moot: a
+    gather stated on the value, whose output only the row takes (through the attention's
+    code on this rank's heads), is left out as the caller's own is; a split stated on the
+    row's input is the layout the pair hands it. Every pair holds, on local shards: the only
+    collectives are the rows' all-reduces forward and the columns' backward, two each way."""
+    from slapo_fn.dtensor.plan import plan
+
+    layer = "encoder.layer.0."
+    sch = sf.create_schedule(tiny_bert(layers=1), mesh=fake_mesh(2))
+    columns = [layer + f"attention.self.{q}" for q in ("query", "key", "value")] + [layer + "intermediate.dense"]
+    sch = sf.shard(sch, columns, axis=0)
+    sch = sf.shard(sch, [layer + "attention.output.dense", layer + "output.dense"], axis=1)
+    path, mode, layout = stated
+    p = plan(sf.sync(sch, layer + path, mode, layout))
+    assert not p.on_dtensors
+    assert p.modules[layer + "output.dense"].partners == (layer + "intermediate.dense",)
+    assert p.modules[layer + "attention.output.dense"].partners == tuple(
+        layer + f"attention.self.{q}" for q in ("key", "query", "value"))
+    counts = [op for b in p.boundaries for op in (*b.forward, *b.backward)]
+    assert sorted(counts) == ["all_reduce"] * 4, [str(b) for b in p.boundaries]
 
 
 def test_an_activation_split_on_entry_pairs_like_a_column_kept_split() -> None:
