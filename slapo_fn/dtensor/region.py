@@ -38,6 +38,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import _StopRecomputationError
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..rewrites.checkpoint import CHECKPOINTED
 from ..tree import tensor_at
@@ -140,6 +141,49 @@ class Activations:
         # module's input: (the DTensor, where to, the moved one), the latest few
         # (each with its version then: a value changed in place since is not the one moved)
         self.moves: list[tuple[DTensor, int, tuple[Placement, ...], DTensor, int]] | None = None
+        # within one pass, the whole values made of split ones (:meth:`note`): per DTensor,
+        # the mesh dimensions it is whole on only because the values it was made of, split
+        # there, were gathered
+        self.gathered: WeakIdKeyDictionary | None = None
+
+    def note(self, operands: Sequence[Any], out: Any) -> None:
+        """What one op of the pass made: each whole DTensor in ``out`` is made of split
+        values along a mesh dimension where every operand that takes a gradient is split
+        there, or is itself such a value. A split of it later in the pass
+        (:meth:`moved`) hands its gradient on split: the backward of what made it whole
+        takes the gradient split (DTensor's rules for the op, a gather's backward), so
+        gathering it first would add a collective. Where some operand is whole for its
+        own sake (a replicated parameter, a value no split reached), the gradient is
+        gathered once, at the split, rather than by each op it reaches after."""
+        if self.gathered is None:
+            return
+        grads = [a for a in operands if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not grads:
+            return
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, DTensor):
+                continue
+            dims = frozenset(j for j, p in enumerate(t.placements) if isinstance(p, Replicate)
+                             and all(self._split_at(a, j) for a in grads))
+            if dims:
+                self.gathered[t] = dims
+
+    def _split_at(self, x: torch.Tensor, j: int) -> bool:
+        assert self.gathered is not None
+        return isinstance(x, DTensor) and (isinstance(x.placements[j], Shard) or j in self.gathered.get(x, ()))
+
+    def _move(self, x: DTensor, places: tuple[Placement, ...]) -> DTensor:
+        """``x`` redistributed to ``places``; a split of a value made whole of split ones
+        (:meth:`note`) hands its gradient on as it comes back, split."""
+        made = self.gathered.get(x, frozenset()) if self.gathered is not None else frozenset()
+        changed = [j for j, (a, b) in enumerate(zip(x.placements, places, strict=True)) if a != b]
+        if all(isinstance(x.placements[j], Replicate) and isinstance(places[j], Shard) and j in made
+               for j in changed):
+            done: DTensor = SplitKeepingGrad.apply(x, places)
+        else:
+            done = x.redistribute(x.device_mesh, places)
+        self.note((x,), done)
+        return done
 
     def moved(self, x: DTensor, places: tuple[Placement, ...]) -> DTensor:
         """``x`` redistributed to ``places``, once per pass for one DTensor: the columns
@@ -164,7 +208,7 @@ class Activations:
                 return done
             if tuple(prev.placements) == places and same_tensor(done, x):
                 return prev  # moved back where it came from: the value it was moved from
-        done = x.redistribute(x.device_mesh, places)
+        done = self._move(x, places)
         self.moves.append((x, x._version, places, done, done._version))
         del self.moves[:-_RECENT]
         return done
@@ -242,12 +286,13 @@ def region(acts: Activations, forward: Callable[..., Any], leaving: Mapping[str,
     def run(*args: Any, **kwargs: Any) -> Any:
         if whole_in:
             args, kwargs = pytree.tree_map(entered, (args, kwargs))
-        outer, acts.moves = acts.moves, []
+        outer, acts.moves, made = acts.moves, [], acts.gathered
+        acts.gathered = None if torch.compiler.is_compiling() else WeakIdKeyDictionary()
         try:
-            with OnDTensors():
+            with OnDTensors(acts):
                 out = forward(*args, **kwargs)
         finally:
-            acts.moves = outer
+            acts.moves, acts.gathered = outer, made
         if read is not None and type(out) is tuple:
             return tuple(_tree(local, v) if i in read else v for i, v in enumerate(out))
         return _tree(local, out)
@@ -265,7 +310,13 @@ class OnDTensors(TorchFunctionMode):
       ``(3, heads, head_dim)`` out of a split ``3*width``; an op with no sharding rule) runs
       on the whole values, gathered first (:func:`_on_whole_values`): computed where
       DTensor alone would refuse it.
+
+    Each op's result is noted in ``acts`` (:meth:`Activations.note`), where one is given.
     """
+
+    def __init__(self, acts: Activations | None = None) -> None:
+        super().__init__()
+        self.acts = acts
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -273,6 +324,12 @@ class OnDTensors(TorchFunctionMode):
         ref = next((a for a in flat if isinstance(a, DTensor)), None)
         if ref is None:
             return func(*args, **kwargs)
+        out = self._run(func, args, kwargs, flat, spec, ref)
+        if self.acts is not None:
+            self.acts.note(flat, out)
+        return out
+
+    def _run(self, func: Any, args: Any, kwargs: Any, flat: list[Any], spec: Any, ref: DTensor) -> Any:
         if any(type(a) is torch.Tensor or (isinstance(a, nn.Parameter) and not isinstance(a, DTensor)) for a in flat):
             mesh = ref.device_mesh
             flat = [DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim, run_check=False)
@@ -461,6 +518,24 @@ def _to_placements(params: list[DTensor]) -> None:
 def normalized(p: Placement, ndim: int) -> Placement:
     """``p`` with a negative shard dimension counted from the front of ``ndim`` dimensions."""
     return Shard(p.dim % ndim) if isinstance(p, Shard) and not isinstance(p, _StridedShard) else p
+
+
+class SplitKeepingGrad(torch.autograd.Function):
+    """A DTensor split where it was whole (a local slice), its gradient handed back as it
+    comes, split: DTensor's own ops, splitting a replicated operand inside their dispatch,
+    hand its gradient back so too. (``redistribute``'s backward would gather it.)"""
+
+    @staticmethod
+    def forward(x: DTensor, places: tuple[Placement, ...]) -> DTensor:  # type: ignore[override]
+        return x.redistribute(x.device_mesh, places)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
 
 
 def relayout(acts: Activations, x: torch.Tensor, axis: str, layout: Placement) -> DTensor:

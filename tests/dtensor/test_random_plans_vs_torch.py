@@ -488,17 +488,8 @@ KNOWN: dict[str, Defect] = {
 }
 
 #: Plans on which slapo_fn issues more collectives than PyTorch's engine, the smallest found
-#: per class (the promise is a strict xfail as a whole until these are closed).
+#: per class, each a strict xfail (none is in the CI set, whose promise holds as a whole).
 KNOWN_COLLECTIVES: dict[str, tuple[Case, str]] = {
-    "region-output-beside-a-stated-gather": (
-        Case("bart", _megatron("bart", STACKS["bart"][0]),
-             syncs=(("encoder.layers.1.self_attn.v_proj", "fwd_post", "R", None),)),
-        "BART's encoder Megatron with a gather stated on one v_proj (or a token split on one k_proj): its attention "
-        "runs as a DTensor region, where out_proj's input is split by features with redistribute, whose backward "
-        "gathers the gradient back whole; DTensor's own linear, splitting a replicated operand, hands the gradient "
-        "on split, and the attention's backward takes it so (12 collectives against PyTorch's 11; 13 while the "
-        "region also gathered the attention weights its layer drops). Handing every such gradient on split was "
-        "measured: it fixes these three plans of 894 and costs 15 others of 324 one to four collectives more"),
 }
 
 #: Former :data:`KNOWN_COLLECTIVES`, fixed: each smallest case costs no more than PyTorch's now.
@@ -577,6 +568,16 @@ FIXED_COLLECTIVES: dict[str, Case] = {
     "split-input-of-a-column-paired-across-parents": Case(
         "bert", _megatron("bert", STACKS["bert"][0]),
         syncs=(("encoder.layer.1.intermediate.dense", "fwd_pre", "S(-1)", None),)),
+    # BART's attention on DTensors, made whole of split heads and a value a sync gathered, then split
+    # by features for out_proj: the split hands its gradient back split, as DTensor's own linear does,
+    # and the attention's backward takes it so (11 against 11; was 12, the gradient gathered at the split)
+    "region-output-beside-a-stated-gather": Case(
+        "bart", _megatron("bart", STACKS["bart"][0]),
+        syncs=(("encoder.layers.1.self_attn.v_proj", "fwd_post", "R", None),)),
+    # ditto, the attention made whole of split heads and keys split by tokens (28 against 28; was 29)
+    "region-output-beside-a-token-split": Case(
+        "bart", _megatron("bart", STACKS["bart"][0]),
+        syncs=(("encoder.layers.0.self_attn.k_proj", "fwd_post", "S(1)", None),)),
     # a gather stated on one of BERT's q/k/v, whose output only the row in a sibling takes through the
     # attention's code on this rank's heads, is left out, as the caller's is: the pair across parents
     # holds (8 against 11; was 12, q and k gathered too and the row's input gradient gathered back)
@@ -689,7 +690,6 @@ def test_at_most_5_percent_of_plans_are_refused(dist2: Any) -> None:
         f"{c!r}\n    {why}" for c, why in refused)
 
 
-@pytest.mark.xfail(strict=True, reason="more collectives than PyTorch's engine on some plans: see KNOWN_COLLECTIVES")
 def test_no_more_collectives_than_pytorchs_engine_where_both_run(dist2: Any) -> None:
     failing = results(dist2).failing("collectives")
     assert not failing, f"{len(failing)} plans:\n" + "\n".join(failing)

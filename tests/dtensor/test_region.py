@@ -85,3 +85,46 @@ def test_an_embedding_reading_a_vocabulary_split_through_a_tie_reduces_its_rows_
     They are now reduced once, right after the lookup: equal to the single process
     (output and every gradient)."""
     assert dist2.run(_tied_vocab_split, timeout=120) == [{"llama": True, "t5": True}] * 2
+
+
+def _split_of_what_a_gather_made(rank: int, world: int) -> dict[str, object]:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from slapo_fn.dtensor.region import Activations, region
+
+    m = mesh((world,), ("tp",))
+    acts = Activations(m, ("tp",))
+    whole = torch.randn(4, 2 * world, generator=torch.Generator().manual_seed(0))
+    found: dict[str, object] = {}
+    for name, own in (("made of split values", False), ("beside a whole value of its own", True)):
+        local = whole.chunk(world, -1)[rank].clone().requires_grad_()
+        a = DTensor.from_local(local, m, [Shard(1)], run_check=False)
+        w = DTensor.from_local(torch.full((4, 2 * world), 3.0, requires_grad=True), m, [Replicate()],
+                               run_check=False)
+
+        def forward(a: DTensor, w: DTensor = w, own: bool = own) -> DTensor:
+            g = acts.moved(a, (Replicate(),))  # gathered: whole because a was split
+            y = g * w if own else g * 3.0
+            return acts.moved(y, (Shard(1),)).to_local()  # a row's input, split again
+
+        with CommDebugMode() as comm:
+            out = region(acts, forward, {})(a)
+            fwd = comm.get_total_counts()
+            (out * out).sum().backward()
+        expected = (2 * 9 * whole).chunk(world, -1)[rank]
+        right = local.grad is not None and bool(torch.allclose(local.grad, expected))
+        found[name] = (fwd, comm.get_total_counts() - fwd, right)
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_a_split_of_a_value_made_whole_of_split_ones_hands_its_gradient_on_split(dist2) -> None:
+    """A value gathered in a region and split again for a row (BART's attention output,
+    made of its split heads and a value a sync gathered) hands its gradient back split:
+    the gather's backward takes it so, and gathering it at the split (``redistribute``'s
+    backward) would add an all-gather. Beside a value that is whole for its own sake (a
+    replicated operand, whose gradient every later op would gather again), the split
+    gathers the gradient once, as before. The gradients are the single process's."""
+    found = dist2.run(_split_of_what_a_gather_made, timeout=30)[0]
+    assert found == {"made of split values": (1, 0, True), "beside a whole value of its own": (1, 1, True)}
