@@ -238,8 +238,12 @@ def _plan(sch: Schedule) -> Plan:
                     # is not believed over the data flow (a column's kept split reaching it)
                     told = isinstance(stated, SyncSpec) and isinstance(stated.layout, Replicate)
                     pads = partnered and _gathered_through_elementwise(sch, path, partners[path], ax)
+                    # rows handed one whole value split it once: their gradients summed, one gather
+                    group = f"{ax} split " + ("padded " if pads else "") + _entry_key(sch, path)
+                    leader = group not in fused
+                    fused.add(group)
                     bounds.append(Boundary(path, "input", "R", f"S({role.dim})", ax, (),
-                                           () if pads else ("all_gather",), told))
+                                           () if pads or not leader else ("all_gather",), told))
                 else:
                     split_input = True
                 # a fwd_pre sync to Shard(-1) is the input boundary itself (added with the syncs below)

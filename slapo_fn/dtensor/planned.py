@@ -64,7 +64,9 @@ class ModulePlan:
     local_axis: str = ""  # tp_local: the mesh axis of those Partial gradients
     experts: Experts | None = None  # expert_parallel: this experts module runs its pairs by all-to-all
     partners: tuple[str, ...] = ()  # a column kept local: the rows it feeds; a row: the columns feeding it
-    entry_group: str = ""  # a column: columns of one group handed one tensor enter the region once
+    #: a column: columns of one group handed one tensor enter the region once; a row: rows of
+    #: one group handed one whole tensor split it once
+    entry_group: str = ""
     #: a row: the plan takes its input as this rank's features (from its partners, a sync, or as
     #: stated), so it counts no split of its own; a whole-width input then contradicts the plan
     split_input: bool = False

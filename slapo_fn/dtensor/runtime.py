@@ -86,7 +86,7 @@ class _Runtime:
         #: the replicated parameters used on activation shards, with their mesh axis, in path
         #: order: the ones whose gradients stay Partial through backward (grads_after_backward)
         self.deferred: list[tuple[torch.Tensor, str]] = []
-        self.entries: list[tuple[torch.Tensor, tuple[str, int | None, str, bool], torch.Tensor]] | None = None
+        self.entries: list[tuple[torch.Tensor, tuple[Any, ...], torch.Tensor]] | None = None
 
     def axis(self, name: str) -> C.Axis:
         return (self.mesh, self.dims.index(name))
@@ -170,19 +170,36 @@ class _Runtime:
         the next block's). ``sliced``: a
         gather along ``seq`` whose gradient is whole on every rank (this rank's slice of it
         comes back), where more than columns read what it gathers (:func:`.chains._shared_gathers`)."""
-        key = (name, seq, group, sliced)
+        axis = self.axis(name)
+        return self._once(x, ("enter", name, seq, group, sliced), lambda: (
+            C.enter(x, axis) if seq is None else C.gather(x, seq, axis) if sliced else C.gather_rs(x, seq, axis)))
+
+    def split(self, x: torch.Tensor, dim: int, name: str, padded: bool, group: str) -> torch.Tensor:
+        """This rank's features of a whole ``x`` along ``dim`` (a row's input), once per
+        input tensor within a pass, as :meth:`enter` is: rows of one ``group`` handed the
+        same whole tensor (two rows on one attention's hidden states) share the split, so
+        autograd sums their input gradients before the one gather back. ``padded``: the
+        gradient is put back among zeros (:func:`.collectives.split_padded`), with no gather."""
+        axis = self.axis(name)
+        return self._once(x, ("split", name, dim % x.dim(), padded, group),
+                          lambda: (C.split_padded if padded else C.split)(x, dim, axis))
+
+    def _once(self, x: torch.Tensor, key: tuple[Any, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``make()``, or what it made for ``x`` under ``key`` (its kind first) earlier in
+        the pass."""
         if self.entries is not None:
-            for i, (prev, prev_key, entered) in enumerate(self.entries):
+            for i, (prev, prev_key, made) in enumerate(self.entries):
                 if prev_key == key and same_tensor(prev, x):
                     self.entries.append(self.entries.pop(i))
-                    return entered
-        axis = self.axis(name)
-        entered = (C.enter(x, axis) if seq is None else C.gather(x, seq, axis) if sliced
-                   else C.gather_rs(x, seq, axis))
+                    return made
+        made = make()
         if self.entries is not None:
-            self.entries.append((x, key, entered))
-            del self.entries[:-_RECENT]
-        return entered
+            self.entries.append((x, key, made))
+            # the last few of each kind: a row's splits never push out the columns' entries
+            kind = [i for i, (_, k, _) in enumerate(self.entries) if k[0] == key[0]]
+            for i in reversed(kind[:-_RECENT]):
+                del self.entries[i]
+        return made
 
 
 def _in_transform() -> bool:
@@ -298,7 +315,7 @@ def _role_forward(rt: _Runtime, m: nn.Module, mp: ModulePlan, member: bool) -> C
         if full_in is not None and size > 1 and x.shape[d] == full_in:  # arrived replicated
             if mp.split_input:
                 raise LayoutError("tensor parallel forward", [_whole_input_problem(mp, full_in, size)])
-            x = (C.split_padded if mp.pads_split else C.split)(x, d, axis)
+            x = rt.split(x, d, ax, mp.pads_split, mp.entry_group or f"own {mp.path}")
         return x
 
     def reduce(y: torch.Tensor) -> torch.Tensor:
@@ -591,9 +608,10 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
         pm = get_module(model, path)
         pm.forward = _entering(pm.forward, rt.axis(ax))  # type: ignore[method-assign]
     # columns entering one by one share an entry per input tensor within one pass of the root,
-    # or of their parent (see _Runtime.scoped)
+    # or of their parent (see _Runtime.scoped), and rows splitting a whole input share the split
     matched = {caller_path(model, mp.path) for mp in p.modules.values()
-               if mp.enters and not (mp.entered or mp.entered_at)}
+               if (mp.enters and not (mp.entered or mp.entered_at))
+               or (mp.role is not None and mp.role.splits_input and not mp.split_input)}
     for path in sorted(matched | ({""} if matched else set())):
         pm = get_module(model, path)
         pm.forward = rt.scoped(pm.forward)  # type: ignore[method-assign]

@@ -101,6 +101,25 @@ def test_a_lone_row_splits_its_replicated_input_implicitly() -> None:
     assert problem.path == "2" and "fwd_pre" in problem.fix
 
 
+class _TwoRows(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x) * self.b(x)
+
+
+def test_rows_handed_one_whole_value_split_it_once() -> None:
+    """Two rows on one replicated input (two projections of one attention's hidden states
+    sharded by rows) share its split: autograd sums their split gradients, and one
+    all-gather makes the input's gradient whole (PyTorch's engine sums them on the one
+    DTensor too). The runtime shares it within the same group (``entry_group``)."""
+    p = plan(sf.shard(schedule(_TwoRows()), ["a", "b"], axis=1))
+    assert p.counts() == {"forward": {"all_reduce": 2}, "backward": {"all_gather": 1}}
+    assert p.modules["a"].entry_group == p.modules["b"].entry_group != ""
+
+
 def test_a_row_before_a_column_is_no_pair() -> None:
     sch = sf.shard(sf.shard(schedule(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))), "0", axis=1), "1", axis=0)
     p = plan(sch)

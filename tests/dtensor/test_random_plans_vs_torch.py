@@ -587,6 +587,10 @@ FIXED_COLLECTIVES: dict[str, Case] = {
     # a fwd_pre sync stating split by features the input of a row paired across parents states the
     # pair's own layout: the pair holds (8 against 8; was 10, the intermediate's output gathered and
     # split again)
+    # two rows handed one whole value (PyTorch's Transformer with wq and wv sharded by rows) share its
+    # split: their gradients summed, one gather (3 against 3; was 4)
+    "rows-splitting-one-input": Case(
+        "torch", (("layers.0.attention.wv", "row", 1), ("layers.0.attention.wq", "row", 1))),
     "split-stated-on-a-row-paired-across-parents": Case(
         "bert", _megatron("bert", STACKS["bert"][0]),
         syncs=(("encoder.layer.0.output.dense", "fwd_pre", "S(-1)", None),)),
