@@ -43,7 +43,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..rewrites.checkpoint import CHECKPOINTED
 from ..tree import tensor_at
 from . import rules  # noqa: F401  (CPU attention's sharding rules, registered on import)
-from .collectives import enter_all, gather, reduce, unpack
+from .collectives import enter_all, gather, reduce, unpack, wait
 from .roles import Role, local_value, reading, whole_params
 
 __all__ = ["Activations", "BiasShare", "OnDTensors", "OncePerBackward", "placed", "reduce_together", "region",
@@ -155,7 +155,8 @@ class Activations:
         gathering it first would add a collective. Where some operand is whole for its
         own sake (a replicated parameter, a value no split reached), the gradient is
         gathered once, at the split, rather than by each op it reaches after."""
-        if self.gathered is None:
+        noted = self._noted()
+        if noted is None:
             return
         grads = [a for a in operands if isinstance(a, torch.Tensor) and a.requires_grad]
         if not grads:
@@ -166,7 +167,15 @@ class Activations:
             dims = frozenset(j for j, p in enumerate(t.placements) if isinstance(p, Replicate)
                              and all(self._split_at(a, j) for a in grads))
             if dims:
-                self.gathered[t] = dims
+                noted[t] = dims
+
+    def _noted(self) -> WeakIdKeyDictionary | None:
+        """The pass's notes (:meth:`note`), ``None`` outside a pass and while a compiler
+        traces: a block compiled on its own (torchtitan's way) runs inside a region's pass
+        that eager code opened, and its graph must not read or write the eager
+        bookkeeping (dynamo cannot trace a weak dictionary); its splits then gather their
+        gradients, the same numbers at one more collective."""
+        return None if torch.compiler.is_compiling() else self.gathered
 
     def _split_at(self, x: torch.Tensor, j: int) -> bool:
         assert self.gathered is not None
@@ -175,7 +184,8 @@ class Activations:
     def _move(self, x: DTensor, places: tuple[Placement, ...]) -> DTensor:
         """``x`` redistributed to ``places``; a split of a value made whole of split ones
         (:meth:`note`) hands its gradient on as it comes back, split."""
-        made = self.gathered.get(x, frozenset()) if self.gathered is not None else frozenset()
+        noted = self._noted()
+        made = noted.get(x, frozenset()) if noted is not None else frozenset()
         changed = [j for j, (a, b) in enumerate(zip(x.placements, places, strict=True)) if a != b]
         if all(isinstance(x.placements[j], Replicate) and isinstance(places[j], Shard) and j in made
                for j in changed):
@@ -487,6 +497,9 @@ def reduce_together(items: Sequence[tuple[torch.Tensor, DTensor]], dims: tuple[i
         flat = torch.cat([g._local_tensor.reshape(-1) for _, g in items])
         for i in dims:
             flat = reduce(flat, (mesh, i))
+        # the end of backward: nothing left to overlap, and a gradient never read would
+        # leave its all-reduce pending for the life of the process
+        flat = wait(flat)
         for (p, g), piece in zip(items, flat.split([g._local_tensor.numel() for _, g in items]), strict=True):
             placements = [Replicate() if j in dims else pl for j, pl in enumerate(g.placements)]
             p.grad = DTensor.from_local(piece.view_as(g._local_tensor), mesh, placements, run_check=False,

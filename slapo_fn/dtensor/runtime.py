@@ -87,6 +87,7 @@ class _Runtime:
         #: order: the ones whose gradients stay Partial through backward (grads_after_backward)
         self.deferred: list[tuple[torch.Tensor, str]] = []
         self.entries: list[tuple[torch.Tensor, tuple[Any, ...], torch.Tensor]] | None = None
+        self.traced = False  # whether the pass under way was opened while a compiler traced
 
     def axis(self, name: str) -> C.Axis:
         return (self.mesh, self.dims.index(name))
@@ -144,13 +145,18 @@ class _Runtime:
         recomputation, which runs outside the root's pass, has its own)."""
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            if self.entries is not None:
+            compiling = torch.compiler.is_compiling()
+            if self.entries is not None and self.traced == compiling:
                 return forward(*args, **kwargs)
-            self.entries = []
+            # a module compiled on its own (a block, torchtitan's way) inside an eager pass opens
+            # a pass of its own: its graph never holds the eager pass's tensors, which dynamo
+            # would return as outputs aliasing each other (refused beside DTensor parameters)
+            outer = self.entries, self.traced
+            self.entries, self.traced = [], compiling
             try:
                 return forward(*args, **kwargs)
             finally:
-                self.entries = None
+                self.entries, self.traced = outer
 
         return run
 
@@ -186,19 +192,20 @@ class _Runtime:
 
     def _once(self, x: torch.Tensor, key: tuple[Any, ...], make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``make()``, or what it made for ``x`` under ``key`` (its kind first) earlier in
-        the pass."""
-        if self.entries is not None:
-            for i, (prev, prev_key, made) in enumerate(self.entries):
+        the pass (one opened alike, eagerly or while a compiler traces: see :meth:`scoped`)."""
+        entries = self.entries if self.traced == torch.compiler.is_compiling() else None
+        if entries is not None:
+            for i, (prev, prev_key, made) in enumerate(entries):
                 if prev_key == key and same_tensor(prev, x):
-                    self.entries.append(self.entries.pop(i))
+                    entries.append(entries.pop(i))
                     return made
         made = make()
-        if self.entries is not None:
-            self.entries.append((x, key, made))
+        if entries is not None:
+            entries.append((x, key, made))
             # the last few of each kind: a row's splits never push out the columns' entries
-            kind = [i for i, (_, k, _) in enumerate(self.entries) if k[0] == key[0]]
+            kind = [i for i, (_, k, _) in enumerate(entries) if k[0] == key[0]]
             for i in reversed(kind[:-_RECENT]):
-                del self.entries[i]
+                del entries[i]
         return made
 
 
