@@ -32,13 +32,20 @@ from torch.distributed.tensor.placement_types import Placement
 from ..errors import LayoutError, Problem
 
 __all__ = ["Axis", "enter", "enter_all", "gather", "gather_rs", "redistribute", "reduce", "reduce_scatter", "split",
-           "unpack"]
+           "unpack", "wait"]
 
 Axis = tuple[DeviceMesh, int]
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
     return funcol.wait_tensor(t) if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def wait(t: torch.Tensor) -> torch.Tensor:
+    """A collective's result now, waited for: where nothing runs after it to overlap with
+    (a gradient made at the end of backward), and where it may never be read, a pending
+    one would stay in the process group's registry of unwaited work, with its buffer."""
+    return _wait(t)
 
 
 def _later(t: torch.Tensor) -> torch.Tensor:

@@ -81,6 +81,26 @@ def test_gradients_accumulated_over_two_backwards_equal_the_reference(dist2) -> 
         assert r["counts"][0] == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1}, r["counts"]
 
 
+def _pending(rank: int, world: int) -> int:
+    """Unwaited collectives left in the process group's registry by one backward whose
+    gradients nobody reads (an all-reduce left pending there keeps its buffer for good)."""
+    import gc
+
+    from torch._C._distributed_c10d import _get_work_registry_size
+
+    built = sf.build(_schedule(_model(), mesh((world,), ("tp",))))
+    gc.collect()
+    before = _get_work_registry_size()
+    _loss(built, _inputs(1)[0]).backward()
+    del built
+    gc.collect()
+    return _get_work_registry_size() - before
+
+
+def test_the_reduction_at_the_end_of_backward_leaves_no_collective_pending(dist2) -> None:
+    assert dist2.run(_pending, timeout=120) == [0, 0]
+
+
 def _autograd_grad(rank: int, world: int) -> dict[str, Any]:
     """``torch.autograd.grad`` fills no ``.grad``: the norms' gradients it returns are the
     Partial DTensors they are (their sum over ranks is the gradient), never local values
