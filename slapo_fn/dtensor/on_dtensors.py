@@ -21,7 +21,7 @@ from ..schedule import Schedule
 from ..tree import get_module, join, parent_path, relative, split, uncalled, walk
 from .arriving import stated_model_output
 from .chains import chain_entries_given_split
-from .lookups import read_positions
+from .lookups import _run_order, read_positions
 from .planned import ModulePlan, Plan
 from .region import (
     Activations,
@@ -29,25 +29,26 @@ from .region import (
     map_first_output,
     map_input,
     normalized,
-    reduce_partial_grads,
     region,
     relayout,
     role_on_dtensors,
 )
 from .rng import forked
-from .sequence import SeqSpec
+from .sequence import SEQ, SeqSpec
 
 __all__ = ["install_on_dtensors"]
 
 
 def install_on_dtensors(model: nn.Module, sch: Schedule, p: Plan, acts: Activations, rank_of: Callable[[str], int],
                         experts: Callable[[Activations, nn.Module, ModulePlan, Callable[..., Any]], Callable[..., Any]],
-                        root: str = "") -> None:
+                        root: str = "") -> list[torch.Tensor]:
     """The subtree at ``root`` (the whole model by default) as one DTensor region
     (:mod:`.region`, :mod:`.regions`): every planned module's forward inside it on DTensor
     activations, ``root`` entered and left with whole (replicated) values. The parameters
     are DTensors already; ``rank_of(axis)`` is this rank's index on a mesh axis,
-    ``experts`` installs an experts module's forward."""
+    ``experts`` installs an experts module's forward. Returns the region's parameters,
+    whose gradients the build puts in their placements
+    (:func:`.region.reduce_partial_grads`, once for all regions and the modules beside)."""
     given = chain_entries_given_split(sch)
     inside = {q: mp for q, mp in p.modules.items() if within(root, q)}
     for path, mp in inside.items():
@@ -83,8 +84,27 @@ def install_on_dtensors(model: nn.Module, sch: Schedule, p: Plan, acts: Activati
     leaving = stated_model_output(sch) if not root else {}
     # (a module registered at two paths is never a region's root: its parameters are tied across them)
     read = read_positions(sch, root) if root else None
-    top.forward = region(acts, top.forward, leaving, whole_in=bool(root), read=read)  # type: ignore[method-assign]
-    reduce_partial_grads(top, after_backward=p.grads_after_backward)
+    stream_in, stream_out = _stream(sch, root)
+    top.forward = region(acts, top.forward, leaving, whole_in=bool(root), read=read,  # type: ignore[method-assign]
+                         stream_in=stream_in, stream_out=stream_out)
+    return list(top.parameters())
+
+
+def _stream(sch: Schedule, root: str) -> tuple[dict[str, Placement] | None, dict[str, Placement] | None]:
+    """How a region rooted at ``root`` is handed its first tensor argument and returns its
+    first tensor, where ``root`` is a member of a sequence-parallel chain
+    (:func:`.regions.regions_of`): as the members hand the residual stream on, this rank's
+    tokens; but the chain's first member is handed it whole (its entry splits it, unless
+    the chain is told its input arrives split) and the last returns it whole (its exit
+    gathers it). ``None`` for whole, and for a root that is no member."""
+    spec = sch.annotations.get(root, SEQ) if root else None
+    if spec is None:
+        return None, None
+    order = _run_order(sch)
+    same = sorted((q for q, s in sch.annotations.of_kind(SEQ).items() if s.mesh_axis == spec.mesh_axis),
+                  key=lambda q: order.get(q, 0))
+    shard: dict[str, Placement] = {spec.mesh_axis: Shard(spec.seq_axis)}
+    return (shard if root != same[0] or spec.sharded_input else None), (shard if root != same[-1] else None)
 
 
 def _boundaries_on_dtensors(acts: Activations, mp: ModulePlan, forward: Callable[..., Any],

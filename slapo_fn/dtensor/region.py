@@ -26,7 +26,7 @@ Inside a region:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -265,7 +265,9 @@ def _tree(fn: Callable[[Any], Any], value: Any) -> Any:
 
 
 def region(acts: Activations, forward: Callable[..., Any], leaving: Mapping[str, Placement],
-           whole_in: bool = False, read: frozenset[int] | None = None) -> Callable[..., Any]:
+           whole_in: bool = False, read: frozenset[int] | None = None,
+           stream_in: Mapping[str, Placement] | None = None,
+           stream_out: Mapping[str, Placement] | None = None) -> Callable[..., Any]:
     """``forward`` (the root's) run on DTensor activations: the plain tensors it is handed
     count as replicated where an op first meets them with a DTensor (:class:`OnDTensors`),
     and each tensor it returns leaves as a local tensor, whole on every mesh axis but
@@ -280,7 +282,25 @@ def region(acts: Activations, forward: Callable[..., Any], leaving: Mapping[str,
     they are, DTensors, as PyTorch's engine hands on every activation: an attention's
     weights its caller drops cost no collective to make whole. A forward hook that reads
     such a position (Hugging Face's ``output_attentions`` capture) gets the DTensor, its
-    values whole (``full_tensor()``); code mixing it with local tensors fails loudly."""
+    values whole (``full_tensor()``); code mixing it with local tensors fails loudly.
+    ``stream_in``, ``stream_out``: the root is a member of a sequence-parallel chain,
+    handed its first tensor argument, and returning its first tensor, as this rank's share
+    of the residual stream, laid out as these state per mesh axis (``None``: whole, where the
+    chain's entry splits it or its exit gathers it); every other tensor as ``whole_in`` and
+    ``leaving`` say."""
+
+    def placed_as(by_axis: Mapping[str, Placement], t: torch.Tensor) -> tuple[Placement, ...]:
+        return acts.placements(**{d: normalized(p, t.dim()) for d, p in by_axis.items()})
+
+    def arriving(t: torch.Tensor) -> torch.Tensor:
+        assert stream_in is not None
+        if isinstance(t, DTensor):
+            return t
+        return DTensor.from_local(t, acts.mesh, placed_as(stream_in, t), run_check=False)
+
+    def leaving_first(t: torch.Tensor) -> torch.Tensor:
+        assert stream_out is not None
+        return acts.to_local(t, placed_as(stream_out, t)) if isinstance(t, DTensor) else t
 
     def local(t: torch.Tensor) -> torch.Tensor:
         if not isinstance(t, DTensor):
@@ -294,6 +314,8 @@ def region(acts: Activations, forward: Callable[..., Any], leaving: Mapping[str,
         return acts.to_dtensor(t) if takes_grad and not isinstance(t, DTensor) else t
 
     def run(*args: Any, **kwargs: Any) -> Any:
+        if stream_in is not None:  # this rank's tokens, with or without a gradient (no_grad evaluation)
+            args, kwargs = map_input(args, kwargs, arriving)
         if whole_in:
             args, kwargs = pytree.tree_map(entered, (args, kwargs))
         outer, acts.moves, made = acts.moves, [], acts.gathered
@@ -303,6 +325,8 @@ def region(acts: Activations, forward: Callable[..., Any], leaving: Mapping[str,
                 out = forward(*args, **kwargs)
         finally:
             acts.moves, acts.gathered = outer, made
+        if stream_out is not None:
+            out = map_first_output(out, leaving_first)
         if read is not None and type(out) is tuple:
             return tuple(_tree(local, v) if i in read else v for i, v in enumerate(out))
         return _tree(local, out)
@@ -433,31 +457,28 @@ def _on_whole_values(func: Any, args: Any, kwargs: Any) -> Any:
                            if isinstance(t, torch.Tensor) else t, out)
 
 
-def reduce_partial_grads(module: nn.Module, after_backward: bool = False) -> list[Any]:
-    """Hooks on every DTensor parameter of ``module`` that make its gradient take the
-    parameter's placement, so that an optimizer step needs no collective: a replicated
-    parameter used on activation shards gets a ``Partial`` or a ``Shard`` gradient, and a
-    split one may get a whole gradient where DTensor's backward found the gradient of its
-    output whole (an embedding split by features whose output was gathered for a sum),
-    which is cut to this rank's piece here, locally. Returns the hook handles.
+def reduce_partial_grads(params: Iterable[torch.Tensor], after_backward: bool = False) -> list[Any]:
+    """Hooks on every DTensor parameter among ``params`` (each once) that make its gradient
+    take the parameter's placement, so that an optimizer step needs no collective: a
+    replicated parameter used on activation shards gets a ``Partial`` or a ``Shard``
+    gradient, and a split one may get a whole gradient where DTensor's backward found the
+    gradient of its output whole (an embedding split by features whose output was gathered
+    for a sum), which is cut to this rank's piece here, locally. Returns the hook handles.
 
     ``after_backward`` (the mesh holds no axis whose own hooks read gradients during
     backward, FSDP's ``dp``): the gradients stay as they are through backward, and one
     callback at its end all-reduces the ``Partial`` ones together, one collective per
-    set of mesh axes and dtype, as :attr:`.planned.Plan.grads_after_backward` does for
-    the plan on local shards. Else each one is reduced as it is made."""
-    params: list[DTensor] = []
-    seen: set[int] = set()
-    for p in module.parameters():
-        if id(p) in seen or not isinstance(p, DTensor) or not p.requires_grad:
-            continue
-        seen.add(id(p))
-        params.append(p)
+    set of mesh axes and dtype, as Megatron-LM reduces its sequence-parallel norms'
+    gradients after backward (:attr:`.planned.Plan.grads_after_backward`): the build
+    hands every region's parameters and those of the modules on local shards whose
+    gradients are partial sums here at once. Else each one is reduced as it is made."""
+    found: dict[int, DTensor] = {id(p): p for p in params if isinstance(p, DTensor) and p.requires_grad}
+    chosen = list(found.values())
     if after_backward:
-        pending = OncePerBackward(lambda: _to_placements(params))
-        return [p.register_post_accumulate_grad_hook(pending.queue) for p in params]
+        pending = OncePerBackward(lambda: _to_placements(chosen))
+        return [p.register_post_accumulate_grad_hook(pending.queue) for p in chosen]
 
-    return [p.register_hook(lambda g, pl=tuple(p.placements): placed(g, pl)) for p in params]
+    return [p.register_hook(lambda g, pl=tuple(p.placements): placed(g, pl)) for p in chosen]
 
 
 def placed(g: torch.Tensor, placements: Sequence[Placement]) -> torch.Tensor:

@@ -11,8 +11,13 @@ else. So a subtree ``r`` is a region when
   column's split output would cross the boundary);
 * no sync outside every region, or on a region's root, states a layout other than whole,
   nor one inside whose split output reaches the region's result (a split it states would
-  cross a boundary; one that stays inside a region is left there),
-  and no sequence-parallel chain is planned;
+  cross a boundary; one that stays inside a region is left there);
+* where sequence-parallel chains are planned, it is a member of one, with no sync of its
+  own: the residual stream between members is the chain's token shard, so a member is
+  handed its first argument and returns its first result as that shard (the first member
+  is handed it whole, the last returns it whole: the chain's entry and exit, which the
+  member's own plan runs) and everything else whole; no chain's exit whose gather enters
+  its readers' columns (an LM head after the final norm) lies on the other side;
 * no parameter inside it is tied to one outside;
 * no FSDP block is declared (its hooks swap the parameters a region reads).
 
@@ -74,17 +79,20 @@ def _regions_of(sch: Schedule, p: Plan) -> tuple[str, ...]:
     if not p.on_dtensors:
         return ()
     spec = sch.annotations.get("", DATA_PARALLEL)
-    if sch.annotations.of_kind(SEQ) or (spec is not None and spec.blocks):
+    if spec is not None and spec.blocks:
         return ("",)
     model = sch.module
+    members = sch.annotations.of_kind(SEQ)
+    syncs = sch.annotations.of_kind(SYNC)
     ties = {tuple(parent_path(q) for q in group) for group in tied_paths(model).values()}
-    paired = [(path, q) for path, mp in p.modules.items() for q in mp.partners]
-    stated = [path for path, specs in sch.annotations.of_kind(SYNC).items()
-              if any(not isinstance(s.layout, Replicate) for s in specs)]
+    # a Megatron pair, and a chain's exit with the columns its gather enters, on one side
+    paired = [(path, q) for path, mp in p.modules.items() for q in (*mp.partners, *mp.exit_columns)]
+    stated = [path for path, specs in syncs.items() if any(not isinstance(s.layout, Replicate) for s in specs)]
 
     def fits(r: str, strict: bool) -> bool:
         m = get_module(model, r)
         return (not uncalled(m) and type(m).forward is not nn.Module.forward
+                and (not members or (r in members and r not in syncs))
                 and all(within(r, a) == within(r, b) for a, b in paired)
                 and all(len({within(r, o) for o in group}) == 1 for group in ties)
                 and (not strict or all(contains(r, q) for q in stated))

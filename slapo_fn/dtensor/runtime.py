@@ -47,11 +47,10 @@ from .planned import ModulePlan, Plan
 from .region import (
     Activations,
     BiasShare,
-    OncePerBackward,
     map_first_output,
     map_input,
     output_slot,
-    reduce_together,
+    reduce_partial_grads,
     same_tensor,
 )
 from .regions import regions_of
@@ -83,9 +82,6 @@ class _Runtime:
         # Plan.grads_after_backward: the parameters whose Partial gradients the backward under
         # way made, by (module path, name), and the backward that reduces them at its end
         self.after = grads_after_backward
-        #: the replicated parameters used on activation shards, with their mesh axis, in path
-        #: order: the ones whose gradients stay Partial through backward (grads_after_backward)
-        self.deferred: list[tuple[torch.Tensor, str]] = []
         self.entries: list[tuple[torch.Tensor, tuple[Any, ...], torch.Tensor]] | None = None
         self.traced = False  # whether the pass under way was opened while a compiler traced
 
@@ -101,8 +97,9 @@ class _Runtime:
         local gradients are partial sums over ``name``, all-reduced so that each parameter's
         gradient is ``Replicate`` like the parameter (an optimizer step or a norm then needs
         no collective). With :attr:`.plan.Plan.grads_after_backward`, the gradients are
-        ``Partial`` through backward and :meth:`_reduce_pending` reduces them all at its
-        end; else (and inside ``torch.func`` transforms) in this module's backward, in one
+        ``Partial`` through backward and one callback reduces them all at its end
+        (:func:`.region.reduce_partial_grads`); else (and inside ``torch.func``
+        transforms) in this module's backward, in one
         collective per dtype. Nothing here holds state of the pass: compiled, identical
         blocks trace alike."""
         if _in_transform():
@@ -114,29 +111,6 @@ class _Runtime:
         i = self.param_dims.index(name)
         return tuple(p.to_local(grad_placements=[Partial() if j == i else pl for j, pl in enumerate(p.placements)])
                      for p in dts)
-
-    def defer_reductions(self) -> None:
-        """Hooks on the parameters of :attr:`deferred` that run :meth:`_reduce_pending` at
-        the end of the backward that accumulates into them, once per backward
-        (:class:`.region.OncePerBackward`)."""
-        pending = OncePerBackward(self._reduce_pending)
-        for p, _ in self.deferred:
-            p.register_post_accumulate_grad_hook(pending.queue)
-
-    def _reduce_pending(self) -> None:
-        """At the end of a backward: the ``Partial`` gradients of the parameters used on
-        activation shards (:attr:`deferred`), all-reduced in one collective per mesh axis
-        and dtype (:func:`.region.reduce_together`, in the order of their paths, alike on
-        every rank) and made ``Replicate``. A gradient already whole
-        (``torch.autograd.grad`` leaves ``.grad`` as it was; accumulating into a
-        ``Replicate`` one reduces on the spot) is left."""
-        groups: dict[tuple[str, torch.dtype], list[tuple[torch.Tensor, DTensor]]] = {}
-        for p, name in self.deferred:
-            g = p.grad
-            if isinstance(g, DTensor) and isinstance(g.placements[self.param_dims.index(name)], Partial):
-                groups.setdefault((name, g.dtype), []).append((p, g))
-        for (name, _), items in groups.items():
-            reduce_together(items, (self.param_dims.index(name),))
 
     def scoped(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         """``forward`` run as one pass: the entries it makes are shared by the modules it
@@ -541,11 +515,16 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
     rt = _Runtime(sch, p.grads_after_backward)
     _distribute(model, sch, rt)
     regions = regions_of(sch, p)
+    # the parameters whose gradients are put in their placements: every region's, and where they
+    # wait for the end of backward, those of the modules on local shards that leave them partial
+    # sums; one callback then reduces them all together
+    placed: list[torch.Tensor] = []
     for root in regions:  # what the plan cannot prove runs on DTensors there (the whole model: "")
-        install_on_dtensors(model, sch, p, Activations(rt.param_mesh, rt.param_dims),
-                            lambda ax: rt.mesh.get_local_rank(rt.dims.index(ax)),
-                            functools.partial(_experts_on_dtensors, rt), root)
+        placed += install_on_dtensors(model, sch, p, Activations(rt.param_mesh, rt.param_dims),
+                                      lambda ax: rt.mesh.get_local_rank(rt.dims.index(ax)),
+                                      functools.partial(_experts_on_dtensors, rt), root)
     if "" in regions:
+        reduce_partial_grads(placed, after_backward=p.grads_after_backward)
         return
     # the rest on local shards, as planned
     p = replace(p, modules={q: mp for q, mp in p.modules.items()
@@ -582,10 +561,9 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
         m.forward = forward  # type: ignore[method-assign]
     _localise_replicated(model, sch, p, set(regions))
     if p.grads_after_backward:
-        found = {id(param): (param, _local_axis(mp)) for mp in p.modules.values() if mp.local_params
-                 for param in get_module(model, mp.path).parameters(recurse=False) if isinstance(param, DTensor)}
-        rt.deferred = list(found.values())
-        rt.defer_reductions()
+        placed += [param for mp in p.modules.values() if mp.local_params
+                   for param in get_module(model, mp.path).parameters(recurse=False)]
+    reduce_partial_grads(placed, after_backward=p.grads_after_backward)
     # sequence parallel: a column group's parent (attention, MLP) all-gathers its input along the
     # sequence, so that model code reading the input's shape (HF attention's view) sees the full length
     for parent, (ax, seq_axis, shared) in _sp_parents(model, p, gathers_own).items():

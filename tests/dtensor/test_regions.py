@@ -259,3 +259,90 @@ def test_a_split_parameter_in_a_region_gets_its_gradient_split(dist2: Any) -> No
         assert r["on_dtensors"], r
         assert r["grads"]["encoder.embed_positions.weight"] == ("S(1)",), r
         assert all(r["grads"][n] == pl for n, pl in r["placements"].items() if n in r["grads"]), r
+
+
+# ----------------------------------------------------------------------------- regions inside chains
+
+
+def _chain_with_a_lone_attention(sch: sf.Schedule) -> sf.Schedule:
+    """Megatron LLaMA (3 layers) as one sequence-parallel chain with its final norm, but
+    layer 1's ``o_proj`` left whole: its q/k/v are columns no row reads inside the chain,
+    which the plan cannot prove on local shards."""
+    sch = megatron_llama(sch, "model.layers.[0,2]")
+    sch = sf.shard(sch, "model.layers.1.self_attn.{q,k,v}_proj", axis=0)
+    sch = sf.shard(sch, "model.layers.1.mlp.{gate,up}_proj", axis=0)
+    sch = sf.shard(sch, "model.layers.1.mlp.down_proj", axis=1)
+    return sf.sequence_parallel(sch, ["model.layers.*", "model.norm"])
+
+
+def test_in_a_chain_a_problem_inside_one_member_puts_that_member_alone_on_dtensors() -> None:
+    sch = _chain_with_a_lone_attention(sf.create_schedule(tiny_llama(layers=3), mesh=fake_mesh(2)))
+    p = plan(sch)
+    assert {q.path for q in p.on_dtensors} >= {"model.layers.1.self_attn.q_proj"}
+    assert regions_of(sch, p) == ("model.layers.1",)
+    # a member with a sync of its own is no region: what it states is a layout of the stream
+    synced = sf.sync(sch, "model.layers.1", "fwd_pre", Shard(1), src=Shard(1))
+    assert regions_of(synced, plan(synced)) == ("",)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(16), nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(self.norm(x))
+        return x + self.down(torch.relu(h))
+
+
+def test_a_member_whose_exit_gather_enters_the_columns_after_it_is_no_region() -> None:
+    """The chain's last member hands its output to a column alone (an LM head): its exit's
+    gather is that column's entry (a reduce-scatter of the column's partial gradient), which
+    a region, handing back a whole gradient, would sum over the ranks again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(), _Block(), nn.Linear(16, 24))
+    sch = sf.create_schedule(model, mesh=fake_mesh(2))
+    sch = sf.shard(sf.shard(sch, "0.up", axis=0), "0.down", axis=1)
+    sch = sf.shard(sf.shard(sch, "1.up", axis=0), "2", axis=0)  # 1.up: a column no row reads
+    sch = sf.sequence_parallel(sch, ["0", "1"])
+    p = plan(sch)
+    assert p.modules["1"].exit_columns == ("2",) and p.on_dtensors
+    assert regions_of(sch, p) == ("",)
+
+
+def _chain_run(rank: int, world: int, whole: bool) -> dict[str, Any]:
+    import slapo_fn.dtensor.runtime as runtime
+    from tests.dist import mesh
+    from tests.tp_checks import CountCollectives, counts, full
+
+    model, ids = tiny_llama(layers=3), token_ids()
+    sch = _chain_with_a_lone_attention(sf.create_schedule(model, mesh=mesh((world,), ("tp",))))
+    proper = runtime.regions_of
+    if whole:  # the build as it was: the whole model on DTensors wherever a chain is planned
+        runtime.regions_of = lambda s, p: ("",) if proper(s, p) else ()  # type: ignore[assignment]
+    try:
+        built = sf.build(sch)
+    finally:
+        runtime.regions_of = proper
+    entered = {path for path, m in built.named_modules() if "region.<locals>" in getattr(m.forward, "__qualname__", "")}
+    with torch.no_grad():  # the token shard enters without a gradient too
+        evaluated = built(ids).logits
+    want = model(ids).logits
+    want.float().pow(2).mean().backward()
+    with CountCollectives() as comm:
+        built(ids).logits.float().pow(2).mean().backward()
+    grads = dict(model.named_parameters())
+    worst = max(float((full(q.grad) - grads[n].grad).abs().max()) for n, q in built.named_parameters())
+    return {"entered": entered, "eval": torch.allclose(evaluated, want, atol=1e-5), "grads": worst,
+            "comms": sum(counts(comm).values())}
+
+
+def test_a_member_region_runs_equal_beside_members_on_local_shards_and_costs_no_more(dist2: Any) -> None:
+    member = dist2.run(_chain_run, False, timeout=120)
+    whole = dist2.run(_chain_run, True, timeout=120)
+    for r, w in zip(member, whole, strict=True):
+        assert r["entered"] == {"model.layers.1"} and w["entered"] == {""}, (r, w)
+        assert r["eval"] and r["grads"] < 1e-5, r
+        # the gradients of the norms on token shards all wait for one reduction at the end of
+        # backward, those of the region's and of the members on local shards alike
+        assert r["comms"] <= w["comms"], (r, w)
