@@ -20,7 +20,7 @@ function               forward                backward
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,21 +31,17 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..errors import LayoutError, Problem
 
-__all__ = ["Axis", "enter", "enter_all", "gather", "gather_rs", "redistribute", "reduce", "reduce_scatter", "split",
-           "unpack", "wait"]
+__all__ = ["Axis", "enter", "enter_all", "gather", "gather_rs", "redistribute", "reduce", "reduce_scatter", "settled",
+           "split", "unpack", "wait"]
 
 Axis = tuple[DeviceMesh, int]
-
-
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    return funcol.wait_tensor(t) if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
 def wait(t: torch.Tensor) -> torch.Tensor:
     """A collective's result now, waited for: where nothing runs after it to overlap with
     (a gradient made at the end of backward), and where it may never be read, a pending
     one would stay in the process group's registry of unwaited work, with its buffer."""
-    return _wait(t)
+    return funcol.wait_tensor(t) if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
 def _later(t: torch.Tensor) -> torch.Tensor:
@@ -54,7 +50,7 @@ def _later(t: torch.Tensor) -> torch.Tensor:
     the transfer; a compiled graph has the ``wait_tensor`` where its scheduler puts it);
     at once inside ``torch.func`` transforms, whose wrappers would hide the pending value."""
     if isinstance(t, funcol.AsyncCollectiveTensor) and torch._C._are_functorch_transforms_active():
-        return _wait(t)
+        return wait(t)
     return t
 
 
@@ -210,6 +206,45 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return _all_gather(grad, ctx.dim, ctx.axis), None, None
+
+
+class _Settle(torch.autograd.Function):
+    """A pending collective result waited for, its gradient passed back as it comes."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return funcol.wait_tensor(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad
+
+
+def settled(value: Any) -> Any:
+    """``value`` (a tensor, or a tuple, list, dict or ``ModelOutput`` of them) with every
+    pending collective result in it waited for, its gradient kept: what an installed
+    forward hands on. Code past a module boundary is not slapo_fn's, and a block compiled
+    on its own loses the gradient of a pending input (torch 2.13's AOT runtime wrapper
+    unwraps an ``AsyncCollectiveTensor`` outside autograd: the gradient reaching it is
+    zero, silently). The caller uses a module's result at once, so nothing is lost to
+    overlap; within a forward, results are still waited where first used.
+
+    >>> settled((torch.ones(2), None))[0]
+    tensor([1., 1.])
+    """
+    pending = funcol.AsyncCollectiveTensor
+    if isinstance(value, pending):
+        return _Settle.apply(value)
+    if type(value) in (tuple, list) and any(isinstance(v, pending) for v in value):
+        return type(value)(settled(v) for v in value)
+    if (type(value) is dict or (isinstance(value, Mapping) and hasattr(value, "to_tuple"))) and any(
+            isinstance(v, pending) for v in value.values()):
+        return type(value)(**{k: settled(v) for k, v in value.items()})  # a ModelOutput keeps its type
+    return value
 
 
 def enter(x: torch.Tensor, axis: Axis) -> torch.Tensor:

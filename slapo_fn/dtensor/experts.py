@@ -63,7 +63,7 @@ from ..hf import EXPERTS_PER_TOKEN_ATTRS, config_of, config_value, experts_trans
 from ..schedule import Key, Schedule
 from ..select import Selection
 from ..tree import get_module, join
-from .collectives import Axis, _all_gather, _all_reduce, _wait, gather, reduce
+from .collectives import Axis, _all_gather, _all_reduce, gather, reduce, wait
 from .layout import Layout, describe, packed_shard
 from .shard import LAYOUT, ROLE, _layout, _problem_mesh, mesh_dims
 
@@ -412,7 +412,7 @@ def expert_tensor_parallel(sch: Schedule, where: Selection, *, mesh_axis: str = 
 
 @torch.no_grad()
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], axis: Axis) -> torch.Tensor:
-    return _wait(funcol.all_to_all_single(x.contiguous(), out_splits, in_splits, axis))
+    return wait(funcol.all_to_all_single(x.contiguous(), out_splits, in_splits, axis))
 
 
 # Every Function has ``setup_context`` and saves plain Python values (see collectives.py).

@@ -43,7 +43,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..rewrites.checkpoint import CHECKPOINTED
 from ..tree import tensor_at
 from . import rules  # noqa: F401  (CPU attention's sharding rules, registered on import)
-from .collectives import enter_all, gather, reduce, unpack, wait
+from .collectives import enter_all, gather, reduce, settled, unpack, wait
 from .roles import Role, local_value, reading, whole_params
 
 __all__ = ["Activations", "BiasShare", "OnDTensors", "OncePerBackward", "placed", "reduce_together", "region",
@@ -328,8 +328,8 @@ def region(acts: Activations, forward: Callable[..., Any], leaving: Mapping[str,
         if stream_out is not None:
             out = map_first_output(out, leaving_first)
         if read is not None and type(out) is tuple:
-            return tuple(_tree(local, v) if i in read else v for i, v in enumerate(out))
-        return _tree(local, out)
+            return settled(tuple(_tree(local, v) if i in read else v for i, v in enumerate(out)))
+        return settled(_tree(local, out))
 
     return run
 

@@ -79,8 +79,8 @@ class _Runtime:
         # Parameters live on the sub-mesh of the axes the schedule shards over (plan.param_dims)
         self.param_dims = param_dims(sch)
         self.param_mesh = self.mesh if self.param_dims == self.dims else self.mesh[self.param_dims]
-        # Plan.grads_after_backward: the parameters whose Partial gradients the backward under
-        # way made, by (module path, name), and the backward that reduces them at its end
+        # Plan.grads_after_backward: the gradients of replicated parameters used on activation
+        # shards stay Partial until one callback at the end of backward (reduce_partial_grads)
         self.after = grads_after_backward
         self.entries: list[tuple[torch.Tensor, tuple[Any, ...], torch.Tensor]] | None = None
         self.traced = False  # whether the pass under way was opened while a compiler traced
@@ -558,7 +558,7 @@ def apply_tensor_parallel(model: nn.Module, sch: Schedule, strict: bool = False)
             forward = _read_as_3d(mp, forward)
         if mp.rng is not None:
             forward = forked(forward, rt.mesh.get_local_rank(rt.dims.index(mp.rng.mesh_axis)))
-        m.forward = forward  # type: ignore[method-assign]
+        m.forward = _settling(forward)  # type: ignore[method-assign]
     _localise_replicated(model, sch, p, set(regions))
     if p.grads_after_backward:
         placed += [param for mp in p.modules.values() if mp.local_params
@@ -862,10 +862,15 @@ def _gathering(forward: Callable[..., Any], axis: C.Axis, seq_axis: int, shared:
     gather = C.gather if shared else C.gather_rs
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = map_input(args, kwargs, functools.partial(gather, dim=seq_axis, axis=axis))
+        args, kwargs = map_input(args, kwargs, lambda x: C.settled(gather(x, dim=seq_axis, axis=axis)))
         return forward(*args, **kwargs)
 
     return run
+
+
+def _settling(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` handing its result on with no collective pending (:func:`.collectives.settled`)."""
+    return lambda *args, **kwargs: C.settled(forward(*args, **kwargs))
 
 
 def _entering(forward: Callable[..., Any], axis: C.Axis) -> Callable[..., Any]:

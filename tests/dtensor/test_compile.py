@@ -180,6 +180,19 @@ def test_blocks_compiled_alone_hold_nothing_of_the_eager_pass(dist2: Any) -> Non
     assert dist2.run(_compiled_plans, cases, True, timeout=280)[0] == ["equal"] * len(cases)
 
 
+def test_a_layer_compiled_alone_is_handed_no_pending_collective(dist2: Any) -> None:
+    """A vocabulary-parallel embedding's all-reduced output went into the first layer,
+    compiled alone, as a pending ``AsyncCollectiveTensor``: torch's AOT runtime wrapper
+    unwraps such an input outside autograd, so the embedding's gradient was zero, silently
+    (forward and every layer's gradient equal). What an installed forward hands on is
+    now waited for."""
+    from test_random_plans_vs_torch import STACKS, Case, _megatron
+
+    cases = [Case("llama", (("model.embed_tokens", "vocab", 1),)),
+             Case("llama", (*_megatron("llama", STACKS["llama"][0]), ("model.embed_tokens", "vocab", 1)))]
+    assert dist2.run(_compiled_plans, cases, True, timeout=280)[0] == ["equal"] * len(cases)
+
+
 def test_random_plans_compile_per_block_to_the_single_process_gradients(dist2: Any) -> None:
     """6 random plans, each stack's layers compiled alone with ``aot_eager`` and
     ``fullgraph=True``: each is refused, or its loss and every gradient equal the single
