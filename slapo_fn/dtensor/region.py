@@ -298,16 +298,22 @@ def region(acts: Activations, forward: Callable[..., Any], leaving: Mapping[str,
             return t
         return DTensor.from_local(t, acts.mesh, placed_as(stream_in, t), run_check=False)
 
+    def own(t: torch.Tensor) -> torch.Tensor:
+        # DTensor's to_local is a view made inside an autograd Function, which autograd refuses
+        # to change in place; model code around a subtree may (Falcon adds the attention's output
+        # into the MLP's with +=), so a subtree's results are tensors of their own (one copy)
+        return t.clone() if whole_in and t.requires_grad else t
+
     def leaving_first(t: torch.Tensor) -> torch.Tensor:
         assert stream_out is not None
-        return acts.to_local(t, placed_as(stream_out, t)) if isinstance(t, DTensor) else t
+        return own(acts.to_local(t, placed_as(stream_out, t))) if isinstance(t, DTensor) else t
 
     def local(t: torch.Tensor) -> torch.Tensor:
         if not isinstance(t, DTensor):
             return t
         places = tuple(p if p == normalized(leaving.get(d, Replicate()), t.dim()) else Replicate()
                        for d, p in zip(acts.dims, t.placements, strict=True))
-        return acts.to_local(t, places)
+        return own(acts.to_local(t, places))
 
     def entered(t: Any) -> Any:
         takes_grad = isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad

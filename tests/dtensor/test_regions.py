@@ -346,3 +346,51 @@ def test_a_member_region_runs_equal_beside_members_on_local_shards_and_costs_no_
         # the gradients of the norms on token shards all wait for one reduction at the end of
         # backward, those of the region's and of the members on local shards alike
         assert r["comms"] <= w["comms"], (r, w)
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.act, self.down = nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.up(x)))
+
+
+class _AddsInPlace(nn.Module):
+    """Falcon's way: the residual added into the MLP's output with ``+=``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(16), _Mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.mlp(self.norm(x))
+        out += x
+        return out
+
+
+def _in_place_result_run(rank: int, world: int) -> dict[str, Any]:
+    from tests.dist import mesh
+    from tests.tp_checks import full
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_AddsInPlace(), _AddsInPlace())
+    sch = sf.create_schedule(model, mesh=mesh((world,), ("tp",)))
+    sch = sf.shard(sf.shard(sch, "*.mlp.up", axis=0), "*.mlp.down", axis=1)
+    sch = sf.sync(sch, "1.mlp.up", "fwd_post", Shard(1))  # a token shard the plan cannot follow: a region
+    built = sf.build(sch)
+    x = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(1))
+    built(x).pow(2).mean().backward()
+    model(x).pow(2).mean().backward()
+    grads = dict(model.named_parameters())
+    return {"regions": regions_of(sch, plan(sch)),
+            "grads": max(float((full(q.grad) - grads[n].grad).abs().max()) for n, q in built.named_parameters())}
+
+
+def test_model_code_may_change_a_regions_result_in_place(dist2: Any) -> None:
+    """A subtree region's result is handed back as a tensor of its own: DTensor's
+    ``to_local`` view, made inside an autograd Function, refused Falcon's ``+=`` with a raw
+    error from inside the model's code."""
+    for r in dist2.run(_in_place_result_run, timeout=120):
+        assert r["regions"] == ("1.mlp",) and r["grads"] < 1e-5, r
