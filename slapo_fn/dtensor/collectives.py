@@ -31,8 +31,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..errors import LayoutError, Problem
 
-__all__ = ["Axis", "enter", "enter_all", "gather", "gather_rs", "redistribute", "reduce", "reduce_scatter", "settled",
-           "split", "unpack", "wait"]
+__all__ = ["Axis", "enter", "enter_all", "even", "gather", "gather_rs", "redistribute", "reduce", "reduce_scatter",
+           "settled", "split", "unpack", "wait"]
 
 Axis = tuple[DeviceMesh, int]
 
@@ -280,7 +280,7 @@ def gather_rs(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
     return _Gather.apply(x, dim, axis, True)  # type: ignore[no-any-return]
 
 
-def _even(x: torch.Tensor, dim: int, axis: Axis, what: str) -> None:
+def even(x: torch.Tensor, dim: int, axis: Axis, what: str) -> None:
     """Refuse, on every rank alike (shapes are the same everywhere), a dimension that does
     not divide over the mesh axis: uneven shards would make the ranks' next collectives
     disagree in size, which aborts the process group instead of raising."""
@@ -298,7 +298,7 @@ def _even(x: torch.Tensor, dim: int, axis: Axis, what: str) -> None:
 
 def split(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
     """This rank's chunk along ``dim`` forward (no communication); all-gather backward."""
-    _even(x, dim, axis, "split")
+    even(x, dim, axis, "split")
     return _Split.apply(x, dim, axis)  # type: ignore[no-any-return]
 
 
@@ -308,13 +308,13 @@ def split_padded(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
     rank's chunk alone: ``x`` made by a :func:`gather` of this rank's chunk through
     elementwise code (a row splitting a column's output that a sync gathered), whose
     backward slices it back, as :func:`split` then :func:`gather` would leave it."""
-    _even(x, dim, axis, "split")
+    even(x, dim, axis, "split")
     return _SplitPadded.apply(x, dim, axis)  # type: ignore[no-any-return]
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, axis: Axis) -> torch.Tensor:
     """Reduce-scatter along ``dim`` forward (a partial sum becomes sharded); all-gather backward."""
-    _even(x, dim, axis, "reduce_scatter")
+    even(x, dim, axis, "reduce_scatter")
     return _ReduceScatter.apply(x, dim, axis)  # type: ignore[no-any-return]
 
 

@@ -43,7 +43,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..rewrites.checkpoint import CHECKPOINTED
 from ..tree import tensor_at
 from . import rules  # noqa: F401  (CPU attention's sharding rules, registered on import)
-from .collectives import enter_all, gather, reduce, settled, unpack, wait
+from .collectives import enter_all, even, gather, reduce, settled, unpack, wait
 from .roles import Role, local_value, reading, whole_params
 
 __all__ = ["Activations", "BiasShare", "OnDTensors", "OncePerBackward", "placed", "reduce_together", "region",
@@ -580,10 +580,15 @@ class SplitKeepingGrad(torch.autograd.Function):
 
 def relayout(acts: Activations, x: torch.Tensor, axis: str, layout: Placement) -> DTensor:
     """A DTensor activation moved to ``layout`` over mesh axis ``axis`` (the other axes kept),
-    by :meth:`Activations.moved`."""
+    by :meth:`Activations.moved`. A split the axis does not divide is refused, as on local
+    shards (:func:`.collectives.even`): DTensor would shard it unevenly, and its backward
+    then issued collectives that differ between the ranks (a hang, then a timeout)."""
     dt: DTensor = acts.to_dtensor(x)
     places = list(dt.placements)
-    places[acts.dims.index(axis)] = normalized(layout, dt.dim())
+    i = acts.dims.index(axis)
+    places[i] = to = normalized(layout, dt.dim())
+    if type(to) is Shard and to != dt.placements[i]:
+        even(dt, to.dim, (acts.mesh, i), "tensor parallel forward on DTensors")
     return acts.moved(dt, tuple(places))
 
 

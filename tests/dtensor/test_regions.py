@@ -394,3 +394,27 @@ def test_model_code_may_change_a_regions_result_in_place(dist2: Any) -> None:
     error from inside the model's code."""
     for r in dist2.run(_in_place_result_run, timeout=120):
         assert r["regions"] == ("1.mlp",) and r["grads"] < 1e-5, r
+
+
+def _uneven_run(rank: int, world: int) -> str:
+    from tests.dist import mesh
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_AddsInPlace(), _AddsInPlace())
+    sch = sf.create_schedule(model, mesh=mesh((world,), ("tp",)))
+    sch = sf.shard(sf.shard(sch, "*.mlp.up", axis=0), "*.mlp.down", axis=1)
+    built = sf.build(sf.sync(sch, "1.mlp.up", "fwd_post", Shard(1)))
+    try:  # 5 tokens over 2 ranks
+        built(torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))).pow(2).mean().backward()
+    except sf.LayoutError as e:
+        return str(e)
+    return "ran"
+
+
+def test_a_split_stated_in_a_region_that_the_axis_does_not_divide_is_refused_on_every_rank(dist2: Any) -> None:
+    """DTensor shards 5 tokens over 2 ranks as 3 and 2, and its backward then issued
+    collectives that differed between the ranks: a hang until the process group's timeout
+    (ViT's 17 tokens with a token split stated on a projection). Refused at the move, on
+    every rank alike, as on local shards."""
+    for r in dist2.run(_uneven_run, timeout=60):
+        assert "do not split evenly over the 2 ranks" in r, r
